@@ -1,0 +1,116 @@
+"""Command line: ``grpolab workshop`` (the built-in experiment) and ``grpolab train`` (real models).
+
+Every config field is a flag (``--group-size 8``, ``--dynamic-sampling``); ``--config run.yaml``
+loads a file first. User mistakes end with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import typing
+from typing import Any, Literal
+
+from .config import Config, ConfigError, make_config
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(Config)
+    for name in Config.__dataclass_fields__:
+        flag = "--" + name.replace("_", "-")
+        tp = hints[name]
+        if tp is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+        elif typing.get_origin(tp) is Literal:
+            p.add_argument(flag, dest=name, choices=typing.get_args(tp), default=None)
+        else:
+            p.add_argument(flag, dest=name, default=None, metavar=name.upper())
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in Config.__dataclass_fields__ if hasattr(args, k)}
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated integers (got {text!r})") from None
+    if not vals:
+        raise ConfigError(f"{what} is empty")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpolab", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("workshop", help="GRPO on the built-in world at a fixed answer budget")
+    w.add_argument("--config", help="YAML file of config keys")
+    w.add_argument("--sweep", help="comma-separated group sizes, e.g. 2,4,8,16,32")
+    w.add_argument("--variants", default=None,
+                   help="comma-separated sweep variants: grpo,dynamic,curriculum,dr_grpo,"
+                        "clip_higher,token_loss,rloo (default: grpo)")
+    w.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
+    _add_config_flags(w)
+    t = sub.add_parser("train", help="GRPO on a Hugging Face model and a local dataset")
+    t.add_argument("--config", help="YAML file of config keys")
+    t.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
+    _add_config_flags(t)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="grpolab: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = make_config(args.config, _overrides(args))
+        if args.command == "workshop":
+            return _workshop(cfg, args)
+        return _train(cfg, args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"grpolab: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("grpolab: interrupted; the last checkpoint and metrics are kept", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from .trainer import CheckpointError, TrainingError
+
+        if isinstance(e, (TrainingError, CheckpointError)):
+            print(f"grpolab: error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _workshop(cfg: Config, args: argparse.Namespace) -> int:
+    from .workshop import run_sweep, run_workshop
+
+    if args.sweep or args.variants:
+        sizes = _int_list(args.sweep, "--sweep") if args.sweep else [cfg.group_size]
+        variants = [v.strip() for v in (args.variants or "grpo").split(",") if v.strip()]
+        for g in sizes:
+            if g < 2 or cfg.budget % g:
+                raise ConfigError(f"group size {g} does not divide the budget {cfg.budget}")
+        print(run_sweep(cfg, sizes, variants))
+        print(f"\nwrote {cfg.out_dir}/sweep.md and {cfg.out_dir}/sweep.png")
+        return 0
+    s = run_workshop(cfg, resume=args.resume)
+    print(f"G={s['group_size']} ({s['prompts_per_step']} prompts/step): mean dead share "
+          f"{s['mean_dead_share']:.3f} (predicted {s['mean_predicted_dead_share']:.3f}), "
+          f"held-out accuracy {s['start_heldout_acc']:.3f} -> {s['final_heldout_acc']:.3f}")
+    print(f"wrote {cfg.out_dir}/metrics.jsonl and {cfg.out_dir}/workshop.png")
+    return 0
+
+
+def _train(cfg: Config, args: argparse.Namespace) -> int:
+    try:
+        from .hf import run_train
+    except ImportError as e:
+        raise ConfigError(f"grpolab train needs the Hugging Face extras ({e})") from None
+    run_train(cfg, resume=args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The headline experiment: GRPO from the fine-tuned world model at a fixed answer budget.
+
+64 answers a step split as 64/G prompts x G answers: a larger G means fewer prompts but fewer
+dead groups. ``run_sweep`` measures that trade-off (and the fixes) side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import Config
+from .report import format_table, plot_run, plot_sweep, read_metrics, summarize
+from .rewards import exact_answer
+from .sampling import TinyBackend
+from .trainer import GRPOTrainer
+from .world import make_splits, sft_model
+
+# Named variants for sweeps: each is one switch on top of plain GRPO.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "grpo": {},
+    "dynamic": {"dynamic_sampling": True},
+    "curriculum": {"curriculum": True},
+    "dr_grpo": {"dr_grpo": True},
+    "clip_higher": {"clip_higher": True},
+    "token_loss": {"token_level_loss": True},
+    "rloo": {"rloo": True},
+}
+
+
+def world_trainer(cfg: Config, out_dir: str | Path | None = None) -> GRPOTrainer:
+    """A trainer on the built-in world, starting from the cached fine-tuned model."""
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
+    splits = make_splits(cfg.seed, cfg.world_train_size, cfg.world_heldout_size)
+    model = sft_model(cfg.seed, splits, cfg.sft_steps, cfg.cache_dir or None,
+                      progress=cfg.progress)
+    return GRPOTrainer(cfg, TinyBackend(model), splits.train, [exact_answer], splits.heldout,
+                       out_dir=out_dir)
+
+
+def run_workshop(cfg: Config, out_dir: str | Path | None = None, resume: bool = False) -> dict:
+    """One workshop run: metrics.jsonl, workshop.png and summary.json in the run folder."""
+    trainer = world_trainer(cfg, out_dir)
+    trainer.train(resume=resume)
+    rows = read_metrics(trainer.out_dir / "metrics.jsonl")
+    title = (f"GRPO workshop: G={cfg.group_size}, {cfg.prompts_per_step} prompts x "
+             f"{cfg.group_size} answers per step")
+    plot_run(rows, trainer.out_dir / "workshop.png", title)
+    summary = {"group_size": cfg.group_size, "prompts_per_step": cfg.prompts_per_step,
+               **summarize(rows)}
+    (trainer.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+SWEEP_HEADER = ["variant", "G", "prompts/step", "mean dead share", "predicted dead share",
+                "held-out acc start", "held-out acc end", "answers generated"]
+
+
+def run_sweep(cfg: Config, sizes: list[int], variants: list[str]) -> str:
+    """Every (variant, G) pair; writes sweep.md and sweep.png under cfg.out_dir, returns the table."""
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; known: {sorted(VARIANTS)}")
+    root = Path(cfg.out_dir)
+    runs: dict[str, list[dict]] = {}
+    table = []
+    for variant in variants:
+        for g in sizes:
+            c = dataclasses.replace(cfg, group_size=g, **VARIANTS[variant]).resolved()
+            run_dir = root / f"{variant}-G{g}"
+            s = run_workshop(c, run_dir)
+            label = f"{variant} G={g}" if len(variants) > 1 else f"G={g}"
+            runs[label] = read_metrics(run_dir / "metrics.jsonl")
+            table.append([variant, g, c.prompts_per_step, s["mean_dead_share"],
+                          s["mean_predicted_dead_share"], s["start_heldout_acc"],
+                          s["final_heldout_acc"], s["answers_generated"]])
+    text = format_table(SWEEP_HEADER, table)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sweep.md").write_text(text + "\n")
+    plot_sweep(runs, root / "sweep.png", f"GRPO workshop sweep ({cfg.steps} steps, "
+                                         f"{cfg.budget} answers per step)")
+    return text

@@ -1,0 +1,253 @@
+"""The built-in task world: arithmetic prompts with an exact checker, a tiny GPT, and its SFT.
+
+Everything is generated from a seed, so the workshop needs no download: the same seed gives
+the same splits, the same fine-tuned start and (on CPU) the same run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# ---------------------------------------------------------------- task ----
+
+OPS = ("+", "-", "*")
+PROMPT_LEN = 8  # "042+317=": every prompt has the same length, so batches need no padding
+
+
+def make_problem(rng: random.Random) -> dict[str, str]:
+    """One problem: 3-digit addition/subtraction or 2-digit x 1-digit multiplication.
+
+    Carries, borrows and multiplication give prompts of very different difficulty, so a
+    partly-trained model solves some prompts almost always and others almost never: the
+    bimodal pass rates that make GRPO groups die.
+    """
+    op = rng.choice(OPS)
+    if op == "+":
+        a, b = rng.randrange(1000), rng.randrange(1000)
+        ans = a + b
+    elif op == "-":
+        a, b = rng.randrange(1000), rng.randrange(1000)
+        a, b = max(a, b), min(a, b)
+        ans = a - b
+    else:
+        a, b = rng.randrange(100), rng.randrange(10)
+        ans = a * b
+    return {"prompt": f"{a:03d}{op}{b:03d}=", "answer": str(ans)}
+
+
+def check(prompt: str, completion: str) -> bool:
+    """The exact verifier, computed from the prompt alone."""
+    a, op, b = int(prompt[:3]), prompt[3], int(prompt[4:7])
+    want = a + b if op == "+" else a - b if op == "-" else a * b
+    return completion.strip() == str(want)
+
+
+@dataclass
+class Splits:
+    train: list[dict[str, str]]
+    heldout: list[dict[str, str]]
+
+
+def make_splits(seed: int, train_size: int, heldout_size: int) -> Splits:
+    """Disjoint train and held-out prompt sets, deterministic in ``seed``."""
+    rng = random.Random(f"grpolab-world-{seed}")
+    seen: set[str] = set()
+    rows: list[dict[str, str]] = []
+    while len(rows) < train_size + heldout_size:
+        p = make_problem(rng)
+        if p["prompt"] not in seen:
+            seen.add(p["prompt"])
+            rows.append(p)
+    return Splits(train=rows[heldout_size:], heldout=rows[:heldout_size])
+
+
+class CharTokenizer:
+    """Character vocabulary of the world; ids 0-2 are PAD, BOS, EOS."""
+
+    PAD, BOS, EOS = 0, 1, 2
+    chars = "0123456789+-*="
+
+    def __init__(self) -> None:
+        self.stoi = {c: i + 3 for i, c in enumerate(self.chars)}
+        self.itos = {i: c for c, i in self.stoi.items()}
+        self.vocab_size = len(self.chars) + 3
+
+    def encode(self, text: str) -> list[int]:
+        return [self.BOS] + [self.stoi[c] for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        out = []
+        for i in ids:
+            if i == self.EOS or i == self.PAD:
+                break
+            out.append(self.itos.get(int(i), "?"))
+        return "".join(out)
+
+
+# --------------------------------------------------------------- model ----
+
+
+@dataclass
+class TinyConfig:
+    vocab_size: int = 17
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    max_len: int = 24
+
+
+class Block(nn.Module):
+    def __init__(self, c: TinyConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(c.d_model)
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
+        self.proj = nn.Linear(c.d_model, c.d_model)
+        self.ln2 = nn.LayerNorm(c.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(c.d_model, 4 * c.d_model), nn.GELU(), nn.Linear(4 * c.d_model, c.d_model)
+        )
+        self.n_heads = c.n_heads
+
+    def forward(self, x: Tensor, cache: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple]:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        h = self.n_heads
+        q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        # Queries at the end of a cached prefix see every key; a fresh block is causal.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=cache is None and t > 1)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        x = x + self.mlp(self.ln2(x))
+        return x, (k, v)
+
+
+class TinyGPT(nn.Module):
+    """A pre-LayerNorm decoder-only transformer with a KV cache for fast sampling."""
+
+    def __init__(self, c: TinyConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.tok = nn.Embedding(c.vocab_size, c.d_model)
+        self.pos = nn.Embedding(c.max_len, c.d_model)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.ln = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+
+    def forward(
+        self, ids: Tensor, cache: list | None = None, start: int = 0
+    ) -> tuple[Tensor, list]:
+        """Logits for ``ids`` placed at positions start.., and the extended cache."""
+        pos = torch.arange(start, start + ids.shape[1], device=ids.device)
+        x = self.tok(ids) + self.pos(pos)
+        new_cache = []
+        for i, blk in enumerate(self.blocks):
+            x, kv = blk(x, None if cache is None else cache[i])
+            new_cache.append(kv)
+        return self.head(self.ln(x)), new_cache
+
+
+# ----------------------------------------------------------------- SFT ----
+
+
+def encode_batch(tok: CharTokenizer, rows: list[dict[str, str]], max_len: int) -> tuple:
+    """Teacher-forcing tensors: ids [B, L] and a loss mask that covers answer + EOS only."""
+    ids = torch.full((len(rows), max_len), tok.PAD, dtype=torch.long)
+    mask = torch.zeros((len(rows), max_len), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        p = tok.encode(r["prompt"])
+        a = [tok.stoi[c] for c in r["answer"]] + [tok.EOS]
+        seq = (p + a)[:max_len]
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, len(p) : len(seq)] = True
+    return ids, mask
+
+
+def sft(
+    model: TinyGPT,
+    tok: CharTokenizer,
+    heldout_prompts: set[str],
+    steps: int,
+    seed: int,
+    batch_size: int = 128,
+    lr: float = 3e-3,
+    progress: bool = False,
+) -> None:
+    """Supervised fine-tuning on fresh random problems (never the held-out ones).
+
+    It is stopped early on purpose: the workshop starts from a partly competent policy.
+    """
+    rng = random.Random(f"grpolab-sft-{seed}")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
+    model.train()
+    it = range(steps)
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc="SFT (once, then cached)", leave=False)
+    for _ in it:
+        rows = []
+        while len(rows) < batch_size:
+            p = make_problem(rng)
+            if p["prompt"] not in heldout_prompts:
+                rows.append(p)
+        ids, mask = encode_batch(tok, rows, model.config.max_len)
+        logits, _ = model(ids[:, :-1])
+        loss = F.cross_entropy(logits[mask[:, 1:]], ids[:, 1:][mask[:, 1:]])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    model.eval()
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("GRPOLAB_CACHE", Path.home() / ".cache" / "grpolab"))
+
+
+def sft_model(
+    seed: int,
+    splits: Splits,
+    sft_steps: int,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = False,
+) -> TinyGPT:
+    """The fine-tuned starting policy, trained once per (seed, steps, architecture) and cached."""
+    tok = CharTokenizer()
+    tc = TinyConfig(vocab_size=tok.vocab_size)
+    key = json.dumps(
+        {"v": 1, "seed": seed, "steps": sft_steps, "model": asdict(tc),
+         "heldout": [r["prompt"] for r in splits.heldout]},
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    path = Path(cache_dir or default_cache_dir()) / f"sft-{digest}.pt"
+    torch.manual_seed(seed)
+    model = TinyGPT(tc)
+    if path.is_file():
+        try:
+            model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            model.eval()
+            return model
+        except Exception:  # a corrupt cache entry is rebuilt, not fatal
+            pass
+    sft(model, tok, {r["prompt"] for r in splits.heldout}, sft_steps, seed, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(model.state_dict(), tmp)
+    os.replace(tmp, path)
+    return model

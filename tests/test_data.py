@@ -1,0 +1,129 @@
+"""Local dataset loading: formats, column mapping and actionable errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpolab.data import load_rows
+
+ROWS = [
+    {"question": "What is 2 + 2?", "solution": "4", "level": 1},
+    {"question": "What is 3 * 3?", "solution": "9", "level": 2},
+]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_maps_columns_and_keeps_originals(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    rows = load_rows(str(path), prompt_column="question", answer_column="solution")
+    assert rows == [
+        {**ROWS[0], "prompt": "What is 2 + 2?", "answer": "4"},
+        {**ROWS[1], "prompt": "What is 3 * 3?", "answer": "9"},
+    ]
+
+
+def test_parquet_and_csv(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(
+        [{"prompt": "1+1", "answer": "2"}, {"prompt": "2+2", "answer": "4"}]
+    )
+    pq.write_table(table, tmp_path / "d.parquet")
+    rows = load_rows(str(tmp_path / "d.parquet"))
+    assert [(r["prompt"], r["answer"]) for r in rows] == [("1+1", "2"), ("2+2", "4")]
+
+    (tmp_path / "d.csv").write_text("prompt,answer\n5+5,10\n")
+    rows = load_rows(str(tmp_path / "d.csv"))
+    assert rows[0]["prompt"] == "5+5"
+    assert str(rows[0]["answer"]) == "10"
+
+
+def test_json_array_and_no_answer_column(tmp_path: Path) -> None:
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"prompt": "hi"}, {"prompt": "yo"}]))
+    rows = load_rows(str(path), answer_column=None)
+    assert rows == [{"prompt": "hi"}, {"prompt": "yo"}]
+
+
+def test_chat_prompts_are_kept_as_messages(tmp_path: Path) -> None:
+    chat = [
+        {
+            "prompt": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "2+2?"},
+            ],
+            "answer": "4",
+        },
+        {"prompt": [{"role": "user", "content": "3+3?", "name": "bob"}], "answer": "6"},
+    ]
+    rows = load_rows(str(_write_jsonl(tmp_path / "chat.jsonl", chat)))
+    assert rows[0]["prompt"] == chat[0]["prompt"]
+    assert rows[1]["prompt"] == chat[1]["prompt"]
+
+
+def test_parquet_chat_prompts_drop_arrow_padding(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # Arrow gives every message struct every key; the first message gets name=None.
+    chat = [
+        {"prompt": [{"role": "user", "content": "a"}], "answer": "1"},
+        {"prompt": [{"role": "user", "content": "b", "name": "x"}], "answer": "2"},
+    ]
+    pq.write_table(pa.Table.from_pylist(chat), tmp_path / "chat.parquet")
+    rows = load_rows(str(tmp_path / "chat.parquet"))
+    assert [r["prompt"] for r in rows] == [c["prompt"] for c in chat]
+
+
+def test_directory_prefers_split_files(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "train.jsonl", [{"prompt": "a", "answer": "1"}])
+    _write_jsonl(tmp_path / "test.jsonl", [{"prompt": "b", "answer": "2"}])
+    assert [r["prompt"] for r in load_rows(str(tmp_path))] == ["a"]
+    assert [r["prompt"] for r in load_rows(str(tmp_path), split="test")] == ["b"]
+
+
+def test_missing_column_lists_existing_columns(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(ValueError, match="no prompt column 'prompt'") as info:
+        load_rows(str(path))
+    for column in ("question", "solution", "level"):
+        assert column in str(info.value)
+    assert str(path) in str(info.value)
+    with pytest.raises(ValueError, match="no answer column 'answer'.*question, solution, level"):
+        load_rows(str(path), prompt_column="question")
+
+
+def test_missing_file_and_bad_extension(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_rows(str(tmp_path / "nope.jsonl"))
+    bad = tmp_path / "d.txt"
+    bad.write_text("hello")
+    with pytest.raises(ValueError, match=r"unsupported extension '\.txt'"):
+        load_rows(str(bad))
+
+
+def test_empty_and_malformed(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        load_rows(str(empty))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(ValueError, match="broken.jsonl"):
+        load_rows(str(broken))
+
+
+def test_non_text_prompt_is_rejected(tmp_path: Path) -> None:
+    path = _write_jsonl(
+        tmp_path / "d.jsonl", [{"prompt": "ok", "answer": 1}, {"prompt": 5, "answer": 2}]
+    )
+    with pytest.raises(ValueError, match="row 1"):
+        load_rows(str(path))
