@@ -65,7 +65,7 @@ class Config:
     # --- built-in world (used when model_path is empty) ---
     world_train_size: int = 1024
     world_heldout_size: int = 256
-    sft_steps: int = 1200
+    sft_steps: int = 1500
     cache_dir: str = ""  # where the fine-tuned start is cached; "" = ~/.cache/grpolab
     # --- real models ---
     model_path: str = ""  # local Hugging Face model directory; empty = the built-in world

@@ -100,8 +100,8 @@ class CharTokenizer:
 @dataclass
 class TinyConfig:
     vocab_size: int = 17
-    d_model: int = 128
-    n_layers: int = 4
+    d_model: int = 96
+    n_layers: int = 3
     n_heads: int = 4
     max_len: int = 24
 

@@ -1,0 +1,505 @@
+"""Hugging Face causal LMs as GRPO policies: ``grpolab train`` on a local model and dataset.
+
+``HFBackend`` implements ``sampling.Backend`` for any ``AutoModelForCausalLM`` checkpoint in a
+local directory, so the same ``GRPOTrainer`` that runs the workshop trains real models.
+
+* Prompts are strings or chat message lists. With ``use_chat_template`` and a tokenizer that has
+  a chat template, prompts are rendered with it (``add_generation_prompt=True``; a plain string
+  becomes one user message); otherwise the raw text is tokenized.
+* Rollouts are sampled with HF ``generate`` from exactly ``softmax(logits / temperature)``: the
+  checkpoint's own sampling defaults (top-k, top-p, repetition penalty, ...) are switched off
+  during rollouts, because the GRPO ratio and KL assume the scored distribution is the sampled
+  one. Scoring uses the same left padding and ``position_ids`` as ``generate``.
+* ``generate`` uses torch's global RNG, so each call seeds it from the trainer's generator inside
+  ``torch.random.fork_rng``: runs are reproducible and the caller's global RNG is untouched.
+* Dropout in the model is switched off (LoRA dropout, if configured, is kept): the policy is
+  scored in train mode and the reference in eval mode, and dropout noise would leak into the
+  ratio and the KL.
+* Reference model: without LoRA a frozen copy of the initial weights (none when ``beta == 0``);
+  with LoRA the same model with its adapters disabled, so there is no second copy.
+* ``rollout_backend: vllm`` samples with vLLM on a CUDA GPU (optional; see ``VLLMBackend``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import logging
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .config import Config, ConfigError
+from .losses import token_logprobs
+from .sampling import Rollout
+
+log = logging.getLogger("grpolab")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def first_eos_mask(ids: Tensor, eos_ids: list[int], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Mask completion tokens up to and including the first EOS (any of ``eos_ids``).
+
+    Returns the ids with PAD after the first EOS and the 0/1 mask, both [B, Tc].
+    """
+    is_eos = torch.isin(ids, torch.as_tensor(eos_ids, dtype=ids.dtype, device=ids.device))
+    after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
+    return ids.masked_fill(after, pad_id), (~after).long()
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability in ``model`` to 0 (modules and float attention rates)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for name in ("attention_dropout", "attn_dropout", "dropout"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, 0.0)
+
+
+def _eos_ids(tokenizer: Any, model: nn.Module) -> list[int]:
+    """Every id that ends an answer: the tokenizer's EOS plus the checkpoint's generation EOS."""
+    ids: list[int] = []
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for v in (tokenizer.eos_token_id, gen_eos):
+        for i in v if isinstance(v, (list, tuple)) else [v]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token; set one so answers can end")
+    return ids
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+class HFBackend:
+    """A Hugging Face causal LM (optionally with LoRA adapters) behind the ``Backend`` protocol.
+
+    ``model`` is what the trainer optimises: the plain model, or the ``PeftModel`` whose only
+    trainable parameters are the adapters. Rollout tensors live on the CPU; the model may sit on
+    a GPU (logprobs are returned on the CPU, gradients flow back through the copy).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        lora: bool = False,
+        lora_r: int = 8,
+        lora_alpha: int = 16,
+        lora_dropout: float = 0.0,
+        lora_target_modules: list[str] | None = None,
+        use_chat_template: bool = True,
+        reference: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.tokenizer = tokenizer  # left untouched: prompts are padded here, not by it
+        self.eos_ids = _eos_ids(tokenizer, model)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
+        self.use_chat_template = use_chat_template
+        self.device = next(model.parameters()).device
+        disable_dropout(model)
+        self.lora = lora
+        self.ref: nn.Module | None = None
+        if lora:
+            model = self._wrap_lora(model, lora_r, lora_alpha, lora_dropout,
+                                    lora_target_modules or None, seed)
+        else:
+            for p in model.parameters():
+                p.requires_grad_(True)
+            if reference:
+                self.ref = copy.deepcopy(model).eval()
+                for p in self.ref.parameters():
+                    p.requires_grad_(False)
+        self.model = model
+        self.model.eval()
+
+    @staticmethod
+    def _wrap_lora(model: nn.Module, r: int, alpha: int, dropout: float,
+                   targets: list[str] | None, seed: int) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        def wrap(target: Any) -> nn.Module:
+            cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                             target_modules=target, task_type="CAUSAL_LM")
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                torch.manual_seed(seed)  # reproducible adapter init
+                # peft 0.21 calls a transformers 5 API that warns on every run; not actionable.
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                        category=FutureWarning)
+                return get_peft_model(model, cfg)
+
+        if targets:
+            return wrap(targets)
+        try:
+            return wrap(None)  # peft's per-architecture defaults (e.g. q_proj, v_proj)
+        except ValueError:  # architecture unknown to peft
+            return wrap("all-linear")
+
+    # ------------------------------------------------------------------ prompts --
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def render(self, prompt: Any) -> tuple[str, bool]:
+        """Prompt -> (text, whether the text already holds the special tokens)."""
+        chat = self.use_chat_template and self.has_chat_template
+        if isinstance(prompt, str) and not chat:
+            return prompt, False
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if not chat:
+            why = ("use_chat_template is off" if self.has_chat_template
+                   else "the tokenizer has no chat template")
+            raise ValueError(f"prompts are chat messages but {why}; use plain-text prompts or a "
+                             "tokenizer with a chat template")
+        text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                  add_generation_prompt=True)
+        return text, True
+
+    def encode_prompts(self, prompts: list[Any]) -> tuple[Tensor, Tensor]:
+        """Left-padded prompt ids and attention mask, [B, Tp] each (CPU)."""
+        rendered = [self.render(p) for p in prompts]
+        seqs = []
+        for text, templated in rendered:
+            ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
+            if not ids:
+                raise ValueError(f"prompt {text[:60]!r} tokenizes to nothing")
+            seqs.append(ids)
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+        return ids, mask
+
+    # --------------------------------------------------------------- generation --
+    def _hf_model(self) -> nn.Module:
+        """The transformers model under any peft wrapper (its generation_config is used)."""
+        get = getattr(self.model, "get_base_model", None)
+        return get() if get is not None else self.model
+
+    @contextlib.contextmanager
+    def _plain_sampling(self) -> Iterator[None]:
+        """Sample from softmax(logits / T) only: hide the checkpoint's generation defaults."""
+        from transformers import GenerationConfig
+
+        hf = self._hf_model()
+        saved = hf.generation_config
+        hf.generation_config = GenerationConfig(
+            eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+            bos_token_id=getattr(saved, "bos_token_id", None),
+        )
+        try:
+            yield
+        finally:
+            hf.generation_config = saved
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[Any],
+        temperature: float,
+        max_new_tokens: int,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
+        """Sample one answer per prompt; temperature == 0 decodes greedily.
+
+        HF ``generate`` draws from torch's global RNG, so a seed is drawn from ``generator`` and
+        set inside ``fork_rng``: the same generator state gives the same answers, and the global
+        RNG is left as it was.
+        """
+        prompt_ids, prompt_mask = self.encode_prompts(list(prompts))
+        kwargs: dict[str, Any] = {"do_sample": False}
+        if temperature > 0:
+            kwargs = {"do_sample": True, "temperature": float(temperature), "top_k": 0,
+                      "top_p": 1.0}
+        was_training = self.model.training
+        self.model.eval()
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), self._plain_sampling():
+                if generator is not None:
+                    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+                out = self.model.generate(
+                    input_ids=prompt_ids.to(self.device),
+                    attention_mask=prompt_mask.to(self.device),
+                    max_new_tokens=int(max_new_tokens),
+                    pad_token_id=self.pad_id,
+                    eos_token_id=self.eos_ids,
+                    use_cache=True,
+                    **kwargs,
+                )
+        finally:
+            self.model.train(was_training)
+        completion = out[:, prompt_ids.shape[1]:].cpu()
+        if completion.shape[1] == 0:  # nothing generated (max_new_tokens reached by prompt)
+            completion = torch.full((len(prompts), 1), self.eos_ids[0], dtype=torch.long)
+        ids, mask = first_eos_mask(completion, self.eos_ids, self.pad_id)
+        texts = [
+            self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True)
+            for row, m in zip(ids, mask)
+        ]
+        return Rollout(list(prompts), prompt_ids, prompt_mask, ids, mask, texts)
+
+    # ------------------------------------------------------------------ scoring --
+    def logprobs(self, rollout: Rollout, temperature: float, reference: bool = False) -> Tensor:
+        """log pi(answer token | prompt, earlier answer tokens) at every completion position.
+
+        One forward over [left-padded prompt | completion] with position ids counting only real
+        tokens (as ``generate`` does), logits divided by the sampling temperature. [B, Tc] on CPU.
+        """
+        if reference:
+            if self.lora:
+                with self.model.disable_adapter():
+                    return self._logprobs(self.model, rollout, temperature)
+            if self.ref is None:
+                raise RuntimeError("no reference model (beta == 0); nothing to compare against")
+            return self._logprobs(self.ref, rollout, temperature)
+        return self._logprobs(self.model, rollout, temperature)
+
+    def _logprobs(self, model: nn.Module, ro: Rollout, temperature: float) -> Tensor:
+        tc = ro.completion_ids.shape[1]
+        if tc == 0:
+            return torch.zeros(ro.completion_ids.shape)
+        ids = torch.cat([ro.prompt_ids, ro.completion_ids], dim=1)
+        attn = torch.cat([ro.prompt_mask, torch.ones_like(ro.completion_ids)], dim=1)
+        pos = (attn.cumsum(dim=1) - 1).masked_fill(attn == 0, 0)
+        kwargs: dict[str, Any] = {"use_cache": False}
+        hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if _accepts(hf.forward, "logits_to_keep"):
+            kwargs["logits_to_keep"] = tc  # only the positions that predict answer tokens
+        dev = self.device
+        out = model(input_ids=ids[:, :-1].to(dev), attention_mask=attn[:, :-1].to(dev),
+                    position_ids=pos[:, :-1].to(dev), **kwargs)
+        logits = out.logits[:, -tc:, :]  # prompts are never empty, so tp - 1 >= 0
+        t = temperature if temperature > 0 else 1.0
+        return token_logprobs(logits / t, ro.completion_ids.to(dev)).cpu()
+
+    def pass_probability(self, rows: list[dict], temperature: float) -> Tensor | None:
+        """Unknown for open-ended answers (many strings can be right): no dead-group prediction."""
+        return None
+
+    # -------------------------------------------------------------- checkpoints --
+    def _trainable(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trainable weights (LoRA adapters, or the whole model); the rest is the checkpoint.
+
+        The reference is not saved: it is the initial checkpoint (or the adapter-free model).
+        """
+        return {"lora": self.lora,
+                "trainable": {n: p.detach().cpu().clone() for n, p in self._trainable().items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if bool(state.get("lora")) != self.lora:
+            raise ValueError(f"checkpoint was written with lora={state.get('lora')}, "
+                             f"this run has lora={self.lora}")
+        want = self._trainable()
+        got = state["trainable"]
+        missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+        with torch.no_grad():
+            for n, p in want.items():
+                p.copy_(got[n])
+
+    def merged_model(self) -> nn.Module:
+        """A plain transformers model with the trained weights (LoRA merged into a copy)."""
+        if not self.lora:
+            return self.model
+        return copy.deepcopy(self.model).merge_and_unload()
+
+    def save_pretrained(self, out_dir: str) -> None:
+        """Save a model ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads, and the tokenizer.
+
+        With LoRA the adapters are merged into a copy of the base; the adapters alone are also
+        saved under ``out_dir/adapter`` (load with ``peft.PeftModel.from_pretrained``).
+        """
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        # The checkpoint's generation_config (only hidden during rollouts) is saved as it was.
+        self.merged_model().save_pretrained(str(out))
+        self.tokenizer.save_pretrained(str(out))
+        if self.lora:
+            self.model.save_pretrained(str(out / "adapter"))
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+
+def check_vllm() -> None:
+    """Fail fast, on one line, when vLLM rollouts cannot run here."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        ok = False
+    else:
+        ok = torch.cuda.is_available()
+    if not ok:
+        raise ValueError("rollout_backend 'vllm' needs the vllm package and a CUDA GPU; "
+                         "use rollout_backend: hf (HF generate, works on CPU)")
+
+
+class VLLMBackend(HFBackend):
+    """HFBackend whose rollouts come from vLLM; scoring and training stay in PyTorch.
+
+    UNTESTED HERE (no GPU in CI): a minimal sketch. Before each ``generate`` the current
+    (LoRA-merged) weights are pushed into the vLLM engine. The engine-internal path used for
+    that differs between vLLM versions; adapt ``_sync_weights`` to yours.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, model_path: str, **kwargs: Any) -> None:
+        check_vllm()
+        from vllm import LLM
+
+        super().__init__(model, tokenizer, **kwargs)
+        self.llm = LLM(model=model_path, gpu_memory_utilization=0.4, enable_prefix_caching=True)
+
+    def _sync_weights(self) -> None:
+        if self.lora:
+            self.model.merge_adapter()
+        try:
+            state = {}
+            for name, p in self._hf_model().state_dict().items():
+                if "lora_" in name:
+                    continue
+                name = name.replace("base_model.model.", "").replace(".base_layer", "")
+                state[name] = p
+            engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+            engine_model.load_weights(state.items())
+        finally:
+            if self.lora:
+                self.model.unmerge_adapter()
+
+    @torch.no_grad()
+    def generate(self, prompts: list[Any], temperature: float, max_new_tokens: int,
+                 generator: torch.Generator | None = None) -> Rollout:
+        from vllm import SamplingParams
+
+        self._sync_weights()
+        prompt_ids, prompt_mask = self.encode_prompts(list(prompts))
+        seed = None if generator is None else int(torch.randint(0, 2**31, (1,), generator=generator))
+        params = SamplingParams(temperature=float(temperature), top_k=-1, top_p=1.0,
+                                max_tokens=int(max_new_tokens), seed=seed,
+                                stop_token_ids=self.eos_ids)
+        reqs = [{"prompt_token_ids": row[m.bool()].tolist()}
+                for row, m in zip(prompt_ids, prompt_mask)]
+        outs = self.llm.generate(reqs, params, use_tqdm=False)
+        seqs = [list(o.outputs[0].token_ids) or [self.eos_ids[0]] for o in outs]
+        comp = torch.full((len(seqs), max(len(s) for s in seqs)), self.pad_id, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            comp[i, : len(s)] = torch.tensor(s)
+        ids, mask = first_eos_mask(comp, self.eos_ids, self.pad_id)
+        texts = [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
+                 for r, m in zip(ids, mask)]
+        return Rollout(list(prompts), prompt_ids, prompt_mask, ids, mask, texts)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _check_paths(cfg: Config) -> None:
+    if not cfg.model_path:
+        raise ConfigError("grpolab train needs model_path (a local Hugging Face model directory)")
+    mp = Path(cfg.model_path).expanduser()
+    if not mp.exists():
+        raise FileNotFoundError(f"model_path {str(mp)!r} does not exist")
+    if not (mp / "config.json").is_file():
+        raise FileNotFoundError(f"model_path {str(mp)!r} is not a Hugging Face model directory "
+                                "(no config.json)")
+    if not cfg.dataset:
+        raise ConfigError("grpolab train needs dataset (a local .jsonl/.parquet/.csv file)")
+    for name in ("dataset", "eval_dataset"):
+        value = getattr(cfg, name)
+        if value and not Path(value).expanduser().exists():
+            raise FileNotFoundError(f"{name} {value!r} does not exist")
+    if not cfg.rewards:
+        raise ConfigError("rewards is empty; name at least one reward (e.g. math, format)")
+
+
+def load_model(path: str, device: str | None = None) -> tuple[nn.Module, Any]:
+    """Model (float32) and tokenizer from a local directory; never touches the network."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    return model.to(dev), tok
+
+
+def make_backend(cfg: Config, model: nn.Module, tokenizer: Any) -> HFBackend:
+    kwargs: dict[str, Any] = {
+        "lora": cfg.lora, "lora_r": cfg.lora_r, "lora_alpha": cfg.lora_alpha,
+        "lora_dropout": cfg.lora_dropout,
+        "lora_target_modules": list(cfg.lora_target_modules) or None,
+        "use_chat_template": cfg.use_chat_template, "reference": cfg.beta > 0, "seed": cfg.seed,
+    }
+    if cfg.rollout_backend == "vllm":
+        return VLLMBackend(model, tokenizer, str(Path(cfg.model_path).expanduser()), **kwargs)
+    return HFBackend(model, tokenizer, **kwargs)
+
+
+def run_train(cfg: Config, resume: bool = False) -> Any:
+    """``grpolab train``: GRPO on a local HF model and dataset; returns the ``GRPOTrainer``.
+
+    Writes ``metrics.jsonl``, ``checkpoints/last.pt``, ``train.png``, ``summary.json`` and the
+    final model (LoRA merged) plus tokenizer in ``<out_dir>/final``.
+    """
+    import json
+    import os
+
+    from .data import load_rows
+    from .report import plot_run, read_metrics, summarize
+    from .rewards import load_reward
+    from .trainer import GRPOTrainer
+
+    _check_paths(cfg)
+    if cfg.rollout_backend == "vllm":
+        check_vllm()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    answer_col = cfg.answer_column or None
+    rows = load_rows(cfg.dataset, cfg.prompt_column, answer_col)
+    heldout = load_rows(cfg.eval_dataset, cfg.prompt_column, answer_col) if cfg.eval_dataset else []
+    reward_fns = [load_reward(s, cfg.format_pattern or None) for s in cfg.rewards]
+
+    model, tok = load_model(str(Path(cfg.model_path).expanduser()))
+    backend = make_backend(cfg, model, tok)
+    backend.render(rows[0]["prompt"])  # chat prompts without a chat template fail here, early
+    trainer = GRPOTrainer(cfg, backend, rows, reward_fns, heldout, out_dir=cfg.out_dir)
+    trainer.train(resume=resume)
+
+    out = trainer.out_dir
+    backend.save_pretrained(str(out / "final"))
+    metrics = read_metrics(out / "metrics.jsonl")
+    name = Path(cfg.model_path).name
+    plot_run(metrics, out / "train.png",
+             f"GRPO on {name}: G={cfg.group_size}, {cfg.prompts_per_step} prompts per step"
+             f"{' (LoRA)' if cfg.lora else ''}")
+    summary = {"model_path": cfg.model_path, "lora": cfg.lora, **summarize(metrics)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    acc = (f", held-out accuracy {summary['start_heldout_acc']:.3f} -> "
+           f"{summary['final_heldout_acc']:.3f}" if heldout else " (no eval_dataset)")
+    print(f"trained {summary['steps']} steps: mean reward {summary['mean_reward']:.3f}{acc}")
+    print(f"wrote {out}/metrics.jsonl, {out}/train.png and the model in {out}/final")
+    return trainer

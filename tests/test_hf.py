@@ -1,0 +1,387 @@
+"""grpolab.hf: GRPO on tiny local Hugging Face models, end to end through the CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+from grpolab import cli
+from grpolab import hf as hf_mod
+from grpolab.hf import HFBackend, first_eos_mask, load_model
+from grpolab.tinyhf import CHAT_TEMPLATE, make_tiny_model
+
+# A random tiny model hits this on roughly a third of its 16-token answers, so most groups are
+# mixed and GRPO has a gradient from step 1 (an all-zero reward would train nothing).
+PATTERN = r".*7.*"
+
+QUESTIONS = [(3, 4), (12, 7), (25, 17), (8, 9), (40, 2), (6, 6)]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", hidden=32, heads=4)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("gpt2"), arch="gpt2", hidden=32, heads=4)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def math_rows() -> list[dict]:
+    return [{"question": f"What is {a} + {b}?", "solution": str(a + b)} for a, b in QUESTIONS]
+
+
+def write_config(tmp_path: Path, model: str, **over: Any) -> tuple[str, Path]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "run"
+    data = write_jsonl(tmp_path / "train.jsonl", math_rows())
+    cfg = {
+        "model_path": model, "dataset": data, "eval_dataset": data,
+        "prompt_column": "question", "answer_column": "solution",
+        "rewards": ["math", "format"], "format_pattern": PATTERN,
+        "steps": 3, "budget": 8, "group_size": 4, "max_new_tokens": 16, "lr": 0.01,
+        "eval_size": 4, "out_dir": str(out), "progress": False, "seed": 0,
+    }
+    cfg.update(over)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path), out
+
+
+def run_cli(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> Any:
+    """cli.main, capturing the trainer that run_train returns (the CLI discards it)."""
+    seen: dict[str, Any] = {}
+    real = hf_mod.run_train
+
+    def spy(cfg: Any, resume: bool = False) -> Any:
+        seen["trainer"] = real(cfg, resume=resume)
+        return seen["trainer"]
+
+    monkeypatch.setattr(hf_mod, "run_train", spy)
+    assert cli.main(argv) == 0
+    return seen["trainer"]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def base_name(peft_name: str) -> str:
+    """peft parameter name -> the plain model's name for the same weight."""
+    return peft_name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_train_end_to_end(
+    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lora: bool
+) -> None:
+    yaml_path, out = write_config(tmp_path, llama, lora=lora)
+    trainer = run_cli(monkeypatch, ["train", "--config", yaml_path])
+
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    steps = rows[1:]
+    assert all(math.isfinite(r["loss"]) for r in steps)
+    assert all(r["reward_problems"] == 0 for r in steps)
+    assert min(r["dead_share"] for r in steps) < 1  # some group had a learning signal
+    assert rows[-1]["heldout_acc"] is not None
+    assert (out / "train.png").is_file() and (out / "summary.json").is_file()
+
+    ckpt = torch.load(out / "checkpoints" / "last.pt", weights_only=False)
+    assert ckpt["step"] == 3
+    trainable = ckpt["backend"]["trainable"]
+    assert trainable and all(isinstance(t, torch.Tensor) for t in trainable.values())
+    assert all(("lora_" in n) == lora for n in trainable)
+
+    init = dict(AutoModelForCausalLM.from_pretrained(llama).named_parameters())
+    final = dict(AutoModelForCausalLM.from_pretrained(out / "final").named_parameters())
+    assert final.keys() == init.keys()
+    changed = [n for n in init if not torch.equal(init[n], final[n])]
+    assert changed, "the saved final model equals the initial one"
+    assert (out / "final" / "tokenizer.json").is_file()
+
+    model = trainer.backend.model
+    if lora:
+        assert {"q_proj", "v_proj"} <= set(model.peft_config["default"].target_modules)
+        assert all(".q_proj." in n or ".v_proj." in n for n in changed)
+        base = {base_name(n): p for n, p in model.named_parameters() if "lora_" not in n}
+        assert base.keys() == init.keys()
+        assert all(torch.equal(base[n], init[n]) for n in init), "LoRA changed base weights"
+        assert all(not p.requires_grad for p in base.values())
+        lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+        assert lora_b and any(p.abs().max() > 0 for p in lora_b)  # zero-initialised by peft
+        assert (out / "final" / "adapter" / "adapter_config.json").is_file()
+    else:
+        assert len(changed) > len(init) // 2
+        assert trainer.backend.ref is not None
+        ref = dict(trainer.backend.ref.named_parameters())
+        assert all(torch.equal(ref[n], init[n]) for n in init), "the reference moved"
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+def test_lora_final_model_matches_adapter_on_base(
+    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The merged final model computes what base + saved adapter computes."""
+    from peft import PeftModel
+
+    yaml_path, out = write_config(tmp_path, llama, lora=True, steps=1, eval_dataset="")
+    run_cli(monkeypatch, ["train", "--config", yaml_path])
+    x = torch.tensor([[5, 17, 33, 60, 2, 90]])
+    merged = AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama),
+                                        out / "final" / "adapter").eval()
+    plain = AutoModelForCausalLM.from_pretrained(llama).eval()
+    with torch.no_grad():
+        a, b, c = merged(x).logits, adapted(x).logits, plain(x).logits
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert (a - c).abs().max() > 1e-6
+
+
+def test_resume_continues_exactly(
+    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 steps + resume to 3 == 3 steps straight: the HF backend's state round-trips."""
+    whole_yaml, whole = write_config(tmp_path / "a", llama, lora=True, eval_dataset="")
+    run_cli(monkeypatch, ["train", "--config", whole_yaml])
+    part_yaml, part = write_config(tmp_path / "b", llama, lora=True, eval_dataset="")
+    run_cli(monkeypatch, ["train", "--config", part_yaml, "--steps", "2"])
+    run_cli(monkeypatch, ["train", "--config", part_yaml, "--resume"])
+
+    a, b = read_metrics(whole), read_metrics(part)
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    for key in ("reward_mean", "loss", "kl", "completion_len"):
+        assert a[3][key] == pytest.approx(b[3][key], rel=1e-5, abs=1e-7), key
+    ta = torch.load(whole / "checkpoints" / "last.pt", weights_only=False)["backend"]
+    tb = torch.load(part / "checkpoints" / "last.pt", weights_only=False)["backend"]
+    for n, t in ta["trainable"].items():
+        torch.testing.assert_close(t, tb["trainable"][n], atol=1e-6, rtol=1e-5)
+
+
+def test_failing_reward_is_reported_not_fatal(
+    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "my_rewards.py").write_text(
+        "def flaky(prompts, completions, **kw):\n"
+        "    if any('BAD' in p for p in prompts):\n"
+        "        raise ValueError('cannot grade this one')\n"
+        "    return [0.5] * len(completions)\n"
+        "\n"
+        "def nan_on_bad(prompts, completions, **kw):\n"
+        "    return [float('nan') if 'BAD' in p else 0.0 for p in prompts]\n"
+    )
+    data = write_jsonl(tmp_path / "two.jsonl", [
+        {"question": "What is 2 + 2? BAD", "solution": "4"},
+        {"question": "What is 3 + 3?", "solution": "6"},
+    ])
+    rf = tmp_path / "my_rewards.py"
+    yaml_path, out = write_config(
+        tmp_path, llama, dataset=data, eval_dataset="", steps=2,
+        rewards=["math", "format", f"{rf}:flaky", f"{rf}:nan_on_bad"],
+    )
+    with caplog.at_level(logging.WARNING, logger="grpolab.rewards"):
+        run_cli(monkeypatch, ["train", "--config", yaml_path])
+    steps = read_metrics(out)[1:]
+    assert len(steps) == 2
+    # Both prompts are drawn every step; each reward fails on the 4 answers to the BAD prompt.
+    assert [r["reward_problems"] for r in steps] == [8, 8]
+    assert all(math.isfinite(r["loss"]) for r in steps)
+    assert "reward 'flaky' raised ValueError: cannot grade this one on sample" in caplog.text
+    assert "BAD" in caplog.text and "returned nan" in caplog.text
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_missing_model_path_is_one_line_exit_2(
+    llama: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    yaml_path, _ = write_config(tmp_path, str(tmp_path / "no-such-model"))
+    assert cli.main(["train", "--config", yaml_path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "no-such-model" in err and "does not exist" in err
+
+    yaml_path, _ = write_config(tmp_path, llama, dataset=str(tmp_path / "nope.jsonl"))
+    assert cli.main(["train", "--config", yaml_path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nope.jsonl" in err
+
+
+def test_vllm_without_gpu_is_one_line_exit_2(
+    llama: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    pytest.importorskip("transformers")
+    try:
+        hf_mod.check_vllm()
+    except ValueError:
+        pass
+    else:
+        pytest.skip("vllm and a GPU are available here")
+    yaml_path, out = write_config(tmp_path, llama, rollout_backend="vllm")
+    assert cli.main(["train", "--config", yaml_path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "vllm" in err and "CUDA" in err
+    assert not (out / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------ backend
+
+
+PROMPTS = ["What is 2 + 3?", "Compute 12 * 7. So the answer is", "1", "<think> 40 - 8 ="]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_unpadded_forward(
+    request: pytest.FixtureRequest, arch: str, temperature: float
+) -> None:
+    """Left padding + position ids: every row scores as if it were alone and unpadded."""
+    path = request.getfixturevalue(arch)
+    model, tok = load_model(path)
+    backend = HFBackend(model, tok, reference=False)
+    ro = backend.generate(PROMPTS, temperature, 12, torch.Generator().manual_seed(1))
+    assert (ro.prompt_mask == 0).any()  # prompts really differ in length
+    with torch.no_grad():
+        lp = backend.logprobs(ro, temperature)
+        for i in range(len(PROMPTS)):
+            p = ro.prompt_ids[i][ro.prompt_mask[i].bool()]
+            c = ro.completion_ids[i][ro.completion_mask[i].bool()]
+            logits = model(torch.cat([p, c])[None]).logits[0, len(p) - 1 : -1] / temperature
+            want = torch.log_softmax(logits, -1).gather(-1, c[:, None]).squeeze(-1)
+            torch.testing.assert_close(lp[i, : len(c)], want, atol=2e-5, rtol=1e-5)
+
+
+def test_greedy_batch_equals_one_by_one(llama: str) -> None:
+    """generate() sees the same left-padded positions as a single unpadded prompt."""
+    backend = HFBackend(*load_model(llama), reference=False)
+    batch = backend.generate(PROMPTS, 0.0, 10)
+    for i, p in enumerate(PROMPTS):
+        one = backend.generate([p], 0.0, 10)
+        n = int(one.completion_mask.sum())
+        assert torch.equal(one.completion_ids[0, :n], batch.completion_ids[i, :n])
+        assert one.completions[0] == batch.completions[i]
+
+
+def test_generate_is_reproducible_and_leaves_global_rng(llama: str) -> None:
+    backend = HFBackend(*load_model(llama), reference=False)
+    prompts = ["What is 2 + 3?"] * 6
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    a = backend.generate(prompts, 1.0, 12, torch.Generator().manual_seed(5))
+    b = backend.generate(prompts, 1.0, 12, torch.Generator().manual_seed(5))
+    c = backend.generate(prompts, 1.0, 12, torch.Generator().manual_seed(6))
+    assert torch.equal(torch.get_rng_state(), before)
+    assert a.completions == b.completions and torch.equal(a.completion_ids, b.completion_ids)
+    assert a.completions != c.completions
+    assert len(set(a.completions)) > 1  # sampling, not greedy
+
+
+def test_sampling_ignores_checkpoint_generation_defaults(llama: str, tmp_path: Path) -> None:
+    """A checkpoint's sampling defaults must not narrow rollouts (scores assume plain T)."""
+    model, tok = load_model(llama)
+    model.generation_config.top_k = 1
+    model.generation_config.min_p = 0.99  # alone, either would make sampling greedy
+    model.generation_config.do_sample = True
+    backend = HFBackend(model, tok, reference=False)
+    ro = backend.generate(["What is 2 + 3?"] * 6, 1.0, 12, torch.Generator().manual_seed(0))
+    assert len(set(ro.completions)) > 1
+    assert backend.model.generation_config.top_k == 1  # restored after sampling
+    backend.save_pretrained(str(tmp_path / "saved"))
+    assert json.loads((tmp_path / "saved" / "generation_config.json").read_text())["top_k"] == 1
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_reference_is_the_base_model(llama: str, lora: bool) -> None:
+    """Reference logprobs == a fresh load of the base model, after the policy has moved."""
+    backend = HFBackend(*load_model(llama), lora=lora)
+    if lora:
+        assert backend.ref is None  # no second copy: the reference is adapters-off
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in backend.model.named_parameters():
+            if p.requires_grad:
+                p.add_(0.2 * torch.randn_like(p))
+    ro = backend.generate(PROMPTS, 1.0, 12, torch.Generator().manual_seed(2))
+    fresh = HFBackend(*load_model(llama), reference=False)
+    with torch.no_grad():
+        ref = backend.logprobs(ro, 1.0, reference=True)
+        base = fresh.logprobs(ro, 1.0)
+        policy = backend.logprobs(ro, 1.0)
+    m = ro.completion_mask.bool()
+    torch.testing.assert_close(ref[m], base[m], atol=1e-5, rtol=1e-5)
+    assert (policy[m] - base[m]).abs().max() > 1e-3  # the adapters/weights really moved
+
+
+def test_lora_trains_only_adapters_and_state_round_trips(llama: str) -> None:
+    backend = HFBackend(*load_model(llama), lora=True, lora_target_modules=["q_proj"])
+    trainable = [n for n, p in backend.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and "q_proj" in n for n in trainable)
+    state = backend.state_dict()
+    assert set(state["trainable"]) == set(trainable)
+    other = HFBackend(*load_model(llama), lora=True, lora_target_modules=["q_proj"], seed=9)
+    other.load_state_dict(state)
+    for n, p in other.model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, state["trainable"][n])
+    full = HFBackend(*load_model(llama), reference=False)
+    with pytest.raises(ValueError, match="lora"):
+        full.load_state_dict(state)
+
+
+def test_no_reference_copy_when_beta_is_zero(llama: str) -> None:
+    backend = HFBackend(*load_model(llama), reference=False)
+    assert backend.ref is None
+    with pytest.raises(RuntimeError, match="beta"):
+        backend.logprobs(backend.generate(["1"], 0.0, 2), 1.0, reference=True)
+
+
+def test_chat_template_prompts(llama: str) -> None:
+    model, tok = load_model(llama)
+    tok.chat_template = CHAT_TEMPLATE
+    backend = HFBackend(model, tok, reference=False)
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    want = tok("<|bos|>user: What is 2 + 2?<|eos|>\nassistant: ",
+               add_special_tokens=False)["input_ids"]
+    for prompt in (msgs, "What is 2 + 2?"):  # a string becomes one user message
+        ids, mask = backend.encode_prompts([prompt])
+        assert ids[0].tolist() == want and bool(mask.all())
+    ro = backend.generate([msgs, "What is 13 + 1?"], 1.0, 6, torch.Generator().manual_seed(0))
+    assert ro.prompts[0] == msgs and len(ro.completions) == 2
+
+    raw = HFBackend(model, tok, reference=False, use_chat_template=False)
+    assert raw.encode_prompts(["Hi"])[0][0].tolist() == tok("Hi")["input_ids"]
+    with pytest.raises(ValueError, match="chat messages but use_chat_template is off"):
+        raw.encode_prompts([msgs])
+
+
+def test_completion_mask_stops_at_first_eos() -> None:
+    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [3, 3, 4, 9]])
+    out, mask = first_eos_mask(ids, [2, 4], pad_id=0)
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]]
+    assert out.tolist() == [[5, 2, 0, 0], [5, 6, 7, 8], [3, 3, 4, 0]]
+
+
+def test_pattern_gives_mixed_groups_for_the_tiny_model(llama: str) -> None:
+    """Guards the end-to-end tests' premise: rewards vary within groups."""
+    backend = HFBackend(*load_model(llama), reference=False)
+    ro = backend.generate(["What is 3 + 4?"] * 12, 1.0, 16, torch.Generator().manual_seed(0))
+    hits = [bool(re.fullmatch(PATTERN, c.strip(), re.DOTALL)) for c in ro.completions]
+    assert 0 < sum(hits) < len(hits)

@@ -1,0 +1,112 @@
+"""The GRPO loss against hand-computed values, and its aggregation variants."""
+
+import math
+
+import pytest
+import torch
+
+from grpolab.advantages import group_advantages
+from grpolab.losses import aggregate, clipped_surrogate, grpo_loss, k3_kl
+
+
+def toy() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two answers to one prompt: a right one of 2 tokens, a wrong one of 1 token."""
+    logp = torch.tensor([[-0.5, -1.0], [-2.0, -3.0]], requires_grad=True)
+    ref = torch.tensor([[-0.6, -0.9], [-1.5, -7.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    return logp, ref, mask
+
+
+def test_k3_values() -> None:
+    lp, ref = torch.tensor([-0.5, -1.0, -2.0]), torch.tensor([-0.6, -0.9, -1.5])
+    want = [math.exp(d) - d - 1 for d in (-0.1, 0.1, 0.5)]
+    assert k3_kl(lp, ref).tolist() == pytest.approx(want, rel=1e-5)
+    assert k3_kl(lp, lp).tolist() == [0.0, 0.0, 0.0]
+    assert (k3_kl(torch.randn(100), torch.randn(100)) >= 0).all()
+
+
+def test_loss_hand_computed_two_answers() -> None:
+    logp, ref, mask = toy()
+    adv = group_advantages(torch.tensor([1.0, 0.0]), 2)
+    assert adv.tolist() == pytest.approx([1.0, -1.0])
+    out = grpo_loss(logp, logp.detach(), ref, adv, mask, beta=0.1)
+    kl = [0.0048374180, 0.0051709181, 0.1487212707]
+    seq0 = ((-1 + 0.1 * kl[0]) + (-1 + 0.1 * kl[1])) / 2  # per-reply token mean
+    seq1 = 1 + 0.1 * kl[2]  # padding token ignored
+    assert out.loss.item() == pytest.approx((seq0 + seq1) / 2, abs=1e-7)
+    assert out.loss.item() == pytest.approx(0.00768627, abs=1e-7)
+    assert out.kl == pytest.approx(sum(kl) / 3, rel=1e-5)
+    out.loss.backward()
+    # d/dlogp of -A*ratio per token, with 1/len(reply) and 1/B weights, plus the KL term.
+    g = logp.grad
+    dk = lambda d: 1 - math.exp(d)  # noqa: E731  d k3 / d logp, with d = ref - logp
+    assert g[0, 0].item() == pytest.approx(0.25 * (-1 + 0.1 * dk(-0.1)), abs=1e-6)
+    assert g[1, 0].item() == pytest.approx(0.5 * (1 + 0.1 * dk(0.5)), abs=1e-6)
+    assert g[1, 1].item() == 0.0
+
+
+def test_dead_group_has_zero_gradient_without_kl() -> None:
+    logp, ref, mask = toy()
+    adv = group_advantages(torch.tensor([1.0, 1.0]), 2)
+    out = grpo_loss(logp, logp.detach(), ref, adv, mask, beta=0.0)
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    assert torch.count_nonzero(logp.grad) == 0
+    # ... while the KL term alone still pulls toward the reference.
+    logp2, ref2, mask2 = toy()
+    grpo_loss(logp2, logp2.detach(), ref2, adv, mask2, beta=0.1).loss.backward()
+    assert torch.count_nonzero(logp2.grad) > 0
+
+
+def test_aggregations() -> None:
+    per_tok = torch.tensor([[1.0, 3.0, 5.0], [2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert aggregate(per_tok, mask, "seq_mean_token_mean").item() == pytest.approx((3 + 2) / 2)
+    assert aggregate(per_tok, mask, "token_mean").item() == pytest.approx(11 / 4)
+    assert aggregate(per_tok, mask, "seq_mean_token_sum_norm", 8).item() == pytest.approx(
+        (9 / 8 + 2 / 8) / 2
+    )
+    with pytest.raises(ValueError):
+        aggregate(per_tok, mask, "seq_mean_token_sum_norm")
+
+
+def test_length_bias_of_per_reply_mean() -> None:
+    """Per-reply averaging gives each token of a short reply more weight than a long one's."""
+    logp = torch.zeros(2, 4, requires_grad=True)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
+    adv = torch.tensor([-1.0, -1.0])
+    grpo_loss(logp, logp.detach(), None, adv, mask, beta=0.0).loss.backward()
+    assert logp.grad[0, 0].item() == pytest.approx(4 * logp.grad[1, 0].item())
+    logp.grad = None
+    grpo_loss(logp, logp.detach(), None, adv, mask, beta=0.0, agg="token_mean").loss.backward()
+    assert logp.grad[0, 0].item() == pytest.approx(logp.grad[1, 0].item())
+    logp.grad = None
+    grpo_loss(logp, logp.detach(), None, adv, mask, beta=0.0, agg="seq_mean_token_sum_norm",
+              norm_len=4).loss.backward()
+    assert logp.grad[0, 0].item() == pytest.approx(logp.grad[1, 0].item())
+
+
+def test_clipping_and_clip_higher() -> None:
+    old = torch.zeros(1, 1)
+    up = torch.log(torch.tensor([[1.25]]))
+    pos = torch.tensor([1.0])
+    loss, clipped = clipped_surrogate(up, old, pos, 0.2, 0.2)
+    assert loss.item() == pytest.approx(-1.2) and clipped.item()
+    loss, clipped = clipped_surrogate(up, old, pos, 0.2, 0.28)  # DAPO clip-higher
+    assert loss.item() == pytest.approx(-1.25) and not clipped.item()
+    down = torch.log(torch.tensor([[0.5]]))
+    loss, clipped = clipped_surrogate(down, old, torch.tensor([-1.0]), 0.2, 0.28)
+    assert loss.item() == pytest.approx(0.8) and clipped.item()
+    # A clipped token carries no gradient.
+    lp = up.clone().requires_grad_(True)
+    grpo_loss(lp, old, None, pos, torch.ones(1, 1), beta=0.0).loss.backward()
+    assert lp.grad.item() == 0.0
+
+
+def test_first_epoch_ratio_is_one() -> None:
+    logp, _, mask = toy()
+    out = grpo_loss(logp, logp.detach(), None, torch.tensor([1.0, -1.0]), mask, beta=0.0,
+                    eps_low=0.0, eps_high=0.0)
+    assert out.clip_frac == 0.0
+    out.loss.backward()
+    assert torch.count_nonzero(logp.grad) == 3
