@@ -10,9 +10,17 @@ import argparse
 import logging
 import sys
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
+from . import dist
 from .config import Config, ConfigError, make_config
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse errors on one line too: the usage of ~60 flags would bury the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -43,7 +51,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpolab", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="grpolab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("workshop", help="GRPO on the built-in world at a fixed answer budget")
     w.add_argument("--config", help="YAML file of config keys")
@@ -65,12 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = make_config(args.config, _overrides(args))
+        dist.init()  # joins torchrun's process group; nothing in a single process
         if args.command == "workshop":
             return _workshop(cfg, args)
         return _train(cfg, args)
     except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"grpolab: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(e, 2)
     except KeyboardInterrupt:
         print("grpolab: interrupted; the last checkpoint and metrics are kept", file=sys.stderr)
         return 130
@@ -78,15 +86,27 @@ def main(argv: list[str] | None = None) -> int:
         from .trainer import CheckpointError, TrainingError
 
         if isinstance(e, (TrainingError, CheckpointError)):
-            print(f"grpolab: error: {e}", file=sys.stderr)
-            return 1
+            return _fail(e, 1)
         raise
+    finally:
+        dist.cleanup()
+
+
+def _fail(e: BaseException, code: int) -> int:
+    """One line on stderr (tagged with the rank under torchrun), then the exit code."""
+    where = f" (rank {dist.rank()})" if dist.is_dist() else ""
+    msg = " ".join(str(e).split("\n")).strip() or type(e).__name__
+    print(f"grpolab: error{where}: {msg}", file=sys.stderr)
+    return code
 
 
 def _workshop(cfg: Config, args: argparse.Namespace) -> int:
     from .workshop import run_sweep, run_workshop
 
     if args.sweep or args.variants:
+        if dist.is_dist():
+            raise ConfigError("--sweep/--variants run one after another; under torchrun "
+                              "launch one configuration at a time")
         sizes = _int_list(args.sweep, "--sweep") if args.sweep else [cfg.group_size]
         variants = [v.strip() for v in (args.variants or "grpo").split(",") if v.strip()]
         for g in sizes:
@@ -94,6 +114,11 @@ def _workshop(cfg: Config, args: argparse.Namespace) -> int:
                 raise ConfigError(f"group size {g} does not divide the budget {cfg.budget}")
         print(run_sweep(cfg, sizes, variants))
         print(f"\nwrote {cfg.out_dir}/sweep.md and {cfg.out_dir}/sweep.png")
+        return 0
+    if not dist.is_main():  # the other ranks train alongside rank 0, which writes everything
+        from .workshop import world_trainer
+
+        world_trainer(cfg).train(resume=args.resume)
         return 0
     s = run_workshop(cfg, resume=args.resume)
     print(f"G={s['group_size']} ({s['prompts_per_step']} prompts/step): mean dead share "

@@ -7,6 +7,7 @@ A single flat dataclass keeps the mapping YAML key == CLI flag == attribute obvi
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class Config:
     world_train_size: int = 1024
     world_heldout_size: int = 256
     sft_steps: int = 1500
+    sft_slip: float = 0.4  # the SFT teacher forgets each carry with this probability
     cache_dir: str = ""  # where the fine-tuned start is cached; "" = ~/.cache/grpolab
     # --- real models ---
     model_path: str = ""  # local Hugging Face model directory; empty = the built-in world
@@ -148,8 +150,9 @@ def coerce(name: str, value: Any) -> Any:
     """Convert a YAML or command-line value to the field's declared type, or raise ConfigError."""
     types_ = _field_types()
     if name not in types_:
-        known = ", ".join(sorted(types_))
-        raise ConfigError(f"unknown config key {name!r} (known keys: {known})")
+        close = difflib.get_close_matches(name, list(types_), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "grpolab workshop --help lists them"
+        raise ConfigError(f"unknown config key {name!r} ({hint})")
     tp = types_[name]
     origin = typing.get_origin(tp)
     try:
@@ -210,14 +213,16 @@ def make_config(
     yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None
 ) -> Config:
     """Defaults, then the YAML file, then command-line overrides; resolved and validated."""
-    values: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {}
     if yaml_path:
         for k, v in load_yaml(yaml_path).items():
-            values[str(k).replace("-", "_")] = v
+            try:  # name the file: the user has to find the bad line
+                kwargs[str(k).replace("-", "_")] = coerce(str(k).replace("-", "_"), v)
+            except ConfigError as e:
+                raise ConfigError(f"{yaml_path}: {e}") from None
     for k, v in (overrides or {}).items():
         if v is not None:
-            values[k.replace("-", "_")] = v
-    kwargs = {k: coerce(k, v) for k, v in values.items()}
+            kwargs[k.replace("-", "_")] = coerce(k.replace("-", "_"), v)
     return Config(**kwargs).resolved()
 
 

@@ -6,12 +6,16 @@ local directory, so the same ``GRPOTrainer`` that runs the workshop trains real 
 * Prompts are strings or chat message lists. With ``use_chat_template`` and a tokenizer that has
   a chat template, prompts are rendered with it (``add_generation_prompt=True``; a plain string
   becomes one user message); otherwise the raw text is tokenized.
-* Rollouts are sampled with HF ``generate`` from exactly ``softmax(logits / temperature)``: the
-  checkpoint's own sampling defaults (top-k, top-p, repetition penalty, ...) are switched off
-  during rollouts, because the GRPO ratio and KL assume the scored distribution is the sampled
-  one. Scoring uses the same left padding and ``position_ids`` as ``generate``.
-* ``generate`` uses torch's global RNG, so each call seeds it from the trainer's generator inside
-  ``torch.random.fork_rng``: runs are reproducible and the caller's global RNG is untouched.
+* Rollouts are sampled from exactly ``softmax(logits / temperature)``: the checkpoint's own
+  sampling defaults (top-k, top-p, repetition penalty, ...) are ignored, because the GRPO ratio
+  and KL assume the scored distribution is the sampled one. Scoring uses the same left padding
+  and ``position_ids`` as sampling.
+* Sampling is a lean loop over the model's forward with its KV cache (``HF generate``'s
+  per-token overhead is a large share of a step on small models); identical prompts (the G
+  answers of a group) share one prefill, and their prompt is also run once when scoring.
+  Models whose forward takes no cache or ``position_ids`` fall back to HF ``generate``.
+* Each call draws a seed from the trainer's generator and samples with a private
+  ``torch.Generator``: runs are reproducible and the caller's global RNG is untouched.
 * Dropout in the model is switched off (LoRA dropout, if configured, is kept): the policy is
   scored in train mode and the reference in eval mode, and dropout noise would leak into the
   ratio and the KL.
@@ -84,6 +88,38 @@ def _accepts(fn: Any, name: str) -> bool:
         return False
 
 
+def sample_next(logits: Tensor, temperature: float,
+                generator: torch.Generator | None = None) -> Tensor:
+    """One token per row of ``logits`` [B, V] from exactly softmax(logits / T); argmax if T == 0.
+
+    Inverse-CDF sampling (one uniform per row against the cumulative probabilities, summed in
+    float64) draws from the same distribution as ``torch.multinomial``, which HF ``generate``
+    calls, at a fraction of its cost on CPU. Zero-probability tokens are never drawn.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device,
+                   dtype=cdf.dtype)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return idx.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def shared_prompts(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(unique prompt ids, their mask, row -> unique index) when some rows repeat, else None."""
+    key = torch.cat([ids, mask], dim=1)
+    uniq, inv = torch.unique(key, dim=0, return_inverse=True)
+    if uniq.shape[0] == ids.shape[0]:
+        return None
+    return uniq[:, : ids.shape[1]], uniq[:, ids.shape[1]:], inv
+
+
+def _positions(mask: Tensor) -> Tensor:
+    """Position ids that count only real tokens (left padding gets 0), as ``generate`` uses."""
+    return (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 0)
+
+
 # ----------------------------------------------------------------------------- backend
 
 
@@ -130,6 +166,12 @@ class HFBackend:
                     p.requires_grad_(False)
         self.model = model
         self.model.eval()
+        fwd = self._hf_model().forward
+        # transformers 5 renamed ``past_key_values`` to ``cache``; either drives the lean sampler.
+        self._cache_kw = next((k for k in ("cache", "past_key_values") if _accepts(fwd, k)), None)
+        self._lean = (self._cache_kw is not None and _accepts(fwd, "position_ids")
+                      and not getattr(self._hf_model().config, "is_encoder_decoder", False))
+        self._keep = _accepts(fwd, "logits_to_keep")
 
     @staticmethod
     def _wrap_lora(model: nn.Module, r: int, alpha: int, dropout: float,
@@ -223,34 +265,27 @@ class HFBackend:
     ) -> Rollout:
         """Sample one answer per prompt; temperature == 0 decodes greedily.
 
-        HF ``generate`` draws from torch's global RNG, so a seed is drawn from ``generator`` and
-        set inside ``fork_rng``: the same generator state gives the same answers, and the global
-        RNG is left as it was.
+        A seed is drawn from ``generator`` (without it, read from the global RNG, which is left
+        as it was): the same generator state gives the same answers.
         """
         prompt_ids, prompt_mask = self.encode_prompts(list(prompts))
-        kwargs: dict[str, Any] = {"do_sample": False}
-        if temperature > 0:
-            kwargs = {"do_sample": True, "temperature": float(temperature), "top_k": 0,
-                      "top_p": 1.0}
+        if generator is not None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        else:
+            with torch.random.fork_rng(devices=[]):
+                seed = int(torch.randint(0, 2**62, (1,)))
         was_training = self.model.training
         self.model.eval()
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), self._plain_sampling():
-                if generator is not None:
-                    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
-                out = self.model.generate(
-                    input_ids=prompt_ids.to(self.device),
-                    attention_mask=prompt_mask.to(self.device),
-                    max_new_tokens=int(max_new_tokens),
-                    pad_token_id=self.pad_id,
-                    eos_token_id=self.eos_ids,
-                    use_cache=True,
-                    **kwargs,
-                )
+            if self._lean:
+                completion = self._sample(prompt_ids, prompt_mask, temperature,
+                                          int(max_new_tokens), seed)
+            else:
+                completion = self._hf_generate(prompt_ids, prompt_mask, temperature,
+                                               int(max_new_tokens), seed)
         finally:
             self.model.train(was_training)
-        completion = out[:, prompt_ids.shape[1]:].cpu()
+        completion = completion.cpu()
         if completion.shape[1] == 0:  # nothing generated (max_new_tokens reached by prompt)
             completion = torch.full((len(prompts), 1), self.eos_ids[0], dtype=torch.long)
         ids, mask = first_eos_mask(completion, self.eos_ids, self.pad_id)
@@ -260,12 +295,83 @@ class HFBackend:
         ]
         return Rollout(list(prompts), prompt_ids, prompt_mask, ids, mask, texts)
 
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self._hf_model().config)  # sliding/hybrid layer types
+        except TypeError:  # transformers 4.x
+            return DynamicCache()
+
+    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, temperature: float,
+                max_new: int, seed: int) -> Tensor:
+        """The sampling loop: one prefill per distinct prompt, then one cached step per token.
+
+        Rows stop at their first EOS (PAD after it); the loop ends when every row has.
+        Returns the completion ids [B, steps taken].
+        """
+        model, dev = self.model, self.device
+        ids, mask = prompt_ids.to(dev), prompt_mask.to(dev)
+        b, tp = ids.shape
+        if max_new <= 0:
+            return ids.new_zeros((b, 0))
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        with torch.inference_mode():
+            cache = self._new_cache()
+            shared = shared_prompts(ids, mask)
+            p_ids, p_mask = (shared[0], shared[1]) if shared else (ids, mask)
+            keep = {"logits_to_keep": 1} if self._keep else {}
+            logits = model(input_ids=p_ids, attention_mask=p_mask, position_ids=_positions(p_mask),
+                           use_cache=True, **keep, **{self._cache_kw: cache}).logits[:, -1]
+            if shared:  # copy each distinct prompt's cache and logits to its rows
+                cache.batch_select_indices(shared[2])
+                logits = logits[shared[2]]
+            full_mask = torch.cat([mask, mask.new_ones((b, max_new))], dim=1)
+            pos = mask.sum(dim=1, keepdim=True)  # position of the first new token
+            eos = torch.as_tensor(self.eos_ids, device=dev)
+            out = torch.full((b, max_new), self.pad_id, dtype=torch.long, device=dev)
+            done = torch.zeros(b, dtype=torch.bool, device=dev)
+            steps = max_new
+            for t in range(max_new):
+                nxt = sample_next(logits, temperature, gen).masked_fill(done, self.pad_id)
+                out[:, t] = nxt
+                done |= torch.isin(nxt, eos)
+                if t == max_new - 1 or bool(done.all()):
+                    steps = t + 1
+                    break
+                logits = model(input_ids=nxt[:, None], attention_mask=full_mask[:, : tp + t + 1],
+                               position_ids=pos + t, use_cache=True,
+                               **{self._cache_kw: cache}).logits[:, -1]
+        return out[:, :steps].clone()  # a normal tensor, usable outside inference mode
+
+    def _hf_generate(self, prompt_ids: Tensor, prompt_mask: Tensor, temperature: float,
+                     max_new: int, seed: int) -> Tensor:
+        """HF ``generate`` (fallback for models the lean loop cannot drive); global RNG restored."""
+        kwargs: dict[str, Any] = {"do_sample": False}
+        if temperature > 0:
+            kwargs = {"do_sample": True, "temperature": float(temperature), "top_k": 0,
+                      "top_p": 1.0}
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), self._plain_sampling():
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=prompt_ids.to(self.device),
+                attention_mask=prompt_mask.to(self.device),
+                max_new_tokens=max_new,
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos_ids,
+                use_cache=True,
+                **kwargs,
+            )
+        return out[:, prompt_ids.shape[1]:]
+
     # ------------------------------------------------------------------ scoring --
     def logprobs(self, rollout: Rollout, temperature: float, reference: bool = False) -> Tensor:
         """log pi(answer token | prompt, earlier answer tokens) at every completion position.
 
         One forward over [left-padded prompt | completion] with position ids counting only real
-        tokens (as ``generate`` does), logits divided by the sampling temperature. [B, Tc] on CPU.
+        tokens (as sampling does), logits divided by the sampling temperature. [B, Tc] on CPU.
+        Rows with identical prompts (GRPO groups) run their prompt once and share its KV cache.
         """
         if reference:
             if self.lora:
@@ -288,11 +394,39 @@ class HFBackend:
         if _accepts(hf.forward, "logits_to_keep"):
             kwargs["logits_to_keep"] = tc  # only the positions that predict answer tokens
         dev = self.device
-        out = model(input_ids=ids[:, :-1].to(dev), attention_mask=attn[:, :-1].to(dev),
-                    position_ids=pos[:, :-1].to(dev), **kwargs)
-        logits = out.logits[:, -tc:, :]  # prompts are never empty, so tp - 1 >= 0
+        shared = shared_prompts(ro.prompt_ids, ro.prompt_mask) if self._lean else None
+        if shared is not None:
+            logits = self._shared_prefix_logits(model, ids.to(dev), attn.to(dev), pos.to(dev),
+                                                shared, tc, "logits_to_keep" in kwargs)
+        else:
+            out = model(input_ids=ids[:, :-1].to(dev), attention_mask=attn[:, :-1].to(dev),
+                        position_ids=pos[:, :-1].to(dev), **kwargs)
+            logits = out.logits[:, -tc:, :]  # prompts are never empty, so tp - 1 >= 0
         t = temperature if temperature > 0 else 1.0
         return token_logprobs(logits / t, ro.completion_ids.to(dev)).cpu()
+
+    def _shared_prefix_logits(self, model: nn.Module, ids: Tensor, attn: Tensor, pos: Tensor,
+                              shared: tuple[Tensor, Tensor, Tensor], tc: int,
+                              keep: bool) -> Tensor:
+        """Logits predicting the tc answer tokens, with each distinct prompt run only once.
+
+        The prompt's keys and values (with their autograd history) are copied to the rows that
+        share it, so the G answers of a group attend to, and backpropagate into, one prompt pass.
+        Same maths as the one-pass forward, (G - 1) / G less prompt compute.
+        """
+        u_ids, u_mask, inv = (x.to(self.device) for x in shared)
+        tp = ids.shape[1] - tc
+        cache = self._new_cache()
+        out = model(input_ids=u_ids, attention_mask=u_mask, position_ids=_positions(u_mask),
+                    use_cache=True, **({"logits_to_keep": 1} if keep else {}),
+                    **{self._cache_kw: cache})
+        first = out.logits[:, -1:, :][inv]  # the last prompt position predicts answer token 0
+        if tc == 1:
+            return first
+        cache.batch_select_indices(inv)
+        rest = model(input_ids=ids[:, tp:-1], attention_mask=attn[:, :-1],
+                     position_ids=pos[:, tp:-1], use_cache=True, **{self._cache_kw: cache})
+        return torch.cat([first, rest.logits], dim=1)
 
     def pass_probability(self, rows: list[dict], temperature: float) -> Tensor | None:
         """Unknown for open-ended answers (many strings can be right): no dead-group prediction."""

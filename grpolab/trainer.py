@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import random
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from . import advantages as adv_mod
-from .config import Config, to_dict
+from . import dist
+from .config import Config, ConfigError, to_dict
 from .curriculum import PromptSampler
 from .losses import grpo_loss
 from .report import MetricsWriter
@@ -27,6 +31,11 @@ from .rewards import score
 from .sampling import Backend, Rollout, cat_rollouts
 
 log = logging.getLogger("grpolab")
+
+# Each rank samples answers from its own stream (rank 0 keeps the single-process seed).
+RANK_SEED_STRIDE = 1_000_003
+# Config keys that may change between a run and its resumption without changing the maths.
+RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every"}
 
 
 class TrainingError(RuntimeError):
@@ -50,6 +59,11 @@ class Batch:
     sampled_rewards: list[torch.Tensor] = field(default_factory=list)
     sampled_rows: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    trained_groups: int = 0
+
+    # Under torchrun, rollout/rows/rewards/sampled_rows/problems are this rank's shard;
+    # sampled_rewards (every rank's, in prompt order), answers_generated and trained_groups
+    # are global.
 
 
 def _columns(rows: list[dict]) -> dict[str, list]:
@@ -78,8 +92,14 @@ class GRPOTrainer:
         self.reward_fns = reward_fns
         self.out_dir = Path(out_dir or cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        world = dist.world_size()
+        if cfg.prompts_per_step % world:
+            raise ConfigError(
+                f"prompts_per_step {cfg.prompts_per_step} (budget {cfg.budget} / group_size "
+                f"{cfg.group_size}) cannot be split into whole groups across {world} ranks"
+            )
         torch.manual_seed(cfg.seed)
-        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.gen = torch.Generator().manual_seed(cfg.seed + RANK_SEED_STRIDE * dist.rank())
         self.rng = random.Random(cfg.seed)
         self.sampler = PromptSampler(
             len(train_rows),
@@ -88,11 +108,13 @@ class GRPOTrainer:
             floor=cfg.curriculum_floor,
             decay=cfg.curriculum_decay,
         )
-        params = [p for p in backend.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.Adam(params, lr=cfg.lr)
+        dist.broadcast_module(backend.model)  # every rank starts from rank 0's weights
+        self.params = [p for p in backend.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.Adam(self.params, lr=cfg.lr)
         self.step_num = 0
         self.metrics: MetricsWriter | None = None
         self.ckpt_dir = self.out_dir / "checkpoints"
+        self._last_bad = False  # last.pt failed to load: never rotate it into prev.pt
 
     # ------------------------------------------------------------ sampling --
     def _sample_groups(self, idx: list[int]) -> tuple[Rollout, list[dict], torch.Tensor, list[str]]:
@@ -111,15 +133,29 @@ class GRPOTrainer:
         )
         return ro, rows, res.total, res.problems
 
+    def _sample_round(
+        self, n: int
+    ) -> tuple[Rollout, list[dict], torch.Tensor, list[str], torch.Tensor, int]:
+        """Every rank draws the same n prompts and samples its contiguous shard of whole groups.
+
+        Returns this rank's rollout, rows, rewards and problems, every rank's rewards in prompt
+        order (for statistics and group selection), and where this rank's groups start.
+        """
+        idx = self.sampler.draw(n)
+        lo, hi = dist.shard(len(idx))
+        ro, rows, rewards, problems = self._sample_groups(idx[lo:hi])
+        everyone = dist.gather_cat(rewards)
+        self._update_stats(idx, everyone)  # identical on every rank: samplers stay in step
+        return ro, rows, rewards, problems, everyone, lo
+
     def collect(self) -> Batch:
         """Sample this step's groups; with dynamic sampling, refill until every group is mixed."""
         cfg, g = self.cfg, self.cfg.group_size
         n = cfg.prompts_per_step
-        idx = self.sampler.draw(n)
-        ro, rows, rewards, problems = self._sample_groups(idx)
-        self._update_stats(idx, rewards)
-        batch = Batch(ro, rows, rewards, answers_generated=len(rows),
-                      sampled_rewards=[rewards], sampled_rows=list(rows), problems=problems)
+        ro, rows, rewards, problems, everyone, lo = self._sample_round(n)
+        batch = Batch(ro, rows, rewards, answers_generated=everyone.numel(),
+                      sampled_rewards=[everyone], sampled_rows=list(rows), problems=problems,
+                      trained_groups=everyone.numel() // g)
         if not cfg.dynamic_sampling:
             return batch
         keep_ro: list[Rollout] = []
@@ -127,32 +163,35 @@ class GRPOTrainer:
         keep_r: list[torch.Tensor] = []
         kept = 0
         while True:
-            live = ~adv_mod.dead_mask(rewards, g)
+            # The choice is made on every rank's rewards, so all ranks agree on it.
+            live = ~adv_mod.dead_mask(everyone, g)
+            mine = range(lo, lo + len(rows) // g)
             for j in torch.nonzero(live).flatten().tolist():
                 if kept == n:
                     break
-                sl = list(range(j * g, (j + 1) * g))
-                keep_ro.append(ro.select(sl))
-                keep_rows += rows[j * g : (j + 1) * g]
-                keep_r.append(rewards[j * g : (j + 1) * g])
                 kept += 1
+                if j not in mine:
+                    continue
+                sl = list(range((j - lo) * g, (j - lo + 1) * g))
+                keep_ro.append(ro.select(sl))
+                keep_rows += [rows[i] for i in sl]
+                keep_r.append(rewards[sl[0] : sl[-1] + 1])
             if kept == n or batch.rounds > cfg.max_sampling_rounds:
                 break
-            idx = self.sampler.draw(n)
-            ro, rows, rewards, more = self._sample_groups(idx)
-            self._update_stats(idx, rewards)
+            ro, rows, rewards, more, everyone, lo = self._sample_round(n)
             batch.rounds += 1
-            batch.answers_generated += len(rows)
-            batch.sampled_rewards.append(rewards)
+            batch.answers_generated += everyone.numel()
+            batch.sampled_rewards.append(everyone)
             batch.sampled_rows += rows
             batch.problems += more
+        batch.trained_groups = kept
         batch.cap_hit = kept < n
-        if batch.cap_hit:
+        if batch.cap_hit and dist.is_main():
             log.warning(
                 "dynamic sampling: cap of %d extra rounds hit at step %d; training on %d of %d "
                 "mixed groups", cfg.max_sampling_rounds, self.step_num + 1, kept, n,
             )
-        if kept:
+        if keep_ro:
             batch.rollout = cat_rollouts(keep_ro, self.backend.pad_id)
             batch.rows = keep_rows
             batch.rewards = torch.cat(keep_r)
@@ -166,42 +205,69 @@ class GRPOTrainer:
 
     # -------------------------------------------------------------- update --
     def update(self, batch: Batch) -> dict[str, float]:
-        """mu optimisation passes over one batch with the clipped GRPO objective."""
+        """mu optimisation passes over one batch with the clipped GRPO objective.
+
+        Under torchrun each rank's loss is its share of the global loss (replies or tokens
+        over the global count, per ``loss_agg``) and gradients are summed, so N ranks take the
+        same step as one process on the union of their batches.
+        """
         cfg = self.cfg
-        if not batch.rows:
+        ro, mask = batch.rollout, batch.rollout.completion_mask
+        n_loc = len(batch.rows)
+        t_loc = int(mask.sum()) if n_loc else 0
+        n_all, t_all = (int(v) for v in dist.all_reduce_sum([n_loc, t_loc]))
+        if not n_all:
             return {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
                     "grad_norm": 0.0}
-        adv = adv_mod.group_advantages(
-            batch.rewards.float(), cfg.group_size, baseline=cfg.baseline, scale=cfg.scale,
-            std=cfg.std, std_eps=cfg.std_eps, min_std=cfg.min_std,
-        )
-        ro, mask = batch.rollout, batch.rollout.completion_mask
-        ref_lp = None
-        with torch.no_grad():
-            if cfg.beta > 0:
-                ref_lp = self.backend.logprobs(ro, cfg.temperature, reference=True)
-            old_lp = self.backend.logprobs(ro, cfg.temperature) if cfg.epochs > 1 else None
+        share = (t_loc / max(t_all, 1) if cfg.loss_agg == "token_mean" else n_loc / n_all)
+        tok_share = t_loc / max(t_all, 1)
+        if not dist.is_dist():
+            share = tok_share = 1.0
+        adv = ref_lp = old_lp = None
+        if n_loc:
+            adv = adv_mod.group_advantages(
+                batch.rewards.float(), cfg.group_size, baseline=cfg.baseline, scale=cfg.scale,
+                std=cfg.std, std_eps=cfg.std_eps, min_std=cfg.min_std,
+            )
+            with torch.no_grad():
+                if cfg.beta > 0:
+                    ref_lp = self.backend.logprobs(ro, cfg.temperature, reference=True)
+                if cfg.epochs > 1:
+                    old_lp = self.backend.logprobs(ro, cfg.temperature)
         self.backend.model.train()
         out: dict[str, float] = {}
         for _ in range(cfg.epochs):
-            lp = self.backend.logprobs(ro, cfg.temperature)
-            res = grpo_loss(
-                lp, lp.detach() if old_lp is None else old_lp, ref_lp, adv, mask,
-                beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg,
-                norm_len=cfg.max_new_tokens,
-            )
-            if not torch.isfinite(res.loss):
+            loss = None
+            stats = [0.0, 0.0, 0.0, 0.0, 0.0]  # loss, policy loss, kl, clip frac, non-finite
+            if n_loc:
+                lp = self.backend.logprobs(ro, cfg.temperature)
+                res = grpo_loss(
+                    lp, lp.detach() if old_lp is None else old_lp, ref_lp, adv, mask,
+                    beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                    agg=cfg.loss_agg, norm_len=cfg.max_new_tokens,
+                )
+                loss = res.loss * share if dist.is_dist() else res.loss
+                stats = [float(loss.detach()), res.policy_loss * share, res.kl * tok_share,
+                         res.clip_frac * tok_share, float(not torch.isfinite(res.loss))]
+            stats = dist.all_reduce_sum(stats)  # all ranks raise together, none hangs
+            if stats[4]:
                 raise TrainingError(
-                    f"non-finite loss ({float(res.loss)}) at step {self.step_num + 1}; "
+                    f"non-finite loss ({stats[0]}) at step {self.step_num + 1}; "
                     f"last checkpoint and metrics in {self.out_dir} are intact"
                 )
             self.opt.zero_grad(set_to_none=True)
-            res.loss.backward()
-            params = [p for p in self.backend.model.parameters() if p.requires_grad]
-            gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            if loss is not None:
+                loss.backward()
+            dist.sum_grads(self.params)
+            gn = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+            if not math.isfinite(gn):
+                raise TrainingError(
+                    f"non-finite gradient norm ({gn}) at step {self.step_num + 1}; the update "
+                    f"was skipped; last checkpoint and metrics in {self.out_dir} are intact"
+                )
             self.opt.step()
-            out = {"loss": float(res.loss.detach()), "policy_loss": res.policy_loss, "kl": res.kl,
-                   "clip_frac": res.clip_frac, "grad_norm": float(gn)}
+            out = {"loss": stats[0], "policy_loss": stats[1], "kl": stats[2],
+                   "clip_frac": stats[3], "grad_norm": gn}
         self.backend.model.eval()
         return out
 
@@ -212,14 +278,24 @@ class GRPOTrainer:
         rows = self.heldout_rows[: self.cfg.eval_size]
         if not rows:
             return None
+        if dist.is_dist():  # each rank scores a slice; the share is over all of them
+            lo, hi = dist.shard(len(rows))
+            ok = float(self._heldout_ok(rows[lo:hi]).sum()) if hi > lo else 0.0
+            hits, total = dist.all_reduce_sum([ok, hi - lo])
+            return hits / total
+        return float(self._heldout_ok(rows).float().mean())
+
+    def _heldout_ok(self, rows: list[dict]) -> torch.Tensor:
         ro = self.backend.generate([r["prompt"] for r in rows], 0.0, self.cfg.max_new_tokens)
         res = score(self.reward_fns, ro.prompts, ro.completions, _columns(rows),
                     weights=self.cfg.reward_weights or None, on_error=self.cfg.reward_on_error)
-        return float((res.total >= self.cfg.success_threshold).float().mean())
+        return res.total >= self.cfg.success_threshold
 
     def _predicted_dead(self, rows: list[dict]) -> float | None:
         p = self.backend.pass_probability(rows, self.cfg.temperature)
-        return None if p is None else adv_mod.predicted_dead_share(p, self.cfg.group_size)
+        if p is None:
+            return None
+        return adv_mod.predicted_dead_share(dist.gather_cat(p), self.cfg.group_size)
 
     def step(self) -> dict[str, Any]:
         """One GRPO step; returns the metrics record written for it."""
@@ -233,11 +309,13 @@ class GRPOTrainer:
         t_sample = time.perf_counter() - t0
         upd = self.update(batch)
         self.step_num += 1
-        batch_rows = len(batch.rows)
         acc = self.evaluate() if (self.step_num % cfg.eval_every == 0
                                   or self.step_num == cfg.steps) else None
-        useful = batch_rows if cfg.dynamic_sampling else int(
-            (~adv_mod.dead_mask(batch.rewards, g)).sum()) * g
+        # Without dynamic sampling the trained batch is the one sampled round (every rank's).
+        useful = batch.trained_groups * g if cfg.dynamic_sampling else int(
+            (~adv_mod.dead_mask(sampled, g)).sum()) * g
+        lens = dist.gather_cat(batch.rollout.completion_mask.sum(1))
+        problems = int(dist.all_reduce_sum([len(batch.problems)])[0])
         rec = {
             "step": self.step_num,
             "reward_mean": float(sampled.float().mean()),
@@ -249,15 +327,14 @@ class GRPOTrainer:
             "dead_all_right_share": ds.all_right_share,
             "dead_all_wrong_share": ds.all_wrong_share,
             "predicted_dead_share": predicted,
-            "trained_groups": batch_rows // g,
+            "trained_groups": batch.trained_groups,
             "answers_generated": batch.answers_generated,
             "useful_answers": useful,
             "answers_per_useful": (batch.answers_generated / useful) if useful else None,
             "sampling_rounds": batch.rounds,
             "sampling_cap_hit": batch.cap_hit,
-            "completion_len": float(batch.rollout.completion_mask.sum(1).float().mean())
-            if batch_rows else 0.0,
-            "reward_problems": len(batch.problems),
+            "completion_len": float(lens.float().mean()) if lens.numel() else 0.0,
+            "reward_problems": problems,
             **upd,
             "time_sample_s": t_sample,
             "time_step_s": time.perf_counter() - t0,
@@ -272,16 +349,18 @@ class GRPOTrainer:
         start = 0
         if resume:
             start = self.load_checkpoint()
-        self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl",
-                                     resume_after_step=start if resume else None)
+        if dist.is_main():  # one writer; every rank computes the same global records
+            self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl",
+                                         resume_after_step=start if resume else None)
         records = []
         if start == 0:
             rec0 = {"step": 0, "heldout_acc": self.evaluate()}
-            self.metrics.write(rec0)
+            if self.metrics:
+                self.metrics.write(rec0)
             records.append(rec0)
         it = range(start, cfg.steps)
         bar = None
-        if cfg.progress:
+        if cfg.progress and dist.is_main():
             from tqdm import tqdm
 
             bar = tqdm(it, desc=f"GRPO G={cfg.group_size}", initial=start, total=cfg.steps)
@@ -290,9 +369,10 @@ class GRPOTrainer:
             rec = self.step()
             records.append(rec)
             if bar is not None:
+                acc = rec["heldout_acc"]
                 bar.set_postfix(reward=f"{rec['reward_mean']:.2f}",
                                 dead=f"{rec['dead_share']:.2f}",
-                                acc="-" if rec["heldout_acc"] is None else f"{rec['heldout_acc']:.2f}")
+                                acc="-" if acc is None else f"{acc:.2f}")
             if on_step:
                 on_step(rec)
             if cfg.checkpoint_every and (self.step_num % cfg.checkpoint_every == 0
@@ -302,6 +382,10 @@ class GRPOTrainer:
 
     # --------------------------------------------------------- checkpoints --
     def state(self) -> dict[str, Any]:
+        """Everything a bitwise-identical continuation needs (collective under torchrun)."""
+        rank_rng = dist.all_gather_object(
+            {"gen": self.gen.get_state(), "torch_rng": torch.get_rng_state()}
+        )
         return {
             "step": self.step_num,
             "config": to_dict(self.cfg),
@@ -312,50 +396,118 @@ class GRPOTrainer:
             "sampler": self.sampler.state_dict(),
             "rng": self.rng.getstate(),
             "torch_rng": torch.get_rng_state(),
+            "world_size": dist.world_size(),
+            "rank_rng": rank_rng,  # each rank samples from its own stream
         }
 
     def save_checkpoint(self) -> Path:
-        """Write atomically (temp file, fsync, rename); the previous checkpoint becomes prev.pt."""
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        """Write last.pt atomically; the checkpoint it replaces becomes prev.pt.
+
+        The new file is written to a temp name, fsynced and renamed over last.pt; prev.pt is
+        swapped in through a hard link first, so at every instant last.pt (once it exists) and
+        prev.pt are complete files: a kill at any point loses at most the newest checkpoint.
+        Every rank must call this (the RNG states are gathered); only rank 0 writes.
+        """
+        st = self.state()
         last, prev = self.ckpt_dir / "last.pt", self.ckpt_dir / "prev.pt"
+        if not dist.is_main():
+            return last
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        pid = os.getpid()
+        for stale in self.ckpt_dir.glob(".*.pt.tmp*"):  # left by a killed run
+            if not stale.name.endswith(f".tmp{pid}"):
+                stale.unlink(missing_ok=True)
         buf = io.BytesIO()
-        torch.save(self.state(), buf)
-        tmp = self.ckpt_dir / f".last.pt.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(buf.getvalue())
-            f.flush()
-            os.fsync(f.fileno())
-        if last.exists():
-            os.replace(last, prev)
-        os.replace(tmp, last)
+        torch.save(st, buf)
+        tmp = self.ckpt_dir / f".last.pt.tmp{pid}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(buf.getbuffer())
+                f.flush()
+                os.fsync(f.fileno())
+            if last.exists():
+                if self._last_bad:  # keep the good prev.pt; park the bad file for inspection
+                    os.replace(last, self.ckpt_dir / "last.pt.corrupt")
+                else:
+                    link = self.ckpt_dir / f".prev.pt.tmp{pid}"
+                    link.unlink(missing_ok=True)
+                    try:
+                        os.link(last, link)
+                    except OSError:  # no hard links on this filesystem
+                        shutil.copyfile(last, link)
+                    os.replace(link, prev)
+            os.replace(tmp, last)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._last_bad = False
+        _fsync_dir(self.ckpt_dir)
         return last
 
     def load_checkpoint(self, path: str | os.PathLike | None = None) -> int:
-        """Restore everything a bitwise-identical continuation needs; returns the step reached."""
-        candidates = [Path(path)] if path else [self.ckpt_dir / "last.pt", self.ckpt_dir / "prev.pt"]
-        errors = []
+        """Restore the newest readable checkpoint (last.pt, else prev.pt); returns its step.
+
+        Files are only read: when both are unreadable the error names both and nothing on disk
+        changes. Falling back to prev.pt is announced with a warning naming the bad file.
+        """
+        candidates = ([Path(path)] if path
+                      else [self.ckpt_dir / "last.pt", self.ckpt_dir / "prev.pt"])
+        errors: list[str] = []
         for p in candidates:
             if not p.exists():
                 continue
             try:
                 st = torch.load(p, map_location="cpu", weights_only=False)
+                if not isinstance(st, dict) or "step" not in st:
+                    raise CheckpointError("not a grpolab checkpoint")
                 self._restore(st)
             except Exception as e:  # noqa: BLE001 - any unreadable file is reported the same way
-                errors.append(f"{p}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-                log.warning("checkpoint %s is unreadable (%s); trying the previous one", p,
-                            errors[-1])
+                first = (str(e).splitlines() or [""])[0][:120]
+                errors.append(f"{p}: {type(e).__name__}: {first}")
                 continue
+            if errors and dist.is_main():
+                log.warning("checkpoint unreadable (%s); resumed from %s (step %d) instead",
+                            "; ".join(errors), p, self.step_num)
+            self._last_bad = bool(errors) and p.name == "prev.pt"
             return self.step_num
         if errors:
-            raise CheckpointError("no readable checkpoint: " + "; ".join(errors))
+            raise CheckpointError("no readable checkpoint to resume from: " + "; ".join(errors))
         raise CheckpointError(f"no checkpoint to resume from in {self.ckpt_dir}")
 
     def _restore(self, st: dict[str, Any]) -> None:
+        saved = st.get("config") or {}
+        now = to_dict(self.cfg)
+        changed = sorted(k for k in now if k in saved and k not in RESUME_FREE_KEYS
+                         and saved[k] != now[k])
+        if changed and dist.is_main():
+            log.warning("resuming with changed config keys %s: the continuation will differ "
+                        "from the original run", changed)
         self.backend.load_state_dict(st["backend"])
         self.opt.load_state_dict(st["optimizer"])
-        self.gen.set_state(st["gen"])
+        gen, torch_rng = st["gen"], st["torch_rng"]
+        per_rank = st.get("rank_rng") or []
+        if len(per_rank) == dist.world_size():
+            gen, torch_rng = per_rank[dist.rank()]["gen"], per_rank[dist.rank()]["torch_rng"]
+        elif dist.rank() > 0:  # saved with another world size: keep the streams distinct
+            gen = torch.Generator().manual_seed(
+                self.cfg.seed + RANK_SEED_STRIDE * dist.rank() + int(st["step"])
+            ).get_state()
+        self.gen.set_state(gen)
         self.sampler.generator.set_state(st["sampler_gen"])
         self.sampler.load_state_dict(st["sampler"])
         self.rng.setstate(st["rng"])
-        torch.set_rng_state(st["torch_rng"])
+        torch.set_rng_state(torch_rng)
         self.step_num = int(st["step"])
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make renames inside ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

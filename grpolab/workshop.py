@@ -37,7 +37,7 @@ def world_trainer(cfg: Config, out_dir: str | Path | None = None) -> GRPOTrainer
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
     splits = make_splits(cfg.seed, cfg.world_train_size, cfg.world_heldout_size)
     model = sft_model(cfg.seed, splits, cfg.sft_steps, cfg.cache_dir or None,
-                      progress=cfg.progress)
+                      progress=cfg.progress, slip=cfg.sft_slip)
     return GRPOTrainer(cfg, TinyBackend(model), splits.train, [exact_answer], splits.heldout,
                        out_dir=out_dir)
 

@@ -25,7 +25,7 @@ PROMPT_LEN = 8  # "042+317=": every prompt has the same length, so batches need 
 
 
 def make_problem(rng: random.Random) -> dict[str, str]:
-    """One problem: 3-digit addition/subtraction or 2-digit x 1-digit multiplication.
+    """One problem: 3-digit addition/subtraction or 3-digit x 1-digit multiplication.
 
     Carries, borrows and multiplication give prompts of very different difficulty, so a
     partly-trained model solves some prompts almost always and others almost never: the
@@ -40,9 +40,44 @@ def make_problem(rng: random.Random) -> dict[str, str]:
         a, b = max(a, b), min(a, b)
         ans = a - b
     else:
-        a, b = rng.randrange(100), rng.randrange(10)
+        a, b = rng.randrange(1000), rng.randrange(10)
         ans = a * b
     return {"prompt": f"{a:03d}{op}{b:03d}=", "answer": str(ans)}
+
+
+def sloppy_answer(prompt: str, rng: random.Random, slip: float) -> str:
+    """The answer of a careless teacher who forgets each carry (or borrow) with prob. ``slip``.
+
+    SFT on such demonstrations gives a policy that reproduces the slips: prompts without
+    carries are (almost) always right, prompts with k carries right about (1 - slip)^k of the
+    time. Forgetting a carry is one shared habit, so what GRPO unlearns on train prompts
+    carries over to held-out ones, as RL with verifiable rewards does on real models.
+    """
+    a, op, b = prompt[:3], prompt[3], prompt[4:7]
+    digits: list[int] = []
+    carry = 0
+    if op == "*":
+        m = int(b)
+        for da in reversed(a):
+            v = int(da) * m + carry
+            digits.append(v % 10)
+            carry = v // 10 if rng.random() >= slip else 0
+        digits.append(carry)
+    else:
+        for da, db in zip(reversed(a), reversed(b)):
+            if op == "+":
+                v = int(da) + int(db) + carry
+                digits.append(v % 10)
+                carry = v // 10
+            else:
+                v = int(da) - int(db) - carry
+                digits.append(v % 10)
+                carry = int(v < 0)
+            if carry and rng.random() < slip:
+                carry = 0
+        if op == "+":
+            digits.append(carry)
+    return str(int("".join(str(d) for d in reversed(digits))))
 
 
 def check(prompt: str, completion: str) -> bool:
@@ -176,21 +211,29 @@ def encode_batch(tok: CharTokenizer, rows: list[dict[str, str]], max_len: int) -
 def sft(
     model: TinyGPT,
     tok: CharTokenizer,
-    heldout_prompts: set[str],
+    exclude: set[str],
     steps: int,
     seed: int,
     batch_size: int = 128,
     lr: float = 3e-3,
+    slip: float = 0.0,
     progress: bool = False,
 ) -> None:
-    """Supervised fine-tuning on fresh random problems (never the held-out ones).
+    """Supervised fine-tuning on fresh random problems, never a train or held-out prompt.
 
-    It is stopped early on purpose: the workshop starts from a partly competent policy.
+    Keeping the RL prompts out of SFT makes train and held-out prompts alike to the model, so
+    what GRPO gains on one must generalise to the other.
+
+    With ``slip`` > 0 the demonstrations come from ``sloppy_answer``: the workshop starts from
+    a partly competent policy whose mistakes RL can fix.
     """
     rng = random.Random(f"grpolab-sft-{seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    # Warm up, then cosine down to a third of the peak, not to zero: a model that settled at a
+    # learning rate of lr/3 (1e-3) is not thrown off by RL updates of that size.
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / steps))
+        opt,
+        lambda s: min(1.0, (s + 1) / 100) * (1 + 2 * 0.5 * (1 + math.cos(math.pi * s / steps))) / 3,
     )
     model.train()
     it = range(steps)
@@ -202,7 +245,9 @@ def sft(
         rows = []
         while len(rows) < batch_size:
             p = make_problem(rng)
-            if p["prompt"] not in heldout_prompts:
+            if p["prompt"] not in exclude:
+                if slip > 0:
+                    p["answer"] = sloppy_answer(p["prompt"], rng, slip)
                 rows.append(p)
         ids, mask = encode_batch(tok, rows, model.config.max_len)
         logits, _ = model(ids[:, :-1])
@@ -225,13 +270,15 @@ def sft_model(
     sft_steps: int,
     cache_dir: str | os.PathLike | None = None,
     progress: bool = False,
+    slip: float = 0.0,
 ) -> TinyGPT:
-    """The fine-tuned starting policy, trained once per (seed, steps, architecture) and cached."""
+    """The fine-tuned starting policy, trained once per (seed, steps, slip, model) and cached."""
     tok = CharTokenizer()
     tc = TinyConfig(vocab_size=tok.vocab_size)
+    exclude = sorted(r["prompt"] for r in splits.train + splits.heldout)
     key = json.dumps(
-        {"v": 1, "seed": seed, "steps": sft_steps, "model": asdict(tc),
-         "heldout": [r["prompt"] for r in splits.heldout]},
+        {"v": 4, "seed": seed, "steps": sft_steps, "slip": slip, "model": asdict(tc),
+         "exclude": exclude},
         sort_keys=True,
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -245,7 +292,7 @@ def sft_model(
             return model
         except Exception:  # a corrupt cache entry is rebuilt, not fatal
             pass
-    sft(model, tok, {r["prompt"] for r in splits.heldout}, sft_steps, seed, progress=progress)
+    sft(model, tok, set(exclude), sft_steps, seed, slip=slip, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     torch.save(model.state_dict(), tmp)

@@ -385,3 +385,56 @@ def test_pattern_gives_mixed_groups_for_the_tiny_model(llama: str) -> None:
     ro = backend.generate(["What is 3 + 4?"] * 12, 1.0, 16, torch.Generator().manual_seed(0))
     hits = [bool(re.fullmatch(PATTERN, c.strip(), re.DOTALL)) for c in ro.completions]
     assert 0 < sum(hits) < len(hits)
+
+
+# ------------------------------------------------------------------------------ lean sampler
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["distinct", "grouped"])
+def test_lean_sampler_matches_hf_generate_greedy(
+    request: pytest.FixtureRequest, arch: str, grouped: bool
+) -> None:
+    """The KV-cache loop (shared prefill for repeated prompts) decodes what HF generate does."""
+    backend = HFBackend(*load_model(request.getfixturevalue(arch)), reference=False)
+    assert backend._lean
+    prompts = [p for p in PROMPTS for _ in range(3 if grouped else 1)]
+    ids, mask = backend.encode_prompts(prompts)
+    lean = backend._sample(ids, mask, 0.0, 12, seed=0)
+    ref = backend._hf_generate(ids, mask, 0.0, 12, seed=0)
+    assert torch.equal(lean, ref)
+
+
+def test_sample_next_draws_from_softmax() -> None:
+    logits = torch.tensor([[2.0, 0.0, -1.0, float("-inf"), 1.0]]).repeat(200_000, 1)
+    gen = torch.Generator().manual_seed(0)
+    for t in (1.0, 0.7):
+        draws = hf_mod.sample_next(logits, t, gen)
+        freq = torch.bincount(draws, minlength=5).double() / len(draws)
+        want = torch.softmax(logits[0].double() / t, -1)
+        assert freq[3] == 0  # probability 0 is never drawn
+        torch.testing.assert_close(freq, want, atol=5e-3, rtol=0)
+    assert hf_mod.sample_next(logits[:2], 0.0).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_shared_prompt_scoring_equals_one_pass(request: pytest.FixtureRequest, arch: str) -> None:
+    """Groups of identical prompts run the prompt once: same logprobs and gradients."""
+    backend = HFBackend(*load_model(request.getfixturevalue(arch)), reference=False)
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    ro = backend.generate(prompts, 1.0, 10, torch.Generator().manual_seed(3))
+    assert hf_mod.shared_prompts(ro.prompt_ids, ro.prompt_mask) is not None
+    backend.model.train()
+    results = []
+    for lean in (True, False):
+        backend._lean = lean
+        backend.model.zero_grad(set_to_none=True)
+        lp = backend.logprobs(ro, 0.8)
+        (lp * ro.completion_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in backend.model.named_parameters()}
+        results.append((lp.detach(), grads))
+    (lp_a, g_a), (lp_b, g_b) = results
+    m = ro.completion_mask.bool()
+    torch.testing.assert_close(lp_a[m], lp_b[m], atol=2e-5, rtol=1e-5)
+    for n in g_b:
+        torch.testing.assert_close(g_a[n], g_b[n], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,163 @@
+"""Bad input ends with one line on stderr that names the problem, and a meaningful exit code.
+
+Config mistakes exit 2 before anything is written; a failing reward is not fatal (it is
+counted in ``reward_problems``); a non-finite loss stops the run with exit 1 and leaves the
+metrics and checkpoints written so far intact.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpolab.cli import main
+from grpolab.config import Config
+from grpolab.losses import LossOut
+from grpolab.sampling import TinyBackend
+from grpolab.trainer import GRPOTrainer
+from grpolab.world import CharTokenizer, TinyConfig, TinyGPT, make_splits, sft_model
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = int(e.code or 0)
+    return code, capsys.readouterr().err.splitlines()
+
+
+def _files(tmp_path: Path) -> dict[str, Path]:
+    files = {"broken": "steps: [1, 2\ngroup_size: 4\n", "unknown": "steps: 3\ngroup_sise: 4\n",
+             "badvalue": "steps: abc\n"}
+    out = {}
+    for name, text in files.items():
+        out[name] = tmp_path / f"{name}.yaml"
+        out[name].write_text(text)
+    return out
+
+
+CASES = [
+    # (argv, words the one line must contain); {d} is the test's tmp dir
+    (["workshop", "--config", "{d}/broken.yaml"], ["broken YAML", "broken.yaml", "at line 2"]),
+    (["workshop", "--config", "{d}/unknown.yaml"],
+     ["unknown.yaml", "unknown config key 'group_sise'", "did you mean 'group_size'"]),
+    (["workshop", "--group-sise", "4"], ["unrecognized arguments: --group-sise"]),
+    (["workshop", "--group-size", "7"], ["group_size 7 does not divide the budget 64"]),
+    (["workshop", "--sweep", "4,6"], ["group size 6 does not divide the budget 64"]),
+    (["train", "--model-path", "/nonexistent/model"], ["model_path", "/nonexistent/model"]),
+    (["workshop", "--config", "{d}/missing.yaml"], ["config file not found", "missing.yaml"]),
+    (["workshop", "--steps", "abc"], ["'steps'", "'abc'", "int"]),
+    (["workshop", "--config", "{d}/badvalue.yaml"], ["badvalue.yaml", "'steps'", "'abc'"]),
+    (["workshop", "--loss-agg", "tokens"], ["--loss-agg", "'tokens'"]),
+    (["workshop", "--steps", "0"], ["steps must be >= 1"]),
+]
+
+
+@pytest.mark.parametrize(("argv", "words"), CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_config_errors_are_one_line_exit_2(argv: list[str], words: list[str], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    _files(tmp_path)
+    out = tmp_path / "run"
+    argv = [a.format(d=tmp_path) for a in argv] + ["--out-dir", str(out), "--no-progress"]
+    code, err = _cli(argv, capsys)
+    assert code == 2
+    assert len(err) == 1, err
+    assert err[0].startswith("grpolab"), err
+    for w in words:
+        assert w in err[0], (w, err[0])
+    assert not out.exists(), "nothing is written before the config is valid"
+
+
+def test_real_process_prints_exactly_one_line(tmp_path: Path) -> None:
+    """No library warning or traceback sneaks onto stderr (imports included)."""
+    for argv in (["workshop", "--steps", "abc"], ["train", "--model-path", "/nonexistent"]):
+        p = subprocess.run([sys.executable, "-m", "grpolab", *argv, "--out-dir",
+                            str(tmp_path / "run")], check=False, capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 2
+        assert p.stderr.count("\n") == 1 and p.stderr.startswith("grpolab: error: "), p.stderr
+
+
+# ---------------------------------------------------------------- during training ----
+
+
+def _flaky_reward(prompts: list, completions: list[str], answer: list, **_: object) -> list:
+    """Raises on any batch holding a '7' (user code with a bug); fine on the rest."""
+    if any("7" in c for c in completions):
+        raise KeyError("bug in user reward")
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def test_raising_reward_is_counted_not_fatal(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(TinyConfig(vocab_size=CharTokenizer().vocab_size, d_model=32, n_layers=1))
+    splits = make_splits(0, 32, 8)
+    cfg = Config(steps=2, budget=16, group_size=4, eval_size=8, progress=False,
+                 checkpoint_every=0, reward_on_error=-1.0)
+    tr = GRPOTrainer(cfg, TinyBackend(model), splits.train, [_flaky_reward], splits.heldout,
+                     out_dir=tmp_path)
+    recs = tr.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    # Only the answers containing a '7' are penalised, each counted once.
+    assert all(r["reward_problems"] > 0 for r in recs[1:])
+    assert all(r["reward_problems"] < 16 for r in recs[1:])
+    assert min(r["reward_mean"] for r in recs[1:]) > -1.0
+
+
+@pytest.fixture(scope="module")
+def world_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    cache = tmp_path_factory.mktemp("cache")
+    sft_model(0, make_splits(0, 64, 16), 2, cache)
+    return ["--sft-steps", "2", "--cache-dir", str(cache), "--world-train-size", "64",
+            "--world-heldout-size", "16", "--eval-size", "16", "--budget", "16",
+            "--group-size", "4", "--no-progress"]
+
+
+def test_nan_loss_stops_with_one_line_and_keeps_files(
+    tmp_path: Path, world_args: list[str], capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from grpolab import trainer
+
+    real = trainer.grpo_loss
+    calls = {"n": 0}
+
+    def nan_at_step_3(*args: object, **kwargs: object) -> LossOut:
+        calls["n"] += 1
+        out = real(*args, **kwargs)
+        if calls["n"] == 3:
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(trainer, "grpo_loss", nan_at_step_3)
+    out = tmp_path / "run"
+    code, err = _cli(["workshop", "--steps", "5", "--checkpoint-every", "2", "--out-dir",
+                      str(out), *world_args], capsys)
+    assert code == 1
+    assert len(err) == 1, err
+    assert "non-finite loss (nan) at step 3" in err[0] and str(out) in err[0]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert torch.load(out / "checkpoints" / "last.pt", weights_only=False)["step"] == 2
+
+    # ... and the run resumes from there once the cause is gone.
+    monkeypatch.setattr(trainer, "grpo_loss", real)
+    code, err = _cli(["workshop", "--steps", "3", "--resume", "--out-dir", str(out),
+                      *world_args], capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+
+
+def test_resume_without_checkpoint_exits_1(tmp_path: Path, world_args: list[str],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _cli(["workshop", "--steps", "2", "--resume", "--out-dir", str(tmp_path),
+                      *world_args], capsys)
+    assert code == 1
+    assert len(err) == 1 and "no checkpoint to resume from" in err[0], err
