@@ -79,7 +79,7 @@ class Config:
     reward_weights: list[float] = field(default_factory=list)
     format_pattern: str = ""
     reward_on_error: float = 0.0
-    lora: bool = False
+    lora: bool = True  # train rank-lora_r adapters; reference = adapters off (no copy)
     lora_r: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.0

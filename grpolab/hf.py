@@ -14,6 +14,10 @@ local directory, so the same ``GRPOTrainer`` that runs the workshop trains real 
   per-token overhead is a large share of a step on small models); identical prompts (the G
   answers of a group) share one prefill, and their prompt is also run once when scoring.
   Models whose forward takes no cache or ``position_ids`` fall back to HF ``generate``.
+* For Llama-family (llama, mistral, qwen2) and GPT-2 models, plain or LoRA, both sampling and
+  scoring skip the HF forward altogether and run ``grpolab.fastlm``: the same maths over the
+  model's own modules, with a static KV cache (the HF forward's own overhead is most of a
+  tiny model's step). Other models use the HF forward; ``GRPOLAB_FASTLM=0`` forces it.
 * Each call draws a seed from the trainer's generator and samples with a private
   ``torch.Generator``: runs are reproducible and the caller's global RNG is untouched.
 * Dropout in the model is switched off (LoRA dropout, if configured, is kept): the policy is
@@ -30,6 +34,7 @@ import contextlib
 import copy
 import inspect
 import logging
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +44,8 @@ import torch
 from torch import Tensor, nn
 
 from .config import Config, ConfigError
+from .fastlm import FastLM
+from .fastlm import unsupported as fastlm_unsupported
 from .losses import token_logprobs
 from .sampling import Rollout
 
@@ -115,6 +122,12 @@ def shared_prompts(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor] |
     return uniq[:, : ids.shape[1]], uniq[:, ids.shape[1]:], inv
 
 
+def fastlm_enabled() -> bool:
+    """``GRPOLAB_FASTLM=0`` (or false/no/off) turns the lean forward off: HF forward only."""
+    return os.environ.get("GRPOLAB_FASTLM", "1").strip().lower() not in ("0", "false", "no",
+                                                                          "off")
+
+
 def _positions(mask: Tensor) -> Tensor:
     """Position ids that count only real tokens (left padding gets 0), as ``generate`` uses."""
     return (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 0)
@@ -172,6 +185,17 @@ class HFBackend:
         self._lean = (self._cache_kw is not None and _accepts(fwd, "position_ids")
                       and not getattr(self._hf_model().config, "is_encoder_decoder", False))
         self._keep = _accepts(fwd, "logits_to_keep")
+        # The lean forward (grpolab.fastlm) for supported architectures, else None: HF forward.
+        self._fast: FastLM | None = None
+        self._fast_ref: FastLM | None = None
+        if self._lean and fastlm_enabled():
+            why = fastlm_unsupported(self.model)
+            if why is None:
+                self._fast = FastLM(self.model)  # with LoRA also the reference (adapters off)
+                if self.ref is not None:
+                    self._fast_ref = FastLM.build(self.ref)
+            else:
+                log.debug("fastlm: using the HF forward (%s)", why)
 
     @staticmethod
     def _wrap_lora(model: nn.Module, r: int, alpha: int, dropout: float,
@@ -316,18 +340,24 @@ class HFBackend:
         if max_new <= 0:
             return ids.new_zeros((b, 0))
         gen = torch.Generator(device=dev).manual_seed(seed)
+        fast = self._fast if self._fast is not None and self._fast.fits(tp + max_new) else None
         with torch.inference_mode():
-            cache = self._new_cache()
             shared = shared_prompts(ids, mask)
-            p_ids, p_mask = (shared[0], shared[1]) if shared else (ids, mask)
-            keep = {"logits_to_keep": 1} if self._keep else {}
-            logits = model(input_ids=p_ids, attention_mask=p_mask, position_ids=_positions(p_mask),
-                           use_cache=True, **keep, **{self._cache_kw: cache}).logits[:, -1]
-            if shared:  # copy each distinct prompt's cache and logits to its rows
-                cache.batch_select_indices(shared[2])
-                logits = logits[shared[2]]
-            full_mask = torch.cat([mask, mask.new_ones((b, max_new))], dim=1)
-            pos = mask.sum(dim=1, keepdim=True)  # position of the first new token
+            if fast is not None:
+                dec = fast.decoder(ids, mask, max_new, shared)
+                logits = dec.logits
+            else:
+                cache = self._new_cache()
+                p_ids, p_mask = (shared[0], shared[1]) if shared else (ids, mask)
+                keep = {"logits_to_keep": 1} if self._keep else {}
+                logits = model(input_ids=p_ids, attention_mask=p_mask,
+                               position_ids=_positions(p_mask), use_cache=True, **keep,
+                               **{self._cache_kw: cache}).logits[:, -1]
+                if shared:  # copy each distinct prompt's cache and logits to its rows
+                    cache.batch_select_indices(shared[2])
+                    logits = logits[shared[2]]
+                full_mask = torch.cat([mask, mask.new_ones((b, max_new))], dim=1)
+                pos = mask.sum(dim=1, keepdim=True)  # position of the first new token
             eos = torch.as_tensor(self.eos_ids, device=dev)
             out = torch.full((b, max_new), self.pad_id, dtype=torch.long, device=dev)
             done = torch.zeros(b, dtype=torch.bool, device=dev)
@@ -339,6 +369,9 @@ class HFBackend:
                 if t == max_new - 1 or bool(done.all()):
                     steps = t + 1
                     break
+                if fast is not None:
+                    logits = dec.step(nxt)
+                    continue
                 logits = model(input_ids=nxt[:, None], attention_mask=full_mask[:, : tp + t + 1],
                                position_ids=pos + t, use_cache=True,
                                **{self._cache_kw: cache}).logits[:, -1]
@@ -395,7 +428,15 @@ class HFBackend:
             kwargs["logits_to_keep"] = tc  # only the positions that predict answer tokens
         dev = self.device
         shared = shared_prompts(ro.prompt_ids, ro.prompt_mask) if self._lean else None
-        if shared is not None:
+        fast = self._fast_ref if model is self.ref else self._fast
+        if fast is not None and self._lean and fast.fits(ids.shape[1]):
+            ids, attn, pos = ids.to(dev), attn.to(dev), pos.to(dev)
+            if shared is not None:
+                logits = fast.shared_prefix_logits(ids, attn, pos, tc,
+                                                   tuple(x.to(dev) for x in shared))
+            else:
+                logits = fast.logits(ids[:, :-1], attn[:, :-1], pos[:, :-1], keep=tc)
+        elif shared is not None:
             logits = self._shared_prefix_logits(model, ids.to(dev), attn.to(dev), pos.to(dev),
                                                 shared, tc, "logits_to_keep" in kwargs)
         else:
@@ -403,7 +444,9 @@ class HFBackend:
                         position_ids=pos[:, :-1].to(dev), **kwargs)
             logits = out.logits[:, -tc:, :]  # prompts are never empty, so tp - 1 >= 0
         t = temperature if temperature > 0 else 1.0
-        return token_logprobs(logits / t, ro.completion_ids.to(dev)).cpu()
+        if t != 1.0:  # x / 1 == x: skip a [B, Tc, V] copy
+            logits = logits / t
+        return token_logprobs(logits, ro.completion_ids.to(dev)).cpu()
 
     def _shared_prefix_logits(self, model: nn.Module, ids: Tensor, attn: Tensor, pos: Tensor,
                               shared: tuple[Tensor, Tensor, Tensor], tc: int,

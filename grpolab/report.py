@@ -11,7 +11,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 class MetricsWriter:
@@ -59,11 +59,21 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+def _rolling(ys: list[float], k: int) -> list[float]:
+    """Trailing mean over up to k points, so a noisy per-step series shows its trend."""
+    return [sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1])
+            for i in range(len(ys))]
+
+
 def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "") -> None:
     """Left: training reward and held-out accuracy. Right: dead-group share per step."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax1.plot(*_series(rows, "reward_mean"), label="training reward (mean)", color="tab:blue")
+    steps, rew = _series(rows, "reward_mean")
+    ax1.plot(steps, rew, label="training reward (mean of the step)", color="tab:blue", alpha=0.35)
+    ax1.plot(steps, _rolling(rew, 5), label="training reward (5-step mean)", color="tab:blue")
     ax1.plot(*_series(rows, "heldout_acc"), "o-", ms=3, label="held-out accuracy (greedy)",
+             color="tab:green")
+    ax1.plot(*_series(rows, "heldout_pass_prob"), "--", label="held-out accuracy (T=1, exact)",
              color="tab:green")
     ax1.set_xlabel("step")
     ax1.set_ylim(0, 1)
@@ -102,9 +112,16 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         "mean_predicted_dead_share": sum(pred) / len(pred) if pred else float("nan"),
         "start_heldout_acc": accs[0]["heldout_acc"] if accs else float("nan"),
         "final_heldout_acc": accs[-1]["heldout_acc"] if accs else float("nan"),
+        "start_heldout_pass_prob": _first_last(rows, "heldout_pass_prob", 0),
+        "final_heldout_pass_prob": _first_last(rows, "heldout_pass_prob", -1),
         "answers_generated": sum(r.get("answers_generated", 0) for r in steps),
         "mean_reward": (sum(r["reward_mean"] for r in steps) / len(steps)) if steps else float("nan"),
     }
+
+
+def _first_last(rows: list[dict], key: str, i: int) -> float:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return vals[i] if vals else float("nan")
 
 
 def format_table(header: list[str], rows: list[list[Any]]) -> str:

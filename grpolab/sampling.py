@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .losses import token_logprobs
-from .world import CharTokenizer, TinyGPT
+from .world import CharTokenizer, TinyGPT, adapters_disabled, add_lora
 
 
 @dataclass
@@ -90,13 +90,25 @@ def _finish(ids: Tensor, eos: int, pad: int) -> tuple[Tensor, Tensor]:
 
 
 class TinyBackend:
-    """The built-in world's policy: TinyGPT + character tokenizer, reference = frozen copy."""
+    """The built-in world's policy: TinyGPT + character tokenizer.
 
-    def __init__(self, model: TinyGPT) -> None:
+    With ``lora`` the policy trains rank-``lora_r`` adapters and the reference is the same model
+    with its adapters off; without, every weight trains and the reference is a frozen copy.
+    """
+
+    def __init__(
+        self, model: TinyGPT, lora: bool = False, lora_r: int = 8, lora_alpha: float = 16,
+        seed: int = 0,
+    ) -> None:
         self.model = model
-        self.ref = copy.deepcopy(model).eval()
-        for p in self.ref.parameters():
-            p.requires_grad_(False)
+        self.lora = lora
+        self.ref: TinyGPT | None = None
+        if lora:
+            add_lora(model, lora_r, lora_alpha, seed)
+        else:
+            self.ref = copy.deepcopy(model).eval()
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
         self.tok = CharTokenizer()
         self.pad_id = self.tok.PAD
 
@@ -153,10 +165,15 @@ class TinyBackend:
 
     def logprobs(self, rollout: Rollout, temperature: float, reference: bool = False) -> Tensor:
         """log pi(answer token | prefix) for every completion position, [B, Tc]."""
-        model = self.ref if reference else self.model
         full = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
         tp = rollout.prompt_ids.shape[1]
-        logits, _ = model(full[:, :-1])
+        if not reference:
+            logits, _ = self.model(full[:, :-1])
+        elif self.ref is not None:
+            logits, _ = self.ref(full[:, :-1])
+        else:
+            with adapters_disabled(self.model):
+                logits, _ = self.model(full[:, :-1])
         logits = logits[:, tp - 1 :, :] / temperature
         return token_logprobs(logits, rollout.completion_ids)
 
@@ -177,11 +194,17 @@ class TinyBackend:
         return torch.exp((lp * ro.completion_mask).sum(-1))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "ref": self.ref.state_dict()}
+        st = {"model": self.model.state_dict()}
+        if self.ref is not None:
+            st["ref"] = self.ref.state_dict()
+        return st
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if ("ref" in state) != (self.ref is not None):
+            raise ValueError("checkpoint and run disagree on lora (adapters vs full weights)")
         self.model.load_state_dict(state["model"])
-        self.ref.load_state_dict(state["ref"])
+        if self.ref is not None:
+            self.ref.load_state_dict(state["ref"])
 
     def save_pretrained(self, out_dir: str) -> None:
         from pathlib import Path

@@ -291,6 +291,17 @@ class GRPOTrainer:
                     weights=self.cfg.reward_weights or None, on_error=self.cfg.reward_on_error)
         return res.total >= self.cfg.success_threshold
 
+    @torch.no_grad()
+    def heldout_pass_prob(self) -> float | None:
+        """Mean exact probability that one temperature-T answer to a held-out prompt is right.
+
+        Only backends that can compute it (the world has one right string per prompt) report
+        it; it is the sampled-answer accuracy without sampling noise.
+        """
+        rows = self.heldout_rows[: self.cfg.eval_size]
+        p = self.backend.pass_probability(rows, self.cfg.temperature) if rows else None
+        return None if p is None else float(p.mean())
+
     def _predicted_dead(self, rows: list[dict]) -> float | None:
         p = self.backend.pass_probability(rows, self.cfg.temperature)
         if p is None:
@@ -309,8 +320,9 @@ class GRPOTrainer:
         t_sample = time.perf_counter() - t0
         upd = self.update(batch)
         self.step_num += 1
-        acc = self.evaluate() if (self.step_num % cfg.eval_every == 0
-                                  or self.step_num == cfg.steps) else None
+        do_eval = self.step_num % cfg.eval_every == 0 or self.step_num == cfg.steps
+        acc = self.evaluate() if do_eval else None
+        pass_prob = self.heldout_pass_prob() if do_eval else None
         # Without dynamic sampling the trained batch is the one sampled round (every rank's).
         useful = batch.trained_groups * g if cfg.dynamic_sampling else int(
             (~adv_mod.dead_mask(sampled, g)).sum()) * g
@@ -322,6 +334,7 @@ class GRPOTrainer:
             "reward_std": float(sampled.float().std()) if sampled.numel() > 1 else 0.0,
             "accuracy_train": float((sampled >= cfg.success_threshold).float().mean()),
             "heldout_acc": acc,
+            "heldout_pass_prob": pass_prob,
             "groups": ds.groups,
             "dead_share": ds.dead_share,
             "dead_all_right_share": ds.all_right_share,
@@ -354,7 +367,8 @@ class GRPOTrainer:
                                          resume_after_step=start if resume else None)
         records = []
         if start == 0:
-            rec0 = {"step": 0, "heldout_acc": self.evaluate()}
+            rec0 = {"step": 0, "heldout_acc": self.evaluate(),
+                    "heldout_pass_prob": self.heldout_pass_prob()}
             if self.metrics:
                 self.metrics.write(rec0)
             records.append(rec0)

@@ -38,7 +38,9 @@ def world_trainer(cfg: Config, out_dir: str | Path | None = None) -> GRPOTrainer
     splits = make_splits(cfg.seed, cfg.world_train_size, cfg.world_heldout_size)
     model = sft_model(cfg.seed, splits, cfg.sft_steps, cfg.cache_dir or None,
                       progress=cfg.progress, slip=cfg.sft_slip)
-    return GRPOTrainer(cfg, TinyBackend(model), splits.train, [exact_answer], splits.heldout,
+    backend = TinyBackend(model, lora=cfg.lora, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                          seed=cfg.seed)
+    return GRPOTrainer(cfg, backend, splits.train, [exact_answer], splits.heldout,
                        out_dir=out_dir)
 
 

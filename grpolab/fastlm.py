@@ -1,0 +1,444 @@
+"""Lean forward passes over a Hugging Face causal LM's own modules (Llama family and GPT-2).
+
+On small models a GRPO step is dominated by framework overhead, not arithmetic: every call of
+an HF model's forward builds attention masks, cache objects, output dataclasses and kwargs
+(about a millisecond of Python on CPU, several times the arithmetic of a tiny model), and the
+sampler calls it once per token. ``FastLM`` runs the same maths directly:
+
+* the model's own parameters and submodules, never copies: plain ``nn.Linear`` layers run as
+  ``F.linear`` on their weights, anything else (peft's LoRA layers, quantised linears) is called
+  as a module, so LoRA adapters, ``disable_adapter()`` and LoRA dropout keep working;
+* RMSNorm / LayerNorm, rotary embeddings (default RoPE only), grouped-query attention through
+  ``torch.nn.functional.scaled_dot_product_attention``, SiLU-gated or GELU MLPs, optional
+  biases, tied embeddings, all as in the HF implementations;
+* left padding through a key mask and ``position_ids`` that count only real tokens, exactly as
+  ``HFBackend`` drives the HF forward (padded query rows attend to themselves only, so they stay
+  finite; no real token ever attends to padding);
+* sampling: one prefill, then single-token decode steps into a preallocated static KV cache
+  (``Decoder``); during sampling (no gradients, weights fixed) the q/k/v and gate/up projections
+  of plain linears run as one matmul over their concatenated weights;
+* scoring with gradients: one forward over [prompt | completion], or a shared prompt run once
+  and its keys/values (with their autograd history) handed to the G completions of its group.
+
+Supported: ``llama``, ``mistral``, ``qwen2`` and ``gpt2`` models (``model_type``) with default
+RoPE, no gradient checkpointing, no module hooks, no cross-attention, plain or LoRA-wrapped
+(peft). Sliding-window attention is exact full attention while the sequence fits in the window;
+``FastLM.fits`` tells the caller. ``unsupported(model)`` names the reason otherwise, and the
+caller falls back to the HF forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+LLAMA_TYPES = ("llama", "mistral", "qwen2")
+GPT2_TYPES = ("gpt2",)
+
+
+# ----------------------------------------------------------------------------- support
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under any peft wrapper."""
+    get = getattr(model, "get_base_model", None)
+    return get() if get is not None else model
+
+
+def _rope_type(config: Any) -> str:
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, name, None)
+        if isinstance(params, dict) and params:
+            return str(params.get("rope_type", params.get("type", "default")))
+    return "default"
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why ``FastLM`` cannot run ``model`` exactly, or None when it can."""
+    peft_cfg = getattr(model, "peft_config", None)
+    if isinstance(peft_cfg, dict) and any(getattr(c, "peft_type", None) != "LORA"
+                                          for c in peft_cfg.values()):
+        return "peft adapters other than LoRA"
+    hf = base_model(model)
+    config = getattr(hf, "config", None)
+    mtype = getattr(config, "model_type", None)
+    if mtype not in LLAMA_TYPES + GPT2_TYPES:
+        return f"model_type {mtype!r} (supported: {', '.join(LLAMA_TYPES + GPT2_TYPES)})"
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention",
+                                                               False):
+        return "cross-attention"
+    ckpt = getattr(type(hf), "is_activation_checkpointing", None)  # transformers >= 5.x
+    if getattr(hf, "is_activation_checkpointing" if ckpt is not None
+               else "is_gradient_checkpointing", False):
+        return "gradient checkpointing"
+    for m in hf.modules():
+        if m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook"):
+            return f"forward hooks on {type(m).__name__}"
+    if mtype in LLAMA_TYPES:
+        rope = _rope_type(config)
+        if rope != "default":
+            return f"rope type {rope!r} (only default RoPE)"
+        inner = getattr(hf, "model", None)
+        rotary = getattr(inner, "rotary_emb", None)
+        if (not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens")
+                or getattr(rotary, "rope_type", "default") != "default"
+                or not hasattr(rotary, "inv_freq") or not hasattr(hf, "lm_head")):
+            return f"unexpected module layout in {type(hf).__name__}"
+        types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if not types <= {"full_attention", "sliding_attention"}:
+            return f"layer types {sorted(types)}"
+        norms = [inner.norm] + [n for lay in inner.layers
+                                for n in (lay.input_layernorm, lay.post_attention_layernorm)]
+        if any(type(n).__name__ not in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+               for n in norms):
+            return "an RMSNorm variant"
+        for lay in inner.layers:
+            at = lay.self_attn
+            if any(not hasattr(at, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                return f"unexpected attention module {type(at).__name__}"
+            if any(not hasattr(lay.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+                return f"unexpected MLP module {type(lay.mlp).__name__}"
+    else:
+        tr = getattr(hf, "transformer", None)
+        if tr is None or not hasattr(tr, "h") or not hasattr(hf, "lm_head"):
+            return f"unexpected module layout in {type(hf).__name__}"
+    return None
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def _linear(m: nn.Module, x: Tensor) -> Tensor:
+    """A projection: ``F.linear`` on a plain ``nn.Linear``'s own weights, else the module."""
+    if type(m) is nn.Linear:
+        return F.linear(x, m.weight, m.bias)
+    if type(m).__name__ == "Conv1D" and hasattr(m, "nf"):  # GPT-2: x @ W + b
+        out = torch.addmm(m.bias, x.reshape(-1, x.shape[-1]), m.weight)
+        return out.view(*x.shape[:-1], m.nf)
+    return m(x)
+
+
+def _rms_norm(m: nn.Module, x: Tensor) -> Tensor:
+    """Llama-style RMSNorm: weight * x / sqrt(mean(x^2) + eps), computed in float32."""
+    eps = m.variance_epsilon
+    if x.dtype == torch.float32 and m.weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), m.weight, eps)
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return m.weight * xf.to(x.dtype)
+
+
+def _layer_norm(m: nn.LayerNorm, x: Tensor) -> Tensor:
+    return F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin == roll(x, D/2) * (+-sin).
+
+    ``sin`` is the signed table (first half negated): bit-identical to HF's rotate_half form.
+    """
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
+
+
+def _plain(*mods: nn.Module) -> bool:
+    return all(type(m) is nn.Linear for m in mods)
+
+
+def _cat_weights(mods: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None] | None:
+    """One (weight, bias) for several plain linears with one input (None when they differ)."""
+    if not _plain(*mods):
+        return None
+    biases = [m.bias for m in mods]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    w = torch.cat([m.weight for m in mods])
+    return w, (None if biases[0] is None else torch.cat(biases))
+
+
+class _Concat:
+    """Keys/values of one forward: ``past`` ones (a shared prompt's) in front, own ones kept."""
+
+    def __init__(self, past: list[tuple[Tensor, Tensor]] | None = None) -> None:
+        self.past = past
+        self.kv: list[tuple[Tensor, Tensor]] = []
+
+    def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.past is not None:
+            pk, pv = self.past[i]
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+        self.kv.append((k, v))
+        return k, v
+
+
+class _Static:
+    """A preallocated KV cache [B, kv heads, S, head_dim] per layer, filled left to right."""
+
+    def __init__(self, prefix: list[tuple[Tensor, Tensor]], rows: Tensor | None,
+                 size: int) -> None:
+        k0 = prefix[0][0]
+        b = k0.shape[0] if rows is None else rows.shape[0]
+        shape = (len(prefix), 2, b, k0.shape[1], size, k0.shape[3])
+        self.buf = k0.new_empty(shape)
+        self.k = list(self.buf[:, 0].unbind(0))
+        self.v = list(self.buf[:, 1].unbind(0))
+        self.len = k0.shape[2]
+        for i, (k, v) in enumerate(prefix):
+            if rows is not None:  # each distinct prompt's keys/values go to its rows
+                k, v = k[rows], v[rows]
+            self.k[i].narrow(2, 0, self.len).copy_(k)
+            self.v[i].narrow(2, 0, self.len).copy_(v)
+
+    def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        t, n = k.shape[2], self.len + k.shape[2]
+        self.k[i].narrow(2, self.len, t).copy_(k)
+        self.v[i].narrow(2, self.len, t).copy_(v)
+        return self.k[i].narrow(2, 0, n), self.v[i].narrow(2, 0, n)
+
+
+def prompt_mask4d(mask: Tensor) -> Tensor | None:
+    """Boolean attention mask [B, 1, T, T] for left-padded rows (None: no padding, causal).
+
+    Causal over real keys; a padding query attends to itself only (its output is never used,
+    but must be finite: a fully masked row would give NaN, and 0 * NaN poisons real rows).
+    """
+    if bool(mask.all()):
+        return None
+    t = mask.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=mask.device).tril_()
+    allowed = causal & mask.bool()[:, None, None, :]
+    return allowed | torch.eye(t, dtype=torch.bool, device=mask.device)
+
+
+def chunk_mask4d(past_mask: Tensor, t: int) -> Tensor:
+    """Mask [B, 1, t, P + t] for t real tokens after P past keys (``past_mask`` [B, P])."""
+    b, p = past_mask.shape
+    causal = torch.ones(t, t, dtype=torch.bool, device=past_mask.device).tril_()
+    past = past_mask.bool()[:, None, None, :].expand(b, 1, t, p)
+    return torch.cat([past, causal.expand(b, 1, t, t)], dim=-1)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class FastLM:
+    """The lean forward of one HF model (plain or peft-wrapped); see the module docstring."""
+
+    def __init__(self, model: nn.Module) -> None:
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"FastLM cannot run this model: {why}")
+        self.model = model
+        hf = base_model(model)
+        self.hf = hf
+        config = hf.config
+        self.config = config
+        self.arch = "gpt2" if config.model_type in GPT2_TYPES else "llama"
+        self.heads = int(config.num_attention_heads)
+        if self.arch == "llama":
+            inner = hf.model
+            self.embed = inner.embed_tokens
+            self.layers = list(inner.layers)
+            self.norm = inner.norm
+            self.rotary = inner.rotary_emb
+            self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+            self.head_dim = int(self.layers[0].self_attn.head_dim)
+            self.silu = str(getattr(config, "hidden_act", "")) in ("silu", "swish")
+            sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])
+            win = getattr(config, "sliding_window", None)
+            self.window = int(win) if win and (sliding or config.model_type == "mistral") else None
+        else:
+            tr = hf.transformer
+            self.embed, self.wpe = tr.wte, tr.wpe
+            self.layers = list(tr.h)
+            self.norm = tr.ln_f
+            self.kv_heads = self.heads
+            self.head_dim = int(config.hidden_size) // self.heads
+            self.window = None
+        self.lm_head = hf.lm_head
+
+    @classmethod
+    def build(cls, model: nn.Module) -> FastLM | None:
+        """A FastLM for ``model``, or None when it is unsupported (the HF forward is used)."""
+        return cls(model) if unsupported(model) is None else None
+
+    def fits(self, length: int) -> bool:
+        """Whether sequences of ``length`` tokens see every earlier token (sliding windows)."""
+        return self.window is None or length <= self.window
+
+    # ------------------------------------------------------------------ pieces --
+    def rope_tables(self, n: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and signed sin [n, head_dim] for positions 0..n-1, as HF's rotary embedding."""
+        inv = self.rotary.inv_freq.to(device=like.device, dtype=torch.float32)
+        freqs = torch.arange(n, device=like.device, dtype=torch.float32)[:, None] * inv[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        scale = getattr(self.rotary, "attention_scaling", 1.0)
+        cos, sin = emb.cos() * scale, emb.sin() * scale
+        half = inv.shape[0]
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        return cos.to(like.dtype), sin.to(like.dtype)
+
+    def fused_weights(self) -> list[tuple[Any, Any]]:
+        """Per layer, concatenated (q, k, v) and (gate, up) weights of plain linears.
+
+        For sampling only (no gradients; rebuilt every call, so never stale).
+        """
+        if self.arch != "llama":
+            return [(None, None)] * len(self.layers)
+        out = []
+        for lay in self.layers:
+            at, mlp = lay.self_attn, lay.mlp
+            out.append((_cat_weights((at.q_proj, at.k_proj, at.v_proj)),
+                        _cat_weights((mlp.gate_proj, mlp.up_proj))))
+        return out
+
+    def _attention(self, i: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                   kv: Any, scale: float) -> Tensor:
+        """q [B, T, H, D], k/v [B, T, Hkv, D] -> attention output [B, T, H * D]."""
+        b, t = q.shape[:2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        k, v = kv.update(i, k, v)
+        causal = mask is None and t > 1 and k.shape[2] == t
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           scale=scale, enable_gqa=self.kv_heads != self.heads)
+        return o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+
+    def _llama_layer(self, i: int, lay: nn.Module, x: Tensor, cos: Tensor, sin: Tensor,
+                     mask: Tensor | None, kv: Any, fused: tuple[Any, Any]) -> Tensor:
+        at, mlp = lay.self_attn, lay.mlp
+        b, t = x.shape[:2]
+        hh, hk, d = self.heads, self.kv_heads, self.head_dim
+        h = _rms_norm(lay.input_layernorm, x)
+        qkv_w, gu_w = fused
+        if qkv_w is not None:
+            qkv = F.linear(h, *qkv_w).view(b, t, hh + 2 * hk, d)
+            qk = _rope(qkv[:, :, : hh + hk], cos, sin)
+            q, k, v = qk[:, :, :hh], qk[:, :, hh:], qkv[:, :, hh + hk:]
+        else:
+            q = _rope(_linear(at.q_proj, h).view(b, t, hh, d), cos, sin)
+            k = _rope(_linear(at.k_proj, h).view(b, t, hk, d), cos, sin)
+            v = _linear(at.v_proj, h).view(b, t, hk, d)
+        o = self._attention(i, q, k, v, mask, kv, at.scaling)
+        x = x + _linear(at.o_proj, o)
+        h = _rms_norm(lay.post_attention_layernorm, x)
+        if gu_w is not None:
+            g, u = F.linear(h, *gu_w).chunk(2, dim=-1)
+        else:
+            g, u = _linear(mlp.gate_proj, h), _linear(mlp.up_proj, h)
+        g = F.silu(g) if self.silu else mlp.act_fn(g)
+        return x + _linear(mlp.down_proj, g * u)
+
+    def _gpt2_layer(self, i: int, lay: nn.Module, x: Tensor, mask: Tensor | None,
+                    kv: Any) -> Tensor:
+        at, mlp = lay.attn, lay.mlp
+        b, t = x.shape[:2]
+        h = _layer_norm(lay.ln_1, x)
+        qkv = _linear(at.c_attn, h).view(b, t, 3 * self.heads, self.head_dim)
+        q, k, v = qkv.chunk(3, dim=2)
+        x = x + _linear(at.c_proj, self._attention(i, q, k, v, mask, kv, at.scaling))
+        h = _layer_norm(lay.ln_2, x)
+        return x + _linear(mlp.c_proj, mlp.act(_linear(mlp.c_fc, h)))
+
+    # ----------------------------------------------------------------- forward --
+    def forward(self, ids: Tensor, pos: Tensor, mask: Tensor | None, kv: Any, keep: int = 0,
+                tables: tuple[Tensor, Tensor] | None = None,
+                fused: list[tuple[Any, Any]] | None = None) -> Tensor:
+        """Logits [B, T or keep, V] for ``ids`` [B, T] at positions ``pos`` [B, T].
+
+        ``mask``: boolean [B, 1, T, keys] (None = causal, nothing padded); ``kv``: where keys
+        and values come from and go (``_Concat`` or ``_Static``); ``keep``: only the last keep
+        positions get logits; ``tables``: precomputed rope tables covering ``pos``.
+        """
+        x = self.embed(ids)
+        if self.arch == "llama":
+            if tables is None:
+                tables = self.rope_tables(int(pos.max()) + 1, x)
+            cos, sin = tables[0][pos].unsqueeze(2), tables[1][pos].unsqueeze(2)
+            fused = fused or [(None, None)] * len(self.layers)
+            for i, lay in enumerate(self.layers):
+                x = self._llama_layer(i, lay, x, cos, sin, mask, kv, fused[i])
+            if keep:
+                x = x[:, -keep:]
+            x = _rms_norm(self.norm, x)
+        else:
+            x = x + self.wpe(pos)
+            for i, lay in enumerate(self.layers):
+                x = self._gpt2_layer(i, lay, x, mask, kv)
+            if keep:
+                x = x[:, -keep:]
+            x = _layer_norm(self.norm, x)
+        return _linear(self.lm_head, x)
+
+    # ----------------------------------------------------------------- scoring --
+    def logits(self, ids: Tensor, attn: Tensor, pos: Tensor, keep: int) -> Tensor:
+        """One forward over left-padded ``ids`` [B, T] (mask ``attn``): the last keep logits."""
+        return self.forward(ids, pos, prompt_mask4d(attn), _Concat(), keep=keep)
+
+    def shared_prefix_logits(self, ids: Tensor, attn: Tensor, pos: Tensor, tc: int,
+                             shared: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        """Logits [B, tc, V] predicting the last tc tokens of ``ids``, each prompt run once.
+
+        ``shared`` = (distinct prompt ids, their mask, row -> distinct index). The prompts'
+        keys and values (with their autograd history) are copied to the rows that share them.
+        """
+        u_ids, u_mask, inv = shared
+        tp = ids.shape[1] - tc
+        pre = _Concat()
+        first = self.forward(u_ids, pos_ids(u_mask), prompt_mask4d(u_mask), pre, keep=1)[inv]
+        if tc == 1:
+            return first
+        past = [(k[inv], v[inv]) for k, v in pre.kv]
+        rest = self.forward(ids[:, tp:-1], pos[:, tp:-1], chunk_mask4d(attn[:, :tp], tc - 1),
+                            _Concat(past))
+        return torch.cat([first, rest], dim=1)
+
+    # ---------------------------------------------------------------- sampling --
+    def decoder(self, ids: Tensor, mask: Tensor, max_new: int,
+                shared: tuple[Tensor, Tensor, Tensor] | None = None) -> Decoder:
+        """Prefill left-padded prompts [B, Tp] (each distinct one once) for up to max_new steps."""
+        return Decoder(self, ids, mask, max_new, shared)
+
+
+def pos_ids(mask: Tensor) -> Tensor:
+    """Position ids that count only real tokens (left padding gets 0), as ``generate`` uses."""
+    return (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 0)
+
+
+class Decoder:
+    """Sampling state: a static KV cache and the logits for the next token.
+
+    ``logits`` [B, V] predicts the first new token after construction; ``step(tokens)`` feeds
+    one token per row and returns the logits for the next. Use under ``torch.inference_mode``.
+    """
+
+    def __init__(self, lm: FastLM, ids: Tensor, mask: Tensor, max_new: int,
+                 shared: tuple[Tensor, Tensor, Tensor] | None) -> None:
+        self.lm = lm
+        b, tp = ids.shape
+        p_ids, p_mask, rows = (shared if shared is not None else (ids, mask, None))
+        self.fused = lm.fused_weights()
+        x = ids.new_empty(0, dtype=lm.embed.weight.dtype)
+        self.tables = lm.rope_tables(tp + max_new, x) if lm.arch == "llama" else None
+        pre = _Concat()
+        logits = lm.forward(p_ids, pos_ids(p_mask), prompt_mask4d(p_mask), pre, keep=1,
+                            tables=self.tables, fused=self.fused)[:, -1]
+        self.logits = logits if rows is None else logits[rows]
+        self.cache = _Static(pre.kv, rows, tp + max(max_new - 1, 0))
+        self.pos = mask.sum(dim=1, keepdim=True)  # position of the first new token
+        self.padded = not bool(mask.all())
+        # Key mask for every step: the prompt's padding, then new tokens (always real).
+        full = torch.cat([mask.bool(), mask.new_ones((b, max_new), dtype=torch.bool)], dim=1)
+        self.key_mask = full[:, None, None, :]
+        self.t = 0
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed ``tokens`` [B] (one per row); the logits [B, V] for the token after them."""
+        c = self.cache
+        mask = self.key_mask.narrow(3, 0, c.len + 1) if self.padded else None
+        logits = self.lm.forward(tokens[:, None], self.pos + self.t, mask, c,
+                                 tables=self.tables, fused=self.fused)
+        c.len += 1
+        self.t += 1
+        return logits[:, -1]

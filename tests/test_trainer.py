@@ -1,0 +1,118 @@
+"""Trainer-level behaviour of the switches: dynamic sampling, curriculum, epochs, predictions."""
+
+import logging
+
+import pytest
+import torch
+
+from grpolab.advantages import dead_mask
+from grpolab.config import make_config
+from grpolab.curriculum import PromptSampler, curriculum_weights
+from grpolab.sampling import TinyBackend
+from grpolab.trainer import GRPOTrainer
+from grpolab.world import TinyConfig, TinyGPT, make_splits
+
+
+def first_digit_odd(prompts, completions, **_):
+    """A reward a random model gets right about half the time, so groups are often mixed."""
+    return [1.0 if c[:1] in "13579" and c else 0.0 for c in completions]
+
+
+def never(prompts, completions, **_):
+    return [0.0] * len(completions)
+
+
+def trainer(tmp_path, reward=first_digit_odd, lora=False, **over) -> GRPOTrainer:
+    cfg = make_config(None, {"progress": False, "checkpoint_every": 0, "budget": 32,
+                             "group_size": 4, "steps": 2, "max_new_tokens": 4,
+                             "eval_size": 16, **over})
+    torch.manual_seed(0)
+    model = TinyGPT(TinyConfig(d_model=32, n_layers=2, n_heads=2))
+    splits = make_splits(0, 64, 16)
+    backend = TinyBackend(model, lora=lora, seed=0)
+    return GRPOTrainer(cfg, backend, splits.train, [reward], splits.heldout, out_dir=tmp_path)
+
+
+def test_dynamic_sampling_trains_only_mixed_groups(tmp_path) -> None:
+    tr = trainer(tmp_path, dynamic_sampling=True)
+    batch = tr.collect()
+    assert len(batch.rows) == 32 and batch.trained_groups == 8
+    assert not dead_mask(batch.rewards, 4).any()
+    sampled = torch.cat(batch.sampled_rewards)
+    assert batch.answers_generated == sampled.numel() == 32 * batch.rounds
+    assert batch.rounds >= 2  # a random policy gives dead groups, so a refill was needed
+    assert not batch.cap_hit
+
+
+def test_dynamic_sampling_cap_is_reported(tmp_path, caplog) -> None:
+    tr = trainer(tmp_path, reward=never, dynamic_sampling=True, max_sampling_rounds=2)
+    tr.metrics = None
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        rec = tr.step()
+    assert rec["sampling_cap_hit"] is True
+    assert rec["sampling_rounds"] == 3 and rec["answers_generated"] == 96
+    assert rec["trained_groups"] == 0 and rec["useful_answers"] == 0
+    assert rec["answers_per_useful"] is None
+    assert "cap of 2 extra rounds hit" in caplog.text
+
+
+def test_plain_grpo_counts_useful_answers(tmp_path) -> None:
+    tr = trainer(tmp_path)
+    rec = tr.step()
+    assert rec["answers_generated"] == 32 and rec["sampling_rounds"] == 1
+    live = round((1 - rec["dead_share"]) * rec["groups"])
+    assert rec["useful_answers"] == live * 4
+    # the world backend predicts the dead share from exact pass rates
+    assert rec["predicted_dead_share"] is not None and 0 <= rec["predicted_dead_share"] <= 1
+    assert 0 <= rec["heldout_pass_prob"] <= 1
+
+
+def test_curriculum_weights_hand_values() -> None:
+    p = torch.tensor([0.0, 0.5, 1.0, 0.25, 0.9], dtype=torch.float64)
+    seen = torch.tensor([True, True, True, True, False])
+    w = curriculum_weights(p, seen, floor=0.05, unseen=0.5)
+    assert w.tolist() == pytest.approx([0.05, 1.0, 0.05, 0.75, 0.5])
+
+
+def test_curriculum_running_pass_rate_and_draws() -> None:
+    s = PromptSampler(4, torch.Generator().manual_seed(0), curriculum=True, decay=0.5)
+    s.update([0, 1, 2], [1.0, 0.5, 0.0])
+    s.update([1], [0.0])  # EMA: 0.5 * 0.5 + 0.5 * 0.0
+    assert s.pass_rate.tolist() == pytest.approx([1.0, 0.25, 0.0, 0.0])
+    assert s.visits.tolist() == [1, 2, 1, 0]
+    counts = torch.zeros(4)
+    for _ in range(400):
+        counts[s.draw(1)[0]] += 1
+    # weights 0.05, 0.75, 0.05, 0.5 (unseen): the sometimes-failed prompt dominates
+    assert counts[1] > counts[3] > 5 * counts[0]
+    assert counts[0] > 0  # never dropped outright
+    uniform = PromptSampler(4, torch.Generator().manual_seed(0))
+    assert sorted(uniform.draw(4)) == [0, 1, 2, 3]
+
+
+def test_epochs_reuse_the_old_policy_and_clip(tmp_path) -> None:
+    one = trainer(tmp_path / "a", epochs=1, lr=0.05, eps_low=0.01, eps_high=0.01)
+    two = trainer(tmp_path / "b", epochs=2, lr=0.05, eps_low=0.01, eps_high=0.01)
+    b1, b2 = one.collect(), two.collect()
+    assert b1.rows == b2.rows and torch.equal(b1.rewards, b2.rewards)
+    out1, out2 = one.update(b1), two.update(b2)
+    assert out1["clip_frac"] == 0.0  # first pass: ratio is exactly 1
+    assert out2["clip_frac"] > 0.0  # second pass: the ratio to the old policy moved and clipped
+    w1 = torch.cat([p.flatten() for p in one.backend.model.parameters()])
+    w2 = torch.cat([p.flatten() for p in two.backend.model.parameters()])
+    assert not torch.equal(w1, w2)
+
+
+def test_lora_reference_is_the_base(tmp_path) -> None:
+    tr = trainer(tmp_path, lora=True, lr=0.05)
+    assert tr.backend.ref is None
+    trainable = [n for n, p in tr.backend.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    ro = tr.backend.generate(["123+456="] * 4, 1.0, 4, torch.Generator().manual_seed(0))
+    before = tr.backend.logprobs(ro, 1.0).detach()
+    for _ in range(3):
+        tr.update(tr.collect())
+    after = tr.backend.logprobs(ro, 1.0).detach()
+    ref = tr.backend.logprobs(ro, 1.0, reference=True).detach()
+    assert not torch.allclose(after, before)  # the adapters learned something
+    assert torch.allclose(ref, before, atol=1e-6)  # adapters off = the starting model

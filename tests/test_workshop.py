@@ -1,0 +1,64 @@
+"""End to end: a short workshop writes its metrics, plot and summary; a sweep writes its table."""
+
+import json
+import struct
+from pathlib import Path
+
+from grpolab.cli import main
+from grpolab.report import read_metrics
+
+TINY = ["--sft-steps", "20", "--steps", "3", "--world-train-size", "64",
+        "--world-heldout-size", "32", "--eval-size", "32", "--no-progress"]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_short_workshop_writes_metrics_and_png(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    rc = main(["workshop", *TINY, "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(out)])
+    assert rc == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows[1:]:
+        assert r["groups"] == 8 and r["answers_generated"] == 64
+        assert abs(r["dead_all_right_share"] + r["dead_all_wrong_share"] - r["dead_share"]) < 1e-9
+        assert 0 <= r["predicted_dead_share"] <= 1
+        assert r["heldout_acc"] is not None
+    w, h = png_size(out / "workshop.png")
+    assert w > 800 and h > 300
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["group_size"] == 8 and summary["prompts_per_step"] == 8
+    assert summary["answers_generated"] == 3 * 64
+    assert (out / "checkpoints" / "last.pt").is_file()
+    assert "held-out accuracy" in capsys.readouterr().out
+
+
+def test_sweep_table_and_plot(tmp_path, capsys) -> None:
+    out = tmp_path / "sweep"
+    rc = main(["workshop", *TINY, "--steps", "2", "--cache-dir", str(tmp_path / "cache"),
+               "--out-dir", str(out), "--sweep", "4,16", "--variants", "grpo,dynamic",
+               "--max-sampling-rounds", "1"])
+    assert rc == 0
+    table = (out / "sweep.md").read_text().splitlines()
+    assert table[0].startswith("| variant | G | prompts/step")
+    body = [line.split("|")[1:-1] for line in table[2:]]
+    assert [(c[0].strip(), c[1].strip(), c[2].strip()) for c in body] == [
+        ("grpo", "4", "16"), ("grpo", "16", "4"), ("dynamic", "4", "16"), ("dynamic", "16", "4")
+    ]
+    # plain GRPO generates exactly the budget; dynamic sampling at least that
+    answers = [int(c[-1]) for c in body]
+    assert answers[0] == answers[1] == 2 * 64 and min(answers[2:]) >= 2 * 64
+    png_size(out / "sweep.png")
+    for d in ("grpo-G4", "grpo-G16", "dynamic-G4", "dynamic-G16"):
+        assert (out / d / "metrics.jsonl").is_file() and (out / d / "workshop.png").is_file()
+    assert "| grpo | 4 |" in capsys.readouterr().out
+
+
+def test_sweep_rejects_bad_sizes(tmp_path, capsys) -> None:
+    assert main(["workshop", "--sweep", "2,5", "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "group size 5 does not divide the budget 64" in err[0]
