@@ -123,7 +123,9 @@ def _workshop(cfg: Config, args: argparse.Namespace) -> int:
     s = run_workshop(cfg, resume=args.resume)
     print(f"G={s['group_size']} ({s['prompts_per_step']} prompts/step): mean dead share "
           f"{s['mean_dead_share']:.3f} (predicted {s['mean_predicted_dead_share']:.3f}), "
-          f"held-out accuracy {s['start_heldout_acc']:.3f} -> {s['final_heldout_acc']:.3f}")
+          f"held-out accuracy {s['start_heldout_acc']:.3f} -> {s['final_heldout_acc']:.3f} "
+          f"(greedy), {s['start_heldout_pass_prob']:.3f} -> {s['final_heldout_pass_prob']:.3f} "
+          f"(T={cfg.temperature}, exact)")
     print(f"wrote {cfg.out_dir}/metrics.jsonl and {cfg.out_dir}/workshop.png")
     return 0
 

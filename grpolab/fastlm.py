@@ -29,6 +29,7 @@ caller falls back to the HF forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,29 +111,55 @@ def unsupported(model: nn.Module) -> str | None:
 
 # ----------------------------------------------------------------------------- building blocks
 
+Fn = Callable[[Tensor], Tensor]
 
-def _linear(m: nn.Module, x: Tensor) -> Tensor:
-    """A projection: ``F.linear`` on a plain ``nn.Linear``'s own weights, else the module."""
+
+def _proj(m: nn.Module) -> Fn:
+    """A projection as a function: ``F.linear`` on a plain ``nn.Linear``'s own weights, GPT-2's
+    Conv1D as its addmm, anything else (peft LoRA layers, quantised linears) the module."""
     if type(m) is nn.Linear:
-        return F.linear(x, m.weight, m.bias)
-    if type(m).__name__ == "Conv1D" and hasattr(m, "nf"):  # GPT-2: x @ W + b
-        out = torch.addmm(m.bias, x.reshape(-1, x.shape[-1]), m.weight)
-        return out.view(*x.shape[:-1], m.nf)
-    return m(x)
+        w, b = m.weight, m.bias
+        return lambda x: F.linear(x, w, b)
+    if type(m).__name__ == "Conv1D" and hasattr(m, "nf"):  # x @ W + b
+        w, b, nf = m.weight, m.bias, m.nf
+        return lambda x: torch.addmm(b, x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], nf)
+    return m
 
 
-def _rms_norm(m: nn.Module, x: Tensor) -> Tensor:
+def _fused_proj(mods: tuple[nn.Module, ...]) -> Fn | None:
+    """Several plain linears with one input as one matmul over their concatenated weights.
+
+    The same products, one call; the concatenation is made when the forward is prepared (per
+    scoring call, where autograd carries gradients back through it, or per sampling call), so
+    it is never stale. None when any is not a plain ``nn.Linear`` (e.g. LoRA-wrapped).
+    """
+    if not all(type(m) is nn.Linear for m in mods):
+        return None
+    biases = [m.bias for m in mods]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    w = torch.cat([m.weight for m in mods])
+    b = None if biases[0] is None else torch.cat(biases)
+    return lambda x: F.linear(x, w, b)
+
+
+def _rms_norm(m: nn.Module) -> Fn:
     """Llama-style RMSNorm: weight * x / sqrt(mean(x^2) + eps), computed in float32."""
-    eps = m.variance_epsilon
-    if x.dtype == torch.float32 and m.weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), m.weight, eps)
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return m.weight * xf.to(x.dtype)
+    w, eps = m.weight, m.variance_epsilon
+
+    def norm(x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and w.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return w * xf.to(x.dtype)
+
+    return norm
 
 
-def _layer_norm(m: nn.LayerNorm, x: Tensor) -> Tensor:
-    return F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
+def _layer_norm(m: nn.LayerNorm) -> Fn:
+    shape, w, b, eps = m.normalized_shape, m.weight, m.bias, m.eps
+    return lambda x: F.layer_norm(x, shape, w, b, eps)
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -143,19 +170,19 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
 
 
-def _plain(*mods: nn.Module) -> bool:
-    return all(type(m) is nn.Linear for m in mods)
+class _Layer:
+    """One decoder layer's functions, resolved once per forward (no module lookups inside)."""
+
+    __slots__ = ("norm1", "norm2", "qkv", "q", "k", "v", "o", "gate_up", "gate", "up", "down",
+                 "act", "scale")
 
 
-def _cat_weights(mods: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None] | None:
-    """One (weight, bias) for several plain linears with one input (None when they differ)."""
-    if not _plain(*mods):
-        return None
-    biases = [m.bias for m in mods]
-    if any(b is None for b in biases) and not all(b is None for b in biases):
-        return None
-    w = torch.cat([m.weight for m in mods])
-    return w, (None if biases[0] is None else torch.cat(biases))
+class _Weights:
+    """Everything a forward calls: embeddings, layers, final norm and head."""
+
+    def __init__(self, embed: Fn, layers: list[_Layer], norm: Fn, head: Fn,
+                 wpe: Fn | None = None) -> None:
+        self.embed, self.layers, self.norm, self.head, self.wpe = embed, layers, norm, head, wpe
 
 
 class _Concat:
@@ -242,7 +269,7 @@ class FastLM:
             self.embed = inner.embed_tokens
             self.layers = list(inner.layers)
             self.norm = inner.norm
-            self.rotary = inner.rotary_emb
+            self.rotary_emb = inner.rotary_emb
             self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
             self.head_dim = int(self.layers[0].self_attn.head_dim)
             self.silu = str(getattr(config, "hidden_act", "")) in ("silu", "swish")
@@ -271,10 +298,10 @@ class FastLM:
     # ------------------------------------------------------------------ pieces --
     def rope_tables(self, n: int, like: Tensor) -> tuple[Tensor, Tensor]:
         """cos and signed sin [n, head_dim] for positions 0..n-1, as HF's rotary embedding."""
-        inv = self.rotary.inv_freq.to(device=like.device, dtype=torch.float32)
+        inv = self.rotary_emb.inv_freq.to(device=like.device, dtype=torch.float32)
         freqs = torch.arange(n, device=like.device, dtype=torch.float32)[:, None] * inv[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        scale = getattr(self.rotary, "attention_scaling", 1.0)
+        scale = getattr(self.rotary_emb, "attention_scaling", 1.0)
         cos, sin = emb.cos() * scale, emb.sin() * scale
         half = inv.shape[0]
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
@@ -283,7 +310,9 @@ class FastLM:
     def fused_weights(self) -> list[tuple[Any, Any]]:
         """Per layer, concatenated (q, k, v) and (gate, up) weights of plain linears.
 
-        For sampling only (no gradients; rebuilt every call, so never stale).
+        One matmul instead of three (two) with the same products; built per forward (under
+        autograd the concatenation is part of the graph, so gradients reach the parameters)
+        or once per sampling call, so never stale. None for LoRA-wrapped projections.
         """
         if self.arch != "llama":
             return [(None, None)] * len(self.layers)
@@ -313,9 +342,9 @@ class FastLM:
         h = _rms_norm(lay.input_layernorm, x)
         qkv_w, gu_w = fused
         if qkv_w is not None:
-            qkv = F.linear(h, *qkv_w).view(b, t, hh + 2 * hk, d)
-            qk = _rope(qkv[:, :, : hh + hk], cos, sin)
-            q, k, v = qk[:, :, :hh], qk[:, :, hh:], qkv[:, :, hh + hk:]
+            # split, not slicing: its backward is one concatenation, not zero-filled copies
+            qk, v = F.linear(h, *qkv_w).view(b, t, hh + 2 * hk, d).split([hh + hk, hk], dim=2)
+            q, k = _rope(qk, cos, sin).split([hh, hk], dim=2)
         else:
             q = _rope(_linear(at.q_proj, h).view(b, t, hh, d), cos, sin)
             k = _rope(_linear(at.k_proj, h).view(b, t, hk, d), cos, sin)
@@ -342,21 +371,27 @@ class FastLM:
         return x + _linear(mlp.c_proj, mlp.act(_linear(mlp.c_fc, h)))
 
     # ----------------------------------------------------------------- forward --
+    def rotary(self, pos: Tensor, like: Tensor,
+               tables: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """cos and signed sin [B, T, 1, head_dim] at positions ``pos`` [B, T]."""
+        if tables is None:
+            tables = self.rope_tables(int(pos.max()) + 1, like)
+        return tables[0][pos].unsqueeze(2), tables[1][pos].unsqueeze(2)
+
     def forward(self, ids: Tensor, pos: Tensor, mask: Tensor | None, kv: Any, keep: int = 0,
-                tables: tuple[Tensor, Tensor] | None = None,
+                rot: tuple[Tensor, Tensor] | None = None,
                 fused: list[tuple[Any, Any]] | None = None) -> Tensor:
         """Logits [B, T or keep, V] for ``ids`` [B, T] at positions ``pos`` [B, T].
 
         ``mask``: boolean [B, 1, T, keys] (None = causal, nothing padded); ``kv``: where keys
         and values come from and go (``_Concat`` or ``_Static``); ``keep``: only the last keep
-        positions get logits; ``tables``: precomputed rope tables covering ``pos``.
+        positions get logits; ``rot``: precomputed ``rotary(pos)``; ``fused``: precomputed
+        ``fused_weights()``.
         """
         x = self.embed(ids)
         if self.arch == "llama":
-            if tables is None:
-                tables = self.rope_tables(int(pos.max()) + 1, x)
-            cos, sin = tables[0][pos].unsqueeze(2), tables[1][pos].unsqueeze(2)
-            fused = fused or [(None, None)] * len(self.layers)
+            cos, sin = rot if rot is not None else self.rotary(pos, x)
+            fused = fused or self.fused_weights()
             for i, lay in enumerate(self.layers):
                 x = self._llama_layer(i, lay, x, cos, sin, mask, kv, fused[i])
             if keep:
@@ -386,12 +421,14 @@ class FastLM:
         u_ids, u_mask, inv = shared
         tp = ids.shape[1] - tc
         pre = _Concat()
-        first = self.forward(u_ids, pos_ids(u_mask), prompt_mask4d(u_mask), pre, keep=1)[inv]
+        fused = self.fused_weights()  # one concatenation for both passes
+        first = self.forward(u_ids, pos_ids(u_mask), prompt_mask4d(u_mask), pre, keep=1,
+                             fused=fused)[inv]
         if tc == 1:
             return first
         past = [(k[inv], v[inv]) for k, v in pre.kv]
         rest = self.forward(ids[:, tp:-1], pos[:, tp:-1], chunk_mask4d(attn[:, :tp], tc - 1),
-                            _Concat(past))
+                            _Concat(past), fused=fused)
         return torch.cat([first, rest], dim=1)
 
     # ---------------------------------------------------------------- sampling --
@@ -420,13 +457,20 @@ class Decoder:
         p_ids, p_mask, rows = (shared if shared is not None else (ids, mask, None))
         self.fused = lm.fused_weights()
         x = ids.new_empty(0, dtype=lm.embed.weight.dtype)
-        self.tables = lm.rope_tables(tp + max_new, x) if lm.arch == "llama" else None
+        tables = lm.rope_tables(tp + max_new, x) if lm.arch == "llama" else None
         pre = _Concat()
-        logits = lm.forward(p_ids, pos_ids(p_mask), prompt_mask4d(p_mask), pre, keep=1,
-                            tables=self.tables, fused=self.fused)[:, -1]
+        p_pos = pos_ids(p_mask)
+        rot = lm.rotary(p_pos, x, tables) if tables is not None else None
+        logits = lm.forward(p_ids, p_pos, prompt_mask4d(p_mask), pre, keep=1, rot=rot,
+                            fused=self.fused)[:, -1]
         self.logits = logits if rows is None else logits[rows]
         self.cache = _Static(pre.kv, rows, tp + max(max_new - 1, 0))
-        self.pos = mask.sum(dim=1, keepdim=True)  # position of the first new token
+        # Positions of the new tokens, and their rotations, for every step at once.
+        self.pos = mask.sum(dim=1, keepdim=True) + torch.arange(max_new, device=ids.device)
+        self.rot = None
+        if tables is not None:
+            cos, sin = lm.rotary(self.pos, x, tables)
+            self.rot = list(zip(cos.split(1, dim=1), sin.split(1, dim=1)))
         self.padded = not bool(mask.all())
         # Key mask for every step: the prompt's padding, then new tokens (always real).
         full = torch.cat([mask.bool(), mask.new_ones((b, max_new), dtype=torch.bool)], dim=1)
@@ -435,10 +479,10 @@ class Decoder:
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed ``tokens`` [B] (one per row); the logits [B, V] for the token after them."""
-        c = self.cache
+        c, t = self.cache, self.t
         mask = self.key_mask.narrow(3, 0, c.len + 1) if self.padded else None
-        logits = self.lm.forward(tokens[:, None], self.pos + self.t, mask, c,
-                                 tables=self.tables, fused=self.fused)
+        logits = self.lm.forward(tokens[:, None], self.pos[:, t:t + 1], mask, c,
+                                 rot=None if self.rot is None else self.rot[t], fused=self.fused)
         c.len += 1
         self.t += 1
         return logits[:, -1]

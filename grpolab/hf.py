@@ -243,11 +243,15 @@ class HFBackend:
     def encode_prompts(self, prompts: list[Any]) -> tuple[Tensor, Tensor]:
         """Left-padded prompt ids and attention mask, [B, Tp] each (CPU)."""
         rendered = [self.render(p) for p in prompts]
+        known: dict[tuple[str, bool], list[int]] = {}  # a group's G prompts are tokenized once
         seqs = []
         for text, templated in rendered:
-            ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
-            if not ids:
-                raise ValueError(f"prompt {text[:60]!r} tokenizes to nothing")
+            ids = known.get((text, templated))
+            if ids is None:
+                ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
+                if not ids:
+                    raise ValueError(f"prompt {text[:60]!r} tokenizes to nothing")
+                known[(text, templated)] = ids
             seqs.append(ids)
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)

@@ -137,21 +137,45 @@ def format_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot_sweep(runs: dict[str, list[dict]], out_png: str | os.PathLike, title: str = "") -> None:
-    """One figure comparing runs: held-out accuracy, training reward, dead share per step."""
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    cmap = plt.get_cmap("viridis")
-    for i, (label, rows) in enumerate(runs.items()):
-        color = cmap(i / max(1, len(runs) - 1))
-        axes[0].plot(*_series(rows, "heldout_acc"), color=color, label=label)
-        axes[1].plot(*_series(rows, "reward_mean"), color=color, label=label)
-        axes[2].plot(*_series(rows, "dead_share"), color=color, label=label)
-    for ax, name in zip(axes, ("held-out accuracy", "training reward", "dead-group share")):
+def plot_sweep(
+    results: list[tuple[str, int, dict[str, Any]]], out_png: str | os.PathLike, title: str = ""
+) -> None:
+    """Compare runs by group size: dead share (measured vs predicted), held-out accuracy at the
+    end of the run, and what sampling cost. Per-step curves are in each run's workshop.png."""
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    variants = list(dict.fromkeys(v for v, _, _ in results))
+    cmap = plt.get_cmap("tab10")
+    start = next((s["start_heldout_acc"] for _, _, s in results), None)
+    start_p = next((s["start_heldout_pass_prob"] for _, _, s in results), None)
+    for i, variant in enumerate(variants):
+        pts = sorted((g, s) for v, g, s in results if v == variant)
+        gs = [g for g, _ in pts]
+        c = cmap(i % 10)
+        axes[0].plot(gs, [s["mean_dead_share"] for _, s in pts], "o-", color=c,
+                     label=f"{variant}: measured")
+        axes[0].plot(gs, [s["mean_predicted_dead_share"] for _, s in pts], "x--", color=c,
+                     alpha=0.7, label=f"{variant}: predicted")
+        axes[1].plot(gs, [s["final_heldout_acc"] for _, s in pts], "o-", color=c,
+                     label=f"{variant}: greedy")
+        axes[1].plot(gs, [s["final_heldout_pass_prob"] for _, s in pts], "s:", color=c,
+                     alpha=0.7, label=f"{variant}: T=1 (exact)")
+        axes[2].plot(gs, [s["answers_generated"] for _, s in pts], "o-", color=c, label=variant)
+    if start is not None:
+        axes[1].axhline(start, color="grey", lw=1, ls="--", label="greedy at the start")
+    if start_p is not None and not math.isnan(start_p):
+        axes[1].axhline(start_p, color="grey", lw=1, ls=":", label="T=1 at the start")
+    titles = ("mean dead-group share", "held-out accuracy after the run",
+              "answers generated in the run")
+    for ax, name in zip(axes, titles):
         ax.set_title(name)
-        ax.set_xlabel("step")
-        ax.set_ylim(0, 1)
+        ax.set_xscale("log", base=2)
+        gs_all = sorted({g for _, g, _ in results})
+        ax.set_xticks(gs_all, [str(g) for g in gs_all])
+        ax.set_xlabel("group size G (prompts per step = budget / G)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
+    axes[0].set_ylim(0, 1)
+    axes[2].set_ylim(bottom=0)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

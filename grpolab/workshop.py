@@ -59,7 +59,15 @@ def run_workshop(cfg: Config, out_dir: str | Path | None = None, resume: bool = 
 
 
 SWEEP_HEADER = ["variant", "G", "prompts/step", "mean dead share", "predicted dead share",
-                "held-out acc start", "held-out acc end", "answers generated"]
+                "held-out acc start", "held-out acc end", "held-out p(T=1) start",
+                "held-out p(T=1) end", "answers generated"]
+
+
+def sweep_row(variant: str, cfg: Config, s: dict) -> list:
+    """One table row from a run's config and ``summarize`` output."""
+    return [variant, cfg.group_size, cfg.prompts_per_step, s["mean_dead_share"],
+            s["mean_predicted_dead_share"], s["start_heldout_acc"], s["final_heldout_acc"],
+            s["start_heldout_pass_prob"], s["final_heldout_pass_prob"], s["answers_generated"]]
 
 
 def run_sweep(cfg: Config, sizes: list[int], variants: list[str]) -> str:
@@ -68,21 +76,18 @@ def run_sweep(cfg: Config, sizes: list[int], variants: list[str]) -> str:
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; known: {sorted(VARIANTS)}")
     root = Path(cfg.out_dir)
-    runs: dict[str, list[dict]] = {}
+    results: list[tuple[str, int, dict]] = []
     table = []
     for variant in variants:
         for g in sizes:
             c = dataclasses.replace(cfg, group_size=g, **VARIANTS[variant]).resolved()
             run_dir = root / f"{variant}-G{g}"
             s = run_workshop(c, run_dir)
-            label = f"{variant} G={g}" if len(variants) > 1 else f"G={g}"
-            runs[label] = read_metrics(run_dir / "metrics.jsonl")
-            table.append([variant, g, c.prompts_per_step, s["mean_dead_share"],
-                          s["mean_predicted_dead_share"], s["start_heldout_acc"],
-                          s["final_heldout_acc"], s["answers_generated"]])
+            results.append((variant, g, s))
+            table.append(sweep_row(variant, c, s))
     text = format_table(SWEEP_HEADER, table)
     root.mkdir(parents=True, exist_ok=True)
     (root / "sweep.md").write_text(text + "\n")
-    plot_sweep(runs, root / "sweep.png", f"GRPO workshop sweep ({cfg.steps} steps, "
+    plot_sweep(results, root / "sweep.png", f"GRPO workshop sweep ({cfg.steps} steps, "
                                          f"{cfg.budget} answers per step)")
     return text
