@@ -173,8 +173,8 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class _Layer:
     """One decoder layer's functions, resolved once per forward (no module lookups inside)."""
 
-    __slots__ = ("norm1", "norm2", "qkv", "q", "k", "v", "o", "gate_up", "gate", "up", "down",
-                 "act", "scale")
+    __slots__ = ("act", "down", "gate", "gate_up", "k", "norm1", "norm2", "o", "q", "qkv",
+                 "scale", "up", "v")
 
 
 class _Weights:
@@ -225,8 +225,17 @@ class _Static:
         return self.k[i].narrow(2, 0, n), self.v[i].narrow(2, 0, n)
 
 
-def prompt_mask4d(mask: Tensor) -> Tensor | None:
-    """Boolean attention mask [B, 1, T, T] for left-padded rows (None: no padding, causal).
+def additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean attention mask as the additive one SDPA adds to the scores (0 or -inf).
+
+    Made once per forward: SDPA would convert a boolean mask in every layer.
+    """
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf"))
+
+
+def prompt_mask4d(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor | None:
+    """Additive attention mask [B, 1, T, T] for left-padded rows (None: no padding, causal).
 
     Causal over real keys; a padding query attends to itself only (its output is never used,
     but must be finite: a fully masked row would give NaN, and 0 * NaN poisons real rows).
@@ -236,15 +245,15 @@ def prompt_mask4d(mask: Tensor) -> Tensor | None:
     t = mask.shape[1]
     causal = torch.ones(t, t, dtype=torch.bool, device=mask.device).tril_()
     allowed = causal & mask.bool()[:, None, None, :]
-    return allowed | torch.eye(t, dtype=torch.bool, device=mask.device)
+    return additive(allowed | torch.eye(t, dtype=torch.bool, device=mask.device), dtype)
 
 
-def chunk_mask4d(past_mask: Tensor, t: int) -> Tensor:
-    """Mask [B, 1, t, P + t] for t real tokens after P past keys (``past_mask`` [B, P])."""
+def chunk_mask4d(past_mask: Tensor, t: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Additive mask [B, 1, t, P + t] for t real tokens after P past keys (``past_mask`` [B, P])."""
     b, p = past_mask.shape
     causal = torch.ones(t, t, dtype=torch.bool, device=past_mask.device).tril_()
     past = past_mask.bool()[:, None, None, :].expand(b, 1, t, p)
-    return torch.cat([past, causal.expand(b, 1, t, t)], dim=-1)
+    return additive(torch.cat([past, causal.expand(b, 1, t, t)], dim=-1), dtype)
 
 
 # ----------------------------------------------------------------------------- model
@@ -286,6 +295,10 @@ class FastLM:
             self.window = None
         self.lm_head = hf.lm_head
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
     @classmethod
     def build(cls, model: nn.Module) -> FastLM | None:
         """A FastLM for ``model``, or None when it is unsupported (the HF forward is used)."""
@@ -307,21 +320,37 @@ class FastLM:
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         return cos.to(like.dtype), sin.to(like.dtype)
 
-    def fused_weights(self) -> list[tuple[Any, Any]]:
-        """Per layer, concatenated (q, k, v) and (gate, up) weights of plain linears.
+    def weights(self) -> _Weights:
+        """The functions a forward calls, resolved from the model's current modules.
 
-        One matmul instead of three (two) with the same products; built per forward (under
-        autograd the concatenation is part of the graph, so gradients reach the parameters)
-        or once per sampling call, so never stale. None for LoRA-wrapped projections.
+        Prepared once per scoring or sampling call; plain q/k/v and gate/up projections are
+        fused (see ``_fused_proj``), LoRA-wrapped ones are called as modules.
         """
-        if self.arch != "llama":
-            return [(None, None)] * len(self.layers)
-        out = []
+        layers = []
         for lay in self.layers:
-            at, mlp = lay.self_attn, lay.mlp
-            out.append((_cat_weights((at.q_proj, at.k_proj, at.v_proj)),
-                        _cat_weights((mlp.gate_proj, mlp.up_proj))))
-        return out
+            r = _Layer()
+            if self.arch == "llama":
+                at, mlp = lay.self_attn, lay.mlp
+                r.norm1, r.norm2 = _rms_norm(lay.input_layernorm), _rms_norm(
+                    lay.post_attention_layernorm)
+                r.qkv = _fused_proj((at.q_proj, at.k_proj, at.v_proj))
+                r.q, r.k, r.v, r.o = (_proj(m) for m in (at.q_proj, at.k_proj, at.v_proj,
+                                                          at.o_proj))
+                r.gate_up = _fused_proj((mlp.gate_proj, mlp.up_proj))
+                r.gate, r.up, r.down = (_proj(m) for m in (mlp.gate_proj, mlp.up_proj,
+                                                            mlp.down_proj))
+                r.act = F.silu if self.silu else mlp.act_fn
+            else:
+                at, mlp = lay.attn, lay.mlp
+                r.norm1, r.norm2 = _layer_norm(lay.ln_1), _layer_norm(lay.ln_2)
+                r.qkv, r.o = _proj(at.c_attn), _proj(at.c_proj)
+                r.up, r.down, r.act = _proj(mlp.c_fc), _proj(mlp.c_proj), mlp.act
+            r.scale = at.scaling
+            layers.append(r)
+        if self.arch == "llama":
+            return _Weights(self.embed, layers, _rms_norm(self.norm), _proj(self.lm_head))
+        return _Weights(self.embed, layers, _layer_norm(self.norm), _proj(self.lm_head),
+                        self.wpe)
 
     def _attention(self, i: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                    kv: Any, scale: float) -> Tensor:
@@ -334,41 +363,34 @@ class FastLM:
                                            scale=scale, enable_gqa=self.kv_heads != self.heads)
         return o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
 
-    def _llama_layer(self, i: int, lay: nn.Module, x: Tensor, cos: Tensor, sin: Tensor,
-                     mask: Tensor | None, kv: Any, fused: tuple[Any, Any]) -> Tensor:
-        at, mlp = lay.self_attn, lay.mlp
+    def _llama_layer(self, i: int, r: _Layer, x: Tensor, cos: Tensor, sin: Tensor,
+                     mask: Tensor | None, kv: Any) -> Tensor:
         b, t = x.shape[:2]
         hh, hk, d = self.heads, self.kv_heads, self.head_dim
-        h = _rms_norm(lay.input_layernorm, x)
-        qkv_w, gu_w = fused
-        if qkv_w is not None:
+        h = r.norm1(x)
+        if r.qkv is not None:
             # split, not slicing: its backward is one concatenation, not zero-filled copies
-            qk, v = F.linear(h, *qkv_w).view(b, t, hh + 2 * hk, d).split([hh + hk, hk], dim=2)
+            qk, v = r.qkv(h).view(b, t, hh + 2 * hk, d).split([hh + hk, hk], dim=2)
             q, k = _rope(qk, cos, sin).split([hh, hk], dim=2)
         else:
-            q = _rope(_linear(at.q_proj, h).view(b, t, hh, d), cos, sin)
-            k = _rope(_linear(at.k_proj, h).view(b, t, hk, d), cos, sin)
-            v = _linear(at.v_proj, h).view(b, t, hk, d)
-        o = self._attention(i, q, k, v, mask, kv, at.scaling)
-        x = x + _linear(at.o_proj, o)
-        h = _rms_norm(lay.post_attention_layernorm, x)
-        if gu_w is not None:
-            g, u = F.linear(h, *gu_w).chunk(2, dim=-1)
+            q = _rope(r.q(h).view(b, t, hh, d), cos, sin)
+            k = _rope(r.k(h).view(b, t, hk, d), cos, sin)
+            v = r.v(h).view(b, t, hk, d)
+        x = x + r.o(self._attention(i, q, k, v, mask, kv, r.scale))
+        h = r.norm2(x)
+        if r.gate_up is not None:
+            g, u = r.gate_up(h).chunk(2, dim=-1)
         else:
-            g, u = _linear(mlp.gate_proj, h), _linear(mlp.up_proj, h)
-        g = F.silu(g) if self.silu else mlp.act_fn(g)
-        return x + _linear(mlp.down_proj, g * u)
+            g, u = r.gate(h), r.up(h)
+        return x + r.down(r.act(g) * u)
 
-    def _gpt2_layer(self, i: int, lay: nn.Module, x: Tensor, mask: Tensor | None,
+    def _gpt2_layer(self, i: int, r: _Layer, x: Tensor, mask: Tensor | None,
                     kv: Any) -> Tensor:
-        at, mlp = lay.attn, lay.mlp
         b, t = x.shape[:2]
-        h = _layer_norm(lay.ln_1, x)
-        qkv = _linear(at.c_attn, h).view(b, t, 3 * self.heads, self.head_dim)
+        qkv = r.qkv(r.norm1(x)).view(b, t, 3 * self.heads, self.head_dim)
         q, k, v = qkv.chunk(3, dim=2)
-        x = x + _linear(at.c_proj, self._attention(i, q, k, v, mask, kv, at.scaling))
-        h = _layer_norm(lay.ln_2, x)
-        return x + _linear(mlp.c_proj, mlp.act(_linear(mlp.c_fc, h)))
+        x = x + r.o(self._attention(i, q, k, v, mask, kv, r.scale))
+        return x + r.down(r.act(r.up(r.norm2(x))))
 
     # ----------------------------------------------------------------- forward --
     def rotary(self, pos: Tensor, like: Tensor,
@@ -379,37 +401,31 @@ class FastLM:
         return tables[0][pos].unsqueeze(2), tables[1][pos].unsqueeze(2)
 
     def forward(self, ids: Tensor, pos: Tensor, mask: Tensor | None, kv: Any, keep: int = 0,
-                rot: tuple[Tensor, Tensor] | None = None,
-                fused: list[tuple[Any, Any]] | None = None) -> Tensor:
+                rot: tuple[Tensor, Tensor] | None = None, w: _Weights | None = None) -> Tensor:
         """Logits [B, T or keep, V] for ``ids`` [B, T] at positions ``pos`` [B, T].
 
         ``mask``: boolean [B, 1, T, keys] (None = causal, nothing padded); ``kv``: where keys
         and values come from and go (``_Concat`` or ``_Static``); ``keep``: only the last keep
-        positions get logits; ``rot``: precomputed ``rotary(pos)``; ``fused``: precomputed
-        ``fused_weights()``.
+        positions get logits; ``rot``: precomputed ``rotary(pos)``; ``w``: ``weights()``.
         """
-        x = self.embed(ids)
-        if self.arch == "llama":
+        w = w or self.weights()
+        x = w.embed(ids)
+        if w.wpe is None:
             cos, sin = rot if rot is not None else self.rotary(pos, x)
-            fused = fused or self.fused_weights()
-            for i, lay in enumerate(self.layers):
-                x = self._llama_layer(i, lay, x, cos, sin, mask, kv, fused[i])
-            if keep:
-                x = x[:, -keep:]
-            x = _rms_norm(self.norm, x)
+            for i, r in enumerate(w.layers):
+                x = self._llama_layer(i, r, x, cos, sin, mask, kv)
         else:
-            x = x + self.wpe(pos)
-            for i, lay in enumerate(self.layers):
-                x = self._gpt2_layer(i, lay, x, mask, kv)
-            if keep:
-                x = x[:, -keep:]
-            x = _layer_norm(self.norm, x)
-        return _linear(self.lm_head, x)
+            x = x + w.wpe(pos)
+            for i, r in enumerate(w.layers):
+                x = self._gpt2_layer(i, r, x, mask, kv)
+        if keep:
+            x = x[:, -keep:]
+        return w.head(w.norm(x))
 
     # ----------------------------------------------------------------- scoring --
     def logits(self, ids: Tensor, attn: Tensor, pos: Tensor, keep: int) -> Tensor:
         """One forward over left-padded ``ids`` [B, T] (mask ``attn``): the last keep logits."""
-        return self.forward(ids, pos, prompt_mask4d(attn), _Concat(), keep=keep)
+        return self.forward(ids, pos, prompt_mask4d(attn, self.dtype), _Concat(), keep=keep)
 
     def shared_prefix_logits(self, ids: Tensor, attn: Tensor, pos: Tensor, tc: int,
                              shared: tuple[Tensor, Tensor, Tensor]) -> Tensor:
@@ -421,14 +437,14 @@ class FastLM:
         u_ids, u_mask, inv = shared
         tp = ids.shape[1] - tc
         pre = _Concat()
-        fused = self.fused_weights()  # one concatenation for both passes
-        first = self.forward(u_ids, pos_ids(u_mask), prompt_mask4d(u_mask), pre, keep=1,
-                             fused=fused)[inv]
+        w = self.weights()  # one fused concatenation for both passes
+        first = self.forward(u_ids, pos_ids(u_mask), prompt_mask4d(u_mask, self.dtype), pre,
+                             keep=1, w=w)[inv]
         if tc == 1:
             return first
         past = [(k[inv], v[inv]) for k, v in pre.kv]
-        rest = self.forward(ids[:, tp:-1], pos[:, tp:-1], chunk_mask4d(attn[:, :tp], tc - 1),
-                            _Concat(past), fused=fused)
+        mask = chunk_mask4d(attn[:, :tp], tc - 1, self.dtype)
+        rest = self.forward(ids[:, tp:-1], pos[:, tp:-1], mask, _Concat(past), w=w)
         return torch.cat([first, rest], dim=1)
 
     # ---------------------------------------------------------------- sampling --
@@ -455,14 +471,14 @@ class Decoder:
         self.lm = lm
         b, tp = ids.shape
         p_ids, p_mask, rows = (shared if shared is not None else (ids, mask, None))
-        self.fused = lm.fused_weights()
+        self.w = lm.weights()
         x = ids.new_empty(0, dtype=lm.embed.weight.dtype)
         tables = lm.rope_tables(tp + max_new, x) if lm.arch == "llama" else None
         pre = _Concat()
         p_pos = pos_ids(p_mask)
         rot = lm.rotary(p_pos, x, tables) if tables is not None else None
-        logits = lm.forward(p_ids, p_pos, prompt_mask4d(p_mask), pre, keep=1, rot=rot,
-                            fused=self.fused)[:, -1]
+        logits = lm.forward(p_ids, p_pos, prompt_mask4d(p_mask, lm.dtype), pre, keep=1,
+                            rot=rot, w=self.w)[:, -1]
         self.logits = logits if rows is None else logits[rows]
         self.cache = _Static(pre.kv, rows, tp + max(max_new - 1, 0))
         # Positions of the new tokens, and their rotations, for every step at once.
@@ -474,7 +490,7 @@ class Decoder:
         self.padded = not bool(mask.all())
         # Key mask for every step: the prompt's padding, then new tokens (always real).
         full = torch.cat([mask.bool(), mask.new_ones((b, max_new), dtype=torch.bool)], dim=1)
-        self.key_mask = full[:, None, None, :]
+        self.key_mask = additive(full[:, None, None, :], lm.dtype)
         self.t = 0
 
     def step(self, tokens: Tensor) -> Tensor:
@@ -482,7 +498,7 @@ class Decoder:
         c, t = self.cache, self.t
         mask = self.key_mask.narrow(3, 0, c.len + 1) if self.padded else None
         logits = self.lm.forward(tokens[:, None], self.pos[:, t:t + 1], mask, c,
-                                 rot=None if self.rot is None else self.rot[t], fused=self.fused)
+                                 rot=None if self.rot is None else self.rot[t], w=self.w)
         c.len += 1
         self.t += 1
         return logits[:, -1]

@@ -105,7 +105,8 @@ def sample_next(logits: Tensor, temperature: float,
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    logits = logits.float()
+    probs = torch.softmax(logits / temperature if temperature != 1 else logits, dim=-1)
     cdf = probs.double().cumsum(dim=-1)
     u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device,
                    dtype=cdf.dtype)
@@ -303,7 +304,8 @@ class HFBackend:
             with torch.random.fork_rng(devices=[]):
                 seed = int(torch.randint(0, 2**62, (1,)))
         was_training = self.model.training
-        self.model.eval()
+        if was_training:  # (a module-tree walk each way: skipped when already in eval mode)
+            self.model.eval()
         try:
             if self._lean:
                 completion = self._sample(prompt_ids, prompt_mask, temperature,
@@ -312,7 +314,8 @@ class HFBackend:
                 completion = self._hf_generate(prompt_ids, prompt_mask, temperature,
                                                int(max_new_tokens), seed)
         finally:
-            self.model.train(was_training)
+            if was_training:
+                self.model.train()
         completion = completion.cpu()
         if completion.shape[1] == 0:  # nothing generated (max_new_tokens reached by prompt)
             completion = torch.full((len(prompts), 1), self.eos_ids[0], dtype=torch.long)

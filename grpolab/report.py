@@ -78,7 +78,7 @@ def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "") -> N
     ax1.set_xlabel("step")
     ax1.set_ylim(0, 1)
     ax1.set_title("Reward and held-out accuracy")
-    ax1.legend(loc="lower right")
+    ax1.legend(loc="upper left", fontsize=8)
     ax1.grid(alpha=0.3)
     steps, right = _series(rows, "dead_all_right_share")
     _, wrong = _series(rows, "dead_all_wrong_share")

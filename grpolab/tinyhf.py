@@ -104,11 +104,14 @@ def make_tiny_model(
     chat_template: bool = False,
     texts: list[str] | None = None,
     max_positions: int = 1024,
+    kv_heads: int | None = None,
+    tie_word_embeddings: bool = True,
 ) -> str:
     """Save a tokenizer and a randomly initialised ``llama`` or ``gpt2`` causal LM to ``out_dir``.
 
     The result loads with ``AutoModelForCausalLM/AutoTokenizer.from_pretrained(out_dir)``
     offline, so tests and benchmarks exercise the same code path as real checkpoints.
+    ``kv_heads`` (grouped-query attention) and ``tie_word_embeddings`` apply to ``llama``.
     """
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -132,9 +135,9 @@ def make_tiny_model(
             intermediate_size=hidden * 2,
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=heads,
+            num_key_value_heads=kv_heads or heads,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=True,
+            tie_word_embeddings=tie_word_embeddings,
             **ids,
         )
         model_cls: Any = LlamaForCausalLM

@@ -1,0 +1,286 @@
+"""grpolab.fastlm: the lean forward computes what the HF forward computes, and is used by HFBackend.
+
+Logits (left padding, position ids, shared prompts), greedy and sampled decoding, gradients of a
+scoring loss and LoRA all match the HF model; unsupported models fall back to the HF forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from grpolab import fastlm
+from grpolab.fastlm import FastLM, pos_ids, unsupported
+from grpolab.hf import HFBackend, load_model, shared_prompts
+from grpolab.tinyhf import make_tiny_model
+
+PROMPTS = ["What is 2 + 3?", "Compute 12 * 7. So the answer is", "1", "<think> 40 - 8 ="]
+
+# name -> make_tiny_model kwargs: MHA with tied embeddings, GPT-2, and GQA (2 kv heads for 4
+# query heads) with untied embeddings.
+TINY = {
+    "llama": {"arch": "llama"},
+    "gpt2": {"arch": "gpt2"},
+    "gqa": {"arch": "llama", "kv_heads": 2, "tie_word_embeddings": False},
+}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {name: make_tiny_model(tmp_path_factory.mktemp(name), hidden=32, heads=4, **kw)
+            for name, kw in TINY.items()}
+
+
+def backend(paths: dict[str, str], name: str, **kw: Any) -> HFBackend:
+    kw.setdefault("reference", False)
+    return HFBackend(*load_model(paths[name], device="cpu"), **kw)
+
+
+def padded_batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[4, 9] ids with 0, 3, 1 and 5 left-padding positions."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (4, 9), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate((0, 3, 1, 5)):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+    return ids, mask
+
+
+def in_memory(kind: str, **over: Any) -> nn.Module:
+    """Random qwen2 (q/k/v biases) or mistral (sliding window) models, no tokenizer needed."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "pad_token_id": 0, **over}
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    return MistralForCausalLM(MistralConfig(sliding_window=16, **common)).eval()
+
+
+def assert_logits_match(model: nn.Module, vocab: int) -> None:
+    """FastLM == HF forward at every real position of a left-padded batch, one pass and with
+    the prompt shared (prompt = first 6 columns, completion = the last 3)."""
+    lm = FastLM(model)
+    ids, mask = padded_batch(vocab)
+    pos = pos_ids(mask)
+    real = mask.bool()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        got = lm.logits(ids, mask, pos, keep=0)
+        torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+        # groups: rows 0 and 1 share row 0's prompt, rows 2 and 3 row 2's
+        ids[1, :6], mask[1, :6] = ids[0, :6], mask[0, :6]
+        ids[3, :6], mask[3, :6] = ids[2, :6], mask[2, :6]
+        pos = pos_ids(mask)
+        want = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -4:-1]
+        shared = shared_prompts(ids[:, :6], mask[:, :6])
+        assert shared is not None and shared[0].shape[0] == 2
+        got = lm.shared_prefix_logits(ids, mask, pos, 3, shared)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ forward
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_logits_match_hf_with_left_padding(paths: dict[str, str], name: str) -> None:
+    model, tok = load_model(paths[name], device="cpu")
+    assert unsupported(model) is None
+    assert_logits_match(model.eval(), len(tok))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_llama_family_variants_match_hf(kind: str) -> None:
+    model = in_memory(kind)
+    assert unsupported(model) is None
+    if kind == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    assert_logits_match(model, 128)  # 9 tokens: within mistral's window of 16
+    lm = FastLM(model)
+    assert lm.fits(16) and not lm.fits(17) if kind == "mistral" else lm.fits(10**6)
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("grouped", [False, True], ids=["distinct", "grouped"])
+def test_greedy_decoding_equals_hf_generate(paths: dict[str, str], name: str,
+                                             grouped: bool) -> None:
+    be = backend(paths, name)
+    assert be._fast is not None
+    prompts = [p for p in PROMPTS for _ in range(3 if grouped else 1)]
+    ids, mask = be.encode_prompts(prompts)
+    fast = be._sample(ids, mask, 0.0, 12, seed=0)
+    ref = be._hf_generate(ids, mask, 0.0, 12, seed=0)
+    assert torch.equal(fast, ref)
+    same_len = be.encode_prompts(["What is 2 + 3?", "What is 4 + 5?"])  # no padding at all
+    assert not (same_len[1] == 0).any()
+    assert torch.equal(be._sample(*same_len, 0.0, 12, seed=0),
+                       be._hf_generate(*same_len, 0.0, 12, seed=0))
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_sampling_equals_hf_forward_loop(paths: dict[str, str], name: str) -> None:
+    """Same seed, same logits: the lean and the HF-forward sampling loops draw the same tokens."""
+    be = backend(paths, name)
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    ids, mask = be.encode_prompts(prompts)
+    fast = be._sample(ids, mask, 1.0, 16, seed=7)
+    be._fast = None
+    slow = be._sample(ids, mask, 1.0, 16, seed=7)
+    assert torch.equal(fast, slow)
+    assert len({tuple(r) for r in fast.tolist()}) > 4  # really sampled
+
+
+# ------------------------------------------------------------------------------ scoring
+
+
+def scores_and_grads(be: HFBackend, ro: Any, fast: FastLM | None,
+                     temperature: float = 0.8) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    be._fast = fast
+    be.model.train()
+    be.model.zero_grad(set_to_none=True)
+    lp = be.logprobs(ro, temperature)
+    w = torch.linspace(-1, 1, lp.numel()).view_as(lp)  # a loss that weighs every position
+    (lp * w * ro.completion_mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in be.model.named_parameters() if p.grad is not None}
+    return lp.detach(), grads
+
+
+@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-pass", "shared-prompt"])
+def test_scoring_logprobs_and_grads_equal_hf(paths: dict[str, str], name: str,
+                                             grouped: bool) -> None:
+    be = backend(paths, name)
+    fast = be._fast
+    assert fast is not None
+    prompts = [p for p in PROMPTS for _ in range(3 if grouped else 1)]
+    ro = be.generate(prompts, 1.0, 10, torch.Generator().manual_seed(3))
+    assert (shared_prompts(ro.prompt_ids, ro.prompt_mask) is not None) == grouped
+    lp_fast, g_fast = scores_and_grads(be, ro, fast)
+    lp_hf, g_hf = scores_and_grads(be, ro, None)
+    m = ro.completion_mask.bool()
+    torch.testing.assert_close(lp_fast[m], lp_hf[m], atol=2e-5, rtol=1e-5)
+    assert g_fast.keys() == g_hf.keys() and len(g_hf) == len(list(be.model.parameters()))
+    for n in g_hf:
+        torch.testing.assert_close(g_fast[n], g_hf[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_reference_model_uses_its_own_lean_forward(paths: dict[str, str]) -> None:
+    be = backend(paths, "llama", reference=True)
+    assert be._fast_ref is not None and be._fast_ref.model is be.ref
+    with torch.no_grad():
+        for p in be.model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    ro = be.generate(PROMPTS * 2, 1.0, 8, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fast = be.logprobs(ro, 1.0, reference=True)
+        be._fast_ref = None
+        slow = be.logprobs(ro, 1.0, reference=True)
+        policy = be.logprobs(ro, 1.0)
+    m = ro.completion_mask.bool()
+    torch.testing.assert_close(fast[m], slow[m], atol=2e-5, rtol=1e-5)
+    assert (policy[m] - slow[m]).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------------------ LoRA
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+def test_lora_model_matches_hf(paths: dict[str, str]) -> None:
+    be = backend(paths, "llama", lora=True, lora_target_modules=["q_proj", "v_proj", "up_proj"])
+    fast = be._fast
+    assert fast is not None
+    with torch.no_grad():  # adapters start as a no-op (lora_B = 0): make them count
+        for n, p in be.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    ids, mask = be.encode_prompts([p for p in PROMPTS for _ in range(2)])
+    assert torch.equal(be._sample(ids, mask, 0.0, 10, seed=0),
+                       be._hf_generate(ids, mask, 0.0, 10, seed=0))
+    ro = be.generate([p for p in PROMPTS for _ in range(2)], 1.0, 10,
+                     torch.Generator().manual_seed(1))
+    lp_fast, g_fast = scores_and_grads(be, ro, fast)
+    lp_hf, g_hf = scores_and_grads(be, ro, None)
+    m = ro.completion_mask.bool()
+    torch.testing.assert_close(lp_fast[m], lp_hf[m], atol=2e-5, rtol=1e-5)
+    assert g_hf and all("lora_" in n for n in g_hf)
+    for n in g_hf:
+        torch.testing.assert_close(g_fast[n], g_hf[n], rtol=1e-4, atol=1e-6, msg=n)
+    with torch.no_grad():  # the reference is the same modules with adapters off
+        be._fast = fast
+        ref_fast = be.logprobs(ro, 1.0, reference=True)
+        be._fast = None
+        ref_hf = be.logprobs(ro, 1.0, reference=True)
+    torch.testing.assert_close(ref_fast[m], ref_hf[m], atol=2e-5, rtol=1e-5)
+    assert (ref_hf[m] - lp_hf[m]).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------------------ fallback
+
+
+def test_unsupported_models_fall_back_to_hf(paths: dict[str, str]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, tok = load_model(paths["llama"], device="cpu")
+    config = model.config.to_dict()
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    scaled = AutoModelForCausalLM.from_config(type(model.config).from_dict(config))
+    assert "rope" in (unsupported(scaled) or "")
+    with pytest.raises(ValueError, match="rope"):
+        FastLM(scaled)
+    be = HFBackend(scaled, tok, reference=False)
+    assert be._fast is None and be._lean  # the HF-forward loop still drives sampling
+    ro = be.generate(PROMPTS, 1.0, 6, torch.Generator().manual_seed(0))
+    assert be.logprobs(ro, 1.0).shape == ro.completion_ids.shape
+
+    model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert "hook" in (unsupported(model) or "")
+    bert_like = nn.Linear(2, 2)
+    assert unsupported(bert_like) is not None
+
+
+def test_sliding_window_beyond_the_sequence_uses_hf(paths: dict[str, str]) -> None:
+    model, tok = load_model(paths["llama"], device="cpu")
+    be = HFBackend(model, tok, reference=False)
+    assert be._fast is not None
+    be._fast.window = 8  # as a mistral checkpoint with an 8-token window would be
+    ids, mask = be.encode_prompts(PROMPTS)
+    calls = []
+    real = FastLM.decoder
+    FastLM.decoder = lambda *a, **k: calls.append(1) or real(*a, **k)  # type: ignore[method-assign]
+    try:
+        be._sample(ids, mask, 0.0, 6, seed=0)  # prompt + 6 new tokens > 8: HF forward
+        assert not calls
+    finally:
+        FastLM.decoder = real  # type: ignore[method-assign]
+
+
+def test_env_escape_hatch(paths: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRPOLAB_FASTLM", "0")
+    be = backend(paths, "llama", reference=True)
+    assert be._fast is None and be._fast_ref is None
+    monkeypatch.setenv("GRPOLAB_FASTLM", "1")
+    assert backend(paths, "llama")._fast is not None
+
+
+def test_fast_forward_keeps_no_weight_copies(paths: dict[str, str]) -> None:
+    """The lean forward reads the live parameters: an in-place update changes its output."""
+    model, tok = load_model(paths["gqa"], device="cpu")
+    lm = FastLM(model)
+    ids, mask = padded_batch(len(tok))
+    with torch.no_grad():
+        before = lm.logits(ids, mask, pos_ids(mask), keep=1)
+        model.model.layers[1].mlp.down_proj.weight.mul_(2)
+        after = lm.logits(ids, mask, pos_ids(mask), keep=1)
+        want = model(input_ids=ids, attention_mask=mask, position_ids=pos_ids(mask)).logits
+    assert (before - after).abs().max() > 1e-4
+    torch.testing.assert_close(after[:, -1], want[:, -1], atol=1e-5, rtol=1e-5)
+    assert fastlm.base_model(model) is model
