@@ -11,7 +11,6 @@ import io
 import logging
 import math
 import os
-import random
 import shutil
 import time
 from collections.abc import Callable
@@ -100,7 +99,6 @@ class GRPOTrainer:
             )
         torch.manual_seed(cfg.seed)
         self.gen = torch.Generator().manual_seed(cfg.seed + RANK_SEED_STRIDE * dist.rank())
-        self.rng = random.Random(cfg.seed)
         self.sampler = PromptSampler(
             len(train_rows),
             torch.Generator().manual_seed(cfg.seed + 1),
@@ -408,7 +406,6 @@ class GRPOTrainer:
             "gen": self.gen.get_state(),
             "sampler_gen": self.sampler.generator.get_state(),
             "sampler": self.sampler.state_dict(),
-            "rng": self.rng.getstate(),
             "torch_rng": torch.get_rng_state(),
             "world_size": dist.world_size(),
             "rank_rng": rank_rng,  # each rank samples from its own stream
@@ -508,7 +505,6 @@ class GRPOTrainer:
         self.gen.set_state(gen)
         self.sampler.generator.set_state(st["sampler_gen"])
         self.sampler.load_state_dict(st["sampler"])
-        self.rng.setstate(st["rng"])
         torch.set_rng_state(torch_rng)
         self.step_num = int(st["step"])
 
