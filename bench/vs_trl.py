@@ -22,7 +22,8 @@ each trainer's own bookkeeping (TRL also computes token entropies, as it always 
 loading and trainer construction are not timed. Wall-clock steps/s is the headline; steps per
 CPU-second (process time) is printed too, as it is far less disturbed by other jobs on a shared
 machine. ``--old-path`` adds grpolab with HF ``generate`` and one-pass scoring (the code before
-the lean sampler), interleaved the same way.
+the lean sampler), and ``--hf-forward`` grpolab with the lean sampler and shared-prompt scoring
+over the HF model's forward (the code before ``grpolab.fastlm``), interleaved the same way.
 
 Both trainers run in one process with the same torch thread count, 1 by default: on a small,
 shared CPU, OpenMP threads that wait for each other make tiny-model steps many times slower.
@@ -358,9 +359,10 @@ def print_table(res: dict[str, list[dict[str, float]]]) -> None:
           f"{cpu['grpolab'] / cpu['TRL']:.2f}x")
     print(f"  per round (wall): {', '.join(f'{x:.2f}' for x in rounds)}; "
           f"median {statistics.median(rounds):.2f}x")
-    if "grpolab-old" in wall:
-        print(f"  grpolab-old / TRL: {wall['grpolab-old'] / wall['TRL']:.2f}x wall, "
-              f"{cpu['grpolab-old'] / cpu['TRL']:.2f}x CPU time")
+    for name in ("grpolab-hf", "grpolab-old"):
+        if name in wall:
+            print(f"  {name} / TRL: {wall[name] / wall['TRL']:.2f}x wall, "
+                  f"{cpu[name] / cpu['TRL']:.2f}x CPU time")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -389,6 +391,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-trl", action="store_true", help="time grpolab only")
     p.add_argument("--old-path", action="store_true",
                    help="also time grpolab with HF generate and one-pass scoring (grpolab-old)")
+    p.add_argument("--hf-forward", action="store_true",
+                   help="also time grpolab over the HF forward, without fastlm (grpolab-hf)")
     a = p.parse_args(argv)
     if a.batch % a.group_size:
         p.error(f"--batch {a.batch} must be a multiple of --group-size {a.group_size}")
@@ -430,15 +434,21 @@ def main(argv: list[str] | None = None) -> int:
 
         trl = None if args.no_trl else build_trl(args, model_dir, rows, str(Path(tmp) / "trl"))
         lab = build_lab(args, model_dir, rows, str(Path(tmp) / "lab"))
-        old = None
+        old = hfwd = None
         if args.old_path:  # HF generate and one-pass scoring, the code path before the lean loop
             old = build_lab(args, model_dir, rows, str(Path(tmp) / "old"))
             old.backend._lean = False
-        res: dict[str, list[dict[str, float]]] = {"TRL": [], "grpolab": [], "grpolab-old": []}
+        if args.hf_forward:  # the lean loop over the HF forward, the code path before fastlm
+            hfwd = build_lab(args, model_dir, rows, str(Path(tmp) / "hf"))
+            hfwd.backend._fast = hfwd.backend._fast_ref = None
+        res: dict[str, list[dict[str, float]]] = {"TRL": [], "grpolab": [], "grpolab-hf": [],
+                                                  "grpolab-old": []}
         for _ in range(args.rounds):
             if trl is not None:
                 res["TRL"].append(run_trl_round(*trl, args))
             res["grpolab"].append(run_lab_round(lab, args))
+            if hfwd is not None:
+                res["grpolab-hf"].append(run_lab_round(hfwd, args))
             if old is not None:
                 res["grpolab-old"].append(run_lab_round(old, args))
 

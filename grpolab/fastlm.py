@@ -14,9 +14,8 @@ sampler calls it once per token. ``FastLM`` runs the same maths directly:
 * left padding through a key mask and ``position_ids`` that count only real tokens, exactly as
   ``HFBackend`` drives the HF forward (padded query rows attend to themselves only, so they stay
   finite; no real token ever attends to padding);
-* sampling: one prefill, then single-token decode steps into a preallocated static KV cache
-  (``Decoder``); during sampling (no gradients, weights fixed) the q/k/v and gate/up projections
-  of plain linears run as one matmul over their concatenated weights;
+* sampling: one prefill per distinct prompt, then single-token decode steps into a
+  preallocated static KV cache (``Decoder``), rotations for every step computed up front;
 * scoring with gradients: one forward over [prompt | completion], or a shared prompt run once
   and its keys/values (with their autograd history) handed to the G completions of its group.
 
@@ -53,6 +52,8 @@ def _rope_type(config: Any) -> str:
     for name in ("rope_parameters", "rope_scaling"):
         params = getattr(config, name, None)
         if isinstance(params, dict) and params:
+            if any(isinstance(v, dict) for v in params.values()):
+                return "per layer type"
             return str(params.get("rope_type", params.get("type", "default")))
     return "default"
 
@@ -126,23 +127,6 @@ def _proj(m: nn.Module) -> Fn:
     return m
 
 
-def _fused_proj(mods: tuple[nn.Module, ...]) -> Fn | None:
-    """Several plain linears with one input as one matmul over their concatenated weights.
-
-    The same products, one call; the concatenation is made when the forward is prepared (per
-    scoring call, where autograd carries gradients back through it, or per sampling call), so
-    it is never stale. None when any is not a plain ``nn.Linear`` (e.g. LoRA-wrapped).
-    """
-    if not all(type(m) is nn.Linear for m in mods):
-        return None
-    biases = [m.bias for m in mods]
-    if any(b is None for b in biases) and not all(b is None for b in biases):
-        return None
-    w = torch.cat([m.weight for m in mods])
-    b = None if biases[0] is None else torch.cat(biases)
-    return lambda x: F.linear(x, w, b)
-
-
 def _rms_norm(m: nn.Module) -> Fn:
     """Llama-style RMSNorm: weight * x / sqrt(mean(x^2) + eps), computed in float32."""
     w, eps = m.weight, m.variance_epsilon
@@ -173,8 +157,8 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class _Layer:
     """One decoder layer's functions, resolved once per forward (no module lookups inside)."""
 
-    __slots__ = ("act", "down", "gate", "gate_up", "k", "norm1", "norm2", "o", "q", "qkv",
-                 "scale", "up", "v")
+    __slots__ = ("act", "down", "gate", "k", "norm1", "norm2", "o", "q", "qkv", "scale", "up",
+                 "v")
 
 
 class _Weights:
@@ -323,8 +307,7 @@ class FastLM:
     def weights(self) -> _Weights:
         """The functions a forward calls, resolved from the model's current modules.
 
-        Prepared once per scoring or sampling call; plain q/k/v and gate/up projections are
-        fused (see ``_fused_proj``), LoRA-wrapped ones are called as modules.
+        Prepared once per scoring or sampling call (module lookups are slow in a decode loop).
         """
         layers = []
         for lay in self.layers:
@@ -333,10 +316,8 @@ class FastLM:
                 at, mlp = lay.self_attn, lay.mlp
                 r.norm1, r.norm2 = _rms_norm(lay.input_layernorm), _rms_norm(
                     lay.post_attention_layernorm)
-                r.qkv = _fused_proj((at.q_proj, at.k_proj, at.v_proj))
                 r.q, r.k, r.v, r.o = (_proj(m) for m in (at.q_proj, at.k_proj, at.v_proj,
                                                           at.o_proj))
-                r.gate_up = _fused_proj((mlp.gate_proj, mlp.up_proj))
                 r.gate, r.up, r.down = (_proj(m) for m in (mlp.gate_proj, mlp.up_proj,
                                                             mlp.down_proj))
                 r.act = F.silu if self.silu else mlp.act_fn
@@ -368,21 +349,12 @@ class FastLM:
         b, t = x.shape[:2]
         hh, hk, d = self.heads, self.kv_heads, self.head_dim
         h = r.norm1(x)
-        if r.qkv is not None:
-            # split, not slicing: its backward is one concatenation, not zero-filled copies
-            qk, v = r.qkv(h).view(b, t, hh + 2 * hk, d).split([hh + hk, hk], dim=2)
-            q, k = _rope(qk, cos, sin).split([hh, hk], dim=2)
-        else:
-            q = _rope(r.q(h).view(b, t, hh, d), cos, sin)
-            k = _rope(r.k(h).view(b, t, hk, d), cos, sin)
-            v = r.v(h).view(b, t, hk, d)
+        q = _rope(r.q(h).view(b, t, hh, d), cos, sin)
+        k = _rope(r.k(h).view(b, t, hk, d), cos, sin)
+        v = r.v(h).view(b, t, hk, d)
         x = x + r.o(self._attention(i, q, k, v, mask, kv, r.scale))
         h = r.norm2(x)
-        if r.gate_up is not None:
-            g, u = r.gate_up(h).chunk(2, dim=-1)
-        else:
-            g, u = r.gate(h), r.up(h)
-        return x + r.down(r.act(g) * u)
+        return x + r.down(r.act(r.gate(h)) * r.up(h))
 
     def _gpt2_layer(self, i: int, r: _Layer, x: Tensor, mask: Tensor | None,
                     kv: Any) -> Tensor:
@@ -437,7 +409,7 @@ class FastLM:
         u_ids, u_mask, inv = shared
         tp = ids.shape[1] - tc
         pre = _Concat()
-        w = self.weights()  # one fused concatenation for both passes
+        w = self.weights()
         first = self.forward(u_ids, pos_ids(u_mask), prompt_mask4d(u_mask, self.dtype), pre,
                              keep=1, w=w)[inv]
         if tc == 1:

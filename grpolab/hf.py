@@ -429,10 +429,6 @@ class HFBackend:
         ids = torch.cat([ro.prompt_ids, ro.completion_ids], dim=1)
         attn = torch.cat([ro.prompt_mask, torch.ones_like(ro.completion_ids)], dim=1)
         pos = (attn.cumsum(dim=1) - 1).masked_fill(attn == 0, 0)
-        kwargs: dict[str, Any] = {"use_cache": False}
-        hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if _accepts(hf.forward, "logits_to_keep"):
-            kwargs["logits_to_keep"] = tc  # only the positions that predict answer tokens
         dev = self.device
         shared = shared_prompts(ro.prompt_ids, ro.prompt_mask) if self._lean else None
         fast = self._fast_ref if model is self.ref else self._fast
@@ -443,13 +439,19 @@ class HFBackend:
                                                    tuple(x.to(dev) for x in shared))
             else:
                 logits = fast.logits(ids[:, :-1], attn[:, :-1], pos[:, :-1], keep=tc)
-        elif shared is not None:
-            logits = self._shared_prefix_logits(model, ids.to(dev), attn.to(dev), pos.to(dev),
-                                                shared, tc, "logits_to_keep" in kwargs)
         else:
-            out = model(input_ids=ids[:, :-1].to(dev), attention_mask=attn[:, :-1].to(dev),
-                        position_ids=pos[:, :-1].to(dev), **kwargs)
-            logits = out.logits[:, -tc:, :]  # prompts are never empty, so tp - 1 >= 0
+            hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+            keep = _accepts(hf.forward, "logits_to_keep")
+            if shared is not None:
+                logits = self._shared_prefix_logits(model, ids.to(dev), attn.to(dev),
+                                                    pos.to(dev), shared, tc, keep)
+            else:
+                # only the positions that predict answer tokens
+                kwargs: dict[str, Any] = {"use_cache": False, **({"logits_to_keep": tc}
+                                                                  if keep else {})}
+                out = model(input_ids=ids[:, :-1].to(dev), attention_mask=attn[:, :-1].to(dev),
+                            position_ids=pos[:, :-1].to(dev), **kwargs)
+                logits = out.logits[:, -tc:, :]  # prompts are never empty, so tp - 1 >= 0
         t = temperature if temperature > 0 else 1.0
         if t != 1.0:  # x / 1 == x: skip a [B, Tc, V] copy
             logits = logits / t
