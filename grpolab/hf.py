@@ -655,6 +655,7 @@ def run_train(cfg: Config, resume: bool = False) -> Any:
     import json
     import os
 
+    from . import dist
     from .data import load_rows
     from .report import plot_run, read_metrics, summarize
     from .rewards import load_reward
@@ -664,6 +665,10 @@ def run_train(cfg: Config, resume: bool = False) -> Any:
     if cfg.rollout_backend == "vllm":
         check_vllm()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not cfg.progress:  # --no-progress also quiets the weight loading/saving bars
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     answer_col = cfg.answer_column or None
     rows = load_rows(cfg.dataset, cfg.prompt_column, answer_col)
     heldout = load_rows(cfg.eval_dataset, cfg.prompt_column, answer_col) if cfg.eval_dataset else []
@@ -674,6 +679,8 @@ def run_train(cfg: Config, resume: bool = False) -> Any:
     backend.render(rows[0]["prompt"])  # chat prompts without a chat template fail here, early
     trainer = GRPOTrainer(cfg, backend, rows, reward_fns, heldout, out_dir=cfg.out_dir)
     trainer.train(resume=resume)
+    if not dist.is_main():  # under torchrun rank 0 alone writes the model, plot and summary
+        return trainer
 
     out = trainer.out_dir
     backend.save_pretrained(str(out / "final"))
