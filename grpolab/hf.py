@@ -47,22 +47,12 @@ from .config import Config, ConfigError
 from .fastlm import FastLM
 from .fastlm import unsupported as fastlm_unsupported
 from .losses import token_logprobs
-from .sampling import Rollout
+from .sampling import Rollout, first_eos_mask
 
 log = logging.getLogger("grpolab")
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def first_eos_mask(ids: Tensor, eos_ids: list[int], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Mask completion tokens up to and including the first EOS (any of ``eos_ids``).
-
-    Returns the ids with PAD after the first EOS and the 0/1 mask, both [B, Tc].
-    """
-    is_eos = torch.isin(ids, torch.as_tensor(eos_ids, dtype=ids.dtype, device=ids.device))
-    after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
-    return ids.masked_fill(after, pad_id), (~after).long()
 
 
 def disable_dropout(model: nn.Module) -> None:

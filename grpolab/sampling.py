@@ -81,12 +81,14 @@ class Backend(Protocol):
     def save_pretrained(self, out_dir: str) -> None: ...
 
 
-def _finish(ids: Tensor, eos: int, pad: int) -> tuple[Tensor, Tensor]:
-    """Mask answer tokens up to and including the first EOS; PAD everything after."""
-    is_eos = ids == eos
-    after = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
-    mask = ~after
-    return ids.masked_fill(after, pad), mask.long()
+def first_eos_mask(ids: Tensor, eos_ids: list[int], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Mask completion tokens up to and including the first EOS (any of ``eos_ids``).
+
+    Returns the ids with PAD after the first EOS and the 0/1 mask, both [B, Tc].
+    """
+    is_eos = torch.isin(ids, torch.as_tensor(eos_ids, dtype=ids.dtype, device=ids.device))
+    after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
+    return ids.masked_fill(after, pad_id), (~after).long()
 
 
 class TinyBackend:
@@ -153,7 +155,7 @@ class TinyBackend:
                 break
             logits, cache = model(nxt[:, None], cache, start=tp + t)
         model.train(was_training)
-        ids, mask = _finish(out, self.tok.EOS, self.tok.PAD)
+        ids, mask = first_eos_mask(out, [self.tok.EOS], self.tok.PAD)
         return Rollout(
             prompts=list(prompts),
             prompt_ids=prompt_ids,

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from grpolab import cli
 from grpolab import hf as hf_mod
-from grpolab.hf import HFBackend, first_eos_mask, load_model
+from grpolab.hf import HFBackend, load_model
+from grpolab.sampling import first_eos_mask
 from grpolab.tinyhf import CHAT_TEMPLATE, make_tiny_model
 
 # A random tiny model hits this on roughly a third of its 16-token answers, so most groups are
