@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import Config, ConfigError
-from .fastlm import FastLM
+from .fastlm import FastLM, pos_ids
 from .fastlm import unsupported as fastlm_unsupported
 from .losses import token_logprobs
 from .sampling import Rollout, first_eos_mask
@@ -117,11 +117,6 @@ def fastlm_enabled() -> bool:
     """``GRPOLAB_FASTLM=0`` (or false/no/off) turns the lean forward off: HF forward only."""
     return os.environ.get("GRPOLAB_FASTLM", "1").strip().lower() not in ("0", "false", "no",
                                                                           "off")
-
-
-def _positions(mask: Tensor) -> Tensor:
-    """Position ids that count only real tokens (left padding gets 0), as ``generate`` uses."""
-    return (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 0)
 
 
 # ----------------------------------------------------------------------------- backend
@@ -348,7 +343,7 @@ class HFBackend:
                 p_ids, p_mask = (shared[0], shared[1]) if shared else (ids, mask)
                 keep = {"logits_to_keep": 1} if self._keep else {}
                 logits = model(input_ids=p_ids, attention_mask=p_mask,
-                               position_ids=_positions(p_mask), use_cache=True, **keep,
+                               position_ids=pos_ids(p_mask), use_cache=True, **keep,
                                **{self._cache_kw: cache}).logits[:, -1]
                 if shared:  # copy each distinct prompt's cache and logits to its rows
                     cache.batch_select_indices(shared[2])
@@ -418,7 +413,7 @@ class HFBackend:
             return torch.zeros(ro.completion_ids.shape)
         ids = torch.cat([ro.prompt_ids, ro.completion_ids], dim=1)
         attn = torch.cat([ro.prompt_mask, torch.ones_like(ro.completion_ids)], dim=1)
-        pos = (attn.cumsum(dim=1) - 1).masked_fill(attn == 0, 0)
+        pos = pos_ids(attn)
         dev = self.device
         shared = shared_prompts(ro.prompt_ids, ro.prompt_mask) if self._lean else None
         fast = self._fast_ref if model is self.ref else self._fast
@@ -459,7 +454,7 @@ class HFBackend:
         u_ids, u_mask, inv = (x.to(self.device) for x in shared)
         tp = ids.shape[1] - tc
         cache = self._new_cache()
-        out = model(input_ids=u_ids, attention_mask=u_mask, position_ids=_positions(u_mask),
+        out = model(input_ids=u_ids, attention_mask=u_mask, position_ids=pos_ids(u_mask),
                     use_cache=True, **({"logits_to_keep": 1} if keep else {}),
                     **{self._cache_kw: cache})
         first = out.logits[:, -1:, :][inv]  # the last prompt position predicts answer token 0
