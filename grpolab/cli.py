@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("workshop", help="GRPO on the built-in world at a fixed answer budget")
     w.add_argument("--config", help="YAML file of config keys")
     w.add_argument("--sweep", help="comma-separated group sizes, e.g. 2,4,8,16,32")
+    w.add_argument("--seeds", help="comma-separated seeds for a sweep (mean ± sd over them)")
     w.add_argument("--variants", default=None,
                    help="comma-separated sweep variants: grpo,dynamic,curriculum,dr_grpo,"
                         "clip_higher,token_loss,rloo (default: grpo)")
@@ -103,7 +104,7 @@ def _fail(e: BaseException, code: int) -> int:
 def _workshop(cfg: Config, args: argparse.Namespace) -> int:
     from .workshop import run_sweep, run_workshop
 
-    if args.sweep or args.variants:
+    if args.sweep or args.variants or args.seeds:
         if dist.is_dist():
             raise ConfigError("--sweep/--variants run one after another; under torchrun "
                               "launch one configuration at a time")
@@ -112,7 +113,8 @@ def _workshop(cfg: Config, args: argparse.Namespace) -> int:
         for g in sizes:
             if g < 2 or cfg.budget % g:
                 raise ConfigError(f"group size {g} does not divide the budget {cfg.budget}")
-        print(run_sweep(cfg, sizes, variants))
+        seeds = _int_list(args.seeds, "--seeds") if args.seeds else None
+        print(run_sweep(cfg, sizes, variants, seeds))
         print(f"\nwrote {cfg.out_dir}/sweep.md and {cfg.out_dir}/sweep.png")
         return 0
     if not dist.is_main():  # the other ranks train alongside rank 0, which writes everything

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -63,31 +64,57 @@ SWEEP_HEADER = ["variant", "G", "prompts/step", "mean dead share", "predicted de
                 "held-out p(T=1) end", "answers generated"]
 
 
+SUMMARY_KEYS = ["mean_dead_share", "mean_predicted_dead_share", "start_heldout_acc",
+                "final_heldout_acc", "start_heldout_pass_prob", "final_heldout_pass_prob",
+                "answers_generated"]
+
+
+def mean_summary(summaries: list[dict]) -> dict:
+    """Mean over seeds of every table number, plus its spread (sample std) where n > 1."""
+    out: dict = {}
+    for k in SUMMARY_KEYS:
+        vals = [s[k] for s in summaries]
+        out[k] = sum(vals) / len(vals)
+        if len(vals) > 1:
+            out[k + "_sd"] = statistics.stdev(vals)
+    return out
+
+
 def sweep_row(variant: str, cfg: Config, s: dict) -> list:
-    """One table row from a run's config and ``summarize`` output."""
-    return [variant, cfg.group_size, cfg.prompts_per_step, s["mean_dead_share"],
-            s["mean_predicted_dead_share"], s["start_heldout_acc"], s["final_heldout_acc"],
-            s["start_heldout_pass_prob"], s["final_heldout_pass_prob"], s["answers_generated"]]
+    """One table row from a run's config and (seed-averaged) summary: 'mean ± sd' over seeds."""
+    cells = [f"{s[k]:.3f} ± {s[k + '_sd']:.3f}" if k + "_sd" in s else s[k]
+             for k in SUMMARY_KEYS[:-1]]
+    return [variant, cfg.group_size, cfg.prompts_per_step, *cells,
+            round(s["answers_generated"])]
 
 
-def run_sweep(cfg: Config, sizes: list[int], variants: list[str]) -> str:
-    """Every (variant, G) pair; writes sweep.md and sweep.png under cfg.out_dir, returns the table."""
+def run_sweep(
+    cfg: Config, sizes: list[int], variants: list[str], seeds: list[int] | None = None
+) -> str:
+    """Every (variant, G) pair, over one or more seeds (each seed is its own world, SFT start and
+    run); writes sweep.md and sweep.png under cfg.out_dir and returns the table."""
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; known: {sorted(VARIANTS)}")
+    seeds = seeds or [cfg.seed]
     root = Path(cfg.out_dir)
     results: list[tuple[str, int, dict]] = []
     table = []
     for variant in variants:
         for g in sizes:
-            c = dataclasses.replace(cfg, group_size=g, **VARIANTS[variant]).resolved()
-            run_dir = root / f"{variant}-G{g}"
-            s = run_workshop(c, run_dir)
+            runs = []
+            for seed in seeds:
+                c = dataclasses.replace(cfg, group_size=g, seed=seed,
+                                        **VARIANTS[variant]).resolved()
+                name = f"{variant}-G{g}" + (f"-seed{seed}" if len(seeds) > 1 else "")
+                runs.append(run_workshop(c, root / name))
+            s = mean_summary(runs)
             results.append((variant, g, s))
             table.append(sweep_row(variant, c, s))
     text = format_table(SWEEP_HEADER, table)
     root.mkdir(parents=True, exist_ok=True)
     (root / "sweep.md").write_text(text + "\n")
-    plot_sweep(results, root / "sweep.png", f"GRPO workshop sweep ({cfg.steps} steps, "
-                                         f"{cfg.budget} answers per step)")
+    over = f", mean of seeds {seeds}" if len(seeds) > 1 else f", seed {seeds[0]}"
+    plot_sweep(results, root / "sweep.png",
+               f"GRPO workshop sweep ({cfg.steps} steps, {cfg.budget} answers per step{over})")
     return text

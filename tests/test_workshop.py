@@ -4,6 +4,8 @@ import json
 import struct
 from pathlib import Path
 
+import pytest
+
 from grpolab.cli import main
 from grpolab.report import read_metrics
 
@@ -62,3 +64,25 @@ def test_sweep_rejects_bad_sizes(tmp_path, capsys) -> None:
     assert main(["workshop", "--sweep", "2,5", "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "group size 5 does not divide the budget 64" in err[0]
+
+
+def test_seed_sweep_reports_mean_and_spread(tmp_path) -> None:
+    out = tmp_path / "seeds"
+    rc = main(["workshop", *TINY, "--steps", "1", "--cache-dir", str(tmp_path / "cache"),
+               "--out-dir", str(out), "--sweep", "8", "--seeds", "0,1"])
+    assert rc == 0
+    row = (out / "sweep.md").read_text().splitlines()[2].split("|")[1:-1]
+    assert row[0].strip() == "grpo" and "±" in row[3] and row[-1].strip() == "64"
+    assert (out / "grpo-G8-seed0" / "metrics.jsonl").is_file()
+    assert (out / "grpo-G8-seed1" / "metrics.jsonl").is_file()
+
+
+def test_mean_summary_hand_values() -> None:
+    from grpolab.workshop import SUMMARY_KEYS, mean_summary
+
+    a = dict.fromkeys(SUMMARY_KEYS, 0.2)
+    b = dict.fromkeys(SUMMARY_KEYS, 0.4)
+    m = mean_summary([a, b])
+    assert m["mean_dead_share"] == pytest.approx(0.3)
+    assert m["mean_dead_share_sd"] == pytest.approx(0.1414, abs=1e-4)
+    assert "mean_dead_share_sd" not in mean_summary([a])
