@@ -115,6 +115,10 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         "start_heldout_pass_prob": _first_last(rows, "heldout_pass_prob", 0),
         "final_heldout_pass_prob": _first_last(rows, "heldout_pass_prob", -1),
         "answers_generated": sum(r.get("answers_generated", 0) for r in steps),
+        "heldout_acc_gain": (accs[-1]["heldout_acc"] - accs[0]["heldout_acc"])
+        if accs else float("nan"),
+        "heldout_pass_prob_gain": _first_last(rows, "heldout_pass_prob", -1)
+        - _first_last(rows, "heldout_pass_prob", 0),
         "mean_reward": (sum(r["reward_mean"] for r in steps) / len(steps)) if steps else float("nan"),
     }
 

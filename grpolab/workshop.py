@@ -60,13 +60,12 @@ def run_workshop(cfg: Config, out_dir: str | Path | None = None, resume: bool = 
 
 
 SWEEP_HEADER = ["variant", "G", "prompts/step", "mean dead share", "predicted dead share",
-                "held-out acc start", "held-out acc end", "held-out p(T=1) start",
-                "held-out p(T=1) end", "answers generated"]
-
-
+                "held-out acc start", "held-out acc end", "held-out acc gain",
+                "held-out p(T=1) start", "held-out p(T=1) end", "held-out p(T=1) gain",
+                "answers generated"]
 SUMMARY_KEYS = ["mean_dead_share", "mean_predicted_dead_share", "start_heldout_acc",
-                "final_heldout_acc", "start_heldout_pass_prob", "final_heldout_pass_prob",
-                "answers_generated"]
+                "final_heldout_acc", "heldout_acc_gain", "start_heldout_pass_prob",
+                "final_heldout_pass_prob", "heldout_pass_prob_gain", "answers_generated"]
 
 
 def mean_summary(summaries: list[dict]) -> dict:
