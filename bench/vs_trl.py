@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from grpolab.config import Config
+from grpolab.fastlm import pos_ids
 from grpolab.hf import HFBackend, load_model
 from grpolab.tinyhf import make_tiny_model
 from grpolab.trainer import GRPOTrainer as LabTrainer
@@ -286,7 +287,7 @@ def hf_sampling(args: argparse.Namespace, model_dir: str,
         gen = torch.Generator().manual_seed(0)
         ids, mask = prompt_ids, prompt_mask
         for _ in range(n):
-            pos = (mask.cumsum(1) - 1).clamp(min=0)
+            pos = pos_ids(mask)
             logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
                            logits_to_keep=1).logits
             ids = torch.cat([ids, _sample(logits[:, -1], gen)[:, None]], dim=1)
@@ -295,7 +296,7 @@ def hf_sampling(args: argparse.Namespace, model_dir: str,
 
     ids = torch.cat([prompt_ids, torch.randint(3, len(tok), (b, n))], dim=1)
     mask = torch.cat([prompt_mask, torch.ones(b, n, dtype=torch.long)], dim=1)
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    pos = pos_ids(mask)
 
     def bound() -> int:
         model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],

@@ -111,7 +111,9 @@ def _workshop(cfg: Config, args: argparse.Namespace) -> int:
         sizes = _int_list(args.sweep, "--sweep") if args.sweep else [cfg.group_size]
         variants = [v.strip() for v in (args.variants or "grpo").split(",") if v.strip()]
         for g in sizes:
-            if g < 2 or cfg.budget % g:
+            if g < 2:
+                raise ConfigError(f"group size {g} in --sweep must be >= 2")
+            if cfg.budget % g:
                 raise ConfigError(f"group size {g} does not divide the budget {cfg.budget}")
         seeds = _int_list(args.seeds, "--seeds") if args.seeds else None
         print(run_sweep(cfg, sizes, variants, seeds))

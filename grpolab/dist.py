@@ -9,8 +9,6 @@ bitwise the same as before.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -61,23 +59,6 @@ def rank() -> int:
 def is_main() -> bool:
     """Only rank 0 writes metrics, plots and checkpoints and prints."""
     return rank() == 0
-
-
-def barrier() -> None:
-    if is_dist():
-        td.barrier()
-
-
-@contextmanager
-def main_first() -> Iterator[None]:
-    """Rank 0 runs the block first (e.g. builds a cache), the others after it finished."""
-    if not is_main():
-        barrier()
-    try:
-        yield
-    finally:
-        if is_main():
-            barrier()
 
 
 def all_gather_object(obj: Any) -> list[Any]:

@@ -252,9 +252,7 @@ class FastLM:
             raise ValueError(f"FastLM cannot run this model: {why}")
         self.model = model
         hf = base_model(model)
-        self.hf = hf
         config = hf.config
-        self.config = config
         self.arch = "gpt2" if config.model_type in GPT2_TYPES else "llama"
         self.heads = int(config.num_attention_heads)
         if self.arch == "llama":
@@ -376,9 +374,10 @@ class FastLM:
                 rot: tuple[Tensor, Tensor] | None = None, w: _Weights | None = None) -> Tensor:
         """Logits [B, T or keep, V] for ``ids`` [B, T] at positions ``pos`` [B, T].
 
-        ``mask``: boolean [B, 1, T, keys] (None = causal, nothing padded); ``kv``: where keys
-        and values come from and go (``_Concat`` or ``_Static``); ``keep``: only the last keep
-        positions get logits; ``rot``: precomputed ``rotary(pos)``; ``w``: ``weights()``.
+        ``mask``: additive [B, 1, T, keys], 0 or -inf (None = causal, nothing padded);
+        ``kv``: where keys and values come from and go (``_Concat`` or ``_Static``); ``keep``:
+        only the last keep positions get logits; ``rot``: precomputed ``rotary(pos)``; ``w``:
+        ``weights()``.
         """
         w = w or self.weights()
         x = w.embed(ids)

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import Config, ConfigError
-from .fastlm import FastLM, pos_ids
+from .fastlm import FastLM, base_model, pos_ids
 from .fastlm import unsupported as fastlm_unsupported
 from .losses import token_logprobs
 from .sampling import Rollout, first_eos_mask
@@ -250,8 +250,7 @@ class HFBackend:
     # --------------------------------------------------------------- generation --
     def _hf_model(self) -> nn.Module:
         """The transformers model under any peft wrapper (its generation_config is used)."""
-        get = getattr(self.model, "get_base_model", None)
-        return get() if get is not None else self.model
+        return base_model(self.model)
 
     @contextlib.contextmanager
     def _plain_sampling(self) -> Iterator[None]:
@@ -417,7 +416,7 @@ class HFBackend:
         dev = self.device
         shared = shared_prompts(ro.prompt_ids, ro.prompt_mask) if self._lean else None
         fast = self._fast_ref if model is self.ref else self._fast
-        if fast is not None and self._lean and fast.fits(ids.shape[1]):
+        if fast is not None and fast.fits(ids.shape[1]):  # (built only when self._lean)
             ids, attn, pos = ids.to(dev), attn.to(dev), pos.to(dev)
             if shared is not None:
                 logits = fast.shared_prefix_logits(ids, attn, pos, tc,
@@ -425,15 +424,13 @@ class HFBackend:
             else:
                 logits = fast.logits(ids[:, :-1], attn[:, :-1], pos[:, :-1], keep=tc)
         else:
-            hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-            keep = _accepts(hf.forward, "logits_to_keep")
             if shared is not None:
                 logits = self._shared_prefix_logits(model, ids.to(dev), attn.to(dev),
-                                                    pos.to(dev), shared, tc, keep)
+                                                    pos.to(dev), shared, tc)
             else:
                 # only the positions that predict answer tokens
                 kwargs: dict[str, Any] = {"use_cache": False, **({"logits_to_keep": tc}
-                                                                  if keep else {})}
+                                                                  if self._keep else {})}
                 out = model(input_ids=ids[:, :-1].to(dev), attention_mask=attn[:, :-1].to(dev),
                             position_ids=pos[:, :-1].to(dev), **kwargs)
                 logits = out.logits[:, -tc:, :]  # prompts are never empty, so tp - 1 >= 0
@@ -443,8 +440,7 @@ class HFBackend:
         return token_logprobs(logits, ro.completion_ids.to(dev)).cpu()
 
     def _shared_prefix_logits(self, model: nn.Module, ids: Tensor, attn: Tensor, pos: Tensor,
-                              shared: tuple[Tensor, Tensor, Tensor], tc: int,
-                              keep: bool) -> Tensor:
+                              shared: tuple[Tensor, Tensor, Tensor], tc: int) -> Tensor:
         """Logits predicting the tc answer tokens, with each distinct prompt run only once.
 
         The prompt's keys and values (with their autograd history) are copied to the rows that
@@ -455,7 +451,7 @@ class HFBackend:
         tp = ids.shape[1] - tc
         cache = self._new_cache()
         out = model(input_ids=u_ids, attention_mask=u_mask, position_ids=pos_ids(u_mask),
-                    use_cache=True, **({"logits_to_keep": 1} if keep else {}),
+                    use_cache=True, **({"logits_to_keep": 1} if self._keep else {}),
                     **{self._cache_kw: cache})
         first = out.logits[:, -1:, :][inv]  # the last prompt position predicts answer token 0
         if tc == 1:
@@ -638,7 +634,6 @@ def run_train(cfg: Config, resume: bool = False) -> Any:
     final model (LoRA merged) plus tokenizer in ``<out_dir>/final``.
     """
     import json
-    import os
 
     from . import dist
     from .data import load_rows

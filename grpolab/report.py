@@ -8,10 +8,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, imported on first plot: runs that only write
+    metrics (every torchrun rank but 0, tests, benchmarks) skip its ~0.3 s import."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 class MetricsWriter:
@@ -67,6 +73,7 @@ def _rolling(ys: list[float], k: int) -> list[float]:
 
 def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "") -> None:
     """Left: training reward and held-out accuracy. Right: dead-group share per step."""
+    plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     steps, rew = _series(rows, "reward_mean")
     ax1.plot(steps, rew, label="training reward (mean of the step)", color="tab:blue", alpha=0.35)
@@ -103,29 +110,29 @@ def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "") -> N
 def summarize(rows: list[dict]) -> dict[str, Any]:
     """The numbers a sweep table shows for one run."""
     steps = [r for r in rows if r.get("step", 0) >= 1]
-    accs = [r for r in rows if r.get("heldout_acc") is not None]
     dead = [r["dead_share"] for r in steps if "dead_share" in r]
     pred = [r["predicted_dead_share"] for r in steps if r.get("predicted_dead_share") is not None]
+    acc0, acc1 = _first_last(rows, "heldout_acc")
+    p0, p1 = _first_last(rows, "heldout_pass_prob")
     return {
         "steps": len(steps),
         "mean_dead_share": sum(dead) / len(dead) if dead else float("nan"),
         "mean_predicted_dead_share": sum(pred) / len(pred) if pred else float("nan"),
-        "start_heldout_acc": accs[0]["heldout_acc"] if accs else float("nan"),
-        "final_heldout_acc": accs[-1]["heldout_acc"] if accs else float("nan"),
-        "start_heldout_pass_prob": _first_last(rows, "heldout_pass_prob", 0),
-        "final_heldout_pass_prob": _first_last(rows, "heldout_pass_prob", -1),
+        "start_heldout_acc": acc0,
+        "final_heldout_acc": acc1,
+        "start_heldout_pass_prob": p0,
+        "final_heldout_pass_prob": p1,
         "answers_generated": sum(r.get("answers_generated", 0) for r in steps),
-        "heldout_acc_gain": (accs[-1]["heldout_acc"] - accs[0]["heldout_acc"])
-        if accs else float("nan"),
-        "heldout_pass_prob_gain": _first_last(rows, "heldout_pass_prob", -1)
-        - _first_last(rows, "heldout_pass_prob", 0),
+        "heldout_acc_gain": acc1 - acc0,
+        "heldout_pass_prob_gain": p1 - p0,
         "mean_reward": (sum(r["reward_mean"] for r in steps) / len(steps)) if steps else float("nan"),
     }
 
 
-def _first_last(rows: list[dict], key: str, i: int) -> float:
+def _first_last(rows: list[dict], key: str) -> tuple[float, float]:
+    """The first and last recorded value of ``key`` (NaN, NaN when it was never recorded)."""
     vals = [r[key] for r in rows if r.get(key) is not None]
-    return vals[i] if vals else float("nan")
+    return (vals[0], vals[-1]) if vals else (float("nan"), float("nan"))
 
 
 def format_table(header: list[str], rows: list[list[Any]]) -> str:
@@ -146,6 +153,7 @@ def plot_sweep(
 ) -> None:
     """Compare runs by group size: dead share (measured vs predicted), held-out accuracy at the
     end of the run, and what sampling cost. Per-step curves are in each run's workshop.png."""
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     variants = list(dict.fromkeys(v for v, _, _ in results))
     cmap = plt.get_cmap("tab10")

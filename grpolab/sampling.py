@@ -103,8 +103,7 @@ class TinyBackend:
         seed: int = 0,
     ) -> None:
         self.model = model
-        self.lora = lora
-        self.ref: TinyGPT | None = None
+        self.ref: TinyGPT | None = None  # None with lora: the reference is adapters-off
         if lora:
             add_lora(model, lora_r, lora_alpha, seed)
         else:
@@ -189,9 +188,10 @@ class TinyBackend:
         width = max(len(r["answer"]) for r in rows) + 1
         ans = torch.full((len(rows), width), self.tok.PAD, dtype=torch.long)
         for i, r in enumerate(rows):
-            a = [self.tok.stoi[c] for c in r["answer"]] + [self.tok.EOS]
+            a = self.tok.encode_answer(r["answer"])
             ans[i, : len(a)] = torch.tensor(a)
-        ro = Rollout(rows, prompt_ids, torch.ones_like(prompt_ids), ans, (ans != 0).long(), [])
+        mask = (ans != self.tok.PAD).long()
+        ro = Rollout(rows, prompt_ids, torch.ones_like(prompt_ids), ans, mask, [])
         lp = self.logprobs(ro, temperature)
         return torch.exp((lp * ro.completion_mask).sum(-1))
 

@@ -26,7 +26,7 @@ from .config import Config, ConfigError, to_dict
 from .curriculum import PromptSampler
 from .losses import grpo_loss
 from .report import MetricsWriter
-from .rewards import score
+from .rewards import ScoreResult, score
 from .sampling import Backend, Rollout, cat_rollouts
 
 log = logging.getLogger("grpolab")
@@ -121,15 +121,13 @@ class GRPOTrainer:
         ro = self.backend.generate(
             [r["prompt"] for r in rows], self.cfg.temperature, self.cfg.max_new_tokens, self.gen
         )
-        res = score(
-            self.reward_fns,
-            ro.prompts,
-            ro.completions,
-            _columns(rows),
-            weights=self.cfg.reward_weights or None,
-            on_error=self.cfg.reward_on_error,
-        )
+        res = self._score(ro, rows)
         return ro, rows, res.total, res.problems
+
+    def _score(self, ro: Rollout, rows: list[dict]) -> ScoreResult:
+        """The configured rewards (weights, on_error) for the answers in ``ro``."""
+        return score(self.reward_fns, ro.prompts, ro.completions, _columns(rows),
+                     weights=self.cfg.reward_weights or None, on_error=self.cfg.reward_on_error)
 
     def _sample_round(
         self, n: int
@@ -285,9 +283,7 @@ class GRPOTrainer:
 
     def _heldout_ok(self, rows: list[dict]) -> torch.Tensor:
         ro = self.backend.generate([r["prompt"] for r in rows], 0.0, self.cfg.max_new_tokens)
-        res = score(self.reward_fns, ro.prompts, ro.completions, _columns(rows),
-                    weights=self.cfg.reward_weights or None, on_error=self.cfg.reward_on_error)
-        return res.total >= self.cfg.success_threshold
+        return self._score(ro, rows).total >= self.cfg.success_threshold
 
     @torch.no_grad()
     def heldout_pass_prob(self) -> float | None:
@@ -322,8 +318,7 @@ class GRPOTrainer:
         acc = self.evaluate() if do_eval else None
         pass_prob = self.heldout_pass_prob() if do_eval else None
         # Without dynamic sampling the trained batch is the one sampled round (every rank's).
-        useful = batch.trained_groups * g if cfg.dynamic_sampling else int(
-            (~adv_mod.dead_mask(sampled, g)).sum()) * g
+        useful = (batch.trained_groups if cfg.dynamic_sampling else ds.groups - ds.dead) * g
         lens = dist.gather_cat(batch.rollout.completion_mask.sum(1))
         problems = int(dist.all_reduce_sum([len(batch.problems)])[0])
         rec = {

@@ -25,7 +25,6 @@ from torch import Tensor, nn
 # ---------------------------------------------------------------- task ----
 
 OPS = ("+", "-", "*")
-PROMPT_LEN = 8  # "042+317=": every prompt has the same length, so batches need no padding
 
 
 def make_problem(rng: random.Random) -> dict[str, str]:
@@ -123,6 +122,10 @@ class CharTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [self.BOS] + [self.stoi[c] for c in text]
+
+    def encode_answer(self, text: str) -> list[int]:
+        """An answer's ids as the model should produce them: its characters, then EOS."""
+        return [self.stoi[c] for c in text] + [self.EOS]
 
     def decode(self, ids: list[int]) -> str:
         out = []
@@ -256,8 +259,7 @@ def encode_batch(tok: CharTokenizer, rows: list[dict[str, str]], max_len: int) -
     mask = torch.zeros((len(rows), max_len), dtype=torch.bool)
     for i, r in enumerate(rows):
         p = tok.encode(r["prompt"])
-        a = [tok.stoi[c] for c in r["answer"]] + [tok.EOS]
-        seq = (p + a)[:max_len]
+        seq = (p + tok.encode_answer(r["answer"]))[:max_len]
         ids[i, : len(seq)] = torch.tensor(seq)
         mask[i, len(p) : len(seq)] = True
     return ids, mask
