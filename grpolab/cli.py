@@ -10,10 +10,10 @@ import argparse
 import logging
 import sys
 import typing
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
 from . import dist
-from .config import Config, ConfigError, make_config
+from .config import Config, ConfigError, literal_fields, make_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,13 +25,14 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(Config)
+    choices = literal_fields()
     for name in Config.__dataclass_fields__:
         flag = "--" + name.replace("_", "-")
         tp = hints[name]
         if tp is bool:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
-        elif typing.get_origin(tp) is Literal:
-            p.add_argument(flag, dest=name, choices=typing.get_args(tp), default=None)
+        elif name in choices:
+            p.add_argument(flag, dest=name, choices=choices[name], default=None)
         else:
             p.add_argument(flag, dest=name, default=None, metavar=name.upper())
 

@@ -129,7 +129,7 @@ class Config:
                 f"reward_weights has {len(self.reward_weights)} entries for "
                 f"{len(self.rewards)} rewards"
             )
-        for name, allowed in _literal_fields().items():
+        for name, allowed in literal_fields().items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {list(allowed)} (got {getattr(self, name)!r})")
 
@@ -138,7 +138,8 @@ def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(Config)
 
 
-def _literal_fields() -> dict[str, tuple]:
+def literal_fields() -> dict[str, tuple]:
+    """Allowed values of every Literal-typed field (shared by validation and the CLI)."""
     out = {}
     for name, tp in _field_types().items():
         if typing.get_origin(tp) is Literal:
