@@ -28,6 +28,13 @@ over the HF model's forward (the code before ``grpolab.fastlm``), interleaved th
 Both trainers run in one process with the same torch thread count, 1 by default: on a small,
 shared CPU, OpenMP threads that wait for each other make tiny-model steps many times slower.
 
+After the timed rounds, one more step of each trainer runs under
+``torch.utils.flop_counter.FlopCounterMode`` to count the work it does (matrix-multiplication
+FLOPs: mm, addmm, bmm; attention and elementwise ops are not counted), and the machine's
+matrix-multiplication rate is measured at the same thread count. Work / rate is a floor no
+trainer can beat on this machine; the table shows how far above its floor each one runs, and
+the best ratio any trainer doing grpolab's work could reach against TRL's measured time.
+
 Completions stop at EOS, so completion lengths differ by sampling; the table reports generated
 tokens per step and the padded width (decode steps) for both. A random model almost never
 samples EOS for every row of a batch, so both run L decode steps and score [B, prompt + L]
@@ -332,6 +339,63 @@ def print_sampling(title: str, res: list[tuple[str, float, int]]) -> None:
           f"{cached / bound:.2f} (sampling cannot exceed 1)")
 
 
+# ----------------------------------------------------------------------------- work
+
+
+def count_flops(fn: Any) -> int:
+    """Matrix-multiplication FLOPs that ``fn()`` performs (forward and backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter, contextlib.redirect_stdout(io.StringIO()):
+        fn()
+    return int(counter.get_total_flops())
+
+
+def trl_step_flops(trainer: Any) -> int:
+    """FLOPs of one TRL optimizer step (``train()`` restarts its step count at 0)."""
+    trainer.args.max_steps = 1
+    return count_flops(trainer.train)
+
+
+def matmul_rate(args: argparse.Namespace, repeats: int = 20) -> float:
+    """FLOP/s of the fastest of a few float32 matmuls: the model's own shapes and a large one.
+
+    The maximum makes work / rate a lower bound on the time any trainer needs for that work.
+    """
+    tokens = args.batch * args.max_new_tokens
+    shapes = [(tokens, args.hidden, args.vocab), (tokens, args.hidden, 4 * args.hidden),
+              (1024, 1024, 1024)]
+    best = 0.0
+    for m, k, n in shapes:
+        a, w = torch.randn(m, k), torch.randn(n, k)
+        torch.nn.functional.linear(a, w)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            torch.nn.functional.linear(a, w)
+        best = max(best, 2 * m * k * n * repeats / (time.perf_counter() - t0))
+    return best
+
+
+def print_work(flops: dict[str, int], rate: float, res: dict[str, list[dict[str, float]]]) -> None:
+    """Counted work per step, the floor it implies on this machine, and how far above it each
+    trainer runs."""
+    print(f"\nwork per step (matmul FLOPs counted by torch.utils.flop_counter; this machine "
+          f"multiplies matrices at {rate / 1e9:.0f} GFLOP/s at this thread count):")
+    floor, measured = {}, {}
+    for name, f in flops.items():
+        rounds = res[name]
+        measured[name] = sum(r["time"] for r in rounds) / sum(r["steps"] for r in rounds)
+        floor[name] = f / rate
+        print(f"  {name:8s} {f / 1e9:8.4g} GFLOP  floor {floor[name] * 1e3:8.4g} ms/step  "
+              f"measured {measured[name] * 1e3:8.4g} ms/step = {measured[name] / floor[name]:.2f}x "
+              f"its floor")
+    if "TRL" in flops:
+        print(f"  TRL does {flops['TRL'] / flops['grpolab']:.2f}x grpolab's work; the best "
+              f"ratio a trainer doing grpolab's work at its floor could reach against TRL's "
+              f"measured time: {measured['TRL'] / floor['grpolab']:.2f}x")
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -454,6 +518,10 @@ def main(argv: list[str] | None = None) -> int:
                 res["grpolab-old"].append(run_lab_round(old, args))
 
         print_table(res)
+        flops = {"grpolab": count_flops(lab.step)}
+        if trl is not None:
+            flops = {"TRL": trl_step_flops(trl[0]), **flops}
+        print_work(flops, matmul_rate(args), res)
 
         if not args.no_sampling:
             print_sampling(f"sampling, grpolab TinyGPT (TinyConfig defaults, random init), "

@@ -40,6 +40,18 @@ def test_vs_trl_prints_both_rates_and_ratio(tmp_path: Path) -> None:
     assert m, out
     assert float(m.group(1)) == pytest.approx(rates["grpolab"] / rates["TRL"], rel=0.02)
     assert re.search(rf"on CPU time .*: {NUM}x", out)
+    # Counted work: TRL runs each group's prompt G times, grpolab once, so TRL does more.
+    work = {}
+    for name in ("TRL", "grpolab"):
+        m = re.search(rf"^  {name}\s+{NUM} GFLOP  floor\s+{NUM} ms/step  measured\s+{NUM} "
+                      rf"ms/step = {NUM}x its floor", out, re.MULTILINE)
+        assert m, f"no {name} work line in:\n{out}"
+        work[name] = float(m.group(1))
+        assert float(m.group(4)) == pytest.approx(float(m.group(3)) / float(m.group(2)),
+                                                  rel=0.01)  # (printed to 4 digits)
+    assert work["TRL"] > work["grpolab"] > 0
+    m = re.search(rf"TRL does {NUM}x grpolab's work.*could reach .*: {NUM}x", out)
+    assert m and float(m.group(1)) == pytest.approx(work["TRL"] / work["grpolab"], rel=0.01)
     for label in ("KV cache (TinyBackend.generate)", "KV cache (HFBackend.generate)",
                   "no cache (naive)", "forward-only bound"):
         assert label in out

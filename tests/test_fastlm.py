@@ -109,10 +109,18 @@ def test_llama_family_variants_match_hf(kind: str) -> None:
 # ------------------------------------------------------------------------------ sampling
 
 
+@pytest.fixture(params=["plain-cache", "shared-cache"])
+def cache_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Decode grouped rows with a plain cache (prompt copied per row) or the shared one."""
+    shared = request.param == "shared-cache"
+    monkeypatch.setattr(fastlm, "SHARED_MIN_BYTES", 0 if shared else 1 << 62)
+    return request.param
+
+
 @pytest.mark.parametrize("name", list(TINY))
 @pytest.mark.parametrize("grouped", [False, True], ids=["distinct", "grouped"])
-def test_greedy_decoding_equals_hf_generate(paths: dict[str, str], name: str,
-                                             grouped: bool) -> None:
+def test_greedy_decoding_equals_hf_generate(paths: dict[str, str], name: str, grouped: bool,
+                                             cache_kind: str) -> None:
     be = backend(paths, name)
     assert be._fast is not None
     prompts = [p for p in PROMPTS for _ in range(3 if grouped else 1)]
@@ -127,7 +135,8 @@ def test_greedy_decoding_equals_hf_generate(paths: dict[str, str], name: str,
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_sampling_equals_hf_forward_loop(paths: dict[str, str], name: str) -> None:
+def test_sampling_equals_hf_forward_loop(paths: dict[str, str], name: str,
+                                         cache_kind: str) -> None:
     """Same seed, same logits: the lean and the HF-forward sampling loops draw the same tokens."""
     be = backend(paths, name)
     prompts = [p for p in PROMPTS for _ in range(4)]
@@ -137,6 +146,39 @@ def test_sampling_equals_hf_forward_loop(paths: dict[str, str], name: str) -> No
     slow = be._sample(ids, mask, 1.0, 16, seed=7)
     assert torch.equal(fast, slow)
     assert len({tuple(r) for r in fast.tolist()}) > 4  # really sampled
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_shared_prompt_cache_equals_plain_cache(paths: dict[str, str], name: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows decoded against one copy of their group's prompt get the plain cache's logits.
+
+    Groups interleaved (the decoder reorders rows and must undo it), prompts of different
+    lengths (left padding), GQA and GPT-2 included; unequal groups keep the plain cache.
+    """
+    default = fastlm.SHARED_MIN_BYTES
+    be = backend(paths, name)
+    prompts = [PROMPTS[i % 3] for i in range(9)]  # 3 groups of 3: rows 0, 3, 6 share a prompt
+    ids, mask = be.encode_prompts(prompts)
+    assert not mask.all()
+    feed = torch.randint(3, be.model.config.vocab_size, (6, 9),
+                         generator=torch.Generator().manual_seed(0))
+
+    def decode(min_bytes: int, ids: torch.Tensor, mask: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        monkeypatch.setattr(fastlm, "SHARED_MIN_BYTES", min_bytes)
+        with torch.inference_mode():
+            dec = be._fast.decoder(ids, mask, 7, shared_prompts(ids, mask))
+            out = [dec.logits] + [dec.step(tokens[: ids.shape[0]]) for tokens in feed]
+        return dec, torch.stack(out)
+
+    plain_dec, plain = decode(1 << 62, ids, mask)
+    shared_dec, shared = decode(0, ids, mask)
+    assert isinstance(plain_dec.cache, fastlm._Static)
+    assert isinstance(shared_dec.cache, fastlm._Shared) and shared_dec.cache.group == 3
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+    assert isinstance(decode(default, ids, mask)[0].cache, fastlm._Static)  # tiny: below 1 MiB
+    ids, mask = be.encode_prompts(prompts[:8])  # groups of 3, 3 and 2
+    assert isinstance(decode(0, ids, mask)[0].cache, fastlm._Static)
 
 
 # ------------------------------------------------------------------------------ scoring
