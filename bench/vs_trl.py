@@ -29,10 +29,10 @@ Both trainers run in one process with the same torch thread count, 1 by default:
 shared CPU, OpenMP threads that wait for each other make tiny-model steps many times slower.
 
 After the timed rounds, one more step of each trainer runs under
-``torch.utils.flop_counter.FlopCounterMode`` to count the work it does (matrix-multiplication
-FLOPs: mm, addmm, bmm; attention and elementwise ops are not counted), and the machine's
+``torch.utils.flop_counter.FlopCounterMode`` to count the work it does (FLOPs of matrix
+multiplications and attention; elementwise ops are not counted), and the machine's
 matrix-multiplication rate is measured at the same thread count. Work / rate is a floor no
-trainer can beat on this machine; the table shows how far above its floor each one runs, and
+trainer can beat on this machine (attention is counted in full, masks ignored, for both); the table shows how far above its floor each one runs, and
 the best ratio any trainer doing grpolab's work could reach against TRL's measured time.
 
 Completions stop at EOS, so completion lengths differ by sampling; the table reports generated
@@ -342,11 +342,31 @@ def print_sampling(title: str, res: list[tuple[str, float, int]]) -> None:
 # ----------------------------------------------------------------------------- work
 
 
+def _cpu_sdpa_flops(q: Any, k: Any, v: Any, *_: Any, **__: Any) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(q, k, v)
+
+
+def _cpu_sdpa_backward_flops(grad: Any, q: Any, k: Any, v: Any, *_: Any, **__: Any) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return sdpa_backward_flop_count(grad, q, k, v)
+
+
 def count_flops(fn: Any) -> int:
-    """Matrix-multiplication FLOPs that ``fn()`` performs (forward and backward)."""
+    """Matrix-multiplication and attention FLOPs that ``fn()`` performs (forward and backward).
+
+    torch's counter knows the GPU attention kernels; the CPU ones are added with the same
+    formulas (every query against every key: masks are not subtracted, for either trainer).
+    """
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
+    aten = torch.ops.aten
+    counter = FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+    })
     with counter, contextlib.redirect_stdout(io.StringIO()):
         fn()
     return int(counter.get_total_flops())
@@ -380,8 +400,8 @@ def matmul_rate(args: argparse.Namespace, repeats: int = 20) -> float:
 def print_work(flops: dict[str, int], rate: float, res: dict[str, list[dict[str, float]]]) -> None:
     """Counted work per step, the floor it implies on this machine, and how far above it each
     trainer runs."""
-    print(f"\nwork per step (matmul FLOPs counted by torch.utils.flop_counter; this machine "
-          f"multiplies matrices at {rate / 1e9:.0f} GFLOP/s at this thread count):")
+    print(f"\nwork per step (matmul and attention FLOPs counted by torch.utils.flop_counter; "
+          f"this machine multiplies matrices at {rate / 1e9:.0f} GFLOP/s at this thread count):")
     floor, measured = {}, {}
     for name, f in flops.items():
         rounds = res[name]
