@@ -349,11 +349,6 @@ class FastLM:
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    @classmethod
-    def build(cls, model: nn.Module) -> FastLM | None:
-        """A FastLM for ``model``, or None when it is unsupported (the HF forward is used)."""
-        return cls(model) if unsupported(model) is None else None
-
     def fits(self, length: int) -> bool:
         """Whether sequences of ``length`` tokens see every earlier token (sliding windows)."""
         return self.window is None or length <= self.window

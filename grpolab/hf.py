@@ -45,7 +45,6 @@ from torch import Tensor, nn
 
 from .config import Config, ConfigError
 from .fastlm import FastLM, base_model, pos_ids
-from .fastlm import unsupported as fastlm_unsupported
 from .losses import token_logprobs
 from .sampling import Rollout, first_eos_mask
 
@@ -175,13 +174,13 @@ class HFBackend:
         self._fast: FastLM | None = None
         self._fast_ref: FastLM | None = None
         if self._lean and fastlm_enabled():
-            why = fastlm_unsupported(self.model)
-            if why is None:
+            try:
                 self._fast = FastLM(self.model)  # with LoRA also the reference (adapters off)
-                if self.ref is not None:
-                    self._fast_ref = FastLM.build(self.ref)
-            else:
+            except ValueError as why:  # unsupported architecture: the HF forward
                 log.debug("fastlm: using the HF forward (%s)", why)
+            else:
+                if self.ref is not None:  # a deep copy of the model: supported as well
+                    self._fast_ref = FastLM(self.ref)
 
     @staticmethod
     def _wrap_lora(model: nn.Module, r: int, alpha: int, dropout: float,

@@ -215,10 +215,9 @@ class GRPOTrainer:
         if not n_all:
             return {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
                     "grad_norm": 0.0}
-        share = (t_loc / max(t_all, 1) if cfg.loss_agg == "token_mean" else n_loc / n_all)
-        tok_share = t_loc / max(t_all, 1)
-        if not dist.is_dist():
-            share = tok_share = 1.0
+        # This rank's part of the global count (exactly 1.0 in a single process).
+        tok_share = t_loc / t_all if t_all else 1.0
+        share = tok_share if cfg.loss_agg == "token_mean" else n_loc / n_all
         adv = ref_lp = old_lp = None
         if n_loc:
             adv = adv_mod.group_advantages(
@@ -242,7 +241,7 @@ class GRPOTrainer:
                     beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                     agg=cfg.loss_agg, norm_len=cfg.max_new_tokens,
                 )
-                loss = res.loss * share if dist.is_dist() else res.loss
+                loss = res.loss * share
                 stats = [float(loss.detach()), res.policy_loss * share, res.kl * tok_share,
                          res.clip_frac * tok_share, float(not torch.isfinite(res.loss))]
             stats = dist.all_reduce_sum(stats)  # all ranks raise together, none hangs

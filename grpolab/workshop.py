@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .config import Config
+from .config import Config, ConfigError
 from .report import format_table, plot_run, plot_sweep, read_metrics, summarize
 from .rewards import exact_answer
 from .sampling import TinyBackend
@@ -95,6 +95,12 @@ def run_sweep(
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; known: {sorted(VARIANTS)}")
+    for variant in variants:  # every configuration is checked before the first run starts
+        for g in sizes:
+            try:
+                dataclasses.replace(cfg, group_size=g, **VARIANTS[variant]).resolved()
+            except ConfigError as e:
+                raise ConfigError(f"sweep: {e}") from None
     seeds = seeds or [cfg.seed]
     root = Path(cfg.out_dir)
     results: list[tuple[str, int, dict]] = []

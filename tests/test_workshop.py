@@ -63,7 +63,7 @@ def test_sweep_table_and_plot(tmp_path, capsys) -> None:
 def test_sweep_rejects_bad_sizes(tmp_path, capsys) -> None:
     assert main(["workshop", "--sweep", "2,5", "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "group size 5 does not divide the budget 64" in err[0]
+    assert len(err) == 1 and "sweep: group_size 5 does not divide the budget 64" in err[0]
 
 
 def test_seed_sweep_reports_mean_and_spread(tmp_path) -> None:
