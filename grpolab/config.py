@@ -38,6 +38,7 @@ class Config:
     lr: float = 1e-3  # the workshop's "step size 0.001" (Adam)
     grad_clip: float = 1.0
     epochs: int = 1  # mu: optimisation passes over one batch (old-policy ratio when > 1)
+    micro_batch: int = 0  # rows per forward/backward in the update (0 = all); same step
     eval_every: int = 1
     eval_size: int = 256
     checkpoint_every: int = 10
@@ -124,6 +125,8 @@ class Config:
             raise ConfigError("beta, eps_low and eps_high must be >= 0")
         if self.max_sampling_rounds < 0:
             raise ConfigError("max_sampling_rounds must be >= 0")
+        if self.micro_batch < 0:
+            raise ConfigError(f"micro_batch must be >= 0 (got {self.micro_batch})")
         if self.reward_weights and len(self.reward_weights) != len(self.rewards):
             raise ConfigError(
                 f"reward_weights has {len(self.reward_weights)} entries for "

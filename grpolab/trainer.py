@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from . import advantages as adv_mod
 from . import dist
@@ -33,8 +34,11 @@ log = logging.getLogger("grpolab")
 
 # Each rank samples answers from its own stream (rank 0 keeps the single-process seed).
 RANK_SEED_STRIDE = 1_000_003
-# Config keys that may change between a run and its resumption without changing the maths.
-RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every"}
+# Config keys that may change between a run and its resumption without changing the maths
+# (micro_batch splits the same step differently: resuming an out-of-memory run with smaller
+# micro-batches is what it is for; float rounding then differs in the last bits).
+RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every",
+                    "micro_batch"}
 
 
 class TrainingError(RuntimeError):
@@ -200,59 +204,81 @@ class GRPOTrainer:
         self.sampler.update(idx, ok.mean(1).tolist())
 
     # -------------------------------------------------------------- update --
+    def _micro_batches(self, ro: Rollout, adv: Tensor) -> list[tuple[Rollout, Tensor]]:
+        """The local batch in runs of ``micro_batch`` rows (all at once when 0), each cut to
+        its longest answer: the update's memory is bounded by one of them."""
+        n, mb = len(ro.prompts), self.cfg.micro_batch
+        if not mb or mb >= n:
+            return [(ro, adv)]
+        out = []
+        for lo in range(0, n, mb):
+            part = ro.select(list(range(lo, min(lo + mb, n))))
+            width = max(int(part.completion_mask.sum(1).max()), 1)
+            part.completion_ids = part.completion_ids[:, :width]
+            part.completion_mask = part.completion_mask[:, :width]
+            out.append((part, adv[lo : lo + mb]))
+        return out
+
     def update(self, batch: Batch) -> dict[str, float]:
         """mu optimisation passes over one batch with the clipped GRPO objective.
 
-        Under torchrun each rank's loss is its share of the global loss (replies or tokens
-        over the global count, per ``loss_agg``) and gradients are summed, so N ranks take the
-        same step as one process on the union of their batches.
+        The loss of each micro-batch (``micro_batch`` rows) and, under torchrun, of each rank is
+        its share of the global loss (replies or tokens over the global count, per
+        ``loss_agg``); gradients accumulate over micro-batches and are summed over ranks, so
+        any split takes the step one pass over the whole batch in one process takes.
         """
         cfg = self.cfg
-        ro, mask = batch.rollout, batch.rollout.completion_mask
+        ro = batch.rollout
         n_loc = len(batch.rows)
-        t_loc = int(mask.sum()) if n_loc else 0
+        t_loc = int(ro.completion_mask.sum()) if n_loc else 0
         n_all, t_all = (int(v) for v in dist.all_reduce_sum([n_loc, t_loc]))
         if not n_all:
             return {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
                     "grad_norm": 0.0}
-        # This rank's part of the global count (exactly 1.0 in a single process).
-        tok_share = t_loc / t_all if t_all else 1.0
-        share = tok_share if cfg.loss_agg == "token_mean" else n_loc / n_all
-        adv = ref_lp = old_lp = None
+        # (micro-batch, advantages, reference log-probs, old-policy log-probs)
+        parts: list[tuple[Rollout, Tensor, Tensor | None, Tensor | None]] = []
         if n_loc:
             adv = adv_mod.group_advantages(
                 batch.rewards.float(), cfg.group_size, baseline=cfg.baseline, scale=cfg.scale,
                 std=cfg.std, std_eps=cfg.std_eps, min_std=cfg.min_std,
             )
-            with torch.no_grad():
-                if cfg.beta > 0:
-                    ref_lp = self.backend.logprobs(ro, cfg.temperature, reference=True)
-                if cfg.epochs > 1:
-                    old_lp = self.backend.logprobs(ro, cfg.temperature)
+            with torch.no_grad():  # all before the first optimizer step: the old policy
+                for part, a in self._micro_batches(ro, adv):
+                    ref_lp = (self.backend.logprobs(part, cfg.temperature, reference=True)
+                              if cfg.beta > 0 else None)
+                    old_lp = self.backend.logprobs(part, cfg.temperature) if cfg.epochs > 1 else None
+                    parts.append((part, a, ref_lp, old_lp))
         self.backend.model.train()
         out: dict[str, float] = {}
         for _ in range(cfg.epochs):
-            loss = None
+            self.opt.zero_grad(set_to_none=True)
             stats = [0.0, 0.0, 0.0, 0.0, 0.0]  # loss, policy loss, kl, clip frac, non-finite
-            if n_loc:
-                lp = self.backend.logprobs(ro, cfg.temperature)
+            for part, a, ref_lp, old_lp in parts:
+                mask = part.completion_mask
+                # This part of the global count (exactly 1.0 for one part in one process).
+                tok_share = int(mask.sum()) / t_all if t_all else 1.0
+                share = tok_share if cfg.loss_agg == "token_mean" else len(part.prompts) / n_all
+                lp = self.backend.logprobs(part, cfg.temperature)
                 res = grpo_loss(
-                    lp, lp.detach() if old_lp is None else old_lp, ref_lp, adv, mask,
+                    lp, lp.detach() if old_lp is None else old_lp, ref_lp, a, mask,
                     beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                     agg=cfg.loss_agg, norm_len=cfg.max_new_tokens,
                 )
                 loss = res.loss * share
-                stats = [float(loss.detach()), res.policy_loss * share, res.kl * tok_share,
-                         res.clip_frac * tok_share, float(not torch.isfinite(res.loss))]
+                if torch.isfinite(res.loss):
+                    loss.backward()
+                else:
+                    stats[4] = 1.0
+                stats[0] += float(loss.detach())
+                stats[1] += res.policy_loss * share
+                stats[2] += res.kl * tok_share
+                stats[3] += res.clip_frac * tok_share
             stats = dist.all_reduce_sum(stats)  # all ranks raise together, none hangs
             if stats[4]:
                 raise TrainingError(
                     f"non-finite loss ({stats[0]}) at step {self.step_num + 1}; "
                     f"last checkpoint and metrics in {self.out_dir} are intact"
                 )
-            self.opt.zero_grad(set_to_none=True)
-            if loss is not None:
-                loss.backward()
             dist.sum_grads(self.params)
             gn = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
             if not math.isfinite(gn):

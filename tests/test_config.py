@@ -44,6 +44,7 @@ def test_switches_resolve() -> None:
         ({"lora": "maybe"}, "cannot read 'maybe' as bool"),
         ({"loss_agg": "sum"}, "loss_agg must be one of"),
         ({"temperature": 0}, "temperature must be > 0"),
+        ({"micro_batch": -1}, "micro_batch must be >= 0"),
     ],
 )
 def test_errors_name_the_problem(overrides: dict, message: str) -> None:

@@ -176,6 +176,27 @@ def test_resume_continues_exactly(
         torch.testing.assert_close(t, tb["trainable"][n], atol=1e-6, rtol=1e-5)
 
 
+def test_micro_batches_take_the_same_step(
+    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--micro-batch 3 (groups of 4 cut across parts) takes the whole-batch step, and a run may
+    resume with another micro-batch size without a config-change warning."""
+    whole_yaml, whole = write_config(tmp_path / "a", llama, lora=False, steps=1, eval_dataset="")
+    run_cli(monkeypatch, ["train", "--config", whole_yaml])
+    mb_yaml, mb = write_config(tmp_path / "b", llama, lora=False, steps=1, eval_dataset="")
+    trainer = run_cli(monkeypatch, ["train", "--config", mb_yaml, "--micro-batch", "3"])
+    assert trainer.cfg.micro_batch == 3
+    a, b = read_metrics(whole)[1], read_metrics(mb)[1]
+    assert a["dead_share"] < 1, "the step should carry a gradient"
+    for key in ("reward_mean", "loss", "policy_loss", "kl", "grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        run_cli(monkeypatch, ["train", "--config", mb_yaml, "--resume", "--steps", "2",
+                              "--micro-batch", "2"])
+    assert "changed config keys" not in caplog.text
+    assert [r["step"] for r in read_metrics(mb)] == [0, 1, 2]
+
+
 def test_failing_reward_is_reported_not_fatal(
     llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
