@@ -528,11 +528,16 @@ def check_vllm() -> None:
 
 
 class VLLMBackend(HFBackend):
-    """HFBackend whose rollouts come from vLLM; scoring and training stay in PyTorch.
+    """HFBackend whose rollouts come from a vLLM engine in this process (TRL's "colocate" mode);
+    scoring and training stay in PyTorch.
 
-    UNTESTED HERE (no GPU in CI): a minimal sketch. Before each ``generate`` the current
-    (LoRA-merged) weights are pushed into the vLLM engine. The engine-internal path used for
-    that differs between vLLM versions; adapt ``_sync_weights`` to yours.
+    Before each ``generate`` the current weights (LoRA merged in, then unmerged) are pushed into
+    the engine under the plain model's parameter names, and its prefix cache is reset (cached
+    prompt keys were computed by the old weights). Every answer gets its own sampling seed,
+    drawn from the trainer's generator, so a group's G answers differ and a run repeats.
+    Tested here against a stand-in engine (no GPU): the glue, not vLLM itself. The weight push
+    goes through ``llm_engine.model_executor.driver_worker.model_runner.model.load_weights``,
+    the path TRL uses; other vLLM versions may need another.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, model_path: str, **kwargs: Any) -> None:
@@ -540,23 +545,26 @@ class VLLMBackend(HFBackend):
         from vllm import LLM
 
         super().__init__(model, tokenizer, **kwargs)
-        self.llm = LLM(model=model_path, gpu_memory_utilization=0.4, enable_prefix_caching=True)
+        self.llm = LLM(model=model_path, gpu_memory_utilization=0.4, enable_prefix_caching=True,
+                       seed=int(kwargs.get("seed", 0)))
+
+    def engine_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(name, tensor) of every weight under the plain model's names; call with LoRA merged."""
+        for name, p in self.model.named_parameters():
+            if "lora_" in name:
+                continue
+            yield name.removeprefix("base_model.model.").replace(".base_layer", ""), p.data
 
     def _sync_weights(self) -> None:
         if self.lora:
             self.model.merge_adapter()
         try:
-            state = {}
-            for name, p in self._hf_model().state_dict().items():
-                if "lora_" in name:
-                    continue
-                name = name.replace("base_model.model.", "").replace(".base_layer", "")
-                state[name] = p
-            engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-            engine_model.load_weights(state.items())
+            engine = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+            engine.load_weights(self.engine_weights())
         finally:
             if self.lora:
                 self.model.unmerge_adapter()
+        self.llm.reset_prefix_cache()
 
     @torch.no_grad()
     def generate(self, prompts: list[Any], temperature: float, max_new_tokens: int,
@@ -565,17 +573,22 @@ class VLLMBackend(HFBackend):
 
         self._sync_weights()
         prompt_ids, prompt_mask = self.encode_prompts(list(prompts))
-        seed = None if generator is None else int(torch.randint(0, 2**31, (1,), generator=generator))
-        params = SamplingParams(temperature=float(temperature), top_k=-1, top_p=1.0,
-                                max_tokens=int(max_new_tokens), seed=seed,
-                                stop_token_ids=self.eos_ids)
+        if generator is not None:
+            base = int(torch.randint(0, 2**31, (1,), generator=generator))
+        else:
+            with torch.random.fork_rng(devices=[]):
+                base = int(torch.randint(0, 2**31, (1,)))
+        # top_k / top_p left at vLLM's defaults: off, so answers come from softmax(logits / T).
+        params = [SamplingParams(temperature=float(temperature), max_tokens=int(max_new_tokens),
+                                 seed=(base + i) % 2**31, stop_token_ids=list(self.eos_ids))
+                  for i in range(len(prompts))]
         reqs = [{"prompt_token_ids": row[m.bool()].tolist()}
                 for row, m in zip(prompt_ids, prompt_mask)]
         outs = self.llm.generate(reqs, params, use_tqdm=False)
         seqs = [list(o.outputs[0].token_ids) or [self.eos_ids[0]] for o in outs]
         comp = torch.full((len(seqs), max(len(s) for s in seqs)), self.pad_id, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            comp[i, : len(s)] = torch.tensor(s)
+        for i, seq in enumerate(seqs):
+            comp[i, : len(seq)] = torch.tensor(seq)
         ids, mask = first_eos_mask(comp, self.eos_ids, self.pad_id)
         texts = [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
                  for r, m in zip(ids, mask)]
