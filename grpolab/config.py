@@ -42,6 +42,7 @@ class Config:
     eval_every: int = 1
     eval_size: int = 256
     checkpoint_every: int = 10
+    log_samples: int = 1  # groups a step written to samples.jsonl (answers, rewards); 0 = none
     progress: bool = True
     # --- GRPO maths ---
     beta: float = 0.04  # KL(k3) weight to the frozen reference
@@ -125,6 +126,8 @@ class Config:
             raise ConfigError("beta, eps_low and eps_high must be >= 0")
         if self.max_sampling_rounds < 0:
             raise ConfigError("max_sampling_rounds must be >= 0")
+        if self.log_samples < 0:
+            raise ConfigError(f"log_samples must be >= 0 (got {self.log_samples})")
         if self.micro_batch < 0:
             raise ConfigError(f"micro_batch must be >= 0 (got {self.micro_batch})")
         if self.reward_weights and len(self.reward_weights) != len(self.rewards):

@@ -38,7 +38,7 @@ RANK_SEED_STRIDE = 1_000_003
 # (micro_batch splits the same step differently: resuming an out-of-memory run with smaller
 # micro-batches is what it is for; float rounding then differs in the last bits).
 RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every",
-                    "micro_batch"}
+                    "micro_batch", "log_samples"}
 
 
 class TrainingError(RuntimeError):
@@ -115,6 +115,7 @@ class GRPOTrainer:
         self.opt = torch.optim.Adam(self.params, lr=cfg.lr)
         self.step_num = 0
         self.metrics: MetricsWriter | None = None
+        self.samples: MetricsWriter | None = None  # samples.jsonl (cfg.log_samples groups a step)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self._last_bad = False  # last.pt failed to load: never rotate it into prev.pt
 
@@ -372,7 +373,34 @@ class GRPOTrainer:
         }
         if self.metrics:
             self.metrics.write(rec)
+        if self.samples:
+            self.samples.write({"step": self.step_num, "groups": self._sample_record(batch)})
         return rec
+
+    def _sample_record(self, batch: Batch) -> list[dict[str, Any]]:
+        """The first ``log_samples`` groups trained on (this rank's): what the policy wrote, its
+        rewards and the advantages they gave, for reading a run, not just its averages."""
+        g = self.cfg.group_size
+        n = min(self.cfg.log_samples, len(batch.rows) // g) * g
+        if not n:
+            return []
+        rewards = batch.rewards[:n].float()
+        adv = adv_mod.group_advantages(
+            rewards, g, baseline=self.cfg.baseline, scale=self.cfg.scale, std=self.cfg.std,
+            std_eps=self.cfg.std_eps, min_std=self.cfg.min_std,
+        )
+        out = []
+        for lo in range(0, n, g):
+            row = batch.rows[lo]
+            out.append({
+                "prompt": row["prompt"],
+                **({"answer": str(row["answer"])} if row.get("answer") is not None else {}),
+                "completions": batch.rollout.completions[lo : lo + g],
+                "rewards": rewards[lo : lo + g].tolist(),
+                "advantages": adv[lo : lo + g].tolist(),
+                "dead": bool(adv_mod.dead_mask(rewards[lo : lo + g], g)[0]),
+            })
+        return out
 
     def train(self, resume: bool = False, on_step: Callable[[dict], None] | None = None) -> list:
         """Run to ``cfg.steps``; with ``resume`` continue from the last checkpoint in out_dir."""
@@ -383,6 +411,9 @@ class GRPOTrainer:
         if dist.is_main():  # one writer; every rank computes the same global records
             self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl",
                                          resume_after_step=start if resume else None)
+            if cfg.log_samples:
+                self.samples = MetricsWriter(self.out_dir / "samples.jsonl",
+                                             resume_after_step=start if resume else None)
         records = []
         if start == 0:
             rec0 = {"step": 0, "heldout_acc": self.evaluate(),

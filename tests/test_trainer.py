@@ -1,5 +1,6 @@
 """Trainer-level behaviour of the switches: dynamic sampling, curriculum, epochs, predictions."""
 
+import json
 import logging
 
 import pytest
@@ -116,3 +117,33 @@ def test_lora_reference_is_the_base(tmp_path) -> None:
     ref = tr.backend.logprobs(ro, 1.0, reference=True).detach()
     assert not torch.allclose(after, before)  # the adapters learned something
     assert torch.allclose(ref, before, atol=1e-6)  # adapters off = the starting model
+
+
+def test_samples_log_shows_answers_rewards_and_advantages(tmp_path) -> None:
+    """samples.jsonl: per step, the first log_samples groups with their answers, rewards and the
+    advantages those rewards gave (population std: +-1 for a 2-2 split), dead groups flagged."""
+    tr = trainer(tmp_path, log_samples=3, steps=3)
+    tr.train()
+    records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    prompts = {r["prompt"]: r["answer"] for r in tr.train_rows}
+    seen_dead = seen_split = False
+    for rec in records:
+        assert len(rec["groups"]) == 3
+        for grp in rec["groups"]:
+            assert prompts[grp["prompt"]] == grp["answer"]
+            assert len(grp["completions"]) == len(grp["rewards"]) == len(grp["advantages"]) == 4
+            assert grp["rewards"] == first_digit_odd(None, grp["completions"])
+            adv = torch.tensor(grp["advantages"])
+            if grp["dead"]:
+                seen_dead = True
+                assert len(set(grp["rewards"])) == 1 and not adv.any()
+            else:
+                assert abs(float(adv.sum())) < 1e-5 and len(set(grp["rewards"])) == 2
+            if sorted(grp["rewards"]) == [0.0, 0.0, 1.0, 1.0]:
+                seen_split = True
+                assert sorted(grp["advantages"]) == pytest.approx([-1, -1, 1, 1])
+    assert seen_dead and seen_split, "the run should show both kinds of group"
+    off = trainer(tmp_path / "off", log_samples=0)
+    off.train()
+    assert not (tmp_path / "off" / "samples.jsonl").exists()
