@@ -63,10 +63,15 @@ class Batch:
     sampled_rows: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     trained_groups: int = 0
+    reward_sums: dict[str, float] = field(default_factory=dict)  # per function, sampled answers
 
-    # Under torchrun, rollout/rows/rewards/sampled_rows/problems are this rank's shard;
+    # Under torchrun, rollout/rows/rewards/sampled_rows/problems/reward_sums are this rank's;
     # sampled_rewards (every rank's, in prompt order), answers_generated and trained_groups
     # are global.
+
+    def add_scores(self, res: ScoreResult) -> None:
+        for j, name in enumerate(res.names):
+            self.reward_sums[name] = self.reward_sums.get(name, 0.0) + float(res.per_fn[:, j].sum())
 
 
 def _columns(rows: list[dict]) -> dict[str, list]:
@@ -120,14 +125,13 @@ class GRPOTrainer:
         self._last_bad = False  # last.pt failed to load: never rotate it into prev.pt
 
     # ------------------------------------------------------------ sampling --
-    def _sample_groups(self, idx: list[int]) -> tuple[Rollout, list[dict], torch.Tensor, list[str]]:
+    def _sample_groups(self, idx: list[int]) -> tuple[Rollout, list[dict], ScoreResult]:
         g = self.cfg.group_size
         rows = [self.train_rows[i] for i in idx for _ in range(g)]
         ro = self.backend.generate(
             [r["prompt"] for r in rows], self.cfg.temperature, self.cfg.max_new_tokens, self.gen
         )
-        res = self._score(ro, rows)
-        return ro, rows, res.total, res.problems
+        return ro, rows, self._score(ro, rows)
 
     def _score(self, ro: Rollout, rows: list[dict]) -> ScoreResult:
         """The configured rewards (weights, on_error) for the answers in ``ro``."""
@@ -136,27 +140,29 @@ class GRPOTrainer:
 
     def _sample_round(
         self, n: int
-    ) -> tuple[Rollout, list[dict], torch.Tensor, list[str], torch.Tensor, int]:
+    ) -> tuple[Rollout, list[dict], ScoreResult, torch.Tensor, int]:
         """Every rank draws the same n prompts and samples its contiguous shard of whole groups.
 
-        Returns this rank's rollout, rows, rewards and problems, every rank's rewards in prompt
-        order (for statistics and group selection), and where this rank's groups start.
+        Returns this rank's rollout, rows and scores, every rank's rewards in prompt order (for
+        statistics and group selection), and where this rank's groups start.
         """
         idx = self.sampler.draw(n)
         lo, hi = dist.shard(len(idx))
-        ro, rows, rewards, problems = self._sample_groups(idx[lo:hi])
-        everyone = dist.gather_cat(rewards)
+        ro, rows, res = self._sample_groups(idx[lo:hi])
+        everyone = dist.gather_cat(res.total)
         self._update_stats(idx, everyone)  # identical on every rank: samplers stay in step
-        return ro, rows, rewards, problems, everyone, lo
+        return ro, rows, res, everyone, lo
 
     def collect(self) -> Batch:
         """Sample this step's groups; with dynamic sampling, refill until every group is mixed."""
         cfg, g = self.cfg, self.cfg.group_size
         n = cfg.prompts_per_step
-        ro, rows, rewards, problems, everyone, lo = self._sample_round(n)
+        ro, rows, res, everyone, lo = self._sample_round(n)
+        rewards = res.total
         batch = Batch(ro, rows, rewards, answers_generated=everyone.numel(),
-                      sampled_rewards=[everyone], sampled_rows=list(rows), problems=problems,
-                      trained_groups=everyone.numel() // g)
+                      sampled_rewards=[everyone], sampled_rows=list(rows),
+                      problems=list(res.problems), trained_groups=everyone.numel() // g)
+        batch.add_scores(res)
         if not cfg.dynamic_sampling:
             return batch
         keep_ro: list[Rollout] = []
@@ -179,12 +185,14 @@ class GRPOTrainer:
                 keep_r.append(rewards[sl[0] : sl[-1] + 1])
             if kept == n or batch.rounds > cfg.max_sampling_rounds:
                 break
-            ro, rows, rewards, more, everyone, lo = self._sample_round(n)
+            ro, rows, res, everyone, lo = self._sample_round(n)
+            rewards = res.total
             batch.rounds += 1
             batch.answers_generated += everyone.numel()
             batch.sampled_rewards.append(everyone)
             batch.sampled_rows += rows
-            batch.problems += more
+            batch.problems += res.problems
+            batch.add_scores(res)
         batch.trained_groups = kept
         batch.cap_hit = kept < n
         if batch.cap_hit and dist.is_main():
@@ -347,6 +355,8 @@ class GRPOTrainer:
         useful = (batch.trained_groups if cfg.dynamic_sampling else ds.groups - ds.dead) * g
         lens = dist.gather_cat(batch.rollout.completion_mask.sum(1))
         problems = int(dist.all_reduce_sum([len(batch.problems)])[0])
+        names = list(batch.reward_sums)
+        fn_sums = dist.all_reduce_sum([batch.reward_sums[k] for k in names]) if names else []
         rec = {
             "step": self.step_num,
             "reward_mean": float(sampled.float().mean()),
@@ -367,6 +377,8 @@ class GRPOTrainer:
             "sampling_cap_hit": batch.cap_hit,
             "completion_len": float(lens.float().mean()) if lens.numel() else 0.0,
             "reward_problems": problems,
+            # each reward function's mean over every answer sampled (before weighting)
+            **{f"rewards/{k}": v / batch.answers_generated for k, v in zip(names, fn_sums)},
             **upd,
             "time_sample_s": t_sample,
             "time_step_s": time.perf_counter() - t0,

@@ -101,6 +101,11 @@ def test_train_end_to_end(
     steps = rows[1:]
     assert all(math.isfinite(r["loss"]) for r in steps)
     assert all(r["reward_problems"] == 0 for r in steps)
+    for r in steps:  # each reward function's own mean; unweighted, the total is their sum
+        math_mean, format_mean = r["rewards/math_answer"], r["rewards/format_reward"]
+        assert 0 <= math_mean <= 1 and 0 <= format_mean <= 1
+        assert r["reward_mean"] == pytest.approx(math_mean + format_mean)
+    assert any(r["rewards/format_reward"] > 0 for r in steps)
     assert min(r["dead_share"] for r in steps) < 1  # some group had a learning signal
     assert rows[-1]["heldout_acc"] is not None
     assert (out / "train.png").is_file() and (out / "summary.json").is_file()
