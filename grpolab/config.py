@@ -73,6 +73,7 @@ class Config:
     cache_dir: str = ""  # where the fine-tuned start is cached; "" = ~/.cache/grpolab
     # --- real models ---
     model_path: str = ""  # local Hugging Face model directory; empty = the built-in world
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of the model's weights
     dataset: str = ""  # local jsonl/parquet/csv file with prompts
     eval_dataset: str = ""
     prompt_column: str = "prompt"

@@ -187,9 +187,12 @@ class HFBackend:
                    targets: list[str] | None, seed: int) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
+        # GPT-2's Conv1D layers store weights transposed; peft wants to be told.
+        conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
+
         def wrap(target: Any) -> nn.Module:
             cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                             target_modules=target, task_type="CAUSAL_LM")
+                             target_modules=target, task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 torch.manual_seed(seed)  # reproducible adapter init
                 # peft 0.21 calls a transformers 5 API that warns on every run; not actionable.
@@ -617,13 +620,15 @@ def _check_paths(cfg: Config) -> None:
         raise ConfigError("rewards is empty; name at least one reward (e.g. math, format)")
 
 
-def load_model(path: str, device: str | None = None) -> tuple[nn.Module, Any]:
-    """Model (float32) and tokenizer from a local directory; never touches the network."""
+def load_model(path: str, device: str | None = None,
+               dtype: str = "float32") -> tuple[nn.Module, Any]:
+    """Model (in ``dtype``) and tokenizer from a local directory; never touches the network."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                 dtype=getattr(torch, dtype))
     return model.to(dev), tok
 
 
@@ -666,7 +671,11 @@ def run_train(cfg: Config, resume: bool = False) -> Any:
     heldout = load_rows(cfg.eval_dataset, cfg.prompt_column, answer_col) if cfg.eval_dataset else []
     reward_fns = [load_reward(s, cfg.format_pattern or None) for s in cfg.rewards]
 
-    model, tok = load_model(str(Path(cfg.model_path).expanduser()))
+    model, tok = load_model(str(Path(cfg.model_path).expanduser()), dtype=cfg.dtype)
+    if cfg.dtype != "float32" and not cfg.lora and dist.is_main():
+        log.warning("full fine-tuning in %s: weights and Adam states stay in %s, and updates "
+                    "below its resolution are lost; LoRA adapters train in float32", cfg.dtype,
+                    cfg.dtype)
     backend = make_backend(cfg, model, tok)
     backend.render(rows[0]["prompt"])  # chat prompts without a chat template fail here, early
     trainer = GRPOTrainer(cfg, backend, rows, reward_fns, heldout, out_dir=cfg.out_dir)

@@ -326,3 +326,32 @@ def test_fast_forward_keeps_no_weight_copies(paths: dict[str, str]) -> None:
     assert (before - after).abs().max() > 1e-4
     torch.testing.assert_close(after[:, -1], want[:, -1], atol=1e-5, rtol=1e-5)
     assert fastlm.base_model(model) is model
+
+
+# ------------------------------------------------------------------------------ bfloat16
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_bfloat16_model_matches_hf(paths: dict[str, str], name: str, cache_kind: str) -> None:
+    """A bfloat16 model: the lean forward does HF's operations in HF's dtypes (norms in float32,
+    rotations cast to bf16), so scores with shared prompts match the HF forward and greedy
+    decoding (either cache) matches HF generate; adapters stay float32."""
+    be = HFBackend(*load_model(paths[name], device="cpu", dtype="bfloat16"), lora=True,
+                   reference=False)
+    assert be._fast is not None and be._fast.dtype == torch.bfloat16
+    assert {p.dtype for n, p in be.model.named_parameters() if "lora_" in n} == {torch.float32}
+    with torch.no_grad():  # adapters that change the outputs
+        for n, p in be.model.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.02)
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    ids, mask = be.encode_prompts(prompts)
+    greedy = be._sample(ids, mask, 0.0, 10, seed=0)
+    assert torch.equal(greedy, be._hf_generate(ids, mask, 0.0, 10, seed=0))
+    ro = be.generate(prompts, 1.0, 10, torch.Generator().manual_seed(1))
+    m = ro.completion_mask.bool()
+    fast = be.logprobs(ro, 0.7)
+    be._fast = None
+    slow = be.logprobs(ro, 0.7)
+    assert fast.dtype == torch.float32 and torch.isfinite(fast[m]).all()
+    torch.testing.assert_close(fast[m], slow[m], atol=2e-2, rtol=1e-2)

@@ -202,6 +202,28 @@ def test_micro_batches_take_the_same_step(
     assert [r["step"] for r in read_metrics(mb)] == [0, 1, 2]
 
 
+def test_bfloat16_training(
+    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--dtype bfloat16: the base weights load and stay bf16, the LoRA adapters train in
+    float32, and the merged final model is saved in bf16; full fine-tuning in bf16 warns."""
+    yaml_path, out = write_config(tmp_path / "lora", llama, lora=True, steps=2, eval_dataset="")
+    trainer = run_cli(monkeypatch, ["train", "--config", yaml_path, "--dtype", "bfloat16"])
+    params = dict(trainer.backend.model.named_parameters())
+    assert {p.dtype for n, p in params.items() if "lora_" not in n} == {torch.bfloat16}
+    assert {p.dtype for n, p in params.items() if "lora_" in n} == {torch.float32}
+    rows = read_metrics(out)[1:]
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    assert any(r["grad_norm"] > 0 for r in rows)
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert final.config.dtype == torch.bfloat16
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        yaml_path, _ = write_config(tmp_path / "full", llama, lora=False, steps=1,
+                                    eval_dataset="")
+        run_cli(monkeypatch, ["train", "--config", yaml_path, "--dtype", "bfloat16"])
+    assert "full fine-tuning in bfloat16" in caplog.text
+
+
 def test_failing_reward_is_reported_not_fatal(
     llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
