@@ -36,6 +36,8 @@ class Config:
     temperature: float = 1.0
     max_new_tokens: int = 8
     lr: float = 1e-3  # the workshop's "step size 0.001" (Adam)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # decay to 0 at `steps`
+    warmup_steps: int = 0  # linear ramp from lr / warmup_steps up to lr
     grad_clip: float = 1.0
     epochs: int = 1  # mu: optimisation passes over one batch (old-policy ratio when > 1)
     micro_batch: int = 0  # rows per forward/backward in the update (0 = all); same step
@@ -127,6 +129,8 @@ class Config:
             raise ConfigError("beta, eps_low and eps_high must be >= 0")
         if self.max_sampling_rounds < 0:
             raise ConfigError("max_sampling_rounds must be >= 0")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be >= 0 (got {self.warmup_steps})")
         if self.log_samples < 0:
             raise ConfigError(f"log_samples must be >= 0 (got {self.log_samples})")
         if self.micro_batch < 0:

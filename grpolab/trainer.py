@@ -41,6 +41,24 @@ RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_eve
                     "micro_batch", "log_samples"}
 
 
+def lr_factor(step: int, steps: int, schedule: str, warmup: int) -> float:
+    """Multiplier of the base lr for GRPO step ``step`` (0-based) of ``steps``.
+
+    Warm-up ramps linearly over the first ``warmup`` steps ((step + 1) / warmup); then
+    ``constant`` stays at 1, ``linear`` falls to 0 and ``cosine`` follows half a cosine to 0 at
+    ``steps`` (as transformers' schedulers do). A function of the step alone, so a resumed run
+    continues the schedule exactly.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 class TrainingError(RuntimeError):
     """A run cannot go on (for example a non-finite loss); checkpoints and metrics are intact."""
 
@@ -241,9 +259,10 @@ class GRPOTrainer:
         n_loc = len(batch.rows)
         t_loc = int(ro.completion_mask.sum()) if n_loc else 0
         n_all, t_all = (int(v) for v in dist.all_reduce_sum([n_loc, t_loc]))
+        lr = cfg.lr * lr_factor(self.step_num, cfg.steps, cfg.lr_schedule, cfg.warmup_steps)
         if not n_all:
             return {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
-                    "grad_norm": 0.0}
+                    "grad_norm": 0.0, "lr": lr}
         # (micro-batch, advantages, reference log-probs, old-policy log-probs)
         parts: list[tuple[Rollout, Tensor, Tensor | None, Tensor | None]] = []
         if n_loc:
@@ -257,6 +276,8 @@ class GRPOTrainer:
                               if cfg.beta > 0 else None)
                     old_lp = self.backend.logprobs(part, cfg.temperature) if cfg.epochs > 1 else None
                     parts.append((part, a, ref_lp, old_lp))
+        for group in self.opt.param_groups:
+            group["lr"] = lr
         self.backend.model.train()
         out: dict[str, float] = {}
         for _ in range(cfg.epochs):
@@ -297,7 +318,7 @@ class GRPOTrainer:
                 )
             self.opt.step()
             out = {"loss": stats[0], "policy_loss": stats[1], "kl": stats[2],
-                   "clip_frac": stats[3], "grad_norm": gn}
+                   "clip_frac": stats[3], "grad_norm": gn, "lr": lr}
         self.backend.model.eval()
         return out
 
@@ -550,8 +571,8 @@ class GRPOTrainer:
     def _restore(self, st: dict[str, Any]) -> None:
         saved = st.get("config") or {}
         now = to_dict(self.cfg)
-        changed = sorted(k for k in now if k in saved and k not in RESUME_FREE_KEYS
-                         and saved[k] != now[k])
+        free = RESUME_FREE_KEYS - ({"steps"} if self.cfg.lr_schedule != "constant" else set())
+        changed = sorted(k for k in now if k in saved and k not in free and saved[k] != now[k])
         if changed and dist.is_main():
             log.warning("resuming with changed config keys %s: the continuation will differ "
                         "from the original run", changed)

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from grpolab.advantages import dead_mask
 from grpolab.config import make_config
 from grpolab.curriculum import PromptSampler, curriculum_weights
 from grpolab.sampling import TinyBackend
-from grpolab.trainer import GRPOTrainer
+from grpolab.trainer import GRPOTrainer, lr_factor
 from grpolab.world import TinyConfig, TinyGPT, make_splits
 
 
@@ -147,3 +148,26 @@ def test_samples_log_shows_answers_rewards_and_advantages(tmp_path) -> None:
     off = trainer(tmp_path / "off", log_samples=0)
     off.train()
     assert not (tmp_path / "off" / "samples.jsonl").exists()
+
+
+def test_lr_schedule_hand_values() -> None:
+    """Warm-up 2 of 10 steps, then linear or cosine decay to 0 at step 10."""
+    assert [lr_factor(s, 10, "constant", 2) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    assert [lr_factor(s, 10, "linear", 2) for s in (0, 1, 2, 6, 9)] == [0.5, 1.0, 1.0, 0.5,
+                                                                        0.125]
+    assert lr_factor(4, 10, "cosine", 2) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+    assert lr_factor(6, 10, "cosine", 2) == pytest.approx(0.5)
+    assert lr_factor(0, 10, "linear", 0) == 1.0 and lr_factor(10, 10, "linear", 0) == 0.0
+
+
+def test_lr_schedule_is_applied_and_logged(tmp_path, caplog) -> None:
+    tr = trainer(tmp_path, steps=4, lr=0.01, lr_schedule="linear", warmup_steps=1,
+                 checkpoint_every=2)
+    recs = tr.train()[1:]
+    assert [r["lr"] for r in recs] == pytest.approx([0.01, 0.01, 0.01 * 2 / 3, 0.01 / 3])
+    assert tr.opt.param_groups[0]["lr"] == pytest.approx(0.01 / 3)
+    # the schedule ends at `steps`: resuming with another length changes it, and says so
+    again = trainer(tmp_path, steps=6, lr=0.01, lr_schedule="linear", warmup_steps=1)
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        again.load_checkpoint()
+    assert "changed config keys ['steps']" in caplog.text
