@@ -76,6 +76,7 @@ class Config:
     # --- real models ---
     model_path: str = ""  # local Hugging Face model directory; empty = the built-in world
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of the model's weights
+    gradient_checkpointing: bool = False  # recompute activations in backward (HF forward)
     dataset: str = ""  # local jsonl/parquet/csv file with prompts
     eval_dataset: str = ""
     prompt_column: str = "prompt"

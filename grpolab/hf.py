@@ -142,6 +142,7 @@ class HFBackend:
         use_chat_template: bool = True,
         reference: bool = True,
         seed: int = 0,
+        gradient_checkpointing: bool = False,
     ) -> None:
         self.tokenizer = tokenizer  # left untouched: prompts are padded here, not by it
         self.eos_ids = _eos_ids(tokenizer, model)
@@ -150,6 +151,13 @@ class HFBackend:
         self.use_chat_template = use_chat_template
         self.device = next(model.parameters()).device
         disable_dropout(model)
+        self.checkpointing = gradient_checkpointing
+        if gradient_checkpointing:  # recompute activations in backward: memory for time
+            kw = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         self.lora = lora
         self.ref: nn.Module | None = None
         if lora:
@@ -416,7 +424,10 @@ class HFBackend:
         attn = torch.cat([ro.prompt_mask, torch.ones_like(ro.completion_ids)], dim=1)
         pos = pos_ids(attn)
         dev = self.device
-        shared = shared_prompts(ro.prompt_ids, ro.prompt_mask) if self._lean else None
+        # Prompt sharing hands a cache between two forwards; HF turns caches off in training
+        # forwards when checkpointing, so then each row is scored in one pass.
+        shared = (shared_prompts(ro.prompt_ids, ro.prompt_mask)
+                  if self._lean and not self.checkpointing else None)
         fast = self._fast_ref if model is self.ref else self._fast
         if fast is not None and fast.fits(ids.shape[1]):  # (built only when self._lean)
             ids, attn, pos = ids.to(dev), attn.to(dev), pos.to(dev)
@@ -638,6 +649,7 @@ def make_backend(cfg: Config, model: nn.Module, tokenizer: Any) -> HFBackend:
         "lora_dropout": cfg.lora_dropout,
         "lora_target_modules": list(cfg.lora_target_modules) or None,
         "use_chat_template": cfg.use_chat_template, "reference": cfg.beta > 0, "seed": cfg.seed,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
     }
     if cfg.rollout_backend == "vllm":
         return VLLMBackend(model, tokenizer, str(Path(cfg.model_path).expanduser()), **kwargs)

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from grpolab import cli
 from grpolab import hf as hf_mod
+from grpolab.fastlm import base_model
 from grpolab.hf import HFBackend, load_model
 from grpolab.sampling import first_eos_mask
 from grpolab.tinyhf import CHAT_TEMPLATE, make_tiny_model
@@ -222,6 +223,24 @@ def test_bfloat16_training(
                                     eval_dataset="")
         run_cli(monkeypatch, ["train", "--config", yaml_path, "--dtype", "bfloat16"])
     assert "full fine-tuning in bfloat16" in caplog.text
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_gradient_checkpointing_takes_the_same_step(
+    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lora: bool
+) -> None:
+    """--gradient-checkpointing recomputes activations (HF forward, each row scored in one
+    pass) and takes the step a plain run takes."""
+    plain_yaml, plain = write_config(tmp_path / "a", llama, lora=lora, steps=1, eval_dataset="")
+    run_cli(monkeypatch, ["train", "--config", plain_yaml])
+    ckpt_yaml, ckpt = write_config(tmp_path / "b", llama, lora=lora, steps=1, eval_dataset="")
+    trainer = run_cli(monkeypatch, ["train", "--config", ckpt_yaml, "--gradient-checkpointing"])
+    be = trainer.backend
+    assert be._fast is None and base_model(be.model).is_activation_checkpointing
+    a, b = read_metrics(plain)[1], read_metrics(ckpt)[1]
+    assert a["dead_share"] < 1, "the step should carry a gradient"
+    for key in ("reward_mean", "loss", "policy_loss", "kl", "grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
 def test_failing_reward_is_reported_not_fatal(
