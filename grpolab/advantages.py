@@ -88,11 +88,17 @@ class DeadStats:
         return self.all_wrong / self.groups if self.groups else 0.0
 
 
-def dead_stats(rewards: Tensor, group_size: int, success_threshold: float = 1.0) -> DeadStats:
-    """Count dead groups, split by whether their common reward counts as a success."""
+def dead_stats(rewards: Tensor, group_size: int, success: Tensor | None = None,
+               success_threshold: float = 1.0) -> DeadStats:
+    """Count dead groups, split into all right and all wrong.
+
+    ``success`` [B] bool says which answers are right (default: reward >= success_threshold);
+    a dead group is all right when its first answer is (with several rewards, equal totals
+    need not mean equal verdicts: the split follows the first answer).
+    """
     dead = dead_mask(rewards, group_size)
-    first = _groups(rewards, group_size)[:, 0]
-    right = dead & (first >= success_threshold)
+    ok = rewards >= success_threshold if success is None else success.bool()
+    right = dead & _groups(ok, group_size)[:, 0].bool()
     return DeadStats(
         groups=int(dead.numel()),
         dead=int(dead.sum()),

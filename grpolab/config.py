@@ -56,7 +56,7 @@ class Config:
     std: Literal["population", "sample"] = "population"
     std_eps: float = 0.0  # added to the std before dividing (verl uses 1e-6)
     min_std: float = 0.0  # tiny-difference guard: divide by max(std, min_std)
-    success_threshold: float = 1.0  # a dead group whose common reward >= this is "all right"
+    success_threshold: float = 1.0  # an answer is right when the first reward reaches this
     # --- one-switch fixes ---
     dr_grpo: bool = False  # scale="none" and loss_agg="seq_mean_token_sum_norm"
     clip_higher: bool = False  # eps_high = 0.28 (DAPO)

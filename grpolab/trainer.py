@@ -78,6 +78,7 @@ class Batch:
     rounds: int = 1
     cap_hit: bool = False
     sampled_rewards: list[torch.Tensor] = field(default_factory=list)
+    sampled_success: list[torch.Tensor] = field(default_factory=list)  # bool, as sampled_rewards
     sampled_rows: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     trained_groups: int = 0
@@ -156,29 +157,38 @@ class GRPOTrainer:
         return score(self.reward_fns, ro.prompts, ro.completions, _columns(rows),
                      weights=self.cfg.reward_weights or None, on_error=self.cfg.reward_on_error)
 
+    def _success(self, res: ScoreResult) -> torch.Tensor:
+        """Which answers are right: the first reward (the verifier) >= success_threshold.
+
+        Not the weighted total: with [correctness, format] rewards a well-formatted wrong answer
+        can reach the threshold, and accuracy would count it.
+        """
+        return res.per_fn[:, 0] >= self.cfg.success_threshold
+
     def _sample_round(
         self, n: int
-    ) -> tuple[Rollout, list[dict], ScoreResult, torch.Tensor, int]:
+    ) -> tuple[Rollout, list[dict], ScoreResult, torch.Tensor, torch.Tensor, int]:
         """Every rank draws the same n prompts and samples its contiguous shard of whole groups.
 
-        Returns this rank's rollout, rows and scores, every rank's rewards in prompt order (for
-        statistics and group selection), and where this rank's groups start.
+        Returns this rank's rollout, rows and scores, every rank's rewards and successes in
+        prompt order (for statistics and group selection), and where this rank's groups start.
         """
         idx = self.sampler.draw(n)
         lo, hi = dist.shard(len(idx))
         ro, rows, res = self._sample_groups(idx[lo:hi])
         everyone = dist.gather_cat(res.total)
-        self._update_stats(idx, everyone)  # identical on every rank: samplers stay in step
-        return ro, rows, res, everyone, lo
+        ok = dist.gather_cat(self._success(res).float()).bool()
+        self._update_stats(idx, ok)  # identical on every rank: samplers stay in step
+        return ro, rows, res, everyone, ok, lo
 
     def collect(self) -> Batch:
         """Sample this step's groups; with dynamic sampling, refill until every group is mixed."""
         cfg, g = self.cfg, self.cfg.group_size
         n = cfg.prompts_per_step
-        ro, rows, res, everyone, lo = self._sample_round(n)
+        ro, rows, res, everyone, ok, lo = self._sample_round(n)
         rewards = res.total
         batch = Batch(ro, rows, rewards, answers_generated=everyone.numel(),
-                      sampled_rewards=[everyone], sampled_rows=list(rows),
+                      sampled_rewards=[everyone], sampled_success=[ok], sampled_rows=list(rows),
                       problems=list(res.problems), trained_groups=everyone.numel() // g)
         batch.add_scores(res)
         if not cfg.dynamic_sampling:
@@ -203,11 +213,12 @@ class GRPOTrainer:
                 keep_r.append(rewards[sl[0] : sl[-1] + 1])
             if kept == n or batch.rounds > cfg.max_sampling_rounds:
                 break
-            ro, rows, res, everyone, lo = self._sample_round(n)
+            ro, rows, res, everyone, ok, lo = self._sample_round(n)
             rewards = res.total
             batch.rounds += 1
             batch.answers_generated += everyone.numel()
             batch.sampled_rewards.append(everyone)
+            batch.sampled_success.append(ok)
             batch.sampled_rows += rows
             batch.problems += res.problems
             batch.add_scores(res)
@@ -226,9 +237,9 @@ class GRPOTrainer:
             batch.rollout, batch.rows, batch.rewards = ro.select([]), [], rewards[:0]
         return batch
 
-    def _update_stats(self, idx: list[int], rewards: torch.Tensor) -> None:
-        ok = (rewards >= self.cfg.success_threshold).float().reshape(-1, self.cfg.group_size)
-        self.sampler.update(idx, ok.mean(1).tolist())
+    def _update_stats(self, idx: list[int], ok: torch.Tensor) -> None:
+        rate = ok.float().reshape(-1, self.cfg.group_size).mean(1)
+        self.sampler.update(idx, rate.tolist())
 
     # -------------------------------------------------------------- update --
     def _micro_batches(self, ro: Rollout, adv: Tensor) -> list[tuple[Rollout, Tensor]]:
@@ -325,7 +336,7 @@ class GRPOTrainer:
     # ---------------------------------------------------------- measuring --
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Greedy held-out accuracy: share of answers whose reward reaches success_threshold."""
+        """Greedy held-out accuracy: share of answers the first reward counts as right."""
         rows = self.heldout_rows[: self.cfg.eval_size]
         if not rows:
             return None
@@ -338,7 +349,7 @@ class GRPOTrainer:
 
     def _heldout_ok(self, rows: list[dict]) -> torch.Tensor:
         ro = self.backend.generate([r["prompt"] for r in rows], 0.0, self.cfg.max_new_tokens)
-        return self._score(ro, rows).total >= self.cfg.success_threshold
+        return self._success(self._score(ro, rows))
 
     @torch.no_grad()
     def heldout_pass_prob(self) -> float | None:
@@ -365,7 +376,8 @@ class GRPOTrainer:
         # Predicted from the same (not yet updated) policy that produced the measured groups.
         predicted = self._predicted_dead(batch.sampled_rows[::g])
         sampled = torch.cat(batch.sampled_rewards)
-        ds = adv_mod.dead_stats(sampled, g, cfg.success_threshold)
+        sampled_ok = torch.cat(batch.sampled_success)
+        ds = adv_mod.dead_stats(sampled, g, sampled_ok)
         t_sample = time.perf_counter() - t0
         upd = self.update(batch)
         self.step_num += 1
@@ -382,7 +394,7 @@ class GRPOTrainer:
             "step": self.step_num,
             "reward_mean": float(sampled.float().mean()),
             "reward_std": float(sampled.float().std()) if sampled.numel() > 1 else 0.0,
-            "accuracy_train": float((sampled >= cfg.success_threshold).float().mean()),
+            "accuracy_train": float(sampled_ok.float().mean()),
             "heldout_acc": acc,
             "heldout_pass_prob": pass_prob,
             "groups": ds.groups,

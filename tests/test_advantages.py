@@ -93,6 +93,16 @@ def test_dead_stats_split() -> None:
     assert dead_mask(r, 2).tolist() == [True, True, False, False, True]
 
 
+def test_dead_stats_split_by_verdict_not_total() -> None:
+    """Totals of [verifier, format]: 1.5 right and formatted, 1.0 formatted but wrong (or right
+    and unformatted), 0 neither. The verdicts decide all right vs all wrong, not the totals."""
+    total = t(1.5, 1.5, 1.0, 1.0, 0.0, 0.0, 1.5, 1.0)
+    right = torch.tensor([True, True, False, False, False, False, True, False])
+    s = dead_stats(total, 2, right)
+    assert (s.groups, s.dead, s.all_right, s.all_wrong) == (4, 3, 1, 2)
+    assert dead_stats(total, 2).all_right == 2  # by total >= 1, the formatted wrong pair too
+
+
 def test_predicted_dead_share() -> None:
     # p = 0.5, G = 2: dead when both right (1/4) or both wrong (1/4)
     assert predicted_dead_share(t(0.5), 2) == pytest.approx(0.5)

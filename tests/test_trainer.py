@@ -171,3 +171,29 @@ def test_lr_schedule_is_applied_and_logged(tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="grpolab"):
         again.load_checkpoint()
     assert "changed config keys ['steps']" in caplog.text
+
+
+def always_formatted(prompts, completions, **_):
+    return [1.0] * len(completions)
+
+
+def test_accuracy_is_the_first_rewards_verdict(tmp_path) -> None:
+    """With [verifier, format] rewards every answer's total reaches 1 (the format reward alone
+    gives 1): accuracy, the curriculum's pass rates and all-right groups follow the verifier."""
+    cfg = make_config(None, {"progress": False, "checkpoint_every": 0, "budget": 32,
+                             "group_size": 4, "steps": 1, "max_new_tokens": 4, "eval_size": 16})
+    torch.manual_seed(0)
+    model = TinyGPT(TinyConfig(d_model=32, n_layers=2, n_heads=2))
+    splits = make_splits(0, 64, 16)
+    tr = GRPOTrainer(cfg, TinyBackend(model, seed=0), splits.train,
+                     [first_digit_odd, always_formatted], splits.heldout, out_dir=tmp_path)
+    batch = tr.collect()
+    rec_rewards = torch.cat(batch.sampled_rewards)
+    assert (rec_rewards >= 1).all()  # the total would call every answer right
+    verdict = torch.tensor(first_digit_odd(None, batch.rollout.completions)) >= 1
+    assert torch.equal(torch.cat(batch.sampled_success), verdict)
+    assert 0 < verdict.float().mean() < 1
+    rec = tr.step()
+    assert rec["accuracy_train"] < 1 and rec["heldout_acc"] < 1
+    assert rec["rewards/always_formatted"] == 1.0
+    assert rec["reward_mean"] == pytest.approx(1 + rec["rewards/first_digit_odd"])
