@@ -103,6 +103,14 @@ def sample_next(logits: Tensor, temperature: float,
     return idx.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
+def draw_seed(generator: torch.Generator | None, high: int) -> int:
+    """A seed in [0, high) from ``generator``; without one, from the global RNG, left as it was."""
+    if generator is not None:
+        return int(torch.randint(0, high, (1,), generator=generator))
+    with torch.random.fork_rng(devices=[]):
+        return int(torch.randint(0, high, (1,)))
+
+
 def shared_prompts(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     """(unique prompt ids, their mask, row -> unique index) when some rows repeat, else None."""
     key = torch.cat([ids, mask], dim=1)
@@ -292,11 +300,7 @@ class HFBackend:
         as it was): the same generator state gives the same answers.
         """
         prompt_ids, prompt_mask = self.encode_prompts(list(prompts))
-        if generator is not None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-        else:
-            with torch.random.fork_rng(devices=[]):
-                seed = int(torch.randint(0, 2**62, (1,)))
+        seed = draw_seed(generator, 2**62)
         was_training = self.model.training
         if was_training:  # (a module-tree walk each way: skipped when already in eval mode)
             self.model.eval()
@@ -587,11 +591,7 @@ class VLLMBackend(HFBackend):
 
         self._sync_weights()
         prompt_ids, prompt_mask = self.encode_prompts(list(prompts))
-        if generator is not None:
-            base = int(torch.randint(0, 2**31, (1,), generator=generator))
-        else:
-            with torch.random.fork_rng(devices=[]):
-                base = int(torch.randint(0, 2**31, (1,)))
+        base = draw_seed(generator, 2**31)
         # top_k / top_p left at vLLM's defaults: off, so answers come from softmax(logits / T).
         params = [SamplingParams(temperature=float(temperature), max_tokens=int(max_new_tokens),
                                  seed=(base + i) % 2**31, stop_token_ids=list(self.eos_ids))
