@@ -85,8 +85,8 @@ class Batch:
     reward_sums: dict[str, float] = field(default_factory=dict)  # per function, sampled answers
 
     # Under torchrun, rollout/rows/rewards/sampled_rows/problems/reward_sums are this rank's;
-    # sampled_rewards (every rank's, in prompt order), answers_generated and trained_groups
-    # are global.
+    # sampled_rewards and sampled_success (every rank's, in prompt order), answers_generated
+    # and trained_groups are global.
 
     def add_scores(self, res: ScoreResult) -> None:
         for j, name in enumerate(res.names):
@@ -242,6 +242,14 @@ class GRPOTrainer:
         self.sampler.update(idx, rate.tolist())
 
     # -------------------------------------------------------------- update --
+    def _advantages(self, rewards: Tensor) -> Tensor:
+        """Each answer's advantage within its group, as the config's baseline and scaling say."""
+        cfg = self.cfg
+        return adv_mod.group_advantages(
+            rewards.float(), cfg.group_size, baseline=cfg.baseline, scale=cfg.scale,
+            std=cfg.std, std_eps=cfg.std_eps, min_std=cfg.min_std,
+        )
+
     def _micro_batches(self, ro: Rollout, adv: Tensor) -> list[tuple[Rollout, Tensor]]:
         """The local batch in runs of ``micro_batch`` rows (all at once when 0), each cut to
         its longest answer: the update's memory is bounded by one of them."""
@@ -277,10 +285,7 @@ class GRPOTrainer:
         # (micro-batch, advantages, reference log-probs, old-policy log-probs)
         parts: list[tuple[Rollout, Tensor, Tensor | None, Tensor | None]] = []
         if n_loc:
-            adv = adv_mod.group_advantages(
-                batch.rewards.float(), cfg.group_size, baseline=cfg.baseline, scale=cfg.scale,
-                std=cfg.std, std_eps=cfg.std_eps, min_std=cfg.min_std,
-            )
+            adv = self._advantages(batch.rewards)
             with torch.no_grad():  # all before the first optimizer step: the old policy
                 for part, a in self._micro_batches(ro, adv):
                     ref_lp = (self.backend.logprobs(part, cfg.temperature, reference=True)
@@ -430,10 +435,7 @@ class GRPOTrainer:
         if not n:
             return []
         rewards = batch.rewards[:n].float()
-        adv = adv_mod.group_advantages(
-            rewards, g, baseline=self.cfg.baseline, scale=self.cfg.scale, std=self.cfg.std,
-            std_eps=self.cfg.std_eps, min_std=self.cfg.min_std,
-        )
+        adv = self._advantages(rewards)
         out = []
         for lo in range(0, n, g):
             row = batch.rows[lo]
