@@ -1,4 +1,5 @@
-"""Command line: ``grpolab workshop`` (the built-in experiment) and ``grpolab train`` (real models).
+"""Command line: ``grpolab workshop`` (the built-in experiment), ``grpolab train`` and
+``grpolab eval`` (real models).
 
 Every config field is a flag (``--group-size 8``, ``--dynamic-sampling``); ``--config run.yaml``
 loads a file first. User mistakes end with one line on stderr and exit code 2.
@@ -52,7 +53,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="grpolab", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="grpolab", description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("workshop", help="GRPO on the built-in world at a fixed answer budget")
     w.add_argument("--config", help="YAML file of config keys")
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="YAML file of config keys")
     t.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
     _add_config_flags(t)
+    e = sub.add_parser("eval", help="greedy accuracy and pass@k of a Hugging Face model")
+    e.add_argument("--config", help="YAML file of config keys")
+    _add_config_flags(e)
     return parser
 
 
@@ -78,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.init()  # joins torchrun's process group; nothing in a single process
         if args.command == "workshop":
             return _workshop(cfg, args)
+        if args.command == "eval":
+            return _eval(cfg)
         return _train(cfg, args)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         return _fail(e, 2)
@@ -136,6 +142,23 @@ def _train(cfg: Config, args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ConfigError(f"grpolab train needs the Hugging Face extras ({e})") from None
     run_train(cfg, resume=args.resume)
+    return 0
+
+
+def _eval(cfg: Config) -> int:
+    if dist.is_dist():
+        raise ConfigError("grpolab eval runs in one process; launch it without torchrun")
+    try:
+        from .evaluate import run_eval
+    except ImportError as e:
+        raise ConfigError(f"grpolab eval needs the Hugging Face extras ({e})") from None
+    res = run_eval(cfg)
+    line = f"{res['prompts']} prompts: greedy accuracy {res['greedy_accuracy']:.3f}"
+    ks = [k for k in res if k.startswith("pass@")]
+    if ks:
+        line += f"; at T={res['temperature']}, " + ", ".join(f"{k} {res[k]:.3f}" for k in ks)
+    print(line)
+    print(f"wrote {cfg.out_dir}/eval.json")
     return 0
 
 

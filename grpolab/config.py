@@ -43,6 +43,7 @@ class Config:
     micro_batch: int = 0  # rows per forward/backward in the update (0 = all); same step
     eval_every: int = 1
     eval_size: int = 256
+    eval_samples: int = 0  # grpolab eval: answers per prompt at `temperature` for pass@k
     checkpoint_every: int = 10
     log_samples: int = 1  # groups a step written to samples.jsonl (answers, rewards); 0 = none
     progress: bool = True
@@ -130,6 +131,8 @@ class Config:
             raise ConfigError("beta, eps_low and eps_high must be >= 0")
         if self.max_sampling_rounds < 0:
             raise ConfigError("max_sampling_rounds must be >= 0")
+        if self.eval_samples < 0:
+            raise ConfigError(f"eval_samples must be >= 0 (got {self.eval_samples})")
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0 (got {self.warmup_steps})")
         if self.log_samples < 0:

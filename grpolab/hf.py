@@ -612,17 +612,18 @@ class VLLMBackend(HFBackend):
 # ----------------------------------------------------------------------------- loading
 
 
-def _check_paths(cfg: Config) -> None:
+def _check_paths(cfg: Config, command: str = "train") -> None:
     if not cfg.model_path:
-        raise ConfigError("grpolab train needs model_path (a local Hugging Face model directory)")
+        raise ConfigError(f"grpolab {command} needs model_path (a local Hugging Face model "
+                          "directory)")
     mp = Path(cfg.model_path).expanduser()
     if not mp.exists():
         raise FileNotFoundError(f"model_path {str(mp)!r} does not exist")
     if not (mp / "config.json").is_file():
         raise FileNotFoundError(f"model_path {str(mp)!r} is not a Hugging Face model directory "
                                 "(no config.json)")
-    if not cfg.dataset:
-        raise ConfigError("grpolab train needs dataset (a local .jsonl/.parquet/.csv file)")
+    if not (cfg.dataset or (command == "eval" and cfg.eval_dataset)):
+        raise ConfigError(f"grpolab {command} needs dataset (a local .jsonl/.parquet/.csv file)")
     for name in ("dataset", "eval_dataset"):
         value = getattr(cfg, name)
         if value and not Path(value).expanduser().exists():

@@ -203,6 +203,14 @@ class ScoreResult:
     names: list[str]
     problems: list[str]
 
+    def success(self, threshold: float) -> torch.Tensor:
+        """Which answers are right: the first reward (the verifier) >= ``threshold``.
+
+        Not the weighted total: with [correctness, format] rewards a well-formatted wrong answer
+        can reach the threshold, and accuracy would count it.
+        """
+        return self.per_fn[:, 0] >= threshold
+
 
 def reward_name(fn: Any) -> str:
     """Human-readable name for logs and metrics (functions, partials, callable objects)."""

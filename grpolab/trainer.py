@@ -157,14 +157,6 @@ class GRPOTrainer:
         return score(self.reward_fns, ro.prompts, ro.completions, _columns(rows),
                      weights=self.cfg.reward_weights or None, on_error=self.cfg.reward_on_error)
 
-    def _success(self, res: ScoreResult) -> torch.Tensor:
-        """Which answers are right: the first reward (the verifier) >= success_threshold.
-
-        Not the weighted total: with [correctness, format] rewards a well-formatted wrong answer
-        can reach the threshold, and accuracy would count it.
-        """
-        return res.per_fn[:, 0] >= self.cfg.success_threshold
-
     def _sample_round(
         self, n: int
     ) -> tuple[Rollout, list[dict], ScoreResult, torch.Tensor, torch.Tensor, int]:
@@ -177,7 +169,7 @@ class GRPOTrainer:
         lo, hi = dist.shard(len(idx))
         ro, rows, res = self._sample_groups(idx[lo:hi])
         everyone = dist.gather_cat(res.total)
-        ok = dist.gather_cat(self._success(res).float()).bool()
+        ok = dist.gather_cat(res.success(self.cfg.success_threshold).float()).bool()
         self._update_stats(idx, ok)  # identical on every rank: samplers stay in step
         return ro, rows, res, everyone, ok, lo
 
@@ -354,7 +346,7 @@ class GRPOTrainer:
 
     def _heldout_ok(self, rows: list[dict]) -> torch.Tensor:
         ro = self.backend.generate([r["prompt"] for r in rows], 0.0, self.cfg.max_new_tokens)
-        return self._success(self._score(ro, rows))
+        return self._score(ro, rows).success(self.cfg.success_threshold)
 
     @torch.no_grad()
     def heldout_pass_prob(self) -> float | None:

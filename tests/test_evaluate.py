@@ -1,0 +1,64 @@
+"""grpolab eval: greedy accuracy and unbiased pass@k of a Hugging Face model."""
+
+from __future__ import annotations
+
+import json
+from math import comb
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from grpolab import cli
+from grpolab.evaluate import ks_up_to, pass_at_k
+from grpolab.tinyhf import make_tiny_model
+
+
+def test_pass_at_k_hand_values() -> None:
+    """n = 5 samples: c = 2 right gives pass@1 0.4, pass@2 1 - C(3,2)/C(5,2) = 0.7; none right
+    gives 0; when fewer than k are wrong, a right one is always drawn."""
+    c = torch.tensor([2, 0, 4, 5])
+    assert pass_at_k(5, c, 1).tolist() == pytest.approx([0.4, 0.0, 0.8, 1.0])
+    assert pass_at_k(5, c, 2).tolist() == pytest.approx([0.7, 0.0, 1.0, 1.0])
+    for k in (1, 2, 3, 4, 5):  # the closed form, for every c
+        want = [1 - comb(5 - ci, k) / comb(5, k) for ci in range(6)]
+        assert pass_at_k(5, torch.arange(6), k).tolist() == pytest.approx(want)
+    with pytest.raises(ValueError, match="pass@6"):
+        pass_at_k(5, c, 6)
+    assert ks_up_to(8) == [1, 2, 4, 8] and ks_up_to(6) == [1, 2, 4, 6] and ks_up_to(1) == [1]
+
+
+def test_eval_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = make_tiny_model(tmp_path / "model", arch="llama", hidden=32, heads=4)
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"q": f"What is {a} + {a}?", "a": str(2 * a)}) + "\n"
+                            for a in range(7)))
+    rewards = tmp_path / "my_rewards.py"  # a verifier a random model passes now and then
+    rewards.write_text(
+        "def first_digit_odd(prompts, completions, **_):\n"
+        "    return [1.0 if any(ch in '13579' for ch in c[:3]) else 0.0 for c in completions]\n")
+    out = tmp_path / "eval"
+    argv = ["eval", "--model-path", model, "--eval-dataset", str(data), "--prompt-column", "q",
+            "--answer-column", "a", "--rewards", f"{rewards}:first_digit_odd", "--eval-samples",
+            "6", "--budget", "8", "--max-new-tokens", "6", "--out-dir", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    res = json.loads((out / "eval.json").read_text())
+    assert res["prompts"] == 7 and res["samples_per_prompt"] == 6
+    assert 0 <= res["greedy_accuracy"] <= 1 and res["reward_problems"] == 0
+    assert res["rewards/first_digit_odd"] == pytest.approx(res["greedy_accuracy"])
+    passes = [res[f"pass@{k}"] for k in (1, 2, 4, 6)]
+    assert passes == sorted(passes) and 0 < passes[0] < passes[-1] <= 1
+    assert res["pass@1"] == pytest.approx(res["sampled_accuracy"])  # the estimator at k = 1
+    assert "greedy accuracy" in printed and "pass@6" in printed
+    assert cli.main(argv) == 0  # seeded: the same numbers again
+    assert json.loads((out / "eval.json").read_text()) == res
+
+
+def test_eval_needs_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["eval", "--eval-dataset", str(tmp_path / "x.jsonl"),
+                     "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "grpolab eval needs model_path" in err[0]
