@@ -64,6 +64,8 @@ class Config:
     token_level_loss: bool = False  # loss_agg="token_mean" (DAPO)
     rloo: bool = False  # baseline="rloo", scale="none"
     dynamic_sampling: bool = False  # DAPO: refill the batch with mixed-reward groups
+    mask_truncated: bool = False  # DAPO overlong filtering: answers cut off by max_new_tokens
+    #                                 (no EOS) add nothing to the loss
     max_sampling_rounds: int = 8  # extra sampling rounds allowed per step
     curriculum: bool = False  # weight prompts by recent pass rate strictly in (0, 1)
     curriculum_floor: float = 0.05  # weight of prompts with pass rate 0 or 1 (keeps exploring)

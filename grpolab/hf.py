@@ -317,12 +317,12 @@ class HFBackend:
         completion = completion.cpu()
         if completion.shape[1] == 0:  # nothing generated (max_new_tokens reached by prompt)
             completion = torch.full((len(prompts), 1), self.eos_ids[0], dtype=torch.long)
-        ids, mask = first_eos_mask(completion, self.eos_ids, self.pad_id)
+        ids, mask, cut = first_eos_mask(completion, self.eos_ids, self.pad_id)
         texts = [
             self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True)
             for row, m in zip(ids, mask)
         ]
-        return Rollout(list(prompts), prompt_ids, prompt_mask, ids, mask, texts)
+        return Rollout(list(prompts), prompt_ids, prompt_mask, ids, mask, texts, cut)
 
     def _new_cache(self) -> Any:
         from transformers import DynamicCache
@@ -603,10 +603,10 @@ class VLLMBackend(HFBackend):
         comp = torch.full((len(seqs), max(len(s) for s in seqs)), self.pad_id, dtype=torch.long)
         for i, seq in enumerate(seqs):
             comp[i, : len(seq)] = torch.tensor(seq)
-        ids, mask = first_eos_mask(comp, self.eos_ids, self.pad_id)
+        ids, mask, cut = first_eos_mask(comp, self.eos_ids, self.pad_id)
         texts = [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
                  for r, m in zip(ids, mask)]
-        return Rollout(list(prompts), prompt_ids, prompt_mask, ids, mask, texts)
+        return Rollout(list(prompts), prompt_ids, prompt_mask, ids, mask, texts, cut)
 
 
 # ----------------------------------------------------------------------------- loading

@@ -28,6 +28,7 @@ class Rollout:
     completion_ids: Tensor  # [B, Tc], PAD after the end
     completion_mask: Tensor  # [B, Tc] 1 on answer tokens, EOS included
     completions: list[str]
+    truncated: Tensor | None = None  # [B] bool: cut off at max_new_tokens, no EOS (if known)
 
     def select(self, idx: list[int]) -> Rollout:
         t = torch.as_tensor(idx, dtype=torch.long)
@@ -38,6 +39,7 @@ class Rollout:
             completion_ids=self.completion_ids[t],
             completion_mask=self.completion_mask[t],
             completions=[self.completions[i] for i in idx],
+            truncated=None if self.truncated is None else self.truncated[t],
         )
 
 
@@ -59,6 +61,8 @@ def cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         completion_ids=torch.cat([rpad(r.completion_ids, tc, pad_id) for r in parts]),
         completion_mask=torch.cat([rpad(r.completion_mask, tc, 0) for r in parts]),
         completions=[c for r in parts for c in r.completions],
+        truncated=(None if any(r.truncated is None for r in parts)
+                   else torch.cat([r.truncated for r in parts])),
     )
 
 
@@ -81,14 +85,16 @@ class Backend(Protocol):
     def save_pretrained(self, out_dir: str) -> None: ...
 
 
-def first_eos_mask(ids: Tensor, eos_ids: list[int], pad_id: int) -> tuple[Tensor, Tensor]:
+def first_eos_mask(ids: Tensor, eos_ids: list[int],
+                   pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
     """Mask completion tokens up to and including the first EOS (any of ``eos_ids``).
 
-    Returns the ids with PAD after the first EOS and the 0/1 mask, both [B, Tc].
+    Returns the ids with PAD after the first EOS and the 0/1 mask, both [B, Tc], and which rows
+    have no EOS at all [B] (cut off by the length limit).
     """
     is_eos = torch.isin(ids, torch.as_tensor(eos_ids, dtype=ids.dtype, device=ids.device))
     after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
-    return ids.masked_fill(after, pad_id), (~after).long()
+    return ids.masked_fill(after, pad_id), (~after).long(), ~is_eos.any(dim=1)
 
 
 class TinyBackend:
@@ -154,7 +160,7 @@ class TinyBackend:
                 break
             logits, cache = model(nxt[:, None], cache, start=tp + t)
         model.train(was_training)
-        ids, mask = first_eos_mask(out, [self.tok.EOS], self.tok.PAD)
+        ids, mask, cut = first_eos_mask(out, [self.tok.EOS], self.tok.PAD)
         return Rollout(
             prompts=list(prompts),
             prompt_ids=prompt_ids,
@@ -162,6 +168,7 @@ class TinyBackend:
             completion_ids=ids,
             completion_mask=mask,
             completions=[self.tok.decode(r.tolist()) for r in ids],
+            truncated=cut,
         )
 
     def logprobs(self, rollout: Rollout, temperature: float, reference: bool = False) -> Tensor:

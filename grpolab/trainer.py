@@ -7,6 +7,7 @@ model.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import math
@@ -267,6 +268,11 @@ class GRPOTrainer:
         """
         cfg = self.cfg
         ro = batch.rollout
+        if cfg.mask_truncated and ro.truncated is not None and bool(ro.truncated.any()):
+            # DAPO's overlong filtering: a cut-off answer is no evidence either way. Its reward
+            # still enters its group's statistics; its tokens leave the loss and its counts.
+            ro = dataclasses.replace(ro, completion_mask=ro.completion_mask
+                                     * (~ro.truncated)[:, None].to(ro.completion_mask.dtype))
         n_loc = len(batch.rows)
         t_loc = int(ro.completion_mask.sum()) if n_loc else 0
         n_all, t_all = (int(v) for v in dist.all_reduce_sum([n_loc, t_loc]))
@@ -384,6 +390,8 @@ class GRPOTrainer:
         # Without dynamic sampling the trained batch is the one sampled round (every rank's).
         useful = (batch.trained_groups if cfg.dynamic_sampling else ds.groups - ds.dead) * g
         lens = dist.gather_cat(batch.rollout.completion_mask.sum(1))
+        cut = batch.rollout.truncated
+        cut_all = dist.gather_cat(cut.float()) if cut is not None else None
         problems = int(dist.all_reduce_sum([len(batch.problems)])[0])
         names = list(batch.reward_sums)
         fn_sums = dist.all_reduce_sum([batch.reward_sums[k] for k in names]) if names else []
@@ -406,6 +414,9 @@ class GRPOTrainer:
             "sampling_rounds": batch.rounds,
             "sampling_cap_hit": batch.cap_hit,
             "completion_len": float(lens.float().mean()) if lens.numel() else 0.0,
+            # trained answers cut off by max_new_tokens (no EOS)
+            "truncated_share": (float(cut_all.mean()) if cut_all is not None and cut_all.numel()
+                                else None),
             "reward_problems": problems,
             # each reward function's mean over every answer sampled (before weighting)
             **{f"rewards/{k}": v / batch.answers_generated for k, v in zip(names, fn_sums)},

@@ -442,9 +442,10 @@ def test_chat_template_prompts(llama: str) -> None:
 
 def test_completion_mask_stops_at_first_eos() -> None:
     ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [3, 3, 4, 9]])
-    out, mask = first_eos_mask(ids, [2, 4], pad_id=0)
+    out, mask, cut = first_eos_mask(ids, [2, 4], pad_id=0)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]]
     assert out.tolist() == [[5, 2, 0, 0], [5, 6, 7, 8], [3, 3, 4, 0]]
+    assert cut.tolist() == [False, True, False]  # row 1 never ended: cut off by the length
 
 
 def test_pattern_gives_mixed_groups_for_the_tiny_model(llama: str) -> None:

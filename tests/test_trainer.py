@@ -197,3 +197,37 @@ def test_accuracy_is_the_first_rewards_verdict(tmp_path) -> None:
     assert rec["accuracy_train"] < 1 and rec["heldout_acc"] < 1
     assert rec["rewards/always_formatted"] == 1.0
     assert rec["reward_mean"] == pytest.approx(1 + rec["rewards/first_digit_odd"])
+
+
+def test_mask_truncated_drops_cut_off_answers_from_the_loss(tmp_path) -> None:
+    """DAPO overlong filtering: with mask_truncated the update equals one on the same batch with
+    the cut-off answers' tokens masked by hand; with every answer cut off nothing moves."""
+    import copy
+
+    def update(mask_truncated: bool, batch, hand_mask: bool = False):
+        tr = trainer(tmp_path / str(len(list(tmp_path.iterdir()))), max_new_tokens=3,
+                     mask_truncated=mask_truncated)
+        b = copy.deepcopy(batch)
+        if hand_mask:
+            b.rollout.completion_mask = b.rollout.completion_mask * (~b.rollout.truncated)[:, None]
+        out = tr.update(b)
+        return out, torch.cat([p.detach().reshape(-1) for p in tr.params])
+
+    batch = trainer(tmp_path / "sample", max_new_tokens=3).collect()
+    cut = batch.rollout.truncated
+    assert cut is not None and 0 < cut.float().mean() < 1, "need both kinds of answer"
+    got, p_got = update(True, batch)
+    want, p_want = update(False, batch, hand_mask=True)
+    _, p_plain = update(False, batch)
+    assert got["loss"] == pytest.approx(want["loss"]) and got["kl"] == pytest.approx(want["kl"])
+    torch.testing.assert_close(p_got, p_want)
+    assert not torch.equal(p_got, p_plain)  # the switch changes the step
+    every = copy.deepcopy(batch)
+    every.rollout.truncated = torch.ones_like(cut)
+    out, _ = update(True, every)
+    assert out["loss"] == 0 and out["grad_norm"] == 0
+
+
+def test_truncated_share_is_logged(tmp_path) -> None:
+    rec = trainer(tmp_path, max_new_tokens=2).step()
+    assert rec["truncated_share"] is not None and 0 < rec["truncated_share"] <= 1
