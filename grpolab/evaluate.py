@@ -45,10 +45,10 @@ def run_eval(cfg: Config) -> dict[str, Any]:
     dataset); with ``eval_samples`` n > 0 also pass@k for k = 1, 2, 4, ... n at ``temperature``.
     Writes ``<out_dir>/eval.json`` and returns it."""
     from .data import load_rows
-    from .hf import HFBackend, _check_paths, load_model
-    from .rewards import load_reward, score
+    from .hf import HFBackend, check_paths, load_model
+    from .rewards import load_reward, row_columns, score
 
-    _check_paths(cfg, "eval")
+    check_paths(cfg, "eval")
     path = cfg.eval_dataset or cfg.dataset
     rows = load_rows(path, cfg.prompt_column, cfg.answer_column or None)[: cfg.eval_size]
     reward_fns = [load_reward(s, cfg.format_pattern or None) for s in cfg.rewards]
@@ -56,23 +56,21 @@ def run_eval(cfg: Config) -> dict[str, Any]:
     backend = HFBackend(model, tok, use_chat_template=cfg.use_chat_template, reference=False,
                         seed=cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
-    columns = {k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"}
 
-    def scored(rows_in: list[dict], temperature: float, cols: dict[str, list]) -> Any:
+    def scored(rows_in: list[dict], temperature: float) -> Any:
         """Answers and scores for rows_in, in chunks of ``budget`` answers (bounded memory)."""
         parts = []
         for lo in range(0, len(rows_in), cfg.budget):
             chunk = rows_in[lo : lo + cfg.budget]
             ro = backend.generate([r["prompt"] for r in chunk], temperature, cfg.max_new_tokens,
                                   gen)
-            parts.append(score(reward_fns, ro.prompts, ro.completions,
-                               {k: v[lo : lo + cfg.budget] for k, v in cols.items()},
+            parts.append(score(reward_fns, ro.prompts, ro.completions, row_columns(chunk),
                                weights=cfg.reward_weights or None, on_error=cfg.reward_on_error))
         per_fn = torch.cat([p.per_fn for p in parts])
         ok = torch.cat([p.success(cfg.success_threshold) for p in parts])
         return per_fn, ok, parts[0].names, sum(len(p.problems) for p in parts)
 
-    per_fn, ok, names, problems = scored(rows, 0.0, columns)
+    per_fn, ok, names, problems = scored(rows, 0.0)
     out: dict[str, Any] = {
         "model_path": cfg.model_path, "dataset": path, "prompts": len(rows),
         "greedy_accuracy": float(ok.float().mean()),
@@ -81,9 +79,7 @@ def run_eval(cfg: Config) -> dict[str, Any]:
     }
     n = cfg.eval_samples
     if n:
-        many = [r for r in rows for _ in range(n)]
-        cols = {k: [v for v in col for _ in range(n)] for k, col in columns.items()}
-        _, ok, _, problems = scored(many, cfg.temperature, cols)
+        _, ok, _, problems = scored([r for r in rows for _ in range(n)], cfg.temperature)
         correct = ok.view(len(rows), n).sum(1)
         out.update({"samples_per_prompt": n, "temperature": cfg.temperature,
                     "sampled_accuracy": float(ok.float().mean()),  # == pass@1

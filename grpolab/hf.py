@@ -612,7 +612,8 @@ class VLLMBackend(HFBackend):
 # ----------------------------------------------------------------------------- loading
 
 
-def _check_paths(cfg: Config, command: str = "train") -> None:
+def check_paths(cfg: Config, command: str = "train") -> None:
+    """One-line errors for a missing model, dataset or reward, before anything loads."""
     if not cfg.model_path:
         raise ConfigError(f"grpolab {command} needs model_path (a local Hugging Face model "
                           "directory)")
@@ -671,7 +672,7 @@ def run_train(cfg: Config, resume: bool = False) -> Any:
     from .rewards import load_reward
     from .trainer import GRPOTrainer
 
-    _check_paths(cfg)
+    check_paths(cfg)
     if cfg.rollout_backend == "vllm":
         check_vllm()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -341,6 +341,12 @@ def _error(e: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def row_columns(rows: list[dict]) -> dict[str, list]:
+    """Every field of the rows but the prompt, as the columns rewards receive (answer=[...])."""
+    keys = [k for k in rows[0] if k != "prompt"] if rows else []
+    return {k: [r.get(k) for r in rows] for k in keys}
+
+
 def score(
     reward_fns: Sequence[RewardFn],
     prompts: Sequence[Any],

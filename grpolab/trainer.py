@@ -28,7 +28,7 @@ from .config import Config, ConfigError, to_dict
 from .curriculum import PromptSampler
 from .losses import grpo_loss
 from .report import MetricsWriter
-from .rewards import ScoreResult, score
+from .rewards import ScoreResult, row_columns, score
 from .sampling import Backend, Rollout, cat_rollouts
 
 log = logging.getLogger("grpolab")
@@ -94,11 +94,6 @@ class Batch:
             self.reward_sums[name] = self.reward_sums.get(name, 0.0) + float(res.per_fn[:, j].sum())
 
 
-def _columns(rows: list[dict]) -> dict[str, list]:
-    keys = [k for k in rows[0] if k != "prompt"] if rows else []
-    return {k: [r.get(k) for r in rows] for k in keys}
-
-
 class GRPOTrainer:
     """Owns the optimiser, the RNGs and the metrics file of one run."""
 
@@ -155,7 +150,7 @@ class GRPOTrainer:
 
     def _score(self, ro: Rollout, rows: list[dict]) -> ScoreResult:
         """The configured rewards (weights, on_error) for the answers in ``ro``."""
-        return score(self.reward_fns, ro.prompts, ro.completions, _columns(rows),
+        return score(self.reward_fns, ro.prompts, ro.completions, row_columns(rows),
                      weights=self.cfg.reward_weights or None, on_error=self.cfg.reward_on_error)
 
     def _sample_round(
