@@ -30,6 +30,7 @@ from grpolab.world import CharTokenizer, TinyConfig, TinyGPT, make_splits, sft_m
 G = 4
 GROUPS = 8
 # (loss_agg, epochs, groups on rank 0): uneven shards stress the global normalisation.
+MICRO_CASE = ("token_mean", 2, 3)
 CASES = [
     ("seq_mean_token_mean", 1, 4),
     ("token_mean", 1, 4),
@@ -93,6 +94,8 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
     dist.init()
     try:
         res: dict = {"cases": [_update(*case, Path(tmp) / f"r{rank}") for case in CASES]}
+        # ranks and micro-batches together: each rank's 5-row parts of uneven shards
+        res["micro"] = _update(*MICRO_CASE, Path(tmp) / f"r{rank}", micro_batch=5)
         try:  # 3 prompts a step cannot be shared by 2 ranks as whole groups
             _trainer("token_mean", 1, Path(tmp) / f"r{rank}", budget=3 * G)
             res["config_error"] = None
@@ -128,7 +131,8 @@ def test_two_ranks_take_the_single_process_step(tmp_path: Path) -> None:
         wants = [_update(*case, tmp_path / "single") for case in CASES]
     finally:
         torch.set_num_threads(threads)
-    for case, got, want in zip(CASES, two["cases"], wants):
+    wants.append(wants[CASES.index(MICRO_CASE)])  # the same whole-batch step
+    for case, got, want in zip([*CASES, MICRO_CASE], [*two["cases"], two["micro"]], wants):
         assert want["mixed"] >= 3, "the fixed batch should have groups that carry gradient"
         assert (want["params"] - want["before"]).abs().max() > 1e-4, "the weights must move"
         scale = float(want["grads"].abs().max())
