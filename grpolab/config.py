@@ -80,6 +80,7 @@ class Config:
     model_path: str = ""  # local Hugging Face model directory; empty = the built-in world
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of the model's weights
     gradient_checkpointing: bool = False  # recompute activations in backward (HF forward)
+    max_prompt_tokens: int = 0  # longer prompts lose their first tokens (0 = no limit)
     dataset: str = ""  # local jsonl/parquet/csv file with prompts
     eval_dataset: str = ""
     prompt_column: str = "prompt"
@@ -133,6 +134,8 @@ class Config:
             raise ConfigError("beta, eps_low and eps_high must be >= 0")
         if self.max_sampling_rounds < 0:
             raise ConfigError("max_sampling_rounds must be >= 0")
+        if self.max_prompt_tokens < 0:
+            raise ConfigError(f"max_prompt_tokens must be >= 0 (got {self.max_prompt_tokens})")
         if self.eval_samples < 0:
             raise ConfigError(f"eval_samples must be >= 0 (got {self.eval_samples})")
         if self.warmup_steps < 0:

@@ -54,7 +54,7 @@ def run_eval(cfg: Config) -> dict[str, Any]:
     reward_fns = [load_reward(s, cfg.format_pattern or None) for s in cfg.rewards]
     model, tok = load_model(str(Path(cfg.model_path).expanduser()), dtype=cfg.dtype)
     backend = HFBackend(model, tok, use_chat_template=cfg.use_chat_template, reference=False,
-                        seed=cfg.seed)
+                        seed=cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens)
     gen = torch.Generator().manual_seed(cfg.seed)
 
     def scored(rows_in: list[dict], temperature: float) -> Any:

@@ -151,8 +151,11 @@ class HFBackend:
         reference: bool = True,
         seed: int = 0,
         gradient_checkpointing: bool = False,
+        max_prompt_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer  # left untouched: prompts are padded here, not by it
+        self.max_prompt_tokens = max_prompt_tokens
+        self._warned_long = False
         self.eos_ids = _eos_ids(tokenizer, model)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
@@ -255,6 +258,13 @@ class HFBackend:
                 ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
                 if not ids:
                     raise ValueError(f"prompt {text[:60]!r} tokenizes to nothing")
+                limit = self.max_prompt_tokens
+                if limit and len(ids) > limit:  # keep the end: the question, the turn to answer
+                    if not self._warned_long:
+                        log.warning("prompts over max_prompt_tokens=%d are cut from the left "
+                                    "(first one: %d tokens)", limit, len(ids))
+                        self._warned_long = True
+                    ids = ids[-limit:]
                 known[(text, templated)] = ids
             seqs.append(ids)
         width = max(len(s) for s in seqs)
@@ -652,6 +662,7 @@ def make_backend(cfg: Config, model: nn.Module, tokenizer: Any) -> HFBackend:
         "lora_target_modules": list(cfg.lora_target_modules) or None,
         "use_chat_template": cfg.use_chat_template, "reference": cfg.beta > 0, "seed": cfg.seed,
         "gradient_checkpointing": cfg.gradient_checkpointing,
+        "max_prompt_tokens": cfg.max_prompt_tokens,
     }
     if cfg.rollout_backend == "vllm":
         return VLLMBackend(model, tokenizer, str(Path(cfg.model_path).expanduser()), **kwargs)

@@ -440,6 +440,27 @@ def test_chat_template_prompts(llama: str) -> None:
         raw.encode_prompts([msgs])
 
 
+def test_long_prompts_are_cut_from_the_left(llama: str, caplog: pytest.LogCaptureFixture) -> None:
+    """max_prompt_tokens keeps a prompt's last tokens (the question and the turn to answer);
+    shorter prompts are untouched; the cut is announced once."""
+    long, short = "one two three four five six seven eight nine ten What is 2 + 3?", "2 + 3?"
+    plain = HFBackend(*load_model(llama), reference=False)
+    full_ids, _ = plain.encode_prompts([long])
+    short_ids, _ = plain.encode_prompts([short])
+    limit = short_ids.shape[1] + 2
+    assert full_ids.shape[1] > limit
+    be = HFBackend(*load_model(llama), reference=False, max_prompt_tokens=limit)
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        ids, mask = be.encode_prompts([long, short, long])
+        be.encode_prompts([long])
+    assert ids.shape[1] == limit and torch.equal(ids[0], full_ids[0, -limit:])
+    assert mask[1].sum() == short_ids.shape[1]
+    assert torch.equal(ids[1][mask[1].bool()], short_ids[0])
+    assert caplog.text.count("max_prompt_tokens") == 1
+    ro = be.generate([long, short], 1.0, 4, torch.Generator().manual_seed(0))
+    assert ro.prompt_ids.shape[1] == limit and be.logprobs(ro, 1.0).shape == (2, 4)
+
+
 def test_completion_mask_stops_at_first_eos() -> None:
     ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [3, 3, 4, 9]])
     out, mask, cut = first_eos_mask(ids, [2, 4], pad_id=0)
