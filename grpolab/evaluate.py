@@ -8,6 +8,7 @@ prompts and verifier, tells which happened. pass@k uses the unbiased estimator o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ def run_eval(cfg: Config) -> dict[str, Any]:
     dataset); with ``eval_samples`` n > 0 also pass@k for k = 1, 2, 4, ... n at ``temperature``.
     Writes ``<out_dir>/eval.json`` and returns it."""
     from .data import load_rows
-    from .hf import HFBackend, check_paths, load_model
+    from .hf import check_paths, load_model, make_backend
     from .rewards import load_reward, row_columns, score
 
     check_paths(cfg, "eval")
@@ -53,8 +54,10 @@ def run_eval(cfg: Config) -> dict[str, Any]:
     rows = load_rows(path, cfg.prompt_column, cfg.answer_column or None)[: cfg.eval_size]
     reward_fns = [load_reward(s, cfg.format_pattern or None) for s in cfg.rewards]
     model, tok = load_model(str(Path(cfg.model_path).expanduser()), dtype=cfg.dtype)
-    backend = HFBackend(model, tok, use_chat_template=cfg.use_chat_template, reference=False,
-                        seed=cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens)
+    # The training backend's settings (chat template, prompt limit, seed), minus what only
+    # training needs: adapters, the reference copy, checkpointing.
+    backend = make_backend(dataclasses.replace(cfg, lora=False, beta=0.0, rollout_backend="hf",
+                                               gradient_checkpointing=False), model, tok)
     gen = torch.Generator().manual_seed(cfg.seed)
 
     def scored(rows_in: list[dict], temperature: float) -> Any:
