@@ -30,6 +30,13 @@ def init() -> bool:
         return False
     if not td.is_available():
         raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    # torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it is
+    # first imported (torch._dynamo imports it on the first optimiser step). Imported after the
+    # group exists, those defaults keep it alive past destroy_process_group, so gloo's worker
+    # threads outlive Python's finalisation and can abort the process at exit ("terminate called
+    # without an active exception", SIGABRT after a successful run). Imported first, they bind None.
+    import torch.distributed.nn.functional
+
     backend = "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -41,6 +48,7 @@ def init() -> bool:
 def cleanup() -> None:
     """Leave the process group (safe to call when none exists)."""
     if is_dist():
+        td.barrier()
         td.destroy_process_group()
 
 

@@ -146,6 +146,43 @@ def test_two_ranks_take_the_single_process_step(tmp_path: Path) -> None:
                                                         abs=1e-7), (case, key)
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _cleanup_worker(rank: int, world: int, port: int, tmp: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    before = _threads()
+    dist.init()
+    during = _threads()
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([w], lr=0.1)  # its first use imports torch._dynamo and with it
+    (w * float(dist.all_gather_object(rank)[1 - rank])).sum().backward()  # t.d.nn.functional
+    dist.sum_grads([w])
+    opt.step()
+    dist.cleanup()
+    torch.save({"before": before, "during": during, "after": _threads()},
+               Path(tmp) / f"threads{rank}.pt")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_cleanup_releases_the_process_group(tmp_path: Path) -> None:
+    """After dist.cleanup() gloo's threads are gone, so none can outlive Python's finalisation.
+
+    Seen in CI: a rank that finished cleanly aborted at exit ("terminate called without an
+    active exception") because torch.distributed.nn.functional, imported by torch._dynamo on
+    the first optimiser step, had bound the live group as default arguments; the group outlived
+    destroy_process_group and a gloo thread freed a tensor while the interpreter shut down.
+    """
+    mp.spawn(_cleanup_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        n = torch.load(tmp_path / f"threads{rank}.pt")
+        assert n["during"] > n["before"], "the group should have started gloo threads"
+        assert n["after"] == n["before"], n
+
+
 @pytest.mark.skipif(shutil.which("torchrun") is None and not Path(sys.executable).with_name(
     "torchrun").exists(), reason="torchrun not installed")
 def test_torchrun_workshop_smoke(tmp_path: Path) -> None:
