@@ -48,7 +48,6 @@ def init() -> bool:
 def cleanup() -> None:
     """Leave the process group (safe to call when none exists)."""
     if is_dist():
-        td.barrier()
         td.destroy_process_group()
 
 

@@ -158,8 +158,9 @@ def _cleanup_worker(rank: int, world: int, port: int, tmp: str) -> None:
     dist.init()
     during = _threads()
     w = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.Adam([w], lr=0.1)  # its first use imports torch._dynamo and with it
-    (w * float(dist.all_gather_object(rank)[1 - rank])).sum().backward()  # t.d.nn.functional
+    # Adam's first step imports torch._dynamo, which imports torch.distributed.nn.functional
+    opt = torch.optim.Adam([w], lr=0.1)
+    (w * float(dist.all_gather_object(rank)[1 - rank])).sum().backward()
     dist.sum_grads([w])
     opt.step()
     dist.cleanup()
