@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,7 +17,18 @@ from typing import Any, Literal
 
 import yaml
 
-LossAgg = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
+from .advantages import ADVANTAGE_BASELINES, ADVANTAGE_SCALES, REWARD_AGGREGATIONS, STD_KINDS
+from .losses import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+
+# The allowed values of the objective's settings are the keys of the maths modules' registries:
+# a new variant there is a new choice here, on the command line and in the workshop's presets.
+LossAgg = Literal[tuple(LOSS_AGGREGATIONS)]  # type: ignore[valid-type]
+PolicyLoss = Literal[tuple(POLICY_LOSSES)]  # type: ignore[valid-type]
+KLEstimator = Literal[tuple(KL_ESTIMATORS)]  # type: ignore[valid-type]
+Baseline = Literal[tuple(ADVANTAGE_BASELINES)]  # type: ignore[valid-type]
+Scale = Literal[tuple(ADVANTAGE_SCALES)]  # type: ignore[valid-type]
+StdKind = Literal[tuple(STD_KINDS)]  # type: ignore[valid-type]
+RewardAggregation = Literal[tuple(REWARD_AGGREGATIONS)]  # type: ignore[valid-type]
 
 
 class ConfigError(ValueError):
@@ -28,35 +40,50 @@ class Config:
     """Everything a run needs. Defaults reproduce the workshop (G=8, 64 answers a step)."""
 
     # --- run ---
-    out_dir: str = "runs/workshop"
-    seed: int = 0
-    steps: int = 40
+    out_dir: str = "runs/workshop"  # where metrics, samples, checkpoints and the model go
+    seed: int = 0  # seeds sampling, prompt order, LoRA init and the world
+    steps: int = 40  # GRPO steps (optimiser updates of one sampled batch each)
     budget: int = 64  # answers generated per step (before dynamic-sampling top-ups)
     group_size: int = 8  # G: answers per prompt
-    temperature: float = 1.0
-    max_new_tokens: int = 8
+    temperature: float = 1.0  # sampling temperature; log-probs are scored at the same one
+    max_new_tokens: int = 8  # longest answer; the Dr. GRPO length constant
     lr: float = 1e-3  # the workshop's "step size 0.001" (Adam)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # decay to 0 at `steps`
     warmup_steps: int = 0  # linear ramp from lr / warmup_steps up to lr
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # largest gradient norm kept (TRL max_grad_norm)
     epochs: int = 1  # mu: optimisation passes over one batch (old-policy ratio when > 1)
     micro_batch: int = 0  # rows per forward/backward in the update (0 = all); same step
-    eval_every: int = 1
-    eval_size: int = 256
+    eval_every: int = 1  # steps between held-out evaluations
+    eval_size: int = 256  # held-out prompts evaluated (first rows of the split)
     eval_samples: int = 0  # grpolab eval: answers per prompt at `temperature` for pass@k
-    checkpoint_every: int = 10
+    checkpoint_every: int = 10  # steps between checkpoints (0 = none)
     log_samples: int = 1  # groups a step written to samples.jsonl (answers, rewards); 0 = none
-    progress: bool = True
+    progress: bool = True  # show a progress bar
     # --- GRPO maths ---
-    beta: float = 0.04  # KL(k3) weight to the frozen reference
-    eps_low: float = 0.2
-    eps_high: float = 0.2  # DAPO clip-higher sets this above eps_low (0.28)
-    loss_agg: LossAgg = "seq_mean_token_mean"
-    baseline: Literal["mean", "rloo"] = "mean"
-    scale: Literal["std", "none"] = "std"  # "none" = Dr. GRPO (no std division)
-    std: Literal["population", "sample"] = "population"
-    std_eps: float = 0.0  # added to the std before dividing (verl uses 1e-6)
+    beta: float = 0.04  # KL weight to the frozen reference (TRL beta, verl kl_loss_coef)
+    kl_estimator: KLEstimator = "k3"  # per-token KL: k1 log-ratio, k2 squared/2, k3 Schulman's
+    kl_is_correction: bool = False  # KL times the policy ratio (TRL use_bias_correction_kl):
+    #                                 the same value, another gradient
+    kl_in: Literal["loss", "reward"] = "loss"  # reward: beta x the answer's summed KL comes off
+    #                                            its reward instead (verl use_kl_in_reward)
+    policy_loss: PolicyLoss = "clip"  # clip: PPO per-token ratio; gspo: one ratio per answer;
+    #                                   cispo: clipped importance weight, REINFORCE
+    eps_low: float = 0.2  # the ratio's lower clip is 1 - eps_low (TRL epsilon)
+    eps_high: float = 0.2  # upper clip 1 + eps_high; DAPO clip-higher: 0.28 (TRL epsilon_high)
+    dual_clip: float = 0.0  # cap the ratio of negative-advantage tokens at this (verl
+    #                         clip_ratio_c, TRL delta); 0 = off
+    cispo_max: float = 5.0  # cispo clips the importance weight at this (TRL epsilon_high)
+    loss_agg: LossAgg = "seq_mean_token_mean"  # how token losses become one number (TRL loss_type)
+    baseline: Baseline = "mean"  # mean: r - group mean (GRPO); rloo: r - mean of the others
+    scale: Scale = "std"  # divide by the group's std, the batch's std, or none (Dr. GRPO)
+    std: StdKind = "population"  # population (/G) or sample (/(G-1)) standard deviation
+    std_eps: float = 0.0  # added to the std before dividing (verl uses 1e-6, TRL 1e-4)
     min_std: float = 0.0  # tiny-difference guard: divide by max(std, min_std)
+    reward_aggregation: RewardAggregation = "sum_then_normalize"  # several rewards:
+    #                                       normalize_then_sum = GDPO (each reward, then the sum)
+    entropy_coef: float = 0.0  # entropy bonus: the loss minus this x the tokens' entropy
+    top_entropy_quantile: float = 1.0  # the policy loss keeps this top share of tokens by
+    #                                    entropy (0.2 in the 80/20 paper; 1 = every token)
     success_threshold: float = 1.0  # an answer is right when the first reward reaches this
     # --- one-switch fixes ---
     dr_grpo: bool = False  # scale="none" and loss_agg="seq_mean_token_sum_norm"
@@ -71,31 +98,44 @@ class Config:
     curriculum_floor: float = 0.05  # weight of prompts with pass rate 0 or 1 (keeps exploring)
     curriculum_decay: float = 0.5  # EMA weight of the newest observation
     # --- built-in world (used when model_path is empty) ---
-    world_train_size: int = 1024
-    world_heldout_size: int = 256
-    sft_steps: int = 1500
+    world_train_size: int = 1024  # training prompts the built-in world generates
+    world_heldout_size: int = 256  # held-out prompts the built-in world generates
+    sft_steps: int = 1500  # SFT steps that make the built-in start (cached)
     sft_slip: float = 0.4  # the SFT teacher forgets each carry with this probability
     cache_dir: str = ""  # where the fine-tuned start is cached; "" = ~/.cache/grpolab
     # --- real models ---
-    model_path: str = ""  # local Hugging Face model directory; empty = the built-in world
+    model_path: str = ""  # HF model folder, a .gguf file or smollm2-135m-instruct; "" = world
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of the model's weights
     gradient_checkpointing: bool = False  # recompute activations in backward (HF forward)
-    max_prompt_tokens: int = 0  # longer prompts lose their first tokens (0 = no limit)
-    dataset: str = ""  # local jsonl/parquet/csv file with prompts
-    eval_dataset: str = ""
-    prompt_column: str = "prompt"
-    answer_column: str = "answer"
-    rewards: list[str] = field(default_factory=lambda: ["exact"])
-    reward_weights: list[float] = field(default_factory=list)
-    format_pattern: str = ""
-    reward_on_error: float = 0.0
+    max_prompt_tokens: int = 1024  # longer prompts lose their first tokens (0 = model's limit)
+    dataset: str = ""  # local jsonl/parquet/csv file or folder, or reasoning_gym:<task>
+    eval_dataset: str = ""  # held-out prompts (same forms); reasoning_gym: uses another seed
+    dataset_size: int = 1000  # questions a reasoning_gym: dataset generates for training
+    task_config: dict[str, Any] = field(default_factory=dict)  # reasoning_gym task options
+    prompt_column: str = "prompt"  # dataset column holding the prompts
+    answer_column: str = "answer"  # dataset column passed to rewards as answer=
+    prompt_template: str = ""  # text prompts become this with {prompt} filled in; "" = as is
+    rewards: list[str] = field(default_factory=lambda: ["exact"])  # built-in, rm:DIR, file.py:fn
+    answer_sources: list[str] = field(  # where math/reasoning_gym look for the final answer
+        default_factory=lambda: ["boxed", "answer_tag", "answer_line", "bare"])
+    watch_reward: str = ""  # strict held-out check for the reward-hacking watch ("" = off)
+    watch_margin: float = 0.2  # flag when training reward rose this much more than the check
+    watch_window: int = 5  # steps averaged for the training reward's start and recent level
+    reward_weights: list[float] = field(default_factory=list)  # one per reward; [] = all 1
+    format_pattern: str = ""  # regex of the format reward ("" = think/answer tags)
+    reward_on_error: float = 0.0  # score of an answer whose reward raised or gave NaN
     lora: bool = True  # train rank-lora_r adapters; reference = adapters off (no copy)
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] = field(default_factory=list)
-    use_chat_template: bool = True
-    rollout_backend: Literal["hf", "vllm"] = "hf"
+    lora_r: int = 8  # LoRA rank
+    lora_alpha: int = 16  # LoRA scale numerator (scale = alpha / r)
+    lora_dropout: float = 0.0  # LoRA dropout
+    lora_target_modules: list[str] = field(default_factory=list)  # [] = every linear layer
+    use_chat_template: bool = True  # wrap prompts in the tokenizer's chat template
+    rollout_backend: Literal["hf", "vllm"] = "hf"  # vllm: in-process engine on a GPU
+    # --- reliability ---
+    overwrite: bool = False  # start afresh in an out_dir holding a run (deletes its metrics, ckpts)
+    reward_timeout: float = 10.0  # seconds per call of a user reward (in a worker); 0 = no limit
+    reward_workers: int = 0  # worker processes for user rewards; 0 = one per core (2 to 8)
+    fail_on_reward_errors: bool = True  # stop when a reward fails on every answer of a batch
 
     @property
     def prompts_per_step(self) -> int:
@@ -115,7 +155,25 @@ class Config:
         if c.rloo:
             c.baseline, c.scale = "rloo", "none"
         c.validate()
+        c._validate_objective()
         return c
+
+    def _validate_objective(self) -> None:
+        """Combinations of the objective's settings that mean nothing, named in one line."""
+        if self.dual_clip and not self.dual_clip > 1 + self.eps_high:
+            raise ConfigError(f"dual_clip must be 0 (off) or > 1 + eps_high = {1 + self.eps_high:g}"
+                              f" (got {self.dual_clip}): it caps ratios above the upper clip")
+        if not self.cispo_max > 0:
+            raise ConfigError(f"cispo_max must be > 0 (got {self.cispo_max})")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ConfigError("top_entropy_quantile must be in [0, 1] (got "
+                              f"{self.top_entropy_quantile}): the share of tokens kept")
+        if self.kl_in == "reward" and self.kl_is_correction:
+            raise ConfigError("kl_is_correction weights the KL term of the loss; with kl_in: "
+                              "reward there is none (set kl_in: loss, or drop the correction)")
+        if self.kl_in == "reward" and self.reward_aggregation != "sum_then_normalize":
+            raise ConfigError(f"kl_in: reward needs reward_aggregation: sum_then_normalize (got "
+                              f"{self.reward_aggregation}): the penalty comes off the total")
 
     def validate(self) -> None:
         if self.group_size < 2:
@@ -144,6 +202,15 @@ class Config:
             raise ConfigError(f"log_samples must be >= 0 (got {self.log_samples})")
         if self.micro_batch < 0:
             raise ConfigError(f"micro_batch must be >= 0 (got {self.micro_batch})")
+        if self.prompt_template and "{prompt}" not in self.prompt_template:
+            raise ConfigError("prompt_template must contain {prompt} (where the question goes)")
+        bad = [s for s in self.answer_sources
+               if s not in ("boxed", "answer_tag", "answer_line", "bare")]
+        if bad or not self.answer_sources:
+            raise ConfigError(f"answer_sources {self.answer_sources}: choose from boxed, "
+                              "answer_tag, answer_line, bare")
+        if self.dataset_size < 1 or self.watch_window < 1:
+            raise ConfigError("dataset_size and watch_window must be >= 1")
         if self.reward_weights and len(self.reward_weights) != len(self.rewards):
             raise ConfigError(
                 f"reward_weights has {len(self.reward_weights)} entries for "
@@ -152,6 +219,41 @@ class Config:
         for name, allowed in literal_fields().items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {list(allowed)} (got {getattr(self, name)!r})")
+        self._validate_ranges()
+
+    def _validate_ranges(self) -> None:
+        """Every float finite (NaN passes every `<` test) and every setting in the range where
+        it means something: each of these was once accepted and wrecked a run."""
+        hints = _field_types()
+        for f in dataclasses.fields(self):
+            if hints[f.name] in (float, list[float]):
+                value = getattr(self, f.name)
+                for v in value if isinstance(value, list) else [value]:
+                    if not math.isfinite(v):
+                        raise ConfigError(f"{f.name} must be a finite number (got {v})")
+        if not self.grad_clip > 0:
+            raise ConfigError(f"grad_clip must be > 0 (got {self.grad_clip}): it is the largest "
+                              "gradient norm kept; <= 0 freezes or reverses the update")
+        if not self.eps_low < 1:
+            raise ConfigError(f"eps_low must be < 1 (got {self.eps_low}): the ratio's lower clip "
+                              "is 1 - eps_low")
+        for name in ("std_eps", "min_std", "reward_timeout"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")
+        for name in ("eval_size", "checkpoint_every", "sft_steps", "reward_workers",
+                     "world_heldout_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")
+        for name in ("lora_r", "lora_alpha", "world_train_size", "watch_window"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        for name, lo, hi in (("lora_dropout", 0.0, 0.999), ("sft_slip", 0.0, 1.0),
+                             ("curriculum_floor", 1e-9, 1.0), ("curriculum_decay", 1e-9, 1.0)):
+            if not lo <= getattr(self, name) <= hi:
+                raise ConfigError(f"{name} must be in [{lo:g}, {hi:g}] (got {getattr(self, name)})")
+        for name in ("reward_on_error", "success_threshold"):
+            if abs(getattr(self, name)) > 1e9:
+                raise ConfigError(f"{name} must be within +-1e9 (got {getattr(self, name)})")
 
 
 def _field_types() -> dict[str, Any]:
@@ -199,6 +301,12 @@ def coerce(name: str, value: Any) -> Any:
             if not isinstance(value, (list, tuple)):
                 raise ValueError(value)
             return [inner(v.strip() if isinstance(v, str) else v) for v in value]
+        if origin is dict:
+            if isinstance(value, str):
+                value = yaml.safe_load(value) if value.strip() else {}
+            if not isinstance(value, dict):
+                raise ValueError(value)
+            return {str(k): v for k, v in value.items()}
         if origin is Literal:
             return str(value)
         if origin in (types.UnionType, typing.Union):
@@ -233,18 +341,109 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 def make_config(
     yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None
 ) -> Config:
-    """Defaults, then the YAML file, then command-line overrides; resolved and validated."""
+    """Defaults, then the YAML file, then command-line overrides; resolved and validated.
+
+    TRL's names for the same settings (``TRL_ALIASES``, ``num_generations: 8``,
+    ``loss_type: dapo``...) are accepted in either and translated first (``from_trl``).
+    """
     kwargs: dict[str, Any] = {}
     if yaml_path:
-        for k, v in load_yaml(yaml_path).items():
-            try:  # name the file: the user has to find the bad line
-                kwargs[str(k).replace("-", "_")] = coerce(str(k).replace("-", "_"), v)
-            except ConfigError as e:
-                raise ConfigError(f"{yaml_path}: {e}") from None
-    for k, v in (overrides or {}).items():
-        if v is not None:
-            kwargs[k.replace("-", "_")] = coerce(k.replace("-", "_"), v)
+        try:  # name the file: the user has to find the bad line
+            raw = from_trl({str(k).replace("-", "_"): v for k, v in load_yaml(yaml_path).items()})
+            for k, v in raw.items():
+                kwargs[k] = coerce(k, v)
+        except ConfigError as e:
+            raise ConfigError(f"{yaml_path}: {e}") from None
+    given = {k.replace("-", "_"): v for k, v in (overrides or {}).items() if v is not None}
+    for k, v in from_trl(given).items():
+        kwargs[k] = coerce(k, v)
     return Config(**kwargs).resolved()
+
+
+# TRL GRPOConfig names -> grpolab's, where they differ (same meaning, value as is).
+TRL_ALIASES: dict[str, str] = {
+    "num_generations": "group_size",
+    "num_iterations": "epochs",
+    "epsilon": "eps_low",
+    "epsilon_high": "eps_high",  # cispo_max when loss_type is cispo
+    "delta": "dual_clip",
+    "use_bias_correction_kl": "kl_is_correction",
+    "multi_objective_aggregation": "reward_aggregation",
+    "mask_truncated_completions": "mask_truncated",
+    "max_completion_length": "max_new_tokens",
+    "learning_rate": "lr",
+    "lr_scheduler_type": "lr_schedule",
+    "max_grad_norm": "grad_clip",
+    "max_steps": "steps",
+    "output_dir": "out_dir",
+}
+# TRL settings whose values become other grpolab settings.
+TRL_VALUES: dict[str, dict[str, dict[str, Any]]] = {
+    "loss_type": {
+        "grpo": {"loss_agg": "seq_mean_token_mean"},
+        "bnpo": {"loss_agg": "token_mean"},
+        "dapo": {"loss_agg": "token_mean"},
+        "dr_grpo": {"loss_agg": "seq_mean_token_sum_norm"},
+        "cispo": {"policy_loss": "cispo", "loss_agg": "token_mean"},
+    },
+    "scale_rewards": {"group": {"scale": "std"}, "true": {"scale": "std"},
+                      "batch": {"scale": "batch"}, "none": {"scale": "none"},
+                      "false": {"scale": "none"}},
+    "importance_sampling_level": {"token": {}, "sequence": {"policy_loss": "gspo"}},
+}
+
+
+def from_trl(d: dict[str, Any]) -> dict[str, Any]:
+    """Translate TRL GRPOConfig keys in ``d`` to grpolab's (other keys pass unchanged).
+
+    ``epsilon`` without ``epsilon_high`` sets both clips, as in TRL; ``delta: null`` is 0 (off).
+    A TRL key and the grpolab key it maps to (or two TRL keys) that disagree are an error.
+    """
+    if not any(k in TRL_ALIASES or k in TRL_VALUES for k in d):
+        return dict(d)
+    out = {k: v for k, v in d.items() if k not in TRL_ALIASES and k not in TRL_VALUES}
+    source: dict[str, str] = {}  # grpolab key -> the TRL key that set it
+
+    def put(key: str, value: Any, trl_key: str) -> None:
+        if key in out and _same(key, out[key], value) is False:
+            was = f"{source[key]} (TRL)" if key in source else key
+            raise ConfigError(f"{trl_key}: {d[trl_key]!r} (TRL) sets {key} to {value!r}, but "
+                              f"{was} sets it to {out[key]!r}; keep one of them")
+        out.setdefault(key, value)
+        source.setdefault(key, trl_key)
+
+    cispo = str(d.get("loss_type", "")).strip().lower() == "cispo"
+    for trl_key, value in d.items():
+        if trl_key in TRL_VALUES:
+            table = TRL_VALUES[trl_key]
+            word = str(value).strip().lower()
+            if word not in table:
+                raise ConfigError(f"{trl_key}: {value!r} (TRL) has no grpolab equivalent; "
+                                  f"grpolab reads {', '.join(table)}")
+            for key, v in table[word].items():
+                put(key, v, trl_key)
+        elif trl_key in TRL_ALIASES:
+            if value is None:  # TRL's "unset": delta off, epsilon_high = epsilon
+                if trl_key == "delta":
+                    put("dual_clip", 0.0, trl_key)
+                continue
+            key = "cispo_max" if trl_key == "epsilon_high" and cispo else TRL_ALIASES[trl_key]
+            put(key, value, trl_key)
+    if (d.get("epsilon") is not None and d.get("epsilon_high") is None and not cispo
+            and "eps_high" not in out):
+        put("eps_high", d["epsilon"], "epsilon")
+    if cispo and str(d.get("importance_sampling_level", "token")).lower() == "sequence":
+        raise ConfigError("loss_type: cispo with importance_sampling_level: sequence (TRL) has no "
+                          "grpolab equivalent: grpolab's cispo weights each token")
+    return out
+
+
+def _same(key: str, a: Any, b: Any) -> bool | None:
+    """Whether two values of a config key agree once read as its type (None if unreadable)."""
+    try:
+        return coerce(key, a) == coerce(key, b)
+    except ConfigError:
+        return None
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from .config import Config, ConfigError
 from .fastlm import FastLM, base_model, pos_ids
-from .losses import token_logprobs
+from .losses import token_logprobs, token_logprobs_and_entropy
 from .sampling import Rollout, first_eos_mask
 
 log = logging.getLogger("grpolab")
@@ -152,10 +152,19 @@ class HFBackend:
         seed: int = 0,
         gradient_checkpointing: bool = False,
         max_prompt_tokens: int = 0,
+        max_new_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer  # left untouched: prompts are padded here, not by it
         self.max_prompt_tokens = max_prompt_tokens
         self._warned_long = False
+        # Prompt + answer must fit the model's positions (GPT-2 has 1024 and fails past them;
+        # a RoPE model runs on, untrained). The trainer raises max_new_tokens to its own.
+        self.max_positions: int | None = getattr(getattr(model, "config", None),
+                                                 "max_position_embeddings", None)
+        self.max_new_tokens = max_new_tokens
+        if self.max_positions and max_new_tokens >= self.max_positions:
+            raise ConfigError(f"max_new_tokens {max_new_tokens} does not fit the model's "
+                              f"{self.max_positions} positions with room for a prompt; lower it")
         self.eos_ids = _eos_ids(tokenizer, model)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
@@ -258,11 +267,15 @@ class HFBackend:
                 ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
                 if not ids:
                     raise ValueError(f"prompt {text[:60]!r} tokenizes to nothing")
-                limit = self.max_prompt_tokens
+                limit, why = self.max_prompt_tokens, f"max_prompt_tokens={self.max_prompt_tokens}"
+                room = (self.max_positions - self.max_new_tokens) if self.max_positions else 0
+                if room > 0 and (not limit or room < limit):
+                    limit, why = room, (f"the model's {self.max_positions} positions less "
+                                        f"max_new_tokens {self.max_new_tokens}")
                 if limit and len(ids) > limit:  # keep the end: the question, the turn to answer
                     if not self._warned_long:
-                        log.warning("prompts over max_prompt_tokens=%d are cut from the left "
-                                    "(first one: %d tokens)", limit, len(ids))
+                        log.warning("prompts over %d tokens (%s) are cut from the left; the "
+                                    "first had %d tokens", limit, why, len(ids))
                         self._warned_long = True
                     ids = ids[-limit:]
                 known[(text, templated)] = ids
@@ -430,10 +443,20 @@ class HFBackend:
             return self._logprobs(self.ref, rollout, temperature)
         return self._logprobs(self.model, rollout, temperature)
 
-    def _logprobs(self, model: nn.Module, ro: Rollout, temperature: float) -> Tensor:
+    def logprobs_and_entropy(self, rollout: Rollout, temperature: float,
+                             entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
+        """The policy's ``logprobs`` (the same numbers) and the entropy of its next-token
+        distribution at each completion position [B, Tc], from the same forward."""
+        return self._logprobs(self.model, rollout, temperature, entropy=entropy_grad)
+
+    def _logprobs(self, model: nn.Module, ro: Rollout, temperature: float,
+                  entropy: bool | None = None) -> Any:
+        """Log-probs [B, Tc]; with ``entropy`` not None also the entropies (with autograd when
+        True) as a pair."""
         tc = ro.completion_ids.shape[1]
         if tc == 0:
-            return torch.zeros(ro.completion_ids.shape)
+            zero = torch.zeros(ro.completion_ids.shape)
+            return zero if entropy is None else (zero, zero.clone())
         ids = torch.cat([ro.prompt_ids, ro.completion_ids], dim=1)
         attn = torch.cat([ro.prompt_mask, torch.ones_like(ro.completion_ids)], dim=1)
         pos = pos_ids(attn)
@@ -464,7 +487,10 @@ class HFBackend:
         t = temperature if temperature > 0 else 1.0
         if t != 1.0:  # x / 1 == x: skip a [B, Tc, V] copy
             logits = logits / t
-        return token_logprobs(logits, ro.completion_ids.to(dev)).cpu()
+        if entropy is None:
+            return token_logprobs(logits, ro.completion_ids.to(dev)).cpu()
+        lp, ent = token_logprobs_and_entropy(logits, ro.completion_ids.to(dev), entropy)
+        return lp.cpu(), ent.cpu()
 
     def _shared_prefix_logits(self, model: nn.Module, ids: Tensor, attn: Tensor, pos: Tensor,
                               shared: tuple[Tensor, Tensor, Tensor], tc: int) -> Tensor:
@@ -624,30 +650,50 @@ class VLLMBackend(HFBackend):
 
 def check_paths(cfg: Config, command: str = "train") -> None:
     """One-line errors for a missing model, dataset or reward, before anything loads."""
+    from .models import is_model_source
+    from .tasks import is_task
+
     if not cfg.model_path:
         raise ConfigError(f"grpolab {command} needs model_path (a local Hugging Face model "
-                          "directory)")
+                          "folder, a .gguf file or smollm2-135m-instruct)")
     mp = Path(cfg.model_path).expanduser()
-    if not mp.exists():
+    if is_model_source(cfg.model_path):
+        pass  # a GGUF file or a known name: models.resolve_model checks and converts it
+    elif not mp.exists():
         raise FileNotFoundError(f"model_path {str(mp)!r} does not exist")
-    if not (mp / "config.json").is_file():
+    elif not (mp / "config.json").is_file():
         raise FileNotFoundError(f"model_path {str(mp)!r} is not a Hugging Face model directory "
                                 "(no config.json)")
     if not (cfg.dataset or (command == "eval" and cfg.eval_dataset)):
-        raise ConfigError(f"grpolab {command} needs dataset (a local .jsonl/.parquet/.csv file)")
+        raise ConfigError(f"grpolab {command} needs dataset (a local .jsonl/.parquet/.csv file "
+                          "or reasoning_gym:<task>)")
     for name in ("dataset", "eval_dataset"):
         value = getattr(cfg, name)
-        if value and not Path(value).expanduser().exists():
+        if value and not is_task(value) and not Path(value).expanduser().exists():
             raise FileNotFoundError(f"{name} {value!r} does not exist")
     if not cfg.rewards:
         raise ConfigError("rewards is empty; name at least one reward (e.g. math, format)")
 
 
-def load_model(path: str, device: str | None = None,
-               dtype: str = "float32") -> tuple[nn.Module, Any]:
-    """Model (in ``dtype``) and tokenizer from a local directory; never touches the network."""
+def load_rewards(cfg: Config) -> tuple[list[Any], Any]:
+    """The run's reward functions and its reward-hacking watch check (None when off)."""
+    from .rewards import load_reward
+
+    def one(spec: str) -> Any:
+        return load_reward(spec, cfg.format_pattern or None, cfg.answer_sources)
+
+    return [one(s) for s in cfg.rewards], (one(cfg.watch_reward) if cfg.watch_reward else None)
+
+
+def load_model(path: str, device: str | None = None, dtype: str = "float32",
+               cache_dir: str = "") -> tuple[nn.Module, Any]:
+    """Model (in ``dtype``) and tokenizer from a local folder, a ``.gguf`` file or a known name
+    (``grpolab.models``); never touches the network."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .models import resolve_model
+
+    path = resolve_model(str(path), cache_dir)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
@@ -662,7 +708,7 @@ def make_backend(cfg: Config, model: nn.Module, tokenizer: Any) -> HFBackend:
         "lora_target_modules": list(cfg.lora_target_modules) or None,
         "use_chat_template": cfg.use_chat_template, "reference": cfg.beta > 0, "seed": cfg.seed,
         "gradient_checkpointing": cfg.gradient_checkpointing,
-        "max_prompt_tokens": cfg.max_prompt_tokens,
+        "max_prompt_tokens": cfg.max_prompt_tokens, "max_new_tokens": cfg.max_new_tokens,
     }
     if cfg.rollout_backend == "vllm":
         return VLLMBackend(model, tokenizer, str(Path(cfg.model_path).expanduser()), **kwargs)
@@ -678,9 +724,8 @@ def run_train(cfg: Config, resume: bool = False) -> Any:
     import json
 
     from . import dist
-    from .data import load_rows
+    from .data import run_rows
     from .report import plot_run, read_metrics, summarize
-    from .rewards import load_reward
     from .trainer import GRPOTrainer
 
     check_paths(cfg)
@@ -691,19 +736,19 @@ def run_train(cfg: Config, resume: bool = False) -> Any:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    answer_col = cfg.answer_column or None
-    rows = load_rows(cfg.dataset, cfg.prompt_column, answer_col)
-    heldout = load_rows(cfg.eval_dataset, cfg.prompt_column, answer_col) if cfg.eval_dataset else []
-    reward_fns = [load_reward(s, cfg.format_pattern or None) for s in cfg.rewards]
+    rows, heldout = run_rows(cfg)
+    reward_fns, watch = load_rewards(cfg)
 
-    model, tok = load_model(str(Path(cfg.model_path).expanduser()), dtype=cfg.dtype)
+    model, tok = load_model(str(Path(cfg.model_path).expanduser()), dtype=cfg.dtype,
+                            cache_dir=cfg.cache_dir)
     if cfg.dtype != "float32" and not cfg.lora and dist.is_main():
         log.warning("full fine-tuning in %s: weights and Adam states stay in %s, and updates "
                     "below its resolution are lost; LoRA adapters train in float32", cfg.dtype,
                     cfg.dtype)
     backend = make_backend(cfg, model, tok)
     backend.render(rows[0]["prompt"])  # chat prompts without a chat template fail here, early
-    trainer = GRPOTrainer(cfg, backend, rows, reward_fns, heldout, out_dir=cfg.out_dir)
+    trainer = GRPOTrainer(cfg, backend, rows, reward_fns, heldout, out_dir=cfg.out_dir,
+                          watch_fn=watch)
     trainer.train(resume=resume)
     if not dist.is_main():  # under torchrun rank 0 alone writes the model, plot and summary
         return trainer
@@ -714,11 +759,16 @@ def run_train(cfg: Config, resume: bool = False) -> Any:
     name = Path(cfg.model_path).name
     plot_run(metrics, out / "train.png",
              f"GRPO on {name}: G={cfg.group_size}, {cfg.prompts_per_step} prompts per step"
-             f"{' (LoRA)' if cfg.lora else ''}")
+             f"{' (LoRA)' if cfg.lora else ''}", lengths=True)
     summary = {"model_path": cfg.model_path, "lora": cfg.lora, **summarize(metrics)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     acc = (f", held-out accuracy {summary['start_heldout_acc']:.3f} -> "
            f"{summary['final_heldout_acc']:.3f}" if heldout else " (no eval_dataset)")
+    if "start_heldout_check_acc" in summary:
+        acc += (f"; strict check ({cfg.watch_reward}) {summary['start_heldout_check_acc']:.3f} -> "
+                f"{summary['final_heldout_check_acc']:.3f}")
+        if summary["hacking_suspected_steps"]:
+            acc += f"; REWARD HACKING SUSPECTED at steps {summary['hacking_suspected_steps']}"
     print(f"trained {summary['steps']} steps: mean reward {summary['mean_reward']:.3f}{acc}")
     print(f"wrote {out}/metrics.jsonl, {out}/train.png and the model in {out}/final")
     return trainer

@@ -1,15 +1,27 @@
-"""The GRPO objective as pure tensor functions: clipped surrogate, k3 KL, loss aggregation.
+"""The GRPO objective as pure tensor functions, each variant one entry in a registry.
 
 Shapes: per-token tensors are [B, T] over completion tokens, ``mask`` is 1 on real completion
 tokens (EOS included) and 0 on padding; ``advantages`` is [B], one value per answer.
+
+Registries (name -> function); the config's allowed values, the CLI's choices and the
+workshop's presets are read from them, so a new variant is one function and one entry:
+
+- ``POLICY_LOSSES``: (logp, old_logp, advantages, mask, **knobs) -> PolicyTerms
+  (per-token loss, where clipping bit, the importance ratio).
+- ``KL_ESTIMATORS``: (logp, ref_logp) -> per-token estimate of KL(policy || reference).
+- ``LOSS_AGGREGATIONS``: (per_token, mask, norm_len) -> scalar.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+# ------------------------------------------------------------ log-probs, entropy --
 
 
 def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
@@ -18,10 +30,77 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def entropy_from_logp(logp_all: Tensor) -> Tensor:
+    """Shannon entropy in nats, -sum_v p log p, of each row of full log-probs [..., V].
+
+    A token of probability 0 (log-prob -inf, e.g. a masked vocabulary entry) adds 0, not NaN.
+    """
+    finite = logp_all.clamp(min=torch.finfo(logp_all.dtype).min)
+    return -(logp_all.exp() * finite).sum(-1)
+
+
+def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, entropy_grad: bool = False,
+                               chunk: int = 16) -> tuple[Tensor, Tensor]:
+    """``token_logprobs`` (the same numbers, bit for bit) plus each position's entropy [B, T].
+
+    Without ``entropy_grad`` the entropy is computed without autograd, ``chunk`` rows at a time,
+    so it costs at most [chunk, T, V] extra memory; with it (for an entropy bonus) the entropy
+    back-propagates.
+    """
+    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    lp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if entropy_grad:
+        return lp, entropy_from_logp(logp_all)
+    with torch.no_grad():
+        parts = [entropy_from_logp(c) for c in logp_all.detach().split(chunk, dim=0)]
+        ent = torch.cat(parts) if parts else logp_all.new_zeros(logp_all.shape[:-1])
+    return lp, ent
+
+
+def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """[B, T] bool: real tokens whose entropy is at least the ``quantile`` of the real tokens'
+    entropies (so ``1 - quantile`` of them are kept: "Beyond the 80/20 rule", TRL's
+    ``top_entropy_quantile`` rho = 1 - quantile). Padding is never selected."""
+    real = mask.bool()
+    vals = entropy.detach()[real].float()
+    if vals.numel() == 0:
+        return torch.zeros_like(real)
+    threshold = torch.quantile(vals, quantile)
+    return (entropy.detach() * mask.to(entropy.dtype) >= threshold) & real
+
+
+# ------------------------------------------------------------------ KL estimators --
+
+
+def k1_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 = log pi - log ref: unbiased for KL(pi || ref) on samples from pi, can be negative."""
+    return logp - ref_logp
+
+
+def k2_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 = (log pi - log ref)^2 / 2: biased, >= 0, low variance (verl "mse")."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Schulman's k3 estimator of KL(pi || ref): exp(d) - d - 1 with d = ref - logp (>= 0)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "k1": k1_kl,
+    "k2": k2_kl,
+    "k3": k3_kl,
+}
+
+# ------------------------------------------------------------------ policy losses --
+
+
+class PolicyTerms(NamedTuple):
+    loss: Tensor  # [B, T] per-token policy loss
+    clipped: Tensor  # [B, T] bool: where a clip (or cap) changed the value
+    ratio: Tensor  # [B, T] per-token or [B, 1] per-sequence importance ratio (differentiable)
 
 
 def clipped_surrogate(
@@ -36,26 +115,107 @@ def clipped_surrogate(
     return loss, (clipped < unclipped)
 
 
-def aggregate(per_token: Tensor, mask: Tensor, mode: str, norm_len: int | None = None) -> Tensor:
-    """Reduce per-token losses to a scalar.
+def _ppo_clip(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float,
+              dual_clip: float) -> tuple[Tensor, Tensor]:
+    """-min(rA, clip(r)A); with ``dual_clip`` c > 1 the loss of a negative advantage is also
+    capped at -cA (dual-clip PPO: verl's clip_ratio_c, TRL's delta), where it has no gradient."""
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    hit = clipped < unclipped
+    if dual_clip > 0:
+        cap = -adv * dual_clip
+        capped = (adv < 0) & (loss > cap)
+        loss = torch.where(capped, cap.expand_as(loss), loss)
+        hit = hit | capped
+    return loss, hit
 
-    seq_mean_token_mean: mean over each reply's tokens, then over replies (GRPO; favours short
-      wrong answers and long right ones, the length bias Dr. GRPO points out).
-    token_mean: mean over every token of the batch (DAPO token-level loss).
-    seq_mean_token_sum_norm: sum over a reply's tokens / a constant (``norm_len``, the max
-      completion length), then mean over replies (Dr. GRPO).
-    """
-    m = mask.to(per_token.dtype)
-    if mode == "seq_mean_token_mean":
-        per_seq = (per_token * m).sum(-1) / m.sum(-1).clamp(min=1)
-        return per_seq.mean()
-    if mode == "token_mean":
-        return (per_token * m).sum() / m.sum().clamp(min=1)
-    if mode == "seq_mean_token_sum_norm":
-        if not norm_len:
-            raise ValueError("seq_mean_token_sum_norm needs norm_len (the max completion length)")
-        return ((per_token * m).sum(-1) / norm_len).mean()
-    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+                  eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float = 0.0,
+                  **_: float) -> PolicyTerms:
+    """GRPO/PPO: per-token ratio r_t = pi/pi_old, clipped to [1 - eps_low, 1 + eps_high]."""
+    ratio = torch.exp(logp - old_logp)
+    loss, hit = _ppo_clip(ratio, advantages[:, None], eps_low, eps_high, dual_clip)
+    return PolicyTerms(loss, hit, ratio)
+
+
+def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+              eps_low: float = 3e-4, eps_high: float = 4e-4, dual_clip: float = 0.0,
+              **_: float) -> PolicyTerms:
+    """GSPO (Zheng et al. 2025): one ratio per answer, the geometric mean of its token ratios
+    s = exp(mean_t log(pi/pi_old)), clipped as a whole ([1 - eps_low, 1 + eps_high]; the paper
+    uses 3e-4 / 4e-4); every token of the answer gets the answer's loss."""
+    m = mask.to(logp.dtype)
+    log_s = ((logp - old_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_s)  # [B, 1]
+    loss, hit = _ppo_clip(ratio, advantages[:, None], eps_low, eps_high, dual_clip)
+    return PolicyTerms(loss.expand_as(logp), hit.expand_as(logp), ratio)
+
+
+def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+               cispo_max: float = 5.0, **_: float) -> PolicyTerms:
+    """CISPO (MiniMax-M1): REINFORCE -w A log pi with the importance weight w = min(r, cispo_max)
+    held constant (stop-gradient), so no token's gradient is ever clipped away, only weighted."""
+    ratio = torch.exp(logp - old_logp)
+    w = torch.clamp(ratio, max=cispo_max).detach()
+    return PolicyTerms(-w * advantages[:, None] * logp, ratio > cispo_max, ratio)
+
+
+POLICY_LOSSES: dict[str, Callable[..., PolicyTerms]] = {
+    "clip": ppo_clip_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+}
+
+# ------------------------------------------------------------------- aggregation --
+
+
+def _seq_mean_token_mean(per_token: Tensor, m: Tensor, norm_len: int | None) -> Tensor:
+    per_seq = (per_token * m).sum(-1) / m.sum(-1).clamp(min=1)
+    return per_seq.mean()
+
+
+def _token_mean(per_token: Tensor, m: Tensor, norm_len: int | None) -> Tensor:
+    return (per_token * m).sum() / m.sum().clamp(min=1)
+
+
+def _seq_mean_token_sum_norm(per_token: Tensor, m: Tensor, norm_len: int | None) -> Tensor:
+    if not norm_len:
+        raise ValueError("seq_mean_token_sum_norm needs norm_len (the max completion length)")
+    return ((per_token * m).sum(-1) / norm_len).mean()
+
+
+def _seq_mean_token_sum(per_token: Tensor, m: Tensor, norm_len: int | None) -> Tensor:
+    return (per_token * m).sum(-1).mean()
+
+
+LOSS_AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, int | None], Tensor]] = {
+    # mean over each reply's tokens, then over replies (GRPO; TRL loss_type grpo; favours short
+    # wrong answers and long right ones, the length bias Dr. GRPO points out)
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    # mean over every token of the batch (DAPO; TRL loss_type dapo / bnpo)
+    "token_mean": _token_mean,
+    # each reply's token sum / a constant (norm_len, the max completion length), mean over
+    # replies (Dr. GRPO; TRL loss_type dr_grpo)
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+    # each reply's token sum, mean over replies (verl seq-mean-token-sum)
+    "seq_mean_token_sum": _seq_mean_token_sum,
+}
+# Aggregations whose normaliser is the batch's token count (a micro-batch's share of the loss is
+# its share of the tokens); the others normalise per reply (its share of the replies).
+TOKEN_WEIGHTED_AGGS = frozenset({"token_mean"})
+
+
+def aggregate(per_token: Tensor, mask: Tensor, mode: str, norm_len: int | None = None) -> Tensor:
+    """Reduce per-token losses to a scalar as ``LOSS_AGGREGATIONS[mode]`` says."""
+    fn = LOSS_AGGREGATIONS.get(mode)
+    if fn is None:
+        raise ValueError(f"unknown loss aggregation {mode!r}")
+    return fn(per_token, mask.to(per_token.dtype), norm_len)
+
+
+# -------------------------------------------------------------------- the loss --
 
 
 @dataclass
@@ -64,6 +224,8 @@ class LossOut:
     policy_loss: float
     kl: float
     clip_frac: float
+    entropy: float | None = None  # mean entropy over the completion tokens (when given)
+    entropy_share: float = 1.0  # share of completion tokens the policy loss trained on
 
 
 def grpo_loss(
@@ -78,25 +240,66 @@ def grpo_loss(
     eps_high: float = 0.2,
     agg: str = "seq_mean_token_mean",
     norm_len: int | None = None,
+    policy_loss: str = "clip",
+    kl_estimator: str = "k3",
+    kl_is_correction: bool = False,
+    dual_clip: float = 0.0,
+    cispo_max: float = 5.0,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    top_entropy_quantile: float = 1.0,
 ) -> LossOut:
-    """Clipped surrogate plus beta * k3 KL per token, aggregated as ``agg`` says.
+    """Policy loss plus beta * KL per token, aggregated as ``agg`` says, minus an entropy bonus.
+
+    ``policy_loss`` picks from POLICY_LOSSES, ``kl_estimator`` from KL_ESTIMATORS. With
+    ``kl_is_correction`` the per-token KL is multiplied by the policy's importance ratio (TRL's
+    use_bias_correction_kl): its value is unchanged on the first pass (ratio 1) but its gradient
+    gains a k * grad(log pi) term. ``entropy`` [B, T] (per-token entropies of the policy) is
+    needed for ``top_entropy_quantile`` < 1 (the policy loss keeps only that top share of tokens
+    by entropy; KL is kept on every token, as in TRL) and for ``entropy_coef`` > 0 (the loss
+    subtracts coef x the entropy, aggregated like the loss over the tokens trained on; verl
+    aggregates it the same way, TRL always takes its token mean).
 
     With one optimisation pass ``old_logp`` is ``logp.detach()``: the ratio is 1, its gradient
     is the policy gradient, and clipping never bites.
     """
-    surrogate, clipped = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high)
-    per_token = surrogate
+    fn = POLICY_LOSSES.get(policy_loss)
+    if fn is None:
+        raise ValueError(f"unknown policy loss {policy_loss!r}")
+    terms = fn(logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
+               dual_clip=dual_clip, cispo_max=cispo_max)
+    surrogate, clipped = terms.loss, terms.clipped
     m = mask.to(logp.dtype)
+    keep = None
+    if top_entropy_quantile < 1.0:
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs the per-token entropies")
+        keep = high_entropy_mask(entropy, mask, 1.0 - top_entropy_quantile)
+        surrogate = surrogate * keep.to(surrogate.dtype)
+    per_token = surrogate
     kl_val = 0.0
     if beta > 0 and ref_logp is not None:
-        kl = k3_kl(logp, ref_logp)
+        kl_fn = KL_ESTIMATORS.get(kl_estimator)
+        if kl_fn is None:
+            raise ValueError(f"unknown KL estimator {kl_estimator!r}")
+        kl = kl_fn(logp, ref_logp)
+        if kl_is_correction:
+            kl = kl * terms.ratio
         per_token = per_token + beta * kl
         kl_val = float(((kl * m).sum() / m.sum().clamp(min=1)).detach())
     loss = aggregate(per_token, mask, agg, norm_len)
+    if entropy_coef and entropy is not None:
+        trained = mask if keep is None else mask * keep.to(mask.dtype)
+        loss = loss - entropy_coef * aggregate(entropy, trained, agg, norm_len)
+    elif entropy_coef:
+        raise ValueError("entropy_coef > 0 needs the per-token entropies")
     denom = m.sum().clamp(min=1)
+    ent_val = None if entropy is None else float((entropy.detach() * m).sum() / denom)
     return LossOut(
         loss=loss,
         policy_loss=float(aggregate(surrogate.detach(), mask, agg, norm_len)),
         kl=kl_val,
         clip_frac=float((clipped.to(m.dtype) * m).sum() / denom),
+        entropy=ent_val,
+        entropy_share=1.0 if keep is None else float((keep.to(m.dtype) * m).sum() / denom),
     )

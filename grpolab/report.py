@@ -20,21 +20,44 @@ def _pyplot() -> Any:
     return plt
 
 
-class MetricsWriter:
-    """Append-only JSONL; each line is flushed and fsynced so a killed run loses nothing."""
+class RunMismatchError(ValueError):
+    """A metrics file holds lines of another run: writing here would mix two runs."""
 
-    def __init__(self, path: str | os.PathLike, resume_after_step: int | None = None) -> None:
+
+class MetricsWriter:
+    """Append-only JSONL of one run; each line is flushed and fsynced so a killed run loses
+    nothing, and carries ``run_id`` so lines of two runs can never pass for one.
+
+    A new run (``resume_after_step`` None) starts an empty file and refuses to wipe one that
+    holds lines (the caller clears the folder first when the user asked to overwrite). A
+    resumed run keeps its own lines up to the checkpoint's step and refuses a file with lines
+    of another run.
+    """
+
+    def __init__(self, path: str | os.PathLike, resume_after_step: int | None = None,
+                 run_id: str | None = None) -> None:
         self.path = Path(path)
+        self.run_id = run_id
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        old = read_metrics(self.path)
         if resume_after_step is None:
+            if old:
+                raise RunMismatchError(f"{self.path} already holds {len(old)} lines of another "
+                                       "run; not overwriting them")
             self.path.write_text("")
-        else:
-            keep = [r for r in read_metrics(self.path) if r.get("step", -1) <= resume_after_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-            os.replace(tmp, self.path)
+            return
+        others = sorted({str(r["run_id"]) for r in old if r.get("run_id") not in (None, run_id)})
+        if run_id is not None and others:
+            raise RunMismatchError(f"{self.path} holds lines of run {', '.join(others)}, the "
+                                   f"checkpoint is of run {run_id}: they are not one run")
+        keep = [r for r in old if r.get("step", -1) <= resume_after_step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        os.replace(tmp, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.run_id is not None:
+            record = {**record, "run_id": self.run_id}
         with self.path.open("a") as f:
             f.write(json.dumps(record, default=float) + "\n")
             f.flush()
@@ -71,10 +94,13 @@ def _rolling(ys: list[float], k: int) -> list[float]:
             for i in range(len(ys))]
 
 
-def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "") -> None:
-    """Left: training reward and held-out accuracy. Right: dead-group share per step."""
+def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "",
+             lengths: bool = False) -> None:
+    """Left: training reward and held-out accuracy (and the watch's strict check). Right:
+    dead-group share per step. With ``lengths`` a third panel: completion length per step."""
     plt = _pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3 if lengths else 2, figsize=(17 if lengths else 12, 4.5))
+    ax1, ax2 = axes[0], axes[1]
     steps, rew = _series(rows, "reward_mean")
     ax1.plot(steps, rew, label="training reward (mean of the step)", color="tab:blue", alpha=0.35)
     ax1.plot(steps, _rolling(rew, 5), label="training reward (5-step mean)", color="tab:blue")
@@ -82,6 +108,12 @@ def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "") -> N
              color="tab:green")
     ax1.plot(*_series(rows, "heldout_pass_prob"), "--", label="held-out accuracy (T=1, exact)",
              color="tab:green")
+    ax1.plot(*_series(rows, "heldout_check_acc"), "s:", ms=3, color="tab:purple",
+             label="held-out strict check (watch)")
+    flagged = [r["step"] for r in rows if r.get("hacking_suspected")]
+    if flagged:
+        ax1.scatter(flagged, [0.02] * len(flagged), marker="^", color="tab:red", zorder=3,
+                    label="reward hacking suspected")
     ax1.set_xlabel("step")
     ax1.set_ylim(0, 1)
     ax1.set_title("Reward and held-out accuracy")
@@ -100,6 +132,14 @@ def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "") -> N
     ax2.set_title("Dead groups (advantage 0, no gradient)")
     ax2.legend(loc="upper right", fontsize=8)
     ax2.grid(alpha=0.3)
+    if lengths:
+        steps, lens = _series(rows, "completion_len")
+        axes[2].plot(steps, lens, color="tab:gray")
+        axes[2].set_xlabel("step")
+        axes[2].set_ylabel("tokens")
+        axes[2].set_ylim(bottom=0)
+        axes[2].set_title("Completion length (mean of the step)")
+        axes[2].grid(alpha=0.3)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -114,7 +154,14 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
     pred = [r["predicted_dead_share"] for r in steps if r.get("predicted_dead_share") is not None]
     acc0, acc1 = _first_last(rows, "heldout_acc")
     p0, p1 = _first_last(rows, "heldout_pass_prob")
+    watch = {}
+    if any(r.get("heldout_check_acc") is not None for r in rows):
+        c0, c1 = _first_last(rows, "heldout_check_acc")
+        watch = {"start_heldout_check_acc": c0, "final_heldout_check_acc": c1,
+                 "hacking_suspected_steps": [r["step"] for r in steps
+                                             if r.get("hacking_suspected")]}
     return {
+        **watch,
         "steps": len(steps),
         "mean_dead_share": sum(dead) / len(dead) if dead else float("nan"),
         "mean_predicted_dead_share": sum(pred) / len(pred) if pred else float("nan"),

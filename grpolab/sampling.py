@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from .losses import token_logprobs
+from .losses import token_logprobs, token_logprobs_and_entropy
 from .world import CharTokenizer, TinyGPT, adapters_disabled, add_lora
 
 
@@ -173,6 +173,17 @@ class TinyBackend:
 
     def logprobs(self, rollout: Rollout, temperature: float, reference: bool = False) -> Tensor:
         """log pi(answer token | prefix) for every completion position, [B, Tc]."""
+        return token_logprobs(self._logits(rollout, temperature, reference),
+                              rollout.completion_ids)
+
+    def logprobs_and_entropy(self, rollout: Rollout, temperature: float,
+                             entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
+        """The policy's ``logprobs`` (the same numbers) and the entropy of its next-token
+        distribution at each completion position [B, Tc], from one forward."""
+        return token_logprobs_and_entropy(self._logits(rollout, temperature, False),
+                                          rollout.completion_ids, entropy_grad)
+
+    def _logits(self, rollout: Rollout, temperature: float, reference: bool) -> Tensor:
         full = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
         tp = rollout.prompt_ids.shape[1]
         if not reference:
@@ -182,8 +193,7 @@ class TinyBackend:
         else:
             with adapters_disabled(self.model):
                 logits, _ = self.model(full[:, :-1])
-        logits = logits[:, tp - 1 :, :] / temperature
-        return token_logprobs(logits, rollout.completion_ids)
+        return logits[:, tp - 1 :, :] / temperature
 
     @torch.no_grad()
     def pass_probability(self, rows: list[dict], temperature: float) -> Tensor:

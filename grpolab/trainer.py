@@ -7,14 +7,15 @@ model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import io
 import logging
 import math
 import os
-import shutil
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,16 @@ import torch
 from torch import Tensor
 
 from . import advantages as adv_mod
-from . import dist
+from . import checkpoint, dist
+from .checkpoint import CheckpointError
 from .config import Config, ConfigError, to_dict
 from .curriculum import PromptSampler
-from .losses import grpo_loss
-from .report import MetricsWriter
-from .rewards import ScoreResult, row_columns, score
+from .losses import KL_ESTIMATORS, TOKEN_WEIGHTED_AGGS, grpo_loss
+from .report import MetricsWriter, read_metrics
+from .reward_pool import RewardPool, pool_for
+from .rewards import ScoreResult, reward_name, row_columns, score
 from .sampling import Backend, Rollout, cat_rollouts
+from .watch import hacking_suspected, reward_rise
 
 log = logging.getLogger("grpolab")
 
@@ -39,7 +43,13 @@ RANK_SEED_STRIDE = 1_000_003
 # (micro_batch splits the same step differently: resuming an out-of-memory run with smaller
 # micro-batches is what it is for; float rounding then differs in the last bits).
 RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every",
-                    "micro_batch", "log_samples"}
+                    "micro_batch", "log_samples", "overwrite", "reward_timeout", "reward_workers",
+                    "fail_on_reward_errors"}
+# What a cluster scheduler sends before it preempts a job (SIGUSR1 where asked to, e.g. Slurm's
+# --signal): finish the step, checkpoint, exit. SIGINT (Ctrl-C) stays an immediate stop.
+STOP_SIGNALS = tuple(getattr(signal, s) for s in ("SIGTERM", "SIGUSR1") if hasattr(signal, s))
+# Config keys that change the trained weights' shapes: a checkpoint of another value cannot load.
+SHAPE_KEYS = ("lora", "lora_r", "lora_target_modules", "model_path")
 
 
 def lr_factor(step: int, steps: int, schedule: str, warmup: int) -> float:
@@ -64,8 +74,16 @@ class TrainingError(RuntimeError):
     """A run cannot go on (for example a non-finite loss); checkpoints and metrics are intact."""
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint file is unreadable."""
+class RunStopped(BaseException):
+    """SIGTERM/SIGUSR1 stopped the run; ``exit_code`` is 128 + the signal, as a shell reports.
+
+    A BaseException so that no handler meant for reward or model errors swallows it.
+    """
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + int(signum)
 
 
 @dataclass
@@ -84,6 +102,7 @@ class Batch:
     problems: list[str] = field(default_factory=list)
     trained_groups: int = 0
     reward_sums: dict[str, float] = field(default_factory=dict)  # per function, sampled answers
+    rewards_per_fn: torch.Tensor | None = None  # [B, K] each reward function's, as rewards
 
     # Under torchrun, rollout/rows/rewards/sampled_rows/problems/reward_sums are this rank's;
     # sampled_rewards and sampled_success (every rank's, in prompt order), answers_generated
@@ -105,6 +124,7 @@ class GRPOTrainer:
         reward_fns: list[Callable],
         heldout_rows: list[dict] | None = None,
         out_dir: str | os.PathLike | None = None,
+        watch_fn: Callable | None = None,
     ) -> None:
         if not train_rows:
             raise ValueError("no training prompts")
@@ -113,6 +133,10 @@ class GRPOTrainer:
         self.train_rows = train_rows
         self.heldout_rows = heldout_rows or []
         self.reward_fns = reward_fns
+        self.watch_fn = watch_fn  # strict held-out check of the reward-hacking watch
+        self.check_acc: list[float] = []  # its held-out accuracy at each evaluation
+        self.reward_history: list[float] = []  # training reward per step (for the watch)
+        self._watch_fired = False
         self.out_dir = Path(out_dir or cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         world = dist.world_size()
@@ -137,7 +161,6 @@ class GRPOTrainer:
         self.metrics: MetricsWriter | None = None
         self.samples: MetricsWriter | None = None  # samples.jsonl (cfg.log_samples groups a step)
         self.ckpt_dir = self.out_dir / "checkpoints"
-        self._last_bad = False  # last.pt failed to load: never rotate it into prev.pt
 
     # ------------------------------------------------------------ sampling --
     def _sample_groups(self, idx: list[int]) -> tuple[Rollout, list[dict], ScoreResult]:
@@ -149,9 +172,30 @@ class GRPOTrainer:
         return ro, rows, self._score(ro, rows)
 
     def _score(self, ro: Rollout, rows: list[dict]) -> ScoreResult:
-        """The configured rewards (weights, on_error) for the answers in ``ro``."""
+        """The configured rewards (weights, on_error, timeout) for the answers in ``ro``."""
         return score(self.reward_fns, ro.prompts, ro.completions, row_columns(rows),
-                     weights=self.cfg.reward_weights or None, on_error=self.cfg.reward_on_error)
+                     weights=self.cfg.reward_weights or None, on_error=self.cfg.reward_on_error,
+                     pool=self._reward_pool(), fail_on_all_errors=self.cfg.fail_on_reward_errors,
+                     group_size=self.cfg.group_size)
+
+    _pool: RewardPool | None = None
+    _pool_checked = False
+
+    def _reward_pool(self) -> RewardPool | None:
+        """Worker processes for the rewards that are not grpolab's own (forked on first use,
+        so they hold the functions); None when reward_timeout is 0 or none needs one."""
+        if self._pool is None and not self._pool_checked:
+            self._pool = pool_for(self.reward_fns, self.cfg.reward_timeout,
+                                  self.cfg.reward_workers)
+            self._pool_checked = True
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the reward workers (train() does this when it returns or fails)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        self._pool_checked = False
 
     def _sample_round(
         self, n: int
@@ -177,13 +221,15 @@ class GRPOTrainer:
         rewards = res.total
         batch = Batch(ro, rows, rewards, answers_generated=everyone.numel(),
                       sampled_rewards=[everyone], sampled_success=[ok], sampled_rows=list(rows),
-                      problems=list(res.problems), trained_groups=everyone.numel() // g)
+                      problems=list(res.problems), trained_groups=everyone.numel() // g,
+                      rewards_per_fn=res.per_fn)
         batch.add_scores(res)
         if not cfg.dynamic_sampling:
             return batch
         keep_ro: list[Rollout] = []
         keep_rows: list[dict] = []
         keep_r: list[torch.Tensor] = []
+        keep_pf: list[torch.Tensor] = []
         kept = 0
         while True:
             # The choice is made on every rank's rewards, so all ranks agree on it.
@@ -199,6 +245,7 @@ class GRPOTrainer:
                 keep_ro.append(ro.select(sl))
                 keep_rows += [rows[i] for i in sl]
                 keep_r.append(rewards[sl[0] : sl[-1] + 1])
+                keep_pf.append(res.per_fn[sl[0] : sl[-1] + 1])
             if kept == n or batch.rounds > cfg.max_sampling_rounds:
                 break
             ro, rows, res, everyone, ok, lo = self._sample_round(n)
@@ -221,8 +268,10 @@ class GRPOTrainer:
             batch.rollout = cat_rollouts(keep_ro, self.backend.pad_id)
             batch.rows = keep_rows
             batch.rewards = torch.cat(keep_r)
+            batch.rewards_per_fn = torch.cat(keep_pf)
         else:
             batch.rollout, batch.rows, batch.rewards = ro.select([]), [], rewards[:0]
+            batch.rewards_per_fn = res.per_fn[:0]
         return batch
 
     def _update_stats(self, idx: list[int], ok: torch.Tensor) -> None:
@@ -230,13 +279,37 @@ class GRPOTrainer:
         self.sampler.update(idx, rate.tolist())
 
     # -------------------------------------------------------------- update --
-    def _advantages(self, rewards: Tensor) -> Tensor:
-        """Each answer's advantage within its group, as the config's baseline and scaling say."""
+    def _advantages(self, rewards: Tensor, per_fn: Tensor | None = None,
+                    reduce: Callable[[list[float]], list[float]] | None = None) -> Tensor:
+        """Each answer's advantage within its group, as the config's baseline and scaling say.
+
+        ``rewards`` is the weighted total; with ``per_fn`` (each reward function's [B, K]) a
+        reward_aggregation other than sum_then_normalize (GDPO) combines the functions itself.
+        ``reduce`` sums over ranks, for batch-level statistics (scale: batch, GDPO).
+        """
         cfg = self.cfg
-        return adv_mod.group_advantages(
-            rewards.float(), cfg.group_size, baseline=cfg.baseline, scale=cfg.scale,
-            std=cfg.std, std_eps=cfg.std_eps, min_std=cfg.min_std,
-        )
+        opts: dict[str, Any] = {"baseline": cfg.baseline, "scale": cfg.scale, "std": cfg.std,
+                                "std_eps": cfg.std_eps, "min_std": cfg.min_std, "reduce": reduce}
+        if per_fn is None or cfg.reward_aggregation == "sum_then_normalize":
+            return adv_mod.group_advantages(rewards.float(), cfg.group_size, **opts)
+        weights = torch.tensor(cfg.reward_weights or [1.0] * per_fn.shape[1])
+        return adv_mod.REWARD_AGGREGATIONS[cfg.reward_aggregation](
+            per_fn, weights, cfg.group_size, **opts)
+
+    @torch.no_grad()
+    def _reward_with_kl(self, ro: Rollout, rewards: Tensor) -> tuple[Tensor, Tensor]:
+        """kl_in: reward (verl's use_kl_in_reward): each answer's reward minus beta x its
+        per-token KL estimate (kl_estimator) to the reference, summed over its tokens, under the
+        policy that sampled it. Returns the new rewards and the penalties [B]."""
+        cfg = self.cfg
+        kl_fn = KL_ESTIMATORS[cfg.kl_estimator]
+        pens = []
+        for part, _ in self._micro_batches(ro, rewards):
+            lp = self.backend.logprobs(part, cfg.temperature)
+            ref = self.backend.logprobs(part, cfg.temperature, reference=True)
+            pens.append((kl_fn(lp, ref) * part.completion_mask.to(lp.dtype)).sum(-1))
+        pen = cfg.beta * torch.cat(pens)
+        return rewards.float() - pen.float(), pen
 
     def _micro_batches(self, ro: Rollout, adv: Tensor) -> list[tuple[Rollout, Tensor]]:
         """The local batch in runs of ``micro_batch`` rows (all at once when 0), each cut to
@@ -270,19 +343,35 @@ class GRPOTrainer:
                                      * (~ro.truncated)[:, None].to(ro.completion_mask.dtype))
         n_loc = len(batch.rows)
         t_loc = int(ro.completion_mask.sum()) if n_loc else 0
-        n_all, t_all = (int(v) for v in dist.all_reduce_sum([n_loc, t_loc]))
+        rewards, kl_pen = batch.rewards, None
+        if cfg.kl_in == "reward" and cfg.beta > 0 and n_loc:
+            rewards, kl_pen = self._reward_with_kl(ro, batch.rewards)
+        # score() lets no non-finite or huge reward in; checked again, on every rank together.
+        # Batch-level statistics (scale: batch, GDPO) are over every rank: all ranks take part.
+        reduce = dist.all_reduce_sum if dist.is_dist() else None
+        adv = (self._advantages(rewards, batch.rewards_per_fn, reduce)
+               if n_loc or reduce is not None else None)
+        adv = adv if n_loc else None
+        bad = float(adv is not None and not bool(torch.isfinite(adv).all()))
+        n_all, t_all, bad = (int(v) for v in dist.all_reduce_sum([n_loc, t_loc, bad]))
+        if bad:
+            raise TrainingError(f"non-finite advantages at step {self.step_num + 1}; last "
+                                f"checkpoint and metrics in {self.out_dir} are intact")
         lr = cfg.lr * lr_factor(self.step_num, cfg.steps, cfg.lr_schedule, cfg.warmup_steps)
         if not n_all:
             return {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
                     "grad_norm": 0.0, "lr": lr}
+        extra: dict[str, float] = {}
+        if cfg.kl_in == "reward" and cfg.beta > 0:  # mean penalty per trained answer
+            pen_sum = dist.all_reduce_sum([float(kl_pen.sum()) if kl_pen is not None else 0.0])
+            extra["kl_reward"] = pen_sum[0] / n_all
         # (micro-batch, advantages, reference log-probs, old-policy log-probs)
         parts: list[tuple[Rollout, Tensor, Tensor | None, Tensor | None]] = []
-        if n_loc:
-            adv = self._advantages(batch.rewards)
+        if adv is not None:
             with torch.no_grad():  # all before the first optimizer step: the old policy
                 for part, a in self._micro_batches(ro, adv):
                     ref_lp = (self.backend.logprobs(part, cfg.temperature, reference=True)
-                              if cfg.beta > 0 else None)
+                              if cfg.beta > 0 and cfg.kl_in == "loss" else None)
                     old_lp = self.backend.logprobs(part, cfg.temperature) if cfg.epochs > 1 else None
                     parts.append((part, a, ref_lp, old_lp))
         for group in self.opt.param_groups:
@@ -291,17 +380,28 @@ class GRPOTrainer:
         out: dict[str, float] = {}
         for _ in range(cfg.epochs):
             self.opt.zero_grad(set_to_none=True)
-            stats = [0.0, 0.0, 0.0, 0.0, 0.0]  # loss, policy loss, kl, clip frac, non-finite
+            # loss, policy loss, kl, clip frac, non-finite, entropy, share of tokens trained
+            stats = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+            with_entropy = hasattr(self.backend, "logprobs_and_entropy")
             for part, a, ref_lp, old_lp in parts:
                 mask = part.completion_mask
                 # This part of the global count (exactly 1.0 for one part in one process).
                 tok_share = int(mask.sum()) / t_all if t_all else 1.0
-                share = tok_share if cfg.loss_agg == "token_mean" else len(part.prompts) / n_all
-                lp = self.backend.logprobs(part, cfg.temperature)
+                share = (tok_share if cfg.loss_agg in TOKEN_WEIGHTED_AGGS
+                         else len(part.prompts) / n_all)
+                if with_entropy:  # the same log-probs, plus each position's entropy
+                    lp, ent = self.backend.logprobs_and_entropy(
+                        part, cfg.temperature, entropy_grad=bool(cfg.entropy_coef))
+                else:
+                    lp, ent = self.backend.logprobs(part, cfg.temperature), None
                 res = grpo_loss(
                     lp, lp.detach() if old_lp is None else old_lp, ref_lp, a, mask,
                     beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                     agg=cfg.loss_agg, norm_len=cfg.max_new_tokens,
+                    policy_loss=cfg.policy_loss, kl_estimator=cfg.kl_estimator,
+                    kl_is_correction=cfg.kl_is_correction, dual_clip=cfg.dual_clip,
+                    cispo_max=cfg.cispo_max, entropy=ent, entropy_coef=cfg.entropy_coef,
+                    top_entropy_quantile=cfg.top_entropy_quantile,
                 )
                 loss = res.loss * share
                 if torch.isfinite(res.loss):
@@ -312,6 +412,8 @@ class GRPOTrainer:
                 stats[1] += res.policy_loss * share
                 stats[2] += res.kl * tok_share
                 stats[3] += res.clip_frac * tok_share
+                stats[5] += (res.entropy or 0.0) * tok_share
+                stats[6] += res.entropy_share * tok_share
             stats = dist.all_reduce_sum(stats)  # all ranks raise together, none hangs
             if stats[4]:
                 raise TrainingError(
@@ -327,27 +429,67 @@ class GRPOTrainer:
                 )
             self.opt.step()
             out = {"loss": stats[0], "policy_loss": stats[1], "kl": stats[2],
-                   "clip_frac": stats[3], "grad_norm": gn, "lr": lr}
+                   "clip_frac": stats[3], "grad_norm": gn, "lr": lr, **extra}
+            if with_entropy:  # mean over the completion tokens, of the policy being trained
+                out["entropy"] = stats[5]
+            if cfg.top_entropy_quantile < 1.0:  # share of tokens the policy loss trained on
+                out["entropy_token_share"] = stats[6]
         self.backend.model.eval()
         return out
 
     # ---------------------------------------------------------- measuring --
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Greedy held-out accuracy: share of answers the first reward counts as right."""
+        """Greedy held-out accuracy: share of answers the first reward counts as right.
+
+        With a watch reward the same answers are also judged by it; its accuracy is appended
+        to ``check_acc``.
+        """
         rows = self.heldout_rows[: self.cfg.eval_size]
         if not rows:
             return None
-        if dist.is_dist():  # each rank scores a slice; the share is over all of them
-            lo, hi = dist.shard(len(rows))
-            ok = float(self._heldout_ok(rows[lo:hi]).sum()) if hi > lo else 0.0
-            hits, total = dist.all_reduce_sum([ok, hi - lo])
-            return hits / total
-        return float(self._heldout_ok(rows).float().mean())
+        if not dist.is_dist():
+            ok, check = self._heldout_ok(rows)
+            if check is not None:
+                self.check_acc.append(float(check.mean()))
+            return float(ok.mean())
+        lo, hi = dist.shard(len(rows))  # each rank scores a slice; shares are over all of them
+        ok, check = self._heldout_ok(rows[lo:hi]) if hi > lo else (torch.zeros(0), None)
+        sums = dist.all_reduce_sum([float(ok.sum()), hi - lo,
+                                    float(check.sum()) if check is not None else 0.0])
+        if self.watch_fn is not None:
+            self.check_acc.append(sums[2] / sums[1])
+        return sums[0] / sums[1]
 
-    def _heldout_ok(self, rows: list[dict]) -> torch.Tensor:
+    def _heldout_ok(self, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Which greedy answers the first reward, and the watch reward, count as right."""
         ro = self.backend.generate([r["prompt"] for r in rows], 0.0, self.cfg.max_new_tokens)
-        return self._score(ro, rows).success(self.cfg.success_threshold)
+        thr = self.cfg.success_threshold
+        ok = self._score(ro, rows).success(thr).float()
+        if self.watch_fn is None:
+            return ok, None
+        checked = score([self.watch_fn], ro.prompts, ro.completions, row_columns(rows))
+        return ok, checked.success(thr).float()
+
+    def _watch(self, rec: dict[str, Any]) -> None:
+        """The reward-hacking watch's fields of a step's record (see ``grpolab.watch``)."""
+        cfg = self.cfg
+        self.reward_history.append(rec["reward_mean"])
+        if self.watch_fn is None:
+            return
+        train_rise = reward_rise(self.reward_history, cfg.watch_window)
+        check_rise = self.check_acc[-1] - self.check_acc[0] if len(self.check_acc) > 1 else None
+        fired = rec["heldout_acc"] is not None and hacking_suspected(train_rise, check_rise,
+                                                                     cfg.watch_margin)
+        rec["heldout_check_acc"] = self.check_acc[-1] if rec["heldout_acc"] is not None else None
+        rec["watch_train_rise"] = train_rise
+        rec["watch_check_rise"] = check_rise
+        rec["hacking_suspected"] = fired
+        if fired and not self._watch_fired and dist.is_main():
+            log.warning("reward hacking suspected at step %d: training reward rose %+.3f over "
+                        "the run, the strict held-out check (%s) %+.3f", self.step_num,
+                        train_rise, reward_name(self.watch_fn), check_rise)
+        self._watch_fired = fired
 
     @torch.no_grad()
     def heldout_pass_prob(self) -> float | None:
@@ -419,6 +561,7 @@ class GRPOTrainer:
             "time_sample_s": t_sample,
             "time_step_s": time.perf_counter() - t0,
         }
+        self._watch(rec)
         if self.metrics:
             self.metrics.write(rec)
         if self.samples:
@@ -448,24 +591,45 @@ class GRPOTrainer:
         return out
 
     def train(self, resume: bool = False, on_step: Callable[[dict], None] | None = None) -> list:
-        """Run to ``cfg.steps``; with ``resume`` continue from the last checkpoint in out_dir."""
+        """Run to ``cfg.steps``; with ``resume`` continue from the last checkpoint in out_dir.
+
+        A new run refuses an out_dir that already holds a run unless ``cfg.overwrite`` (then
+        that run's metrics and checkpoints are deleted first), so two runs never mix.
+        SIGTERM/SIGUSR1 let the current step finish, write a checkpoint and raise RunStopped;
+        a second one abandons the step at once (the last checkpoint stays). The reward workers
+        are stopped on the way out.
+        """
+        with self._stop_signals(), contextlib.closing(self):
+            return self._run(resume, on_step)
+
+    run_id: str | None = None  # the run's id: in every metrics line and checkpoint
+    _stop: int = 0  # the stop signal received, 0 if none
+
+    def _run(self, resume: bool, on_step: Callable[[dict], None] | None) -> list:
         cfg = self.cfg
+        self._check_start()
         start = 0
         if resume:
             start = self.load_checkpoint()
+        else:
+            self._claim_out_dir()
+            self.run_id = checkpoint.new_run_id()
         if dist.is_main():  # one writer; every rank computes the same global records
-            self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl",
+            self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl", run_id=self.run_id,
                                          resume_after_step=start if resume else None)
             if cfg.log_samples:
-                self.samples = MetricsWriter(self.out_dir / "samples.jsonl",
+                self.samples = MetricsWriter(self.out_dir / "samples.jsonl", run_id=self.run_id,
                                              resume_after_step=start if resume else None)
         records = []
-        if start == 0:
+        if start == 0 and not resume:  # (a run stopped at step 0 has its line already)
             rec0 = {"step": 0, "heldout_acc": self.evaluate(),
                     "heldout_pass_prob": self.heldout_pass_prob()}
+            if self.check_acc:
+                rec0["heldout_check_acc"] = self.check_acc[-1]
             if self.metrics:
                 self.metrics.write(rec0)
             records.append(rec0)
+        self._stop_if_asked(saved=False)
         it = range(start, cfg.steps)
         bar = None
         if cfg.progress and dist.is_main():
@@ -483,10 +647,87 @@ class GRPOTrainer:
                                 acc="-" if acc is None else f"{acc:.2f}")
             if on_step:
                 on_step(rec)
-            if cfg.checkpoint_every and (self.step_num % cfg.checkpoint_every == 0
-                                         or self.step_num == cfg.steps):
+            saved = bool(cfg.checkpoint_every) and (self.step_num % cfg.checkpoint_every == 0
+                                                    or self.step_num == cfg.steps)
+            if saved:
                 self.save_checkpoint()
+            self._stop_if_asked(saved)
         return records
+
+    # ------------------------------------------------------- run lifecycle --
+    def _check_start(self) -> None:
+        """What would waste or wreck the run, checked before anything is written."""
+        cfg = self.cfg
+        if len(self.train_rows) < cfg.prompts_per_step:
+            raise ConfigError(
+                f"the training set has {len(self.train_rows)} prompts but a step needs "
+                f"{cfg.prompts_per_step} distinct ones (budget {cfg.budget} / group_size "
+                f"{cfg.group_size}); lower budget, or add prompts"
+            )
+        # Backends that know their model's positions (HFBackend) get told the answer room.
+        positions = getattr(self.backend, "max_positions", None)
+        if positions and cfg.max_new_tokens >= positions:
+            raise ConfigError(f"max_new_tokens {cfg.max_new_tokens} does not fit the model's "
+                              f"{positions} positions with room for a prompt; lower it")
+        if hasattr(self.backend, "max_new_tokens"):
+            self.backend.max_new_tokens = max(self.backend.max_new_tokens or 0,
+                                              cfg.max_new_tokens)
+
+    def _claim_out_dir(self) -> None:
+        """A new run's folder must not hold another run: refuse, or clear it on overwrite."""
+        held = dist.all_reduce_sum([float(checkpoint.holds_run(self.out_dir))])[0]
+        if not held:  # (every rank looked before rank 0 may clear anything)
+            return
+        if not self.cfg.overwrite:
+            last = (read_metrics(self.out_dir / "metrics.jsonl") or [{}])[-1]
+            what = (f" (run {last['run_id']}, step {last.get('step')})" if last.get("run_id")
+                    else "")
+            raise ConfigError(f"out_dir {self.out_dir} already holds a run{what}; continue it "
+                              "with --resume, replace it with --overwrite, or choose another "
+                              "--out-dir")
+        if dist.is_main():
+            checkpoint.clear_run(self.out_dir)
+        dist.all_reduce_sum([0.0])  # no rank starts before rank 0 has cleared the folder
+
+    @contextlib.contextmanager
+    def _stop_signals(self) -> Iterator[None]:
+        """SIGTERM/SIGUSR1 handlers for the length of a run (main thread only): the first
+        signal asks the loop to stop after the current step, a second abandons the step."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._stop:
+                raise RunStopped(signum, (
+                    f"stopped by a second {signal.Signals(signum).name}: the step in flight "
+                    f"was abandoned; the checkpoints and metrics already in {self.out_dir} "
+                    "are kept; continue with --resume"))
+            self._stop = signum
+
+        self._stop = 0
+        old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _stop_if_asked(self, saved: bool) -> None:
+        """Between steps: when a stop signal came (on any rank), checkpoint and stop."""
+        asked = self._stop
+        if dist.is_dist():
+            asked = int(dist.all_reduce_sum([float(asked)])[0])
+        if not asked:
+            return
+        signum = self._stop or signal.SIGTERM
+        path = self.ckpt_dir / checkpoint.LAST
+        if not saved:
+            path = self.save_checkpoint()
+        raise RunStopped(signum, (
+            f"stopped by {signal.Signals(signum).name} after step {self.step_num} of "
+            f"{self.cfg.steps}: checkpoint {path} written, metrics flushed; continue with "
+            "--resume"))
 
     # --------------------------------------------------------- checkpoints --
     def state(self) -> dict[str, Any]:
@@ -505,91 +746,76 @@ class GRPOTrainer:
             "torch_rng": torch.get_rng_state(),
             "world_size": dist.world_size(),
             "rank_rng": rank_rng,  # each rank samples from its own stream
+            "run_id": self.run_id,  # the run whose metrics.jsonl goes with this file
+            "watch": {"check_acc": list(self.check_acc),  # the reward-hacking watch's history
+                      "reward_history": list(self.reward_history),
+                      "fired": self._watch_fired},
         }
 
     def save_checkpoint(self) -> Path:
-        """Write last.pt atomically; the checkpoint it replaces becomes prev.pt.
-
-        The new file is written to a temp name, fsynced and renamed over last.pt; prev.pt is
-        swapped in through a hard link first, so at every instant last.pt (once it exists) and
-        prev.pt are complete files: a kill at any point loses at most the newest checkpoint.
-        Every rank must call this (the RNG states are gathered); only rank 0 writes.
-        """
+        """Write last.pt atomically, with its content hash and run id; the checkpoint it
+        replaces becomes prev.pt (see ``checkpoint.save``: a kill at any point loses at most
+        the newest one). Every rank must call this (the RNG states are gathered); only rank 0
+        writes."""
         st = self.state()
-        last, prev = self.ckpt_dir / "last.pt", self.ckpt_dir / "prev.pt"
         if not dist.is_main():
-            return last
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        pid = os.getpid()
-        for stale in self.ckpt_dir.glob(".*.pt.tmp*"):  # left by a killed run
-            if not stale.name.endswith(f".tmp{pid}"):
-                stale.unlink(missing_ok=True)
-        buf = io.BytesIO()
-        torch.save(st, buf)
-        tmp = self.ckpt_dir / f".last.pt.tmp{pid}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(buf.getbuffer())
-                f.flush()
-                os.fsync(f.fileno())
-            if last.exists():
-                if self._last_bad:  # keep the good prev.pt; park the bad file for inspection
-                    os.replace(last, self.ckpt_dir / "last.pt.corrupt")
-                else:
-                    link = self.ckpt_dir / f".prev.pt.tmp{pid}"
-                    link.unlink(missing_ok=True)
-                    try:
-                        os.link(last, link)
-                    except OSError:  # no hard links on this filesystem
-                        shutil.copyfile(last, link)
-                    os.replace(link, prev)
-            os.replace(tmp, last)
-        finally:
-            tmp.unlink(missing_ok=True)
-        self._last_bad = False
-        _fsync_dir(self.ckpt_dir)
-        return last
+            return self.ckpt_dir / checkpoint.LAST
+        return checkpoint.save(st, self.ckpt_dir)
 
     def load_checkpoint(self, path: str | os.PathLike | None = None) -> int:
-        """Restore the newest readable checkpoint (last.pt, else prev.pt); returns its step.
+        """Restore the newest good checkpoint (last.pt, else prev.pt); returns its step.
 
-        Files are only read: when both are unreadable the error names both and nothing on disk
-        changes. Falling back to prev.pt is announced with a warning naming the bad file.
+        Files are read with ``weights_only`` (a file carrying code is refused, never run) and
+        their content hash is checked. Once a good one is found, each bad one is moved aside
+        as ``<name>.corrupt`` and named in a warning; when none is good, the error names every
+        file and nothing on disk changes. A good file written for another model shape (a
+        changed lora_r, say) is an error naming the setting, not "unreadable".
         """
         candidates = ([Path(path)] if path
-                      else [self.ckpt_dir / "last.pt", self.ckpt_dir / "prev.pt"])
+                      else [self.ckpt_dir / checkpoint.LAST, self.ckpt_dir / checkpoint.PREV])
         errors: list[str] = []
+        bad: list[Path] = []
         for p in candidates:
             if not p.exists():
                 continue
             try:
-                st = torch.load(p, map_location="cpu", weights_only=False)
-                if not isinstance(st, dict) or "step" not in st:
-                    raise CheckpointError("not a grpolab checkpoint")
-                self._restore(st)
-            except Exception as e:  # noqa: BLE001 - any unreadable file is reported the same way
-                first = (str(e).splitlines() or [""])[0][:120]
-                errors.append(f"{p}: {type(e).__name__}: {first}")
+                st = checkpoint.read(p)
+            except CheckpointError as e:
+                errors.append(f"{p}: {e}")
+                bad.append(p)
                 continue
+            self._restore(st, p)
             if errors and dist.is_main():
-                log.warning("checkpoint unreadable (%s); resumed from %s (step %d) instead",
-                            "; ".join(errors), p, self.step_num)
-            self._last_bad = bool(errors) and p.name == "prev.pt"
+                moved = [checkpoint.move_aside(b).name for b in bad]
+                log.warning("checkpoint unusable (%s), moved aside as %s; resumed from %s "
+                            "(step %d) instead", "; ".join(errors), ", ".join(moved), p,
+                            self.step_num)
+            if "sha256" not in st and dist.is_main():
+                log.warning("checkpoint %s has no content hash (written by an older grpolab): "
+                            "loaded without that check", p)
             return self.step_num
         if errors:
             raise CheckpointError("no readable checkpoint to resume from: " + "; ".join(errors))
         raise CheckpointError(f"no checkpoint to resume from in {self.ckpt_dir}")
 
-    def _restore(self, st: dict[str, Any]) -> None:
+    def _restore(self, st: dict[str, Any], path: Path | None = None) -> None:
         saved = st.get("config") or {}
         now = to_dict(self.cfg)
         free = RESUME_FREE_KEYS - ({"steps"} if self.cfg.lr_schedule != "constant" else set())
         changed = sorted(k for k in now if k in saved and k not in free and saved[k] != now[k])
+        try:
+            self.backend.load_state_dict(st["backend"])
+            self.opt.load_state_dict(st["optimizer"])
+        except (ValueError, RuntimeError, KeyError) as e:
+            shape = [f"{k}={saved[k]!r} (this run: {now[k]!r})" for k in SHAPE_KEYS
+                     if k in changed]
+            why = (f"it was written with {', '.join(shape)}" if shape
+                   else " ".join(str(e).split())[:160])
+            raise CheckpointError(f"checkpoint {path or 'given'} does not fit this model: {why}; "
+                                  "resume with the run's settings, or start a new run") from e
         if changed and dist.is_main():
             log.warning("resuming with changed config keys %s: the continuation will differ "
                         "from the original run", changed)
-        self.backend.load_state_dict(st["backend"])
-        self.opt.load_state_dict(st["optimizer"])
         gen, torch_rng = st["gen"], st["torch_rng"]
         per_rank = st.get("rank_rng") or []
         if len(per_rank) == dist.world_size():
@@ -603,17 +829,9 @@ class GRPOTrainer:
         self.sampler.load_state_dict(st["sampler"])
         torch.set_rng_state(torch_rng)
         self.step_num = int(st["step"])
+        watch = st.get("watch") or {}
+        self.check_acc = [float(x) for x in watch.get("check_acc", [])]
+        self.reward_history = [float(x) for x in watch.get("reward_history", [])]
+        self._watch_fired = bool(watch.get("fired", False))
+        self.run_id = st.get("run_id") or checkpoint.new_run_id()  # (older files had none)
 
-
-def _fsync_dir(path: Path) -> None:
-    """Make renames inside ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

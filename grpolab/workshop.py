@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .config import Config, ConfigError
+from . import advantages, losses
+from .config import Config, ConfigError, coerce
 from .report import format_table, plot_run, plot_sweep, read_metrics, summarize
 from .rewards import exact_answer
 from .sampling import TinyBackend
@@ -22,7 +24,7 @@ from .trainer import GRPOTrainer
 from .world import make_splits, sft_model
 
 # Named variants for sweeps: each is one switch on top of plain GRPO.
-VARIANTS: dict[str, dict[str, Any]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "grpo": {},
     "dynamic": {"dynamic_sampling": True},
     "curriculum": {"curriculum": True},
@@ -30,7 +32,61 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "clip_higher": {"clip_higher": True},
     "token_loss": {"token_level_loss": True},
     "rloo": {"rloo": True},
+    # the objectives of TRL and verl, with the settings their papers use
+    "gspo": {"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4},  # GSPO's clip range
+    "cispo": {"policy_loss": "cispo", "loss_agg": "token_mean"},  # as TRL's loss_type cispo
+    "dual_clip": {"dual_clip": 3.0},  # verl's clip_ratio_c default
+    "batch_std": {"scale": "batch"},  # TRL scale_rewards: batch
+    "gdpo": {"reward_aggregation": "normalize_then_sum"},
+    "kl_k1": {"kl_estimator": "k1"},
+    "kl_k2": {"kl_estimator": "k2"},
+    "kl_is": {"kl_is_correction": True},  # TRL 1.16's default use_bias_correction_kl
+    "kl_reward": {"kl_in": "reward", "kl_estimator": "k1"},  # verl use_kl_in_reward, kl_penalty kl
+    "no_kl": {"beta": 0.0},  # TRL's default beta
+    "entropy_bonus": {"entropy_coef": 0.01},
+    "high_entropy": {"top_entropy_quantile": 0.2},  # the 80/20 paper's rho
 }
+
+# Every entry of the maths registries is a preset too, named "<config key>=<entry>", so a new
+# function in advantages.py or losses.py can be swept without touching this file.
+REGISTRIES: dict[str, dict[str, Any]] = {
+    "policy_loss": losses.POLICY_LOSSES,
+    "kl_estimator": losses.KL_ESTIMATORS,
+    "loss_agg": losses.LOSS_AGGREGATIONS,
+    "baseline": advantages.ADVANTAGE_BASELINES,
+    "scale": advantages.ADVANTAGE_SCALES,
+    "reward_aggregation": advantages.REWARD_AGGREGATIONS,
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    **PRESETS,
+    **{f"{key}={name}": {key: name} for key, reg in REGISTRIES.items() for name in reg
+       if name != getattr(Config, key)},
+}
+
+
+def variant_settings(name: str) -> dict[str, Any]:
+    """A variant's config settings: a preset (VARIANTS), or ad hoc ``key=value`` pairs joined
+    by ``+`` (``policy_loss=gspo+epochs=2``), each key a config key."""
+    if name in VARIANTS:
+        return dict(VARIANTS[name])
+    if "=" not in name:
+        raise ConfigError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)} (or "
+                          "key=value+key=value)")
+    out: dict[str, Any] = {}
+    for pair in name.split("+"):
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"variant {name!r}: {pair!r} is not key=value")
+        key = key.strip().replace("-", "_")
+        out[key] = coerce(key, value.strip())
+    return out
+
+
+def variants_help() -> str:
+    """One line for --variants: every preset, by name."""
+    return ("comma-separated sweep variants (default: grpo): " + ", ".join(PRESETS) + "; every "
+            "registry entry as key=name (" + ", ".join(k for k in VARIANTS if "=" in k) + "); or "
+            "any key=value+key=value")
 
 
 def world_trainer(cfg: Config, out_dir: str | Path | None = None) -> GRPOTrainer:
@@ -92,15 +148,14 @@ def run_sweep(
 ) -> str:
     """Every (variant, G) pair, over one or more seeds (each seed is its own world, SFT start and
     run); writes sweep.md and sweep.png under cfg.out_dir and returns the table."""
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown variant(s) {unknown}; known: {sorted(VARIANTS)}")
+    settings = {}
     for variant in variants:  # every configuration is checked before the first run starts
-        for g in sizes:
-            try:
-                dataclasses.replace(cfg, group_size=g, **VARIANTS[variant]).resolved()
-            except ConfigError as e:
-                raise ConfigError(f"sweep: {e}") from None
+        try:
+            settings[variant] = variant_settings(variant)
+            for g in sizes:
+                dataclasses.replace(cfg, group_size=g, **settings[variant]).resolved()
+        except (ConfigError, TypeError) as e:
+            raise ConfigError(f"sweep: {e} (variant {variant})") from None
     seeds = seeds or [cfg.seed]
     root = Path(cfg.out_dir)
     results: list[tuple[str, int, dict]] = []
@@ -110,8 +165,9 @@ def run_sweep(
             runs = []
             for seed in seeds:
                 c = dataclasses.replace(cfg, group_size=g, seed=seed,
-                                        **VARIANTS[variant]).resolved()
-                name = f"{variant}-G{g}" + (f"-seed{seed}" if len(seeds) > 1 else "")
+                                        **settings[variant]).resolved()
+                folder = re.sub(r"[^A-Za-z0-9_.-]+", "_", variant)
+                name = f"{folder}-G{g}" + (f"-seed{seed}" if len(seeds) > 1 else "")
                 runs.append(run_workshop(c, root / name))
             s = mean_summary(runs)
             results.append((variant, g, s))

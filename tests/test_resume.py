@@ -1,4 +1,5 @@
-"""Checkpoint and resume: a run killed with SIGKILL and resumed equals the uninterrupted run.
+"""Checkpoint and resume: a run killed with SIGKILL, or stopped with SIGTERM, and resumed
+equals the uninterrupted run.
 
 Runs go through the real CLI in a subprocess. The launcher swaps the workshop's exact-answer
 reward for partial credit per digit: a barely fine-tuned policy (2 SFT steps keep the test
@@ -34,7 +35,11 @@ from grpolab import trainer
 from grpolab.cli import main
 
 
+slow = float(os.environ.get("SLOW_REWARD", "0"))
+
+
 def digit_reward(prompts, completions, answer, **_):
+    time.sleep(slow)  # (in a reward worker) so that a signal lands mid-step
     return [sum(x == y for x, y in zip(c, a)) / len(a) for c, a in zip(completions, answer)]
 
 
@@ -93,8 +98,11 @@ def _run(env: dict, out: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def _metrics(out: Path) -> list[dict]:
+    """The metrics lines without timings and run id (two runs compared have two ids)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
+    assert len({r["run_id"] for r in rows}) == 1, "one run's lines carry one run id"
+    return [{k: v for k, v in r.items() if not k.startswith("time_") and k != "run_id"}
+            for r in rows]
 
 
 def _last_step(out: Path) -> int:
@@ -153,6 +161,35 @@ def test_killed_run_resumes_bitwise(env: dict, reference: Path) -> None:
     _assert_same_run(out, reference)
     assert _metrics(out)[-1]["dead_share"] < 1.0, "some groups must carry gradient"
     assert [x.name for x in ckpt.iterdir() if ".tmp" in x.name] == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_sigterm_checkpoints_and_resumes_bitwise(env: dict, reference: Path,
+                                                 sig: signal.Signals) -> None:
+    """What a scheduler sends before preemption: the step in flight finishes, a checkpoint is
+    written for it (none was due: --checkpoint-every 5), the process exits 128 + signal with
+    one line, and --resume continues bitwise."""
+    out = env["root"] / f"stopped-{sig.name}"
+    proc = subprocess.Popen(_cmd(env, out, "--checkpoint-every", "5"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=_env(SLOW_REWARD="0.01"))
+    deadline = time.monotonic() + 90
+    while _last_step(out) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err[-2000:]
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"grpolab: stopped by {sig.name} after step")
+    stopped = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert 2 <= stopped < STEPS
+    assert f"after step {stopped} of {STEPS}" in lines[0] and "--resume" in lines[0]
+    ckpt = out / "checkpoints"
+    assert torch.load(ckpt / "last.pt", weights_only=True)["step"] == stopped  # nothing lost
+
+    p = _run(env, out, "--resume")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""
+    _assert_same_run(out, reference)
 
 
 def _garbage(path: Path) -> None:
@@ -219,7 +256,7 @@ def test_crash_while_writing_keeps_both_checkpoints(tmp_path: Path,
     def crash(fd: int) -> None:
         raise OSError("simulated crash during the write")
 
-    monkeypatch.setattr("grpolab.trainer.os.fsync", crash)
+    monkeypatch.setattr("grpolab.checkpoint.os.fsync", crash)
     tr.step_num = 3
     with pytest.raises(OSError, match="simulated"):
         tr.save_checkpoint()

@@ -1,0 +1,228 @@
+"""Verifiers that judge a completion's final answer, and nothing else.
+
+A verifier that finds "an answer" anywhere in the text can be gamed: math-verify's own
+extraction parsed "To solve 62 + 82, we ..." as 62 + 82 and paid it for the gold 144. GRPO's
+group normalisation turns any such edge into a full unit of advantage, so the policy learns to
+restate the question. The rule here:
+
+1. **Where the final answer is.** Candidates come from, in this order of preference: every
+   ``\\boxed{...}`` (or ``\\fbox``), every ``<answer>...</answer>``, every final-answer line
+   ("The answer is X", "Final answer: X", "Answer: X", "#### X"), and, only when none of those
+   exist, the whole completion if it is a bare short answer ("144", "$144$"). The first kind
+   that is present decides; ``sources`` chooses which kinds count at all.
+2. **One answer.** All candidates of that kind must agree, and a candidate may not list
+   alternatives ("150 or 144", "144, 150", "\\pm"), unless the gold answer itself has that
+   shape. A hedge scores 0.
+3. **Its final form.** Apart from a plain fraction, the answer may use no arithmetic operator that the gold answer does not
+   use (+, binary -, *, /, ^, !, \\times, \\cdot, \\div, \\frac): "62+82" is not an answer to
+   "what is 62 + 82", however math-verify would evaluate it.
+4. **Equivalence.** Plain numbers (integers, decimals, thousands separators, a/b in lowest
+   terms) are compared exactly as fractions; anything else goes to math-verify's ``verify`` (LaTeX, sets,
+   intervals, units), never its answer extraction.
+5. **Bounded time.** Completions are scanned in linear time; an answer longer than
+   ``MAX_ANSWER_CHARS``, nested deeper than ``MAX_DEPTH`` braces, or with an exponent tower or an
+   exponent above ``MAX_EXPONENT`` scores 0 before any parser sees it.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Any
+
+SOURCES = ("boxed", "answer_tag", "answer_line", "bare")
+MAX_ANSWER_CHARS = 200
+MAX_DEPTH = 8
+MAX_EXPONENT = 1000
+_LINE_CHARS = 1000  # an answer line longer than this is prose, not an answer
+
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_ANSWER_LINE = re.compile(
+    r"(?:\b(?:the\s+)?(?:final\s+)?answer\s*(?:is\s*:?|:|=)|^\s*####)\s*(.*)", re.IGNORECASE)
+_HEDGE = re.compile(r"\bor\b|\band\b|;|\\pm|±|\\text\{\s*or\s*\}", re.IGNORECASE)
+_LIST_COMMA = re.compile(r",(?!\d{3}(?!\d))")  # a comma that is not a thousands separator
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
+_FRACTION = re.compile(r"([-+]?\d+)\s*/\s*(\d+)")
+_TEX_FRAC = re.compile(r"\\[dt]?frac\s*\{\s*([-+]?\d+)\s*\}\s*\{\s*(\d+)\s*\}")
+
+
+def _balanced(text: str, open_at: int) -> int | None:
+    """Index of the brace closing the one at ``open_at`` (linear scan), or None."""
+    depth = 0
+    for i in range(open_at, len(text)):
+        ch = text[i]
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
+def _boxed(text: str) -> list[str]:
+    out, pos = [], 0
+    while (m := _BOX.search(text, pos)) is not None:
+        close = _balanced(text, m.end() - 1)
+        if close is None:  # an unclosed box is no answer; nothing after it can close either
+            break
+        out.append(text[m.end() : close])
+        pos = close + 1
+    return out
+
+
+def _tagged(text: str) -> list[str]:
+    out, pos = [], 0
+    while (start := text.find("<answer>", pos)) >= 0:
+        end = text.find("</answer>", start + 8)
+        if end < 0:
+            break
+        out.append(text[start + 8 : end])
+        pos = end + 9
+    return out
+
+
+def _answer_lines(text: str) -> list[str]:
+    out = []
+    for line in text.splitlines():
+        if len(line) > _LINE_CHARS:
+            continue
+        m = _ANSWER_LINE.search(line)
+        if m:
+            out.append(m.group(1))
+    return out
+
+
+def _bare(text: str) -> list[str]:
+    s = text.strip()
+    if len(s) > 40 or not s or re.search(r"[A-Za-z]", s.replace("\\frac", "")):
+        return []
+    return [s]
+
+
+_FINDERS = {"boxed": _boxed, "answer_tag": _tagged, "answer_line": _answer_lines, "bare": _bare}
+
+
+def clean(answer: str) -> str:
+    """Strip what surrounds an answer: spaces, $ and \\( \\), markdown bold, a final period."""
+    s = answer.strip()
+    for _ in range(3):
+        before = s
+        s = s.strip().strip("*").strip()
+        if s.startswith("\\(") and s.endswith("\\)"):
+            s = s[2:-2]
+        if s.startswith("\\[") and s.endswith("\\]"):
+            s = s[2:-2]
+        s = s.strip("$").strip()
+        s = s.rstrip(".").rstrip()
+        if s == before:
+            break
+    return s
+
+
+def final_answer(text: str, sources: tuple[str, ...] | list[str] = SOURCES) -> str | None:
+    """The completion's one final answer by the rule above, or None (none, or several)."""
+    for source in SOURCES:
+        if source not in sources:
+            continue
+        if source == "bare" and any(_FINDERS[s](text) for s in SOURCES[:3] if s in sources):
+            break
+        found = [clean(c) for c in _FINDERS[source](text)]
+        found = [c for c in found if c]
+        if found:
+            return found[-1] if len(set(found)) == 1 else None
+    return None
+
+
+def _ops(s: str) -> set[str]:
+    """The arithmetic operators written in ``s`` (unary signs and separators excluded)."""
+    t = re.sub(r"\s+", "", s)
+    t = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", t)  # thousands separators
+    ops = set()
+    if re.search(r"\\[dt]?frac|/|\\div|÷", t):
+        ops.add("/")
+    if re.search(r"\*|\\times|\\cdot|×", t):
+        ops.add("*")
+    if "^" in t or "**" in t:
+        ops.add("^")
+    if "!" in t:
+        ops.add("!")
+    # binary + and -: after an operand (a digit, a letter, a closing bracket), not a sign
+    if re.search(r"[\w)}\]]\+", t):
+        ops.add("+")
+    if re.search(r"[\w)}\]]-", t):
+        ops.add("-")
+    return ops
+
+
+def _too_hard(s: str) -> bool:
+    """Inputs no parser should see: too long, too deep, exponent towers or huge exponents."""
+    if len(s) > MAX_ANSWER_CHARS:
+        return True
+    depth = peak = 0
+    for ch in s:
+        depth += ch == "{"
+        depth -= ch == "}"
+        peak = max(peak, depth)
+    if peak > MAX_DEPTH:
+        return True
+    for m in re.finditer(r"(\^|\*\*)\s*(\{[^{}]*\}|\(?[-+]?\d+\)?|\w)", s):
+        exp = m.group(2).strip("{}() ")
+        if "^" in s[m.end():m.end() + 3] or "^" in exp:  # x^{y^z}, x^y^z
+            return True
+        if re.fullmatch(r"[-+]?\d+", exp) and abs(int(exp)) > MAX_EXPONENT:
+            return True
+    return bool(re.search(r"\^\s*\{[^}]*\^", s))
+
+
+def as_number(s: str) -> Fraction | None:
+    """A plain number (1,234 / -3.5 / 7/2 / \\frac{7}{2}) as an exact fraction, else None."""
+    t = s.replace(" ", "")
+    m = _TEX_FRAC.fullmatch(t) or _FRACTION.fullmatch(t)
+    if m:
+        den = int(m.group(2))
+        return Fraction(int(m.group(1)), den) if den else None
+    if _NUMBER.fullmatch(t):
+        return Fraction(t.replace(",", ""))
+    return None
+
+
+def _math_verify(candidate: str, gold: str, timeout: int | None) -> bool:
+    from math_verify import parse, verify
+
+    def parsed(s: str) -> list[Any]:
+        return parse(s if s.startswith("$") else f"${s}$", parsing_timeout=timeout) or parse(
+            s, parsing_timeout=timeout)
+
+    g, p = parsed(gold), parsed(candidate)
+    return bool(g and p and verify(g, p, timeout_seconds=timeout))
+
+
+def hedged(candidate: str, gold: str) -> bool:
+    """Whether ``candidate`` lists alternatives ("150 or 144", "144, 150", "\\pm 3") that the
+    gold answer's own shape does not explain."""
+    return any(p.search(candidate) and not p.search(gold) for p in (_HEDGE, _LIST_COMMA))
+
+
+def judge(candidate: str | None, gold: str, timeout: int | None = None) -> bool:
+    """Whether the extracted ``candidate`` is an acceptable final answer equal to ``gold``."""
+    if candidate is None:
+        return False
+    gold = clean(str(gold))
+    if candidate == gold:
+        return True
+    if _too_hard(candidate) or not gold:
+        return False
+    if hedged(candidate, gold):
+        return False
+    a, b = as_number(candidate), as_number(gold)
+    if a is not None and b is not None:
+        # a fraction is a final form only in lowest terms: "62/2" is an unfinished division
+        m = _TEX_FRAC.fullmatch(candidate.replace(" ", "")) or _FRACTION.fullmatch(
+            candidate.replace(" ", ""))
+        if m and Fraction(int(m.group(1)), int(m.group(2))).denominator != int(m.group(2)):
+            return False
+        return a == b
+    if not _ops(candidate) <= _ops(gold):
+        return False
+    return _math_verify(candidate, gold, timeout)

@@ -1,0 +1,179 @@
+"""The `code` verifier: a completion's code runs against its tests in a sandbox.
+
+Containment is shown from outside the sandbox: after an infinite loop, a fork bomb, a 10 GB
+allocation, a network attempt, writes outside the scratch folder and reads of the grader's
+files, nothing escaped (no process left, no connection made, no file written, no secret read)
+and the answer scores 0. The OS layers (network namespace, no new processes, memory and CPU
+limits) are also checked on their own, with the Python audit hook switched off.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from grpolab.rewards import load_reward, score
+from grpolab.sandbox import Limits, code_reward, extract_code, parse_tests, run_tests
+
+ADD_TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]
+QUICK = Limits(cpu_seconds=2, wall_seconds=5)
+NO_GUARD = Limits(cpu_seconds=2, wall_seconds=5, python_guard=False)
+
+
+def _sandbox_processes() -> list[str]:
+    """Processes still running the sandbox interpreter (none should outlive a run)."""
+    out = subprocess.run(["ps", "-eo", "pid,user,args"], check=False, capture_output=True,
+                         text=True).stdout
+    return [line for line in out.splitlines() if "_main(json.loads" in line]
+
+
+def test_right_partial_and_wrong_answers() -> None:
+    assert run_tests("def add(a, b):\n    return a + b", ADD_TESTS).share == 1.0
+    assert run_tests("def add(a, b):\n    return a * b + (a == -1)", ADD_TESTS).passed == 2
+    assert run_tests("def add(a, b):\n    return 1", ADD_TESTS).passed == 0
+    bad = run_tests("def add(a, b) return", ADD_TESTS)
+    assert bad.passed == 0 and "SyntaxError" in bad.note
+    # a failing test does not stop the later ones; a main block is not run
+    v = run_tests("def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    input()",
+                  ["assert add(1, 1) == 3", "assert add(1, 1) == 2"])
+    assert (v.passed, v.total) == (1, 2)
+
+
+def test_code_extraction_and_tests_column() -> None:
+    text = "Here:\n```python\ndef add(a, b):\n    return a - b\n```\nFixed:\n```py\n" \
+           "def add(a, b):\n    return a + b\n```\nDone."
+    assert extract_code(text).strip() == "def add(a, b):\n    return a + b"
+    assert extract_code("def f(): pass") == "def f(): pass"
+    assert parse_tests('["assert 1", "assert 2"]') == ["assert 1", "assert 2"]
+    assert parse_tests("assert f() == 1") == ["assert f() == 1"]
+    fn = load_reward("code")
+    assert fn is code_reward
+    res = score([fn], ["q1", "q2", "q3"], [text, "def add(a, b): return 5", "nonsense ("],
+                {"tests": [ADD_TESTS, ADD_TESTS, ADD_TESTS]})
+    assert res.per_fn[:, 0].tolist() == pytest.approx([1.0, 1 / 3, 0.0])
+    assert res.problems == []
+
+
+def test_infinite_loop_is_stopped() -> None:
+    t0 = time.monotonic()
+    v = run_tests("def add(a, b):\n    while True:\n        pass", ADD_TESTS,
+                  Limits(cpu_seconds=1, wall_seconds=5))
+    assert v.passed == 0 and time.monotonic() - t0 < 5
+    v = run_tests("import time\ntime.sleep(1000)", ADD_TESTS, Limits(wall_seconds=1))
+    assert v.passed == 0 and v.note == "timed out"
+    # tests that passed before a later one hangs still count
+    v = run_tests("def add(a, b):\n    return a + b", ["assert add(1, 1) == 2", "while 1: pass"],
+                  Limits(cpu_seconds=1, wall_seconds=5))
+    assert (v.passed, v.total) == (1, 2)
+    assert _sandbox_processes() == []
+
+
+@pytest.mark.parametrize("guard", [QUICK, NO_GUARD], ids=["all-layers", "os-layer-only"])
+def test_fork_bomb_starts_no_process(guard: Limits) -> None:
+    bomb = ("import os\ndef add(a, b):\n    return a + b\nn = 0\nfor _ in range(50):\n"
+            "    try:\n        if os.fork() == 0:\n            while True: pass\n"
+            "    except OSError:\n        break\n    n += 1\nassert n == 0, n\n")
+    if guard.python_guard:  # the real thing: only safe because it is stopped
+        bomb = "import os\nwhile True:\n    os.fork()\n"
+    v = run_tests(bomb, ADD_TESTS, guard)
+    assert v.passed == 0 or (not guard.python_guard and v.passed == 3)  # n == 0: all forks failed
+    if not guard.python_guard:
+        assert v.passed == 3, f"a fork succeeded inside the sandbox: {v}"
+    for mod in ("subprocess", "multiprocessing", "pty"):
+        assert run_tests(f"import {mod}\ndef add(a, b): return a + b", ADD_TESTS).passed == 0
+    time.sleep(0.2)
+    assert _sandbox_processes() == []
+
+
+@pytest.mark.parametrize("guard", [QUICK, NO_GUARD], ids=["all-layers", "os-layer-only"])
+def test_ten_gigabytes_are_refused(guard: Limits) -> None:
+    v = run_tests("x = bytearray(10 * 2**30)\ndef add(a, b): return a + b", ADD_TESTS, guard)
+    assert v.passed == 0 and "MemoryError" in v.note
+    v = run_tests("def add(a, b):\n    x = [0] * (10**10)\n    return a + b", ADD_TESTS, guard)
+    assert v.passed == 0
+
+
+def _network_isolated() -> bool:
+    code = "names = [ln.split(':')[0].strip() for ln in open('/proc/net/dev').readlines()[2:]]"
+    v = run_tests(code, ["assert names == ['lo']"], NO_GUARD)
+    return v.passed == 1
+
+
+@pytest.mark.parametrize("guard", [QUICK, NO_GUARD], ids=["all-layers", "os-layer-only"])
+def test_network_attempt_reaches_nothing(guard: Limits) -> None:
+    if not guard.python_guard and not _network_isolated():
+        pytest.skip("no network namespace here (not root, no user namespaces)")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.setblocking(False)
+    port = server.getsockname()[1]
+    code = ("import socket\ndef add(a, b):\n"
+            f"    s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+            "    s.sendall(b'leak')\n    return a + b\n")
+    try:
+        v = run_tests(code, ADD_TESTS, guard)
+        assert v.passed == 0
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody connected
+    finally:
+        server.close()
+
+
+def test_writes_stay_in_the_scratch_folder(tmp_path: Path) -> None:
+    outside = Path("/tmp") / f"grpolab-escape-{os.getpid()}"
+    targets = [str(outside), str(tmp_path / "escape.txt"), "../escape-rel.txt"]
+    for target in targets:
+        code = (f"def add(a, b):\n    open({target!r}, 'w').write('pwned')\n    return a + b\n")
+        assert run_tests(code, ADD_TESTS).passed == 0, target
+    code = ("import os, shutil\ndef add(a, b):\n    os.mkdir('d')\n"
+            f"    os.symlink({str(outside)!r}, 'd/link')\n    return a + b\n")
+    assert run_tests(code, ADD_TESTS).passed == 0
+    assert not outside.exists() and not (tmp_path / "escape.txt").exists()
+    assert not list(Path("/tmp").glob("escape-rel.txt"))
+    # inside its own folder it may write and read back; the folder is deleted afterwards
+    code = ("import os\ndef add(a, b):\n    open('x.txt', 'w').write(str(a + b))\n"
+            "    return int(open('x.txt').read())\n")
+    assert run_tests(code, ADD_TESTS).passed == 3
+    assert not list(Path("/tmp").glob("grpolab-sandbox-*"))
+
+
+def test_grader_files_and_secrets_stay_unread(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = Path("/tmp") / f"grpolab-grader-{os.getpid()}"  # world-readable, like a dataset
+    folder.mkdir(mode=0o755, exist_ok=True)
+    secret = folder / "answers.jsonl"
+    secret.write_text("THE-ANSWERS")
+    secret.chmod(0o644)
+    monkeypatch.setenv("GRPOLAB_TEST_SECRET", "THE-TOKEN")
+    try:
+        for path in (secret, Path(__file__), Path(f"/proc/{os.getpid()}/environ")):
+            code = f"def add(a, b):\n    return a + b + len(open({str(path)!r}).read()) * 0\n"
+            assert run_tests(code, ADD_TESTS).passed == 0, path
+        code = ("import os\ndef add(a, b):\n"
+                "    assert 'GRPOLAB_TEST_SECRET' not in os.environ\n    return a + b\n")
+        assert run_tests(code, ADD_TESTS).passed == 3  # the environment is a fresh one
+        code = f"import os\nnames = os.listdir({str(folder)!r})\ndef add(a, b): return a + b\n"
+        assert run_tests(code, ADD_TESTS).passed == 0
+    finally:
+        secret.unlink()
+        folder.rmdir()
+
+
+def test_passes_cannot_be_faked() -> None:
+    fakes = [
+        "import sys\nfor i in range(3): print('0' * 32, i, 1)\nsys.exit(0)",
+        "import os\nos._exit(0)",
+        "import builtins\nbuiltins.exec = lambda *a, **k: None\nbuiltins.compile = lambda *a, **k: 0",
+        ("import os\nfor fd in range(3, 20):\n    try: os.write(fd, b'x 0 1\\nx 1 1\\n')\n"
+         "    except OSError: pass"),
+        "import sys\nf = sys._getframe(1)",
+        "import gc\nobjs = gc.get_objects()",
+    ]
+    for code in fakes:
+        assert run_tests(code, ADD_TESTS).passed == 0, code

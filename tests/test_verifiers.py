@@ -1,0 +1,133 @@
+"""The strict final-answer verifier: adversarial completions score 0, honest ones 1, in bounded time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from grpolab.rewards import load_reward, math_answer, math_lenient
+from grpolab.verifiers import final_answer, judge
+
+Q = "What is 62 + 82?"
+
+# (completion, gold, verdict): what the default `math` reward must say.
+CASES = [
+    # restating the question, which math-verify's own extraction evaluates and pays
+    ("To solve the expression 62 + 82, we need to add the numbers 62 and 82.", "144", 0.0),
+    ("The answer is 62+82.", "144", 0.0),
+    ("The answer is 62 + 82", "144", 0.0),
+    ("\\boxed{62+82}", "144", 0.0),
+    ("<answer>62 + 82</answer>", "144", 0.0),
+    ("\\boxed{288/2}", "144", 0.0),  # an unfinished division
+    ("\\boxed{12^2}", "144", 0.0),
+    ("\\boxed{2 \\times 72}", "144", 0.0),
+    # hedged: several candidate answers
+    ("It is 150 or 144", "144", 0.0),
+    ("The answer is 150 or 144.", "144", 0.0),
+    ("The answer is 144, 150", "144", 0.0),
+    ("\\boxed{150} or maybe \\boxed{144}", "144", 0.0),
+    ("The answer is 150.\nThe answer is 144.", "144", 0.0),
+    ("<answer>144</answer><answer>150</answer>", "144", 0.0),
+    ("\\boxed{144 \\text{ or } 150}", "144", 0.0),
+    ("\\boxed{\\pm 144}", "144", 0.0),
+    # no final answer at all
+    ("", "144", 0.0),
+    ("62 + 82 = 144 because 60 + 80 = 140", "144", 0.0),
+    ("so it is 0.5", "\\frac{1}{2}", 0.0),
+    ("The answer is \\boxed{}.", "144", 0.0),
+    ("\\boxed{144", "144", 0.0),
+    # wrong
+    ("\\boxed{145}", "144", 0.0),
+    ("The answer is -144.", "144", 0.0),
+    ("The answer is 1440.", "144", 0.0),
+    # honest final answers
+    ("62 + 82 = 144.\nThe answer is 144.", "144", 1.0),
+    ("The answer is 144.", "144", 1.0),
+    ("Final answer: 144", "144", 1.0),
+    ("**Answer:** $144$", "144", 1.0),
+    ("#### 144", "144", 1.0),
+    ("144", "144", 1.0),
+    ("$144$", "144", 1.0),
+    ("We add: 62 + 82 = 144, so \\boxed{144}.", "144", 1.0),
+    ("\\boxed{144} and again \\boxed{144}", "144", 1.0),
+    ("<think>60+80=140, 2+2=4</think> <answer>144</answer>", "144", 1.0),
+    ("The answer is \\boxed{1000}", "1,000", 1.0),
+    ("\\boxed{1,000}", "1000", 1.0),
+    ("\\boxed{144.0}", "144", 1.0),
+    ("The answer is -4.", "-4", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{1/2}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", 0.0),  # not in lowest terms
+    ("\\boxed{2\\sqrt{3}}", "2\\sqrt{3}", 1.0),
+    ("\\boxed{\\sqrt{12}}", "2\\sqrt{3}", 1.0),  # equivalence is math-verify's job
+    ("\\boxed{(1, 2)}", "(1, 2)", 1.0),  # the gold itself is a pair: commas allowed
+    ("\\boxed{x^2 + 1}", "x^2+1", 1.0),
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "verdict"), CASES)
+def test_math_reward_verdicts(completion: str, gold: str, verdict: float) -> None:
+    assert math_answer([Q], [completion], answer=[gold]) == [verdict]
+
+
+def test_the_lenient_rule_is_gameable_and_the_strict_one_is_not() -> None:
+    """The documented exploit: math-verify's answer finding pays a restated question."""
+    hacks = ["To solve the expression 62 + 82, we need to add the numbers ...",
+             "The answer is 62+82."]
+    assert math_lenient([Q] * 2, hacks, answer=["144"] * 2) == [1.0, 1.0]
+    assert math_answer([Q] * 2, hacks, answer=["144"] * 2) == [0.0, 0.0]
+
+
+def test_final_answer_rule() -> None:
+    assert final_answer("work... \\boxed{7} text") == "7"
+    assert final_answer("\\boxed{\\frac{1}{\\sqrt{2}}}") == "\\frac{1}{\\sqrt{2}}"  # nested braces
+    assert final_answer("The answer is 7. <answer>7</answer>") == "7"  # tags outrank lines
+    assert final_answer("<answer>8</answer> The answer is 7.") == "8"
+    assert final_answer("The answer is 7.\nThe answer is 8.") is None  # two different answers
+    assert final_answer("just 7 apples") is None  # prose is not a bare answer
+    assert final_answer("The answer is 7.", sources=["boxed"]) is None
+    assert final_answer("\\boxed{7}", sources=["boxed"]) == "7"
+
+
+def test_answer_sources_narrow_the_reward() -> None:
+    boxed_only = load_reward("math", answer_sources=["boxed"])
+    assert boxed_only([Q] * 2, ["The answer is 144.", "\\boxed{144}"], answer=["144"] * 2) == [
+        0.0, 1.0]
+    with pytest.raises(ValueError, match="answer_sources"):
+        load_reward("math", answer_sources=["anywhere"])
+
+
+ATTACKS = [
+    "\\boxed{9^{9^{9}}}",  # an exponent tower (held math-verify for minutes)
+    "\\boxed{9^{99999999}}",
+    "\\boxed{" + "{" * 500 + "1" + "}" * 500 + "}",  # deeply nested braces
+    "\\boxed{" + "\\frac{1}{" * 200 + "2" + "}" * 200 + "}",
+    "The answer is " + "1+" * 5000 + "1",
+    "\\boxed{1" + "0" * 400 + "}",
+    "<answer>" * 20000,
+    "\\boxed{" * 20000,
+    "The answer is " + "9" * 100_000,
+    "x" * 1_000_000,
+    ("The answer is 144.\n" + "a" * 2000 + "\n") * 200,
+]
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=range(len(ATTACKS)))
+def test_hostile_completions_are_judged_quickly(attack: str) -> None:
+    """On any input, on or off the main thread, the verdict takes well under a second."""
+    result: list[list[float]] = []
+    t = threading.Thread(target=lambda: result.append(math_answer([Q], [attack], answer=["144"])))
+    start = time.perf_counter()
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive(), "the verifier hung"
+    assert time.perf_counter() - start < 2.0
+    assert result[0][0] in (0.0, 1.0)
+
+
+def test_judge_compares_plain_numbers_exactly() -> None:
+    assert judge("0.1", "1/10") and not judge("0.1000001", "0.1")
+    assert judge("1,234,567", "1234567") and not judge("1,23", "123")
+    assert not judge(None, "1")
