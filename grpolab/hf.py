@@ -275,7 +275,8 @@ class HFBackend:
                 if limit and len(ids) > limit:  # keep the end: the question, the turn to answer
                     if not self._warned_long:
                         log.warning("prompts over %d tokens (%s) are cut from the left; the "
-                                    "first had %d tokens", limit, why, len(ids))
+                                    "first had %d tokens (raise --max-prompt-tokens, or 0 for "
+                                    "the model's own limit)", limit, why, len(ids))
                         self._warned_long = True
                     ids = ids[-limit:]
                 known[(text, templated)] = ids

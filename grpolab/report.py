@@ -106,10 +106,12 @@ def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "",
     ax1.plot(steps, _rolling(rew, 5), label="training reward (5-step mean)", color="tab:blue")
     ax1.plot(*_series(rows, "heldout_acc"), "o-", ms=3, label="held-out accuracy (greedy)",
              color="tab:green")
-    ax1.plot(*_series(rows, "heldout_pass_prob"), "--", label="held-out accuracy (T=1, exact)",
-             color="tab:green")
-    ax1.plot(*_series(rows, "heldout_check_acc"), "s:", ms=3, color="tab:purple",
-             label="held-out strict check (watch)")
+    if _series(rows, "heldout_pass_prob")[0]:  # only the world can compute it
+        ax1.plot(*_series(rows, "heldout_pass_prob"), "--", label="held-out accuracy (T=1, exact)",
+                 color="tab:green")
+    if _series(rows, "heldout_check_acc")[0]:
+        ax1.plot(*_series(rows, "heldout_check_acc"), "s:", ms=3, color="tab:purple",
+                 label="held-out strict check (watch)")
     flagged = [r["step"] for r in rows if r.get("hacking_suspected")]
     if flagged:
         ax1.scatter(flagged, [0.02] * len(flagged), marker="^", color="tab:red", zorder=3,
@@ -124,8 +126,9 @@ def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "",
     if steps:
         ax2.bar(steps, wrong, color="tab:red", label="dead: all wrong")
         ax2.bar(steps, right, bottom=wrong, color="tab:orange", label="dead: all right")
-    ax2.plot(*_series(rows, "predicted_dead_share"), "k--", lw=1.2,
-             label="predicted  mean p^G+(1-p)^G")
+    if _series(rows, "predicted_dead_share")[0]:
+        ax2.plot(*_series(rows, "predicted_dead_share"), "k--", lw=1.2,
+                 label="predicted  mean p^G+(1-p)^G")
     ax2.set_xlabel("step")
     ax2.set_ylim(0, 1)
     ax2.set_ylabel("share of groups")

@@ -479,8 +479,9 @@ class GRPOTrainer:
             return
         train_rise = reward_rise(self.reward_history, cfg.watch_window)
         check_rise = self.check_acc[-1] - self.check_acc[0] if len(self.check_acc) > 1 else None
-        fired = rec["heldout_acc"] is not None and hacking_suspected(train_rise, check_rise,
-                                                                     cfg.watch_margin)
+        # judged at evaluations; between them a step carries the last verdict
+        fired = (hacking_suspected(train_rise, check_rise, cfg.watch_margin)
+                 if rec["heldout_acc"] is not None else self._watch_fired)
         rec["heldout_check_acc"] = self.check_acc[-1] if rec["heldout_acc"] is not None else None
         rec["watch_train_rise"] = train_rise
         rec["watch_check_rise"] = check_rise

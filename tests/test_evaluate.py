@@ -62,3 +62,23 @@ def test_eval_needs_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
                      "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "grpolab eval needs model_path" in err[0]
+
+
+def test_compare_gives_paired_gains_and_standard_errors() -> None:
+    """Hand values: per-prompt differences (1, 0, 1, 0) have mean 0.5 and sample sd 0.5774,
+    so s.e. 0.2887; pass@k gains come from the per-prompt estimates."""
+    from grpolab.evaluate import compare
+
+    before = {"prompts": 4, "dataset": "d", "greedy_correct": [0, 1, 0, 0],
+              "samples_per_prompt": 2, "sampled_correct": [0, 1, 0, 2]}
+    after = {"prompts": 4, "dataset": "d", "greedy_correct": [1, 1, 1, 0],
+             "samples_per_prompt": 2, "sampled_correct": [2, 1, 1, 2]}
+    got = compare(before, after)
+    assert got["greedy_accuracy"][0] == pytest.approx(0.5)
+    assert got["greedy_accuracy"][1] == pytest.approx((1 / 3) ** 0.5 / 2)  # 0.2887
+    # pass@1 per prompt = c / 2: differences (1, 0, 0.5, 0) -> mean 0.375
+    assert got["pass@1"][0] == pytest.approx(0.375)
+    # pass@2 per prompt = 1 if c >= 1: differences (1, 0, 1, 0) -> mean 0.5
+    assert got["pass@2"][0] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="not of the same prompts"):
+        compare(before, {**after, "prompts": 5})

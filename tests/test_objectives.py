@@ -23,6 +23,7 @@ from grpolab.config import TRL_ALIASES, TRL_VALUES, Config, ConfigError, literal
 from grpolab.losses import grpo_loss
 
 trl = pytest.importorskip("trl")
+from test_trainer import first_digit_odd, trainer  # the tiny-world trainer the tests share
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import entropy_from_logits, nanstd
 
@@ -112,27 +113,6 @@ def pair(seed: int = 0, b: int = 6, t: int = 5, spread: float = 0.5):
     lens = torch.randint(1, t + 1, (b,), generator=gen)
     mask = (torch.arange(t)[None, :] < lens[:, None]).long()
     return logp, old, ref, adv, mask
-
-
-def first_digit_odd(prompts, completions, **_):
-    """A reward a random model gets right about half the time, so groups are often mixed."""
-    return [1.0 if c[:1] in "13579" and c else 0.0 for c in completions]
-
-
-def trainer(tmp_path, reward=first_digit_odd, **over):
-    """A GRPO trainer on an untrained tiny world model (seconds, no SFT)."""
-    from grpolab.sampling import TinyBackend
-    from grpolab.trainer import GRPOTrainer
-    from grpolab.world import TinyConfig, TinyGPT, make_splits
-
-    cfg = make_config(None, {"progress": False, "checkpoint_every": 0, "budget": 32,
-                             "group_size": 4, "steps": 2, "max_new_tokens": 4,
-                             "eval_size": 16, **over})
-    torch.manual_seed(0)
-    model = TinyGPT(TinyConfig(d_model=32, n_layers=2, n_heads=2))
-    splits = make_splits(0, 64, 16)
-    return GRPOTrainer(cfg, TinyBackend(model, seed=0), splits.train, [reward],
-                       splits.heldout, out_dir=tmp_path)
 
 
 def agree(ours_fn, theirs_fn, *tensors) -> None:

@@ -47,14 +47,18 @@ def test_the_watch_fires_when_training_reward_climbs_alone(
     out = tmp_path / "run"
     argv = ["train", "--model-path", model, "--dataset", str(data), "--eval-dataset", str(data),
             "--rewards", f"{rewards}:climbing", "--watch-reward", "math", "--watch-window", "2",
-            "--steps", "6", "--budget", "8", "--group-size", "4", "--max-new-tokens", "4",
+            "--steps", "6", "--eval-every", "2", "--budget", "8", "--group-size", "4", "--max-new-tokens", "4",
             "--eval-size", "4", "--out-dir", str(out), "--no-progress", "--checkpoint-every", "0"]
     with caplog.at_level(logging.WARNING, logger="grpolab"):
         assert cli.main(argv) == 0
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if r["step"] >= 1]
-    assert all(r["heldout_check_acc"] == 0.0 for r in steps)
+    assert [r["heldout_check_acc"] for r in steps] == [None, 0.0, None, 0.0, None, 0.0]
     assert [r["hacking_suspected"] for r in steps][:3] == [False, False, False]  # < 2 windows
     assert steps[-1]["hacking_suspected"] and steps[-1]["watch_train_rise"] >= 0.2
+    # judged at evaluations (steps 2, 4, 6); a step between them carries the last verdict
+    first = next(r["step"] for r in steps if r["hacking_suspected"])
+    assert first in (4, 6)
+    assert all(r["hacking_suspected"] for r in steps if r["step"] >= first)
     fired = [m for m in caplog.messages if "reward hacking suspected" in m]
     assert len(fired) == 1
