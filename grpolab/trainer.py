@@ -103,6 +103,7 @@ class Batch:
     trained_groups: int = 0
     reward_sums: dict[str, float] = field(default_factory=dict)  # per function, sampled answers
     rewards_per_fn: torch.Tensor | None = None  # [B, K] each reward function's, as rewards
+    advantages: torch.Tensor | None = None  # [B] what update() trained with (this rank's rows)
 
     # Under torchrun, rollout/rows/rewards/sampled_rows/problems/reward_sums are this rank's;
     # sampled_rewards and sampled_success (every rank's, in prompt order), answers_generated
@@ -352,6 +353,7 @@ class GRPOTrainer:
         adv = (self._advantages(rewards, batch.rewards_per_fn, reduce)
                if n_loc or reduce is not None else None)
         adv = adv if n_loc else None
+        batch.advantages = adv  # samples.jsonl logs these, not a recomputation
         bad = float(adv is not None and not bool(torch.isfinite(adv).all()))
         n_all, t_all, bad = (int(v) for v in dist.all_reduce_sum([n_loc, t_loc, bad]))
         if bad:
@@ -577,7 +579,8 @@ class GRPOTrainer:
         if not n:
             return []
         rewards = batch.rewards[:n].float()
-        adv = self._advantages(rewards)
+        adv = (batch.advantages[:n] if batch.advantages is not None
+               else self._advantages(rewards))
         out = []
         for lo in range(0, n, g):
             row = batch.rows[lo]

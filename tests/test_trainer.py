@@ -231,3 +231,22 @@ def test_mask_truncated_drops_cut_off_answers_from_the_loss(tmp_path) -> None:
 def test_truncated_share_is_logged(tmp_path) -> None:
     rec = trainer(tmp_path, max_new_tokens=2).step()
     assert rec["truncated_share"] is not None and 0 < rec["truncated_share"] <= 1
+
+
+def test_samples_log_the_advantages_the_update_trained_with(tmp_path) -> None:
+    """With a batch-level statistic (scale: batch) a group's advantages depend on the whole
+    step; samples.jsonl must show the trained ones, not its own group's recomputation."""
+    from grpolab import advantages as A
+
+    tr = trainer(tmp_path, scale="batch", log_samples=8)
+    batch = tr.collect()
+    tr.update(batch)
+    whole = A.group_advantages(batch.rewards.float(), 4, scale="batch")
+    assert torch.equal(batch.advantages, whole)
+    g = 4
+    live = next(i for i in range(0, len(batch.rewards), g) if batch.rewards[i : i + g].std() > 0)
+    tr.cfg.log_samples = live // g + 1  # log up to and including the first live group
+    logged = tr._sample_record(batch)[-1]["advantages"]
+    assert logged == whole[live : live + g].tolist()
+    own = A.group_advantages(batch.rewards[: live + g].float(), g, scale="batch")[live:]
+    assert logged != own.tolist()  # what the old recomputation over the logged groups gave
