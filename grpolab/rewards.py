@@ -56,22 +56,10 @@ def _math_timeout() -> int | None:
     return MATH_TIMEOUT_SECONDS if on_main else None
 
 
-@functools.lru_cache(maxsize=4096)
-def _parse_gold(gold: str, timeout: int | None) -> tuple[Any, ...]:
-    """Parse a gold answer once: in GRPO every group repeats the same gold G times."""
-    from math_verify import parse
-
-    text = gold if ("$" in gold or "\\boxed" in gold) else f"${gold}$"
-    parsed = parse(text, parsing_timeout=timeout)
-    if not parsed:  # e.g. plain words: let math-verify try without the LaTeX wrapper
-        parsed = parse(gold, parsing_timeout=timeout)
-    return tuple(parsed)
-
-
 def _lenient_score(completion: str, gold: str, timeout: int | None) -> float:
     from math_verify import parse, verify
 
-    gold_parsed = _parse_gold(gold.strip(), timeout)
+    gold_parsed = verifiers.parse_math(gold.strip(), timeout)
     if not gold_parsed:
         return 0.0
     tagged = _ANSWER_TAG.findall(completion)

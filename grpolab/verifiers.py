@@ -26,6 +26,7 @@ restate the question. The rule here:
 
 from __future__ import annotations
 
+import functools
 import re
 from fractions import Fraction
 from typing import Any
@@ -187,15 +188,21 @@ def as_number(s: str) -> Fraction | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
+def parse_math(text: str, timeout: int | None) -> tuple[Any, ...]:
+    """math-verify's parse of one answer (LaTeX-wrapped first, then as is), cached: in GRPO
+    every group repeats the same gold answer G times."""
+    from math_verify import parse
+
+    wrapped = text if ("$" in text or "\\boxed" in text) else f"${text}$"
+    return tuple(parse(wrapped, parsing_timeout=timeout) or parse(text, parsing_timeout=timeout))
+
+
 def _math_verify(candidate: str, gold: str, timeout: int | None) -> bool:
-    from math_verify import parse, verify
+    from math_verify import verify
 
-    def parsed(s: str) -> list[Any]:
-        return parse(s if s.startswith("$") else f"${s}$", parsing_timeout=timeout) or parse(
-            s, parsing_timeout=timeout)
-
-    g, p = parsed(gold), parsed(candidate)
-    return bool(g and p and verify(g, p, timeout_seconds=timeout))
+    g, p = parse_math(gold, timeout), parse_math(candidate, timeout)
+    return bool(g and p and verify(list(g), list(p), timeout_seconds=timeout))
 
 
 def hedged(candidate: str, gold: str) -> bool:
