@@ -65,7 +65,8 @@ import torch
 
 from grpolab.config import Config
 from grpolab.fastlm import pos_ids
-from grpolab.hf import HFBackend, load_model
+from grpolab.hf_backend import HFBackend
+from grpolab.models import load_model
 from grpolab.tinyhf import make_tiny_model
 from grpolab.trainer import GRPOTrainer as LabTrainer
 
@@ -242,14 +243,14 @@ def _sample(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 @torch.inference_mode()
 def world_sampling(args: argparse.Namespace) -> list[tuple[str, float, int]]:
     """TinyGPT (TinyConfig defaults, random init): KV cache vs no cache vs forward bound."""
-    from grpolab.sampling import TinyBackend
     from grpolab.world import TinyConfig, TinyGPT, make_splits
+    from grpolab.world_backend import TinyBackend
 
     torch.manual_seed(args.seed)
     model = TinyGPT(TinyConfig()).eval()
     backend = TinyBackend(model)
     prompts = [r["prompt"] for r in make_splits(args.seed, args.sample_batch, 0).train]
-    prompt_ids = backend.encode_prompts(prompts)
+    prompt_ids, _ = backend.encode_prompts(prompts)
     b, tp = prompt_ids.shape
     n = model.config.max_len - tp
 

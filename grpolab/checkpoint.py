@@ -6,12 +6,17 @@ run. Each file also carries ``sha256``, a hash of its content (every key, value 
 computed before writing and checked after reading, so bytes changed on disk (a bad sector, a
 torn copy, an edit) are caught even where the file still unpickles. ``run_id`` ties the file
 to the metrics of the run that wrote it.
+
+``save_trainer`` / ``load_trainer`` turn a trainer's state (weights, optimiser, every RNG
+stream, the prompt sampler, the watch's history) into such a file and back: a resumed run
+continues bitwise. ``claim_out_dir`` keeps two runs out of one folder.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import shutil
 import struct
@@ -21,8 +26,23 @@ from typing import Any
 
 import torch
 
+from . import dist
+from .config import ConfigError, to_dict
+
+log = logging.getLogger("grpolab")
+
 LAST, PREV = "last.pt", "prev.pt"
 RUN_FILES = ("metrics.jsonl", "samples.jsonl")  # what a run writes beside checkpoints/
+# Each rank samples answers from its own stream (rank 0 keeps the single-process seed).
+RANK_SEED_STRIDE = 1_000_003
+# Config keys that may change between a run and its resumption without changing the maths
+# (micro_batch splits the same step differently: resuming an out-of-memory run with smaller
+# micro-batches is what it is for; float rounding then differs in the last bits).
+RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every",
+                    "micro_batch", "log_samples", "overwrite", "reward_timeout", "reward_workers",
+                    "fail_on_reward_errors"}
+# Config keys that change the trained weights' shapes: a checkpoint of another value cannot load.
+SHAPE_KEYS = ("lora", "lora_r", "lora_target_modules", "model_path")
 
 
 class CheckpointError(RuntimeError):
@@ -191,3 +211,125 @@ def clear_run(out_dir: str | os.PathLike) -> None:
         for p in ckpt.iterdir():
             if p.is_file() and (p.name.startswith((LAST, PREV)) or ".pt.tmp" in p.name):
                 p.unlink()
+
+
+def claim_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """A new run's folder must not hold another run: refuse, or clear it on ``overwrite``."""
+    from .report import read_metrics
+
+    held = dist.all_reduce_sum([float(holds_run(out_dir))])[0]
+    if not held:  # (every rank looked before rank 0 may clear anything)
+        return
+    if not overwrite:
+        last = (read_metrics(out_dir / "metrics.jsonl") or [{}])[-1]
+        what = (f" (run {last['run_id']}, step {last.get('step')})" if last.get("run_id")
+                else "")
+        raise ConfigError(f"out_dir {out_dir} already holds a run{what}; continue it "
+                          "with --resume, replace it with --overwrite, or choose another "
+                          "--out-dir")
+    if dist.is_main():
+        clear_run(out_dir)
+    dist.all_reduce_sum([0.0])  # no rank starts before rank 0 has cleared the folder
+
+
+# ------------------------------------------------------------------------ trainer state
+
+
+def trainer_state(tr: Any) -> dict[str, Any]:
+    """Everything a bitwise-identical continuation needs (collective under torchrun)."""
+    rank_rng = dist.all_gather_object({"gen": tr.gen.get_state(),
+                                       "torch_rng": torch.get_rng_state()})
+    return {
+        "step": tr.step_num,
+        "config": to_dict(tr.cfg),
+        "backend": tr.backend.state_dict(),
+        "optimizer": tr.opt.state_dict(),
+        "gen": tr.gen.get_state(),
+        "sampler_gen": tr.sampler.generator.get_state(),
+        "sampler": tr.sampler.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "world_size": dist.world_size(),
+        "rank_rng": rank_rng,  # each rank samples from its own stream
+        "run_id": tr.run_id,  # the run whose metrics.jsonl goes with this file
+        "watch": tr.watch.state_dict(),  # the reward-hacking watch's history
+    }
+
+
+def save_trainer(tr: Any) -> Path:
+    """Write the trainer's last.pt atomically, with its content hash and run id; the one it
+    replaces becomes prev.pt (see ``save``: a kill at any point loses at most the newest).
+    Every rank must call this (the RNG states are gathered); only rank 0 writes."""
+    st = trainer_state(tr)
+    if not dist.is_main():
+        return tr.ckpt_dir / LAST
+    return save(st, tr.ckpt_dir)
+
+
+def load_trainer(tr: Any, path: str | os.PathLike | None = None) -> int:
+    """Restore the newest good checkpoint (last.pt, else prev.pt) into ``tr``; its step.
+
+    Files are read with ``weights_only`` (a file carrying code is refused, never run) and
+    their content hash is checked. Once a good one is found, each bad one is moved aside as
+    ``<name>.corrupt`` and named in a warning; when none is good, the error names every file
+    and nothing on disk changes. A good file written for another model shape (a changed
+    lora_r, say) is an error naming the setting, not "unreadable".
+    """
+    candidates = [Path(path)] if path else [tr.ckpt_dir / LAST, tr.ckpt_dir / PREV]
+    errors: list[str] = []
+    bad: list[Path] = []
+    for p in candidates:
+        if not p.exists():
+            continue
+        try:
+            st = read(p)
+        except CheckpointError as e:
+            errors.append(f"{p}: {e}")
+            bad.append(p)
+            continue
+        restore(tr, st, p)
+        if errors and dist.is_main():
+            moved = [move_aside(b).name for b in bad]
+            log.warning("checkpoint unusable (%s), moved aside as %s; resumed from %s "
+                        "(step %d) instead", "; ".join(errors), ", ".join(moved), p, tr.step_num)
+        if "sha256" not in st and dist.is_main():
+            log.warning("checkpoint %s has no content hash (written by an older grpolab): "
+                        "loaded without that check", p)
+        return tr.step_num
+    if errors:
+        raise CheckpointError("no readable checkpoint to resume from: " + "; ".join(errors))
+    raise CheckpointError(f"no checkpoint to resume from in {tr.ckpt_dir}")
+
+
+def restore(tr: Any, st: dict[str, Any], path: Path | None = None) -> None:
+    """Put a checkpoint's content into the trainer (weights, optimiser, RNGs, sampler, watch)."""
+    saved = st.get("config") or {}
+    now = to_dict(tr.cfg)
+    free = RESUME_FREE_KEYS - ({"steps"} if tr.cfg.lr_schedule != "constant" else set())
+    changed = sorted(k for k in now if k in saved and k not in free and saved[k] != now[k])
+    try:
+        tr.backend.load_state_dict(st["backend"])
+        tr.opt.load_state_dict(st["optimizer"])
+    except (ValueError, RuntimeError, KeyError) as e:
+        shape = [f"{k}={saved[k]!r} (this run: {now[k]!r})" for k in SHAPE_KEYS if k in changed]
+        why = (f"it was written with {', '.join(shape)}" if shape
+               else " ".join(str(e).split())[:160])
+        raise CheckpointError(f"checkpoint {path or 'given'} does not fit this model: {why}; "
+                              "resume with the run's settings, or start a new run") from e
+    if changed and dist.is_main():
+        log.warning("resuming with changed config keys %s: the continuation will differ "
+                    "from the original run", changed)
+    gen, torch_rng = st["gen"], st["torch_rng"]
+    per_rank = st.get("rank_rng") or []
+    if len(per_rank) == dist.world_size():
+        gen, torch_rng = per_rank[dist.rank()]["gen"], per_rank[dist.rank()]["torch_rng"]
+    elif dist.rank() > 0:  # saved with another world size: keep the streams distinct
+        gen = torch.Generator().manual_seed(
+            tr.cfg.seed + RANK_SEED_STRIDE * dist.rank() + int(st["step"])
+        ).get_state()
+    tr.gen.set_state(gen)
+    tr.sampler.generator.set_state(st["sampler_gen"])
+    tr.sampler.load_state_dict(st["sampler"])
+    torch.set_rng_state(torch_rng)
+    tr.step_num = int(st["step"])
+    tr.watch.load_state_dict(st.get("watch") or {})
+    tr.run_id = st.get("run_id") or new_run_id()  # (older files had none)

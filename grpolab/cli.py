@@ -1,8 +1,10 @@
 """Command line: ``grpolab workshop`` (the built-in experiment), ``grpolab train`` and
-``grpolab eval`` (real models).
+``grpolab eval`` (real models); what they do is ``grpolab.commands``.
 
-Every config field is a flag (``--group-size 8``, ``--dynamic-sampling``); ``--config run.yaml``
-loads a file first. User mistakes end with one line on stderr and exit code 2.
+Each command offers the config fields that apply to it as flags (``--group-size 8``,
+``--dynamic-sampling``), each with one line of help from the field's comment in config.py;
+``--config run.yaml`` loads a file of any config keys first. User mistakes end with one line on
+stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -16,6 +18,32 @@ from typing import Any, NoReturn
 
 from . import dist
 from .config import Config, ConfigError, literal_fields, make_config
+
+# Fields that only a real model uses, and only the world: each command offers the rest.
+MODEL_ONLY = frozenset({
+    "model_path", "dtype", "gradient_checkpointing", "max_prompt_tokens", "dataset",
+    "eval_dataset", "dataset_size", "task_config", "prompt_column", "answer_column",
+    "prompt_template", "rewards", "answer_sources", "watch_reward", "watch_margin",
+    "watch_window", "format_pattern", "lora_dropout", "lora_target_modules",
+    "use_chat_template", "rollout_backend"})
+WORLD_ONLY = frozenset({"world_train_size", "world_heldout_size", "sft_steps", "sft_slip"})
+# What grpolab eval reads: the model, the data, the rewards, how to sample and how many.
+EVAL_FIELDS = frozenset({
+    "out_dir", "seed", "budget", "temperature", "max_new_tokens", "eval_size", "eval_samples",
+    "success_threshold", "progress", "cache_dir", "model_path", "dtype", "max_prompt_tokens",
+    "dataset", "eval_dataset", "dataset_size", "task_config", "prompt_column",
+    "answer_column", "prompt_template", "rewards", "answer_sources", "reward_weights",
+    "format_pattern", "reward_on_error", "use_chat_template", "reward_timeout",
+    "reward_workers", "fail_on_reward_errors"})
+
+
+def command_fields(command: str) -> list[str]:
+    """The config fields ``command`` offers as flags, in the config's order."""
+    every = list(Config.__dataclass_fields__)
+    if command == "eval":
+        return [f for f in every if f in EVAL_FIELDS]
+    skip = (MODEL_ONLY if command == "workshop" else WORLD_ONLY) | {"eval_samples"}
+    return [f for f in every if f not in skip]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,12 +84,12 @@ def field_help() -> dict[str, str]:
     return out
 
 
-def _add_config_flags(p: argparse.ArgumentParser) -> None:
+def _add_config_flags(p: argparse.ArgumentParser, command: str) -> None:
     hints = typing.get_type_hints(Config)
     choices = literal_fields()
     helps = field_help()
     defaults = Config()
-    for name in Config.__dataclass_fields__:
+    for name in command_fields(command):
         flag = "--" + name.replace("_", "-")
         tp = hints[name]
         value = getattr(defaults, name)
@@ -82,16 +110,6 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in Config.__dataclass_fields__ if hasattr(args, k)}
 
 
-def _int_list(text: str, what: str) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ConfigError(f"{what} must be comma-separated integers (got {text!r})") from None
-    if not vals:
-        raise ConfigError(f"{what} is empty")
-    return vals
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="grpolab", description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,17 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     w.add_argument("--variants", default=None, help=variants_help())
     w.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
-    _add_config_flags(w)
+    _add_config_flags(w, "workshop")
     t = sub.add_parser("train", help="GRPO on a Hugging Face model and a local dataset")
     t.add_argument("--config", help="YAML file of config keys")
     t.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
-    _add_config_flags(t)
+    _add_config_flags(t, "train")
     e = sub.add_parser("eval", help="greedy accuracy and pass@k of a Hugging Face model")
     e.add_argument("--config", help="YAML file of config keys")
     e.add_argument("--compare", metavar="EVAL_JSON",
                    help="an earlier eval.json of the same prompts: print the gain per measure "
                         "with its paired standard error")
-    _add_config_flags(e)
+    _add_config_flags(e, "eval")
     return parser
 
 
@@ -124,11 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = make_config(args.config, _overrides(args))
         dist.init()  # joins torchrun's process group; nothing in a single process
         cfg = _choose_out_dir(cfg, args)
+        from . import commands
+
         if args.command == "workshop":
-            return _workshop(cfg, args)
+            return commands.workshop(cfg, args.sweep, args.variants, args.seeds, args.resume)
         if args.command == "eval":
-            return _eval(cfg, args.compare)
-        return _train(cfg, args)
+            return commands.evaluate(cfg, args.compare)
+        return commands.train(cfg, args.resume)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         return _fail(e, 2)
     except KeyboardInterrupt:
@@ -138,13 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         where = f" ({e.filename})" if e.filename else ""
         return _fail(f"{e.strerror or e}{where}; files written before it are intact", 1)
     except Exception as e:
-        from .trainer import CheckpointError, TrainingError
+        from .checkpoint import CheckpointError
+        from .trainer import TrainingError
 
         if isinstance(e, (TrainingError, CheckpointError)):
             return _fail(e, 1)
         raise
     except BaseException as e:
-        from .trainer import RunStopped
+        from .stopping import RunStopped
 
         if not isinstance(e, RunStopped):
             raise
@@ -208,71 +229,6 @@ def _fail(e: BaseException, code: int) -> int:
     msg = " ".join(str(e).split("\n")).strip() or type(e).__name__
     print(f"grpolab: error{where}: {msg}", file=sys.stderr)
     return code
-
-
-def _workshop(cfg: Config, args: argparse.Namespace) -> int:
-    from .workshop import run_sweep, run_workshop
-
-    if args.sweep or args.variants or args.seeds:
-        if dist.is_dist():
-            raise ConfigError("--sweep/--variants run one after another; under torchrun "
-                              "launch one configuration at a time")
-        sizes = _int_list(args.sweep, "--sweep") if args.sweep else [cfg.group_size]
-        variants = [v.strip() for v in (args.variants or "grpo").split(",") if v.strip()]
-        seeds = _int_list(args.seeds, "--seeds") if args.seeds else None
-        print(run_sweep(cfg, sizes, variants, seeds))
-        print(f"\nwrote {cfg.out_dir}/sweep.md and {cfg.out_dir}/sweep.png")
-        return 0
-    if not dist.is_main():  # the other ranks train alongside rank 0, which writes everything
-        from .workshop import world_trainer
-
-        world_trainer(cfg).train(resume=args.resume)
-        return 0
-    s = run_workshop(cfg, resume=args.resume)
-    print(f"G={s['group_size']} ({s['prompts_per_step']} prompts/step): mean dead share "
-          f"{s['mean_dead_share']:.3f} (predicted {s['mean_predicted_dead_share']:.3f}), "
-          f"held-out accuracy {s['start_heldout_acc']:.3f} -> {s['final_heldout_acc']:.3f} "
-          f"(greedy), {s['start_heldout_pass_prob']:.3f} -> {s['final_heldout_pass_prob']:.3f} "
-          f"(T={cfg.temperature}, exact)")
-    print(f"wrote {cfg.out_dir}/metrics.jsonl and {cfg.out_dir}/workshop.png")
-    return 0
-
-
-def _train(cfg: Config, args: argparse.Namespace) -> int:
-    try:
-        from .hf import run_train
-    except ImportError as e:
-        raise ConfigError(f"grpolab train needs the Hugging Face extras ({e})") from None
-    run_train(cfg, resume=args.resume)
-    return 0
-
-
-def _eval(cfg: Config, compare_to: str | None = None) -> int:
-    if dist.is_dist():
-        raise ConfigError("grpolab eval runs in one process; launch it without torchrun")
-    try:
-        from .evaluate import compare, run_eval
-    except ImportError as e:
-        raise ConfigError(f"grpolab eval needs the Hugging Face extras ({e})") from None
-    before = None
-    if compare_to:
-        import json
-
-        try:
-            before = json.loads(Path(compare_to).read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--compare {compare_to}: cannot read it ({e})") from None
-    res = run_eval(cfg)
-    line = f"{res['prompts']} prompts: greedy accuracy {res['greedy_accuracy']:.3f}"
-    ks = [k for k in res if k.startswith("pass@")]
-    if ks:
-        line += f"; at T={res['temperature']}, " + ", ".join(f"{k} {res[k]:.3f}" for k in ks)
-    print(line)
-    if before is not None:
-        for name, (gain, se) in compare(before, res).items():
-            print(f"  {name}: {gain:+.3f} ± {se:.3f} (paired standard error) against {compare_to}")
-    print(f"wrote {cfg.out_dir}/eval.json")
-    return 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ sampler calls it once per token. ``FastLM`` runs the same maths directly:
 * sampling: one prefill per distinct prompt, then single-token decode steps into a
   preallocated static KV cache (``Decoder``), rotations for every step computed up front; when
   G rows share each prompt and its keys are large, the prompt's keys stay in one copy per group
-  and every step reads them once per group, not once per row (``_Shared``);
+  and every step reads them once per group, not once per row (``SharedKV``);
 * scoring with gradients: one forward over [prompt | completion], or a shared prompt run once
   and its keys/values (with their autograd history) handed to the G completions of its group.
 
@@ -36,6 +36,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .kvcache import (
+    ConcatKV,
+    Decoder,
+    SharedKV,
+    StaticKV,
+    chunk_mask4d,
+    prompt_mask4d,
+)
+from .rollout import pos_ids, shared_prefix_logits
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
 GPT2_TYPES = ("gpt2",)
@@ -171,143 +181,6 @@ class _Weights:
         self.embed, self.layers, self.norm, self.head, self.wpe = embed, layers, norm, head, wpe
 
 
-class _Concat:
-    """Keys/values of one forward: ``past`` ones (a shared prompt's) in front, own ones kept."""
-
-    def __init__(self, past: list[tuple[Tensor, Tensor]] | None = None) -> None:
-        self.past = past
-        self.kv: list[tuple[Tensor, Tensor]] = []
-
-    def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if self.past is not None:
-            pk, pv = self.past[i]
-            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
-        self.kv.append((k, v))
-        return k, v
-
-
-class _Static:
-    """A preallocated KV cache [B, kv heads, S, head_dim] per layer, filled left to right."""
-
-    def __init__(self, prefix: list[tuple[Tensor, Tensor]], rows: Tensor | None,
-                 size: int) -> None:
-        k0 = prefix[0][0]
-        b = k0.shape[0] if rows is None else rows.shape[0]
-        shape = (len(prefix), 2, b, k0.shape[1], size, k0.shape[3])
-        self.buf = k0.new_empty(shape)
-        self.k = list(self.buf[:, 0].unbind(0))
-        self.v = list(self.buf[:, 1].unbind(0))
-        self.len = k0.shape[2]
-        for i, (k, v) in enumerate(prefix):
-            if rows is not None:  # each distinct prompt's keys/values go to its rows
-                k, v = k[rows], v[rows]
-            self.k[i].narrow(2, 0, self.len).copy_(k)
-            self.v[i].narrow(2, 0, self.len).copy_(v)
-
-    def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        t, n = k.shape[2], self.len + k.shape[2]
-        self.k[i].narrow(2, self.len, t).copy_(k)
-        self.v[i].narrow(2, self.len, t).copy_(v)
-        return self.k[i].narrow(2, 0, n), self.v[i].narrow(2, 0, n)
-
-
-# Below this many bytes of prompt keys/values that a plain cache would copy to a group's other
-# rows (per layer), its few fused ops beat _Shared's extra small ones (measured crossover on a
-# 2-core CPU: 0.7 MB slower, 1.3 MB even, 1.7 MB and up faster, 30% faster at 100-token prompts).
-SHARED_MIN_BYTES = 1 << 20
-
-
-def _copied_bytes(prompt_keys: Tensor, group: int) -> int:
-    """Bytes of keys and values a plain cache copies per layer: every prompt to group - 1 rows."""
-    return 2 * (group - 1) * prompt_keys.numel() * prompt_keys.element_size()
-
-
-def _grouped(x: Tensor, u: int) -> Tensor:
-    """[B, T, hk, D] of rows in u groups of c -> [U, hk, c, T, D] (a view)."""
-    b, t, hk, d = x.shape
-    return x.view(u, b // u, t, hk, d).permute(0, 3, 1, 2, 4)
-
-
-class _Shared:
-    """Decode-time keys/values for groups of rows that share a prompt (GRPO's G answers).
-
-    Each distinct prompt's keys and values are kept once ([U, kv heads, Tp, D], no copies) and
-    each row's new tokens apart ([U, kv heads, group, S, D]); rows come group by group,
-    ``group`` rows per prompt. Copying the prompt to every row, as a plain cache does, makes
-    every decode step read it G times, which dominates decoding once prompts are long; here
-    each step reads it once per group, and a group's queries meet it in one matmul.
-    """
-
-    def __init__(self, prefix: list[tuple[Tensor, Tensor]], prompt_mask: Tensor, group: int,
-                 size: int) -> None:
-        k0 = prefix[0][0]
-        u, hk, _, d = k0.shape
-        self.prefix = prefix
-        self.group = group
-        self.buf = k0.new_empty((len(prefix), 2, u, hk, group, size, d))
-        self.k = list(self.buf[:, 0].unbind(0))
-        self.v = list(self.buf[:, 1].unbind(0))
-        self.len = 0
-        # The prompts' left padding as an additive key mask [U, 1, 1, Tp] (None: none padded).
-        self.mask = (None if bool(prompt_mask.all())
-                     else additive(prompt_mask.bool()[:, None, None, :], k0.dtype))
-
-    def attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """q [B, 1, H, D] and this step's k/v [B, 1, kv heads, D] -> output [B, 1, H * D].
-
-        One softmax over [the prompt's keys | the row's own keys]: the maths of attention over
-        their concatenation. Head j * rep + r reads kv head j, as HF's repeat_kv.
-        """
-        kp, vp = self.prefix[i]
-        u, hk, tp, d = kp.shape
-        b, h, c, n = q.shape[0], q.shape[2], self.group, self.len + 1
-        rep = h // hk
-        self.k[i].narrow(3, self.len, 1).copy_(_grouped(k, u))
-        self.v[i].narrow(3, self.len, 1).copy_(_grouped(v, u))
-        kc, vc = self.k[i].narrow(3, 0, n), self.v[i].narrow(3, 0, n)  # [U, hk, c, n, D]
-        # A group's queries together, per kv head: [U, hk, c * rep, D].
-        qg = (q.view(u, c, hk, rep, d).transpose(1, 2) * scale).reshape(u, hk, c * rep, d)
-        sp = torch.matmul(qg, kp.transpose(-1, -2))  # [U, hk, c * rep, Tp]
-        if self.mask is not None:
-            sp.add_(self.mask)
-        sc = torch.matmul(qg.view(u, hk, c, rep, d), kc.transpose(-1, -2))  # [.., rep, n]
-        p = torch.softmax(torch.cat([sp.view(u, hk, c, rep, tp), sc], dim=-1), dim=-1)
-        o = torch.matmul(p[..., tp:], vc).view(u, hk, c * rep, d)
-        o.add_(torch.matmul(p[..., :tp].reshape(u, hk, c * rep, tp), vp))
-        return o.view(u, hk, c, rep, d).transpose(1, 2).reshape(b, 1, h * d)
-
-
-def additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """A boolean attention mask as the additive one SDPA adds to the scores (0 or -inf).
-
-    Made once per forward: SDPA would convert a boolean mask in every layer.
-    """
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, float("-inf"))
-
-
-def prompt_mask4d(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor | None:
-    """Additive attention mask [B, 1, T, T] for left-padded rows (None: no padding, causal).
-
-    Causal over real keys; a padding query attends to itself only (its output is never used,
-    but must be finite: a fully masked row would give NaN, and 0 * NaN poisons real rows).
-    """
-    if bool(mask.all()):
-        return None
-    t = mask.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=mask.device).tril_()
-    allowed = causal & mask.bool()[:, None, None, :]
-    return additive(allowed | torch.eye(t, dtype=torch.bool, device=mask.device), dtype)
-
-
-def chunk_mask4d(past_mask: Tensor, t: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Additive mask [B, 1, t, P + t] for t real tokens after P past keys (``past_mask`` [B, P])."""
-    b, p = past_mask.shape
-    causal = torch.ones(t, t, dtype=torch.bool, device=past_mask.device).tril_()
-    past = past_mask.bool()[:, None, None, :].expand(b, 1, t, p)
-    return additive(torch.cat([past, causal.expand(b, 1, t, t)], dim=-1), dtype)
-
-
 # ----------------------------------------------------------------------------- model
 
 
@@ -398,7 +271,7 @@ class FastLM:
                    kv: Any, scale: float) -> Tensor:
         """q [B, T, H, D], k/v [B, T, Hkv, D] -> attention output [B, T, H * D]."""
         b, t = q.shape[:2]
-        if isinstance(kv, _Shared):
+        if isinstance(kv, SharedKV):
             return kv.attend(i, q, k, v, scale)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         k, v = kv.update(i, k, v)
@@ -440,7 +313,7 @@ class FastLM:
         """Logits [B, T or keep, V] for ``ids`` [B, T] at positions ``pos`` [B, T].
 
         ``mask``: additive [B, 1, T, keys], 0 or -inf (None = causal, nothing padded);
-        ``kv``: where keys and values come from and go (``_Concat`` or ``_Static``); ``keep``:
+        ``kv``: where keys and values come from and go (``ConcatKV`` or ``StaticKV``); ``keep``:
         only the last keep positions get logits; ``rot``: precomputed ``rotary(pos)``; ``w``:
         ``weights()``.
         """
@@ -461,27 +334,27 @@ class FastLM:
     # ----------------------------------------------------------------- scoring --
     def logits(self, ids: Tensor, attn: Tensor, pos: Tensor, keep: int) -> Tensor:
         """One forward over left-padded ``ids`` [B, T] (mask ``attn``): the last keep logits."""
-        return self.forward(ids, pos, prompt_mask4d(attn, self.dtype), _Concat(), keep=keep)
+        return self.forward(ids, pos, prompt_mask4d(attn, self.dtype), ConcatKV(), keep=keep)
+
+    def prefill(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Any]:
+        """Logits [U, 1, V] at the last position of left-padded prompts, and their keys and
+        values (with their autograd history) for ``extend``."""
+        pre, w = ConcatKV(), self.weights()
+        return self.forward(ids, pos_ids(mask), prompt_mask4d(mask, self.dtype), pre, keep=1,
+                            w=w), (pre, w)
+
+    def extend(self, state: Any, rows: Tensor, ids: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
+        """Logits for ``ids`` [B, t] after prompt ``rows`` of ``prefill`` (``attn`` [B, P + t +
+        1] covers prompt and tokens)."""
+        pre, w = state
+        past = [(k[rows], v[rows]) for k, v in pre.kv]
+        mask = chunk_mask4d(attn[:, : attn.shape[1] - ids.shape[1] - 1], ids.shape[1], self.dtype)
+        return self.forward(ids, pos, mask, ConcatKV(past), w=w)
 
     def shared_prefix_logits(self, ids: Tensor, attn: Tensor, pos: Tensor, tc: int,
                              shared: tuple[Tensor, Tensor, Tensor]) -> Tensor:
-        """Logits [B, tc, V] predicting the last tc tokens of ``ids``, each prompt run once.
-
-        ``shared`` = (distinct prompt ids, their mask, row -> distinct index). The prompts'
-        keys and values (with their autograd history) are copied to the rows that share them.
-        """
-        u_ids, u_mask, inv = shared
-        tp = ids.shape[1] - tc
-        pre = _Concat()
-        w = self.weights()
-        first = self.forward(u_ids, pos_ids(u_mask), prompt_mask4d(u_mask, self.dtype), pre,
-                             keep=1, w=w)[inv]
-        if tc == 1:
-            return first
-        past = [(k[inv], v[inv]) for k, v in pre.kv]
-        mask = chunk_mask4d(attn[:, :tp], tc - 1, self.dtype)
-        rest = self.forward(ids[:, tp:-1], pos[:, tp:-1], mask, _Concat(past), w=w)
-        return torch.cat([first, rest], dim=1)
+        """Logits [B, tc, V] predicting the last tc tokens of ``ids``, each prompt run once."""
+        return shared_prefix_logits(self, ids, attn, pos, tc, shared)
 
     # ---------------------------------------------------------------- sampling --
     def decoder(self, ids: Tensor, mask: Tensor, max_new: int,
@@ -490,66 +363,4 @@ class FastLM:
         return Decoder(self, ids, mask, max_new, shared)
 
 
-def pos_ids(mask: Tensor) -> Tensor:
-    """Position ids that count only real tokens (left padding gets 0), as ``generate`` uses."""
-    return (mask.cumsum(dim=1) - 1).masked_fill(mask == 0, 0)
-
-
-class Decoder:
-    """Sampling state: a static KV cache and the logits for the next token.
-
-    ``logits`` [B, V] predicts the first new token after construction; ``step(tokens)`` feeds
-    one token per row and returns the logits for the next. Use under ``torch.inference_mode``.
-    """
-
-    def __init__(self, lm: FastLM, ids: Tensor, mask: Tensor, max_new: int,
-                 shared: tuple[Tensor, Tensor, Tensor] | None) -> None:
-        self.lm = lm
-        b, tp = ids.shape
-        p_ids, p_mask, rows = (shared if shared is not None else (ids, mask, None))
-        self.w = lm.weights()
-        x = ids.new_empty(0, dtype=lm.embed.weight.dtype)
-        tables = lm.rope_tables(tp + max_new, x) if lm.arch == "llama" else None
-        pre = _Concat()
-        p_pos = pos_ids(p_mask)
-        rot = lm.rotary(p_pos, x, tables) if tables is not None else None
-        logits = lm.forward(p_ids, p_pos, prompt_mask4d(p_mask, lm.dtype), pre, keep=1,
-                            rot=rot, w=self.w)[:, -1]
-        self.logits = logits if rows is None else logits[rows]
-        # Positions of the new tokens, and their rotations, for every step at once.
-        self.pos = mask.sum(dim=1, keepdim=True) + torch.arange(max_new, device=ids.device)
-        # Rows that share a prompt in equal numbers (GRPO groups) decode group by group against
-        # one copy of each prompt's keys: ``order`` puts rows in that order, ``back`` undoes it.
-        self.order = self.back = None
-        counts = torch.bincount(rows, minlength=p_ids.shape[0]) if rows is not None else None
-        self.cache: _Static | _Shared
-        if (counts is not None and bool((counts == counts[0]).all())
-                and _copied_bytes(pre.kv[0][0], int(counts[0])) >= SHARED_MIN_BYTES):
-            self.order = torch.argsort(rows, stable=True)
-            self.back = torch.argsort(self.order)
-            self.pos = self.pos[self.order]
-            self.cache = _Shared(pre.kv, p_mask, int(counts[0]), max(max_new - 1, 1))
-        else:
-            self.cache = _Static(pre.kv, rows, tp + max(max_new - 1, 0))
-        self.rot = None
-        if tables is not None:
-            cos, sin = lm.rotary(self.pos, x, tables)
-            self.rot = list(zip(cos.split(1, dim=1), sin.split(1, dim=1)))
-        # Plain cache, padded prompts: the key mask for every step (padding, then new tokens).
-        self.key_mask = None
-        if self.order is None and not bool(mask.all()):
-            full = torch.cat([mask.bool(), mask.new_ones((b, max_new), dtype=torch.bool)], dim=1)
-            self.key_mask = additive(full[:, None, None, :], lm.dtype)
-        self.t = 0
-
-    def step(self, tokens: Tensor) -> Tensor:
-        """Feed ``tokens`` [B] (one per row); the logits [B, V] for the token after them."""
-        c, t = self.cache, self.t
-        if self.order is not None:
-            tokens = tokens[self.order]
-        mask = None if self.key_mask is None else self.key_mask.narrow(3, 0, c.len + 1)
-        logits = self.lm.forward(tokens[:, None], self.pos[:, t:t + 1], mask, c,
-                                 rot=None if self.rot is None else self.rot[t], w=self.w)
-        c.len += 1
-        self.t += 1
-        return logits[:, -1] if self.back is None else logits[self.back, -1]
+__all__ = ["FastLM", "SharedKV", "StaticKV", "base_model", "pos_ids", "unsupported"]

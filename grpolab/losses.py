@@ -10,6 +10,11 @@ workshop's presets are read from them, so a new variant is one function and one 
   (per-token loss, where clipping bit, the importance ratio).
 - ``KL_ESTIMATORS``: (logp, ref_logp) -> per-token estimate of KL(policy || reference).
 - ``LOSS_AGGREGATIONS``: (per_token, mask, norm_len) -> scalar.
+
+``grpo_loss`` is the whole objective. Given the global batch's reply and token counts
+(``global_rows``, ``global_tokens``, as verl's ``agg_loss`` takes them), it returns a part's
+exact share of the global loss and of every logged statistic, so micro-batches and ranks sum to
+the one-pass, one-process step: a property of this function, tested as such.
 """
 
 from __future__ import annotations
@@ -207,6 +212,11 @@ LOSS_AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, int | None], Tensor]] = {
 TOKEN_WEIGHTED_AGGS = frozenset({"token_mean"})
 
 
+def sequence_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str = "k3") -> Tensor:
+    """Each answer's per-token KL estimate summed over its tokens, [B] (``kl_in: reward``)."""
+    return (KL_ESTIMATORS[estimator](logp, ref_logp) * mask.to(logp.dtype)).sum(-1)
+
+
 def aggregate(per_token: Tensor, mask: Tensor, mode: str, norm_len: int | None = None) -> Tensor:
     """Reduce per-token losses to a scalar as ``LOSS_AGGREGATIONS[mode]`` says."""
     fn = LOSS_AGGREGATIONS.get(mode)
@@ -248,6 +258,8 @@ def grpo_loss(
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     top_entropy_quantile: float = 1.0,
+    global_rows: int | None = None,
+    global_tokens: int | None = None,
 ) -> LossOut:
     """Policy loss plus beta * KL per token, aggregated as ``agg`` says, minus an entropy bonus.
 
@@ -262,6 +274,12 @@ def grpo_loss(
 
     With one optimisation pass ``old_logp`` is ``logp.detach()``: the ratio is 1, its gradient
     is the policy gradient, and clipping never bites.
+
+    ``global_rows`` / ``global_tokens``: the reply and token counts of the whole batch (over
+    micro-batches and ranks) this part belongs to. The loss and ``policy_loss`` are then this
+    part's share of the global values (its replies, or for ``token_mean`` its tokens, over the
+    global count) and the token statistics (kl, clip_frac, entropy, entropy_share) its share
+    of the tokens: summing the parts gives the whole batch's numbers and gradient.
     """
     fn = POLICY_LOSSES.get(policy_loss)
     if fn is None:
@@ -295,11 +313,31 @@ def grpo_loss(
         raise ValueError("entropy_coef > 0 needs the per-token entropies")
     denom = m.sum().clamp(min=1)
     ent_val = None if entropy is None else float((entropy.detach() * m).sum() / denom)
-    return LossOut(
+    out = LossOut(
         loss=loss,
         policy_loss=float(aggregate(surrogate.detach(), mask, agg, norm_len)),
         kl=kl_val,
         clip_frac=float((clipped.to(m.dtype) * m).sum() / denom),
         entropy=ent_val,
         entropy_share=1.0 if keep is None else float((keep.to(m.dtype) * m).sum() / denom),
+    )
+    if global_rows is None and global_tokens is None:
+        return out
+    return share_of(out, mask, agg, global_rows, global_tokens)
+
+
+def share_of(out: LossOut, mask: Tensor, agg: str, global_rows: int | None,
+             global_tokens: int | None) -> LossOut:
+    """A part's numbers as its share of the global batch's: the part's mean times its count
+    over the global count (replies, or tokens for token-weighted aggregations)."""
+    tok_share = int(mask.sum()) / global_tokens if global_tokens else 1.0
+    rows = mask.shape[0] / global_rows if global_rows else 1.0
+    share = tok_share if agg in TOKEN_WEIGHTED_AGGS else rows
+    return LossOut(
+        loss=out.loss * share,
+        policy_loss=out.policy_loss * share,
+        kl=out.kl * tok_share,
+        clip_frac=out.clip_frac * tok_share,
+        entropy=None if out.entropy is None else out.entropy * tok_share,
+        entropy_share=out.entropy_share * tok_share,
     )

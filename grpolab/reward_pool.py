@@ -226,7 +226,7 @@ def pool_for(fns: Sequence[Callable], timeout: float, workers: int = 0) -> Rewar
     """Worker processes for the rewards among ``fns`` that are not grpolab's own, or None when
     ``timeout`` is 0, none needs one, or this platform cannot fork (warned once)."""
     global _warned_no_fork
-    from .rewards import runs_in_process
+    from .scoring import runs_in_process
 
     if timeout <= 0 or all(runs_in_process(f) for f in fns):
         return None

@@ -1,27 +1,22 @@
 """The headline experiment: GRPO from the fine-tuned world model at a fixed answer budget.
 
 64 answers a step split as 64/G prompts x G answers: a larger G means fewer prompts but fewer
-dead groups. ``run_sweep`` measures that trade-off (and the fixes) side by side.
+dead groups. ``run_sweep`` measures that trade-off (and the fixes) side by side; the variants
+it can run are named here. One run is ``commands.run_workshop``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import statistics
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from . import advantages, losses
+from .commands import run_workshop
 from .config import Config, ConfigError, coerce
-from .report import format_table, plot_run, plot_sweep, read_metrics, summarize
-from .rewards import exact_answer
-from .sampling import TinyBackend
-from .trainer import GRPOTrainer
-from .world import make_splits, sft_model
+from .report import format_table, plot_sweep
 
 # Named variants for sweeps: each is one switch on top of plain GRPO.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -87,32 +82,6 @@ def variants_help() -> str:
     return ("comma-separated sweep variants (default: grpo): " + ", ".join(PRESETS) + "; every "
             "registry entry as key=name (" + ", ".join(k for k in VARIANTS if "=" in k) + "); or "
             "any key=value+key=value")
-
-
-def world_trainer(cfg: Config, out_dir: str | Path | None = None) -> GRPOTrainer:
-    """A trainer on the built-in world, starting from the cached fine-tuned model."""
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
-    splits = make_splits(cfg.seed, cfg.world_train_size, cfg.world_heldout_size)
-    model = sft_model(cfg.seed, splits, cfg.sft_steps, cfg.cache_dir or None,
-                      progress=cfg.progress, slip=cfg.sft_slip)
-    backend = TinyBackend(model, lora=cfg.lora, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                          seed=cfg.seed)
-    return GRPOTrainer(cfg, backend, splits.train, [exact_answer], splits.heldout,
-                       out_dir=out_dir)
-
-
-def run_workshop(cfg: Config, out_dir: str | Path | None = None, resume: bool = False) -> dict:
-    """One workshop run: metrics.jsonl, workshop.png and summary.json in the run folder."""
-    trainer = world_trainer(cfg, out_dir)
-    trainer.train(resume=resume)
-    rows = read_metrics(trainer.out_dir / "metrics.jsonl")
-    title = (f"GRPO workshop: G={cfg.group_size}, {cfg.prompts_per_step} prompts x "
-             f"{cfg.group_size} answers per step")
-    plot_run(rows, trainer.out_dir / "workshop.png", title)
-    summary = {"group_size": cfg.group_size, "prompts_per_step": cfg.prompts_per_step,
-               **summarize(rows)}
-    (trainer.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 SWEEP_HEADER = ["variant", "G", "prompts/step", "mean dead share", "predicted dead share",

@@ -18,9 +18,9 @@ import torch
 from grpolab.cli import main
 from grpolab.config import Config
 from grpolab.losses import LossOut
-from grpolab.sampling import TinyBackend
 from grpolab.trainer import GRPOTrainer
 from grpolab.world import CharTokenizer, TinyConfig, TinyGPT, make_splits, sft_model
+from grpolab.world_backend import TinyBackend
 
 
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:

@@ -23,9 +23,9 @@ import torch.multiprocessing as mp
 
 from grpolab import dist
 from grpolab.config import Config, ConfigError
-from grpolab.sampling import TinyBackend
 from grpolab.trainer import Batch, GRPOTrainer
 from grpolab.world import CharTokenizer, TinyConfig, TinyGPT, make_splits, sft_model
+from grpolab.world_backend import TinyBackend
 
 G = 4
 GROUPS = 8

@@ -12,9 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from grpolab import fastlm
+from grpolab import fastlm, kvcache
 from grpolab.fastlm import FastLM, pos_ids, unsupported
-from grpolab.hf import HFBackend, load_model, shared_prompts
+from grpolab.hf_backend import HFBackend
+from grpolab.models import load_model
+from grpolab.rollout import shared_prompts
 from grpolab.tinyhf import make_tiny_model
 
 PROMPTS = ["What is 2 + 3?", "Compute 12 * 7. So the answer is", "1", "<think> 40 - 8 ="]
@@ -156,7 +158,7 @@ def test_shared_prompt_cache_equals_plain_cache(paths: dict[str, str], name: str
     Groups interleaved (the decoder reorders rows and must undo it), prompts of different
     lengths (left padding), GQA and GPT-2 included; unequal groups keep the plain cache.
     """
-    default = fastlm.SHARED_MIN_BYTES
+    default = kvcache.SHARED_MIN_BYTES
     be = backend(paths, name)
     prompts = [PROMPTS[i % 3] for i in range(9)]  # 3 groups of 3: rows 0, 3, 6 share a prompt
     ids, mask = be.encode_prompts(prompts)
@@ -173,12 +175,12 @@ def test_shared_prompt_cache_equals_plain_cache(paths: dict[str, str], name: str
 
     plain_dec, plain = decode(1 << 62, ids, mask)
     shared_dec, shared = decode(0, ids, mask)
-    assert isinstance(plain_dec.cache, fastlm._Static)
-    assert isinstance(shared_dec.cache, fastlm._Shared) and shared_dec.cache.group == 3
+    assert isinstance(plain_dec.cache, kvcache.StaticKV)
+    assert isinstance(shared_dec.cache, kvcache.SharedKV) and shared_dec.cache.group == 3
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
-    assert isinstance(decode(default, ids, mask)[0].cache, fastlm._Static)  # tiny: below 1 MiB
+    assert isinstance(decode(default, ids, mask)[0].cache, kvcache.StaticKV)  # tiny: below 1 MiB
     ids, mask = be.encode_prompts(prompts[:8])  # groups of 3, 3 and 2
-    assert isinstance(decode(0, ids, mask)[0].cache, fastlm._Static)
+    assert isinstance(decode(0, ids, mask)[0].cache, kvcache.StaticKV)
 
 
 # ------------------------------------------------------------------------------ scoring

@@ -1,4 +1,4 @@
-"""grpolab.hf: GRPO on tiny local Hugging Face models, end to end through the CLI."""
+"""grpolab.hf_backend: GRPO on tiny local Hugging Face models, end to end through the CLI."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from grpolab import cli
-from grpolab import hf as hf_mod
+from grpolab import cli, commands, rollout, vllm_backend
 from grpolab.fastlm import base_model
-from grpolab.hf import HFBackend, load_model
-from grpolab.sampling import first_eos_mask
+from grpolab.hf_backend import HFBackend
+from grpolab.models import load_model
+from grpolab.rollout import first_eos_mask
 from grpolab.tinyhf import CHAT_TEMPLATE, make_tiny_model
 
 # A random tiny model hits this on roughly a third of its 16-token answers, so most groups are
@@ -67,13 +67,13 @@ def write_config(tmp_path: Path, model: str, **over: Any) -> tuple[str, Path]:
 def run_cli(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> Any:
     """cli.main, capturing the trainer that run_train returns (the CLI discards it)."""
     seen: dict[str, Any] = {}
-    real = hf_mod.run_train
+    real = commands.run_train
 
     def spy(cfg: Any, resume: bool = False) -> Any:
         seen["trainer"] = real(cfg, resume=resume)
         return seen["trainer"]
 
-    monkeypatch.setattr(hf_mod, "run_train", spy)
+    monkeypatch.setattr(commands, "run_train", spy)
     assert cli.main(argv) == 0
     return seen["trainer"]
 
@@ -298,7 +298,7 @@ def test_vllm_without_gpu_is_one_line_exit_2(
 ) -> None:
     pytest.importorskip("transformers")
     try:
-        hf_mod.check_vllm()
+        vllm_backend.check_vllm()
     except ValueError:
         pass
     else:
@@ -499,12 +499,12 @@ def test_sample_next_draws_from_softmax() -> None:
     logits = torch.tensor([[2.0, 0.0, -1.0, float("-inf"), 1.0]]).repeat(200_000, 1)
     gen = torch.Generator().manual_seed(0)
     for t in (1.0, 0.7):
-        draws = hf_mod.sample_next(logits, t, gen)
+        draws = rollout.sample_next(logits, t, gen)
         freq = torch.bincount(draws, minlength=5).double() / len(draws)
         want = torch.softmax(logits[0].double() / t, -1)
         assert freq[3] == 0  # probability 0 is never drawn
         torch.testing.assert_close(freq, want, atol=5e-3, rtol=0)
-    assert hf_mod.sample_next(logits[:2], 0.0).tolist() == [0, 0]
+    assert rollout.sample_next(logits[:2], 0.0).tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -513,7 +513,7 @@ def test_shared_prompt_scoring_equals_one_pass(request: pytest.FixtureRequest, a
     backend = HFBackend(*load_model(request.getfixturevalue(arch)), reference=False)
     prompts = [p for p in PROMPTS for _ in range(3)]
     ro = backend.generate(prompts, 1.0, 10, torch.Generator().manual_seed(3))
-    assert hf_mod.shared_prompts(ro.prompt_ids, ro.prompt_mask) is not None
+    assert rollout.shared_prompts(ro.prompt_ids, ro.prompt_mask) is not None
     backend.model.train()
     results = []
     for lean in (True, False):

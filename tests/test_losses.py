@@ -110,3 +110,40 @@ def test_first_epoch_ratio_is_one() -> None:
     assert out.clip_frac == 0.0
     out.loss.backward()
     assert torch.count_nonzero(logp.grad) == 3
+
+
+@pytest.mark.parametrize("agg", ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm",
+                                 "seq_mean_token_sum"])
+def test_parts_with_global_denominators_sum_to_the_whole_batch(agg: str) -> None:
+    """Micro-batches and ranks are a property of grpo_loss: each part, given the global reply
+    and token counts, returns its exact share, so the parts' losses, statistics and gradients
+    add up to the one-pass numbers (verl's agg_loss with global batch size and token count)."""
+    g = torch.Generator().manual_seed(0)
+    b, t = 6, 5
+    logp0 = -torch.rand(b, t, generator=g) - 0.1
+    ref = logp0 - 0.1 * torch.rand(b, t, generator=g)
+    ent = torch.rand(b, t, generator=g)
+    mask = torch.ones(b, t)
+    for i, n in enumerate((5, 2, 4, 1, 3, 5)):  # answers of different lengths
+        mask[i, n:] = 0
+    adv = torch.randn(b, generator=g)
+    kw = {"beta": 0.1, "agg": agg, "norm_len": t, "entropy_coef": 0.01}
+
+    def run(rows: list[int], whole: bool) -> tuple[torch.Tensor, object]:
+        lp = logp0.clone().requires_grad_(True)
+        r = torch.tensor(rows)
+        out = grpo_loss(lp[r], lp[r].detach(), ref[r], adv[r], mask[r], entropy=ent[r], **kw,
+                        **({} if whole else {"global_rows": b,
+                                             "global_tokens": int(mask.sum())}))
+        out.loss.backward()
+        return lp.grad, out
+
+    grad_all, whole = run(list(range(b)), True)
+    parts = [[0, 1], [2, 3, 4], [5]]  # two micro-batches and a third "rank", unequal in size
+    outs = [run(p, False) for p in parts]
+    grad = sum(o[0] for o in outs)
+    torch.testing.assert_close(grad, grad_all, rtol=1e-5, atol=1e-7)
+    assert sum(float(o.loss) for _, o in outs) == pytest.approx(float(whole.loss), rel=1e-5)
+    for name in ("policy_loss", "kl", "clip_frac", "entropy", "entropy_share"):
+        assert sum(getattr(o, name) for _, o in outs) == pytest.approx(getattr(whole, name),
+                                                                       rel=1e-5), name

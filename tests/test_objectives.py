@@ -144,7 +144,7 @@ def test_config_choices_are_the_registries() -> None:
 
 
 def test_cli_lists_every_option_with_one_line_of_help(capsys) -> None:
-    from grpolab.cli import build_parser, field_help
+    from grpolab.cli import build_parser, command_fields, field_help
     from grpolab.workshop import PRESETS, VARIANTS
 
     helps = field_help()
@@ -152,12 +152,21 @@ def test_cli_lists_every_option_with_one_line_of_help(capsys) -> None:
     assert not missing, f"config fields without a trailing comment (their --help): {missing}"
     assert all("\n" not in h for h in helps.values())
     parser = build_parser()
-    with pytest.raises(SystemExit):
-        parser.parse_args(["train", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    for name in Config.__dataclass_fields__:
-        assert "--" + name.replace("_", "-") in text
-        assert " ".join(helps[name].split()) in text, name
+    # every config field is a flag of some command; each command's --help has each of its
+    # flags with its one line of help, and none of the flags that do not apply to it
+    offered = {c: command_fields(c) for c in ("workshop", "train", "eval")}
+    assert set().union(*offered.values()) == set(Config.__dataclass_fields__)
+    assert "sft_steps" not in offered["train"] and "model_path" not in offered["workshop"]
+    assert "eval_samples" in offered["eval"] and "lora_r" not in offered["eval"]
+    for command, names in offered.items():
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        for name in names:
+            assert "--" + name.replace("_", "-") in text
+            assert " ".join(helps[name].split()) in text, name
+        for name in set(Config.__dataclass_fields__) - set(names):
+            assert "--" + name.replace("_", "-") + " " not in text, (command, name)
     sub = parser._subparsers._group_actions[0].choices
     actions = {a.dest: a for a in sub["train"]._actions}
     assert tuple(actions["policy_loss"].choices) == tuple(L.POLICY_LOSSES)
@@ -386,7 +395,8 @@ def test_entropy_matches_trl() -> None:
 def test_hf_backend_scores_entropy_in_the_same_pass(tmp_path, monkeypatch, fast: str) -> None:
     """Hugging Face models (lean forward and plain HF forward): the same log-probs as
     ``logprobs``, bit for bit, and the entropy of the model's own next-token distribution."""
-    from grpolab.hf import load_model, make_backend
+    from grpolab.commands import make_backend
+    from grpolab.models import load_model
     from grpolab.tinyhf import make_tiny_model
 
     monkeypatch.setenv("GRPOLAB_FASTLM", fast)
@@ -560,7 +570,7 @@ def test_trainer_keeps_each_reward_for_gdpo(tmp_path) -> None:
         tr = trainer(tmp_path / str(dynamic), reward_aggregation="normalize_then_sum",
                      dynamic_sampling=dynamic, reward_weights=[1.0, 0.5],
                      rewards=["first_digit_odd", "short"])
-        tr.reward_fns = [first_digit_odd, short]
+        tr.scorer.reward_fns = [first_digit_odd, short]
         batch = tr.collect()
         assert batch.rewards_per_fn.shape == (len(batch.rows), 2)
         assert torch.allclose(batch.rewards_per_fn @ torch.tensor([1.0, 0.5]), batch.rewards)
@@ -596,7 +606,8 @@ def trl_model_rewards(fn, prompts, completions) -> list[float]:
 
 
 def test_reward_model_matches_trl(tmp_path) -> None:
-    from grpolab.rewards import load_reward, runs_in_process, score
+    from grpolab.rewards import load_reward
+    from grpolab.scoring import runs_in_process, score
 
     path = _reward_model(tmp_path, chat=True)
     fn = load_reward(f"rm:{path}")
@@ -741,9 +752,9 @@ def _dist_update(over: dict, out_dir) -> dict:
     """One update on a fixed batch of 8 groups of 4 with two rewards; under two ranks each
     holds 3 and 5 groups. Returns the gradients."""
     from grpolab import dist
-    from grpolab.sampling import TinyBackend
     from grpolab.trainer import Batch, GRPOTrainer
     from grpolab.world import TinyConfig, TinyGPT, make_splits
+    from grpolab.world_backend import TinyBackend
 
     torch.manual_seed(0)
     model = TinyGPT(TinyConfig(d_model=32, n_layers=2))

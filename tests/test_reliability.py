@@ -36,15 +36,14 @@ from grpolab.report import read_metrics
 from grpolab.reward_pool import RewardPool
 from grpolab.rewards import (
     THINK_ANSWER_PATTERN,
-    RewardError,
     format_reward,
     load_reward,
     math_answer,
-    score,
 )
-from grpolab.sampling import TinyBackend
+from grpolab.scoring import RewardError, score
 from grpolab.trainer import GRPOTrainer, RunStopped
 from grpolab.world import CharTokenizer, TinyConfig, TinyGPT, make_splits, sft_model
+from grpolab.world_backend import TinyBackend
 
 # ------------------------------------------------------------------------------- helpers
 
@@ -247,7 +246,7 @@ def test_a_reward_that_always_hangs_stops_the_run_with_one_line(tmp_path: Path) 
         tr.train()
     assert "timed out after 0.3 s" in str(info.value) and "\n" not in str(info.value)
     assert time.monotonic() - t0 < 20
-    assert tr._pool is None  # workers stopped on the way out
+    assert tr.scorer.pool is None  # workers stopped on the way out
     assert _steps(tmp_path) == []  # it failed at once: on the step-0 evaluation
 
 
@@ -564,7 +563,8 @@ def gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_a_100k_character_row_is_cut_to_the_prompt_limit(
         gpt2: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from grpolab.hf import HFBackend, load_model
+    from grpolab.hf_backend import HFBackend
+    from grpolab.models import load_model
     from grpolab.tinyhf import make_tiny_model
 
     row = "word " * 20_000 + "What is 2 + 3?"
@@ -595,7 +595,8 @@ def test_a_row_no_model_can_take_is_a_one_line_dataset_error(tmp_path: Path) -> 
 
 def test_max_new_tokens_beyond_gpt2_positions_fails_up_front(
         gpt2: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from grpolab.hf import HFBackend, load_model
+    from grpolab.hf_backend import HFBackend
+    from grpolab.models import load_model
 
     with pytest.raises(ConfigError, match="max_new_tokens 1100 does not fit the model's 1024"):
         HFBackend(*load_model(gpt2), reference=False, max_new_tokens=1100)

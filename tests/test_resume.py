@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from grpolab.config import Config
-from grpolab.sampling import TinyBackend
 from grpolab.trainer import CheckpointError, GRPOTrainer
 from grpolab.world import CharTokenizer, TinyConfig, TinyGPT, make_splits, sft_model
+from grpolab.world_backend import TinyBackend
 
 LAUNCHER = '''
 import os

@@ -12,13 +12,12 @@ import torch
 
 from grpolab.rewards import (
     THINK_ANSWER_PATTERN,
-    ScoreResult,
     exact_answer,
     format_reward,
     load_reward,
     math_answer,
-    score,
 )
+from grpolab.scoring import ScoreResult, score
 
 
 def test_exact_answer_strips_whitespace_and_stringifies_gold() -> None:

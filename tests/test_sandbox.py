@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from grpolab.rewards import load_reward, score
+from grpolab.rewards import load_reward
 from grpolab.sandbox import Limits, code_reward, extract_code, parse_tests, run_tests
+from grpolab.scoring import score
 
 ADD_TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]
 QUICK = Limits(cpu_seconds=2, wall_seconds=5)

@@ -10,9 +10,9 @@ import torch
 from grpolab.advantages import dead_mask
 from grpolab.config import make_config
 from grpolab.curriculum import PromptSampler, curriculum_weights
-from grpolab.sampling import TinyBackend
 from grpolab.trainer import GRPOTrainer, lr_factor
 from grpolab.world import TinyConfig, TinyGPT, make_splits
+from grpolab.world_backend import TinyBackend
 
 
 def first_digit_odd(prompts, completions, **_):

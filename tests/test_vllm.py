@@ -1,4 +1,4 @@
-"""grpolab.hf.VLLMBackend against a stand-in vLLM engine (there is no GPU here).
+"""grpolab.vllm_backend.VLLMBackend against a stand-in vLLM engine (there is no GPU here).
 
 What is ours is checked: the weights pushed to the engine (names and values, LoRA merged), the
 prefix-cache reset after each push, one sampling seed per answer (a group's answers differ, and
@@ -18,9 +18,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from grpolab import hf as hf_mod
-from grpolab.hf import VLLMBackend, load_model
+from grpolab import vllm_backend
+from grpolab.models import load_model
 from grpolab.tinyhf import make_tiny_model
+from grpolab.vllm_backend import VLLMBackend
 
 
 class FakeSamplingParams:
@@ -66,7 +67,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     mod = types.ModuleType("vllm")
     mod.LLM, mod.SamplingParams = FakeLLM, FakeSamplingParams
     monkeypatch.setitem(sys.modules, "vllm", mod)
-    monkeypatch.setattr(hf_mod, "check_vllm", lambda: None)  # no CUDA needed by the stand-in
+    monkeypatch.setattr(vllm_backend, "check_vllm", lambda: None)  # no CUDA needed by the stand-in
 
 
 @pytest.fixture(scope="module")

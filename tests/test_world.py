@@ -4,8 +4,9 @@ import math
 
 import torch
 
-from grpolab.sampling import TinyBackend, cat_rollouts
+from grpolab.rollout import cat_rollouts
 from grpolab.world import CharTokenizer, TinyConfig, TinyGPT, check, encode_batch, make_splits
+from grpolab.world_backend import TinyBackend
 
 
 def backend(seed: int = 0) -> TinyBackend:

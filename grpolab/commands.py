@@ -1,0 +1,302 @@
+"""The commands: ``grpolab workshop``, ``grpolab train`` and ``grpolab eval``, in one place.
+
+Each builds a backend and a scorer (``scoring.make_scorer``, the one factory), runs, and ends
+with the same finishing step (``finish_run``: the plot and ``summary.json``); held-out accuracy
+is ``scoring.score_answers`` for all of them. ``cli.py`` parses the flags and calls
+``workshop``, ``train`` or ``evaluate`` here; the Python API is ``run_workshop``,
+``run_train`` and ``run_eval``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import dist
+from .config import Config, ConfigError
+from .report import plot_run, read_metrics, summarize
+from .scoring import load_rewards, make_scorer, score_answers
+from .trainer import GRPOTrainer
+
+log = logging.getLogger("grpolab")
+
+
+def finish_run(out: Path, plot_name: str, title: str, lengths: bool = False,
+               **fields: Any) -> dict[str, Any]:
+    """The end of every run: its plot (``plot_name``) and ``summary.json`` (``fields`` then the
+    numbers of ``report.summarize``), from the metrics on disk; returns the summary."""
+    rows = read_metrics(out / "metrics.jsonl")
+    plot_run(rows, out / plot_name, title, lengths=lengths)
+    summary = {**fields, **summarize(rows)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+# ----------------------------------------------------------------------------- workshop
+
+
+def world_trainer(cfg: Config, out_dir: str | Path | None = None) -> GRPOTrainer:
+    """A trainer on the built-in world, starting from the cached fine-tuned model."""
+    from .rewards import exact_answer
+    from .world import make_splits, sft_model
+    from .world_backend import TinyBackend
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
+    splits = make_splits(cfg.seed, cfg.world_train_size, cfg.world_heldout_size)
+    model = sft_model(cfg.seed, splits, cfg.sft_steps, cfg.cache_dir or None,
+                      progress=cfg.progress, slip=cfg.sft_slip)
+    backend = TinyBackend(model, lora=cfg.lora, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                          seed=cfg.seed)
+    return GRPOTrainer(cfg, backend, splits.train, [exact_answer], splits.heldout,
+                       out_dir=out_dir)
+
+
+def run_workshop(cfg: Config, out_dir: str | Path | None = None, resume: bool = False) -> dict:
+    """One workshop run: metrics.jsonl, workshop.png and summary.json in the run folder."""
+    trainer = world_trainer(cfg, out_dir)
+    trainer.train(resume=resume)
+    title = (f"GRPO workshop: G={cfg.group_size}, {cfg.prompts_per_step} prompts x "
+             f"{cfg.group_size} answers per step")
+    return finish_run(trainer.out_dir, "workshop.png", title, group_size=cfg.group_size,
+                      prompts_per_step=cfg.prompts_per_step)
+
+
+def workshop(cfg: Config, sweep: str | None, variants: str | None, seeds: str | None,
+             resume: bool) -> int:
+    """``grpolab workshop``: one run, or with --sweep/--variants/--seeds a table of runs."""
+    from .workshop import run_sweep
+
+    if sweep or variants or seeds:
+        if dist.is_dist():
+            raise ConfigError("--sweep/--variants run one after another; under torchrun "
+                              "launch one configuration at a time")
+        sizes = _int_list(sweep, "--sweep") if sweep else [cfg.group_size]
+        names = [v.strip() for v in (variants or "grpo").split(",") if v.strip()]
+        print(run_sweep(cfg, sizes, names, _int_list(seeds, "--seeds") if seeds else None))
+        print(f"\nwrote {cfg.out_dir}/sweep.md and {cfg.out_dir}/sweep.png")
+        return 0
+    if not dist.is_main():  # the other ranks train alongside rank 0, which writes everything
+        world_trainer(cfg).train(resume=resume)
+        return 0
+    s = run_workshop(cfg, resume=resume)
+    print(f"G={s['group_size']} ({s['prompts_per_step']} prompts/step): mean dead share "
+          f"{s['mean_dead_share']:.3f} (predicted {s['mean_predicted_dead_share']:.3f}), "
+          f"held-out accuracy {s['start_heldout_acc']:.3f} -> {s['final_heldout_acc']:.3f} "
+          f"(greedy), {s['start_heldout_pass_prob']:.3f} -> {s['final_heldout_pass_prob']:.3f} "
+          f"(T={cfg.temperature}, exact)")
+    print(f"wrote {cfg.out_dir}/metrics.jsonl and {cfg.out_dir}/workshop.png")
+    return 0
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated integers (got {text!r})") from None
+    if not vals:
+        raise ConfigError(f"{what} is empty")
+    return vals
+
+
+# ----------------------------------------------------------------------------- real models
+
+
+def check_paths(cfg: Config, command: str = "train") -> None:
+    """One-line errors for a missing model, dataset or reward, before anything loads."""
+    from .models import is_model_source
+    from .tasks import is_task
+
+    if not cfg.model_path:
+        raise ConfigError(f"grpolab {command} needs model_path (a local Hugging Face model "
+                          "folder, a .gguf file or smollm2-135m-instruct)")
+    mp = Path(cfg.model_path).expanduser()
+    if is_model_source(cfg.model_path):
+        pass  # a GGUF file or a known name: models.resolve_model checks and converts it
+    elif not mp.exists():
+        raise FileNotFoundError(f"model_path {str(mp)!r} does not exist")
+    elif not (mp / "config.json").is_file():
+        raise FileNotFoundError(f"model_path {str(mp)!r} is not a Hugging Face model directory "
+                                "(no config.json)")
+    if not (cfg.dataset or (command == "eval" and cfg.eval_dataset)):
+        raise ConfigError(f"grpolab {command} needs dataset (a local .jsonl/.parquet/.csv file "
+                          "or reasoning_gym:<task>)")
+    for name in ("dataset", "eval_dataset"):
+        value = getattr(cfg, name)
+        if value and not is_task(value) and not Path(value).expanduser().exists():
+            raise FileNotFoundError(f"{name} {value!r} does not exist")
+    if not cfg.rewards:
+        raise ConfigError("rewards is empty; name at least one reward (e.g. math, format)")
+
+
+def make_backend(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    """The HF backend (or the vLLM one) the config describes, around a loaded model."""
+    from .hf_backend import HFBackend
+
+    kwargs: dict[str, Any] = {
+        "lora": cfg.lora, "lora_r": cfg.lora_r, "lora_alpha": cfg.lora_alpha,
+        "lora_dropout": cfg.lora_dropout,
+        "lora_target_modules": list(cfg.lora_target_modules) or None,
+        "use_chat_template": cfg.use_chat_template, "reference": cfg.beta > 0, "seed": cfg.seed,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "max_prompt_tokens": cfg.max_prompt_tokens, "max_new_tokens": cfg.max_new_tokens,
+    }
+    if cfg.rollout_backend == "vllm":
+        from .vllm_backend import VLLMBackend
+
+        return VLLMBackend(model, tokenizer, str(Path(cfg.model_path).expanduser()), **kwargs)
+    return HFBackend(model, tokenizer, **kwargs)
+
+
+def _load(cfg: Config) -> tuple[Any, Any]:
+    from .models import load_model
+
+    return load_model(str(Path(cfg.model_path).expanduser()), dtype=cfg.dtype,
+                      cache_dir=cfg.cache_dir)
+
+
+def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
+    """``grpolab train``: GRPO on a local HF model and dataset; returns the ``GRPOTrainer``.
+
+    Writes ``metrics.jsonl``, ``checkpoints/last.pt``, ``train.png``, ``summary.json`` and the
+    final model (LoRA merged) plus tokenizer in ``<out_dir>/final``.
+    """
+    from .data import run_rows
+
+    check_paths(cfg)
+    if cfg.rollout_backend == "vllm":
+        from .vllm_backend import check_vllm
+
+        check_vllm()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not cfg.progress:  # --no-progress also quiets the weight loading/saving bars
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    rows, heldout = run_rows(cfg)
+    reward_fns, watch = load_rewards(cfg)
+    model, tok = _load(cfg)
+    if cfg.dtype != "float32" and not cfg.lora and dist.is_main():
+        log.warning("full fine-tuning in %s: weights and Adam states stay in %s, and updates "
+                    "below its resolution are lost; LoRA adapters train in float32", cfg.dtype,
+                    cfg.dtype)
+    backend = make_backend(cfg, model, tok)
+    backend.render(rows[0]["prompt"])  # chat prompts without a chat template fail here, early
+    trainer = GRPOTrainer(cfg, backend, rows, reward_fns, heldout, out_dir=cfg.out_dir,
+                          watch_fn=watch)
+    trainer.train(resume=resume)
+    if not dist.is_main():  # under torchrun rank 0 alone writes the model, plot and summary
+        return trainer
+    out = trainer.out_dir
+    backend.save_pretrained(str(out / "final"))
+    title = (f"GRPO on {Path(cfg.model_path).name}: G={cfg.group_size}, {cfg.prompts_per_step} "
+             f"prompts per step{' (LoRA)' if cfg.lora else ''}")
+    summary = finish_run(out, "train.png", title, lengths=True, model_path=cfg.model_path,
+                         lora=cfg.lora)
+    acc = (f", held-out accuracy {summary['start_heldout_acc']:.3f} -> "
+           f"{summary['final_heldout_acc']:.3f}" if heldout else " (no eval_dataset)")
+    if "start_heldout_check_acc" in summary:
+        acc += (f"; strict check ({cfg.watch_reward}) {summary['start_heldout_check_acc']:.3f} -> "
+                f"{summary['final_heldout_check_acc']:.3f}")
+        if summary["hacking_suspected_steps"]:
+            acc += f"; REWARD HACKING SUSPECTED at steps {summary['hacking_suspected_steps']}"
+    print(f"trained {summary['steps']} steps: mean reward {summary['mean_reward']:.3f}{acc}")
+    print(f"wrote {out}/metrics.jsonl, {out}/train.png and the model in {out}/final")
+    return trainer
+
+
+def train(cfg: Config, resume: bool) -> int:
+    """``grpolab train``."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"grpolab train needs the Hugging Face extras ({e})") from None
+    run_train(cfg, resume=resume)
+    return 0
+
+
+# ----------------------------------------------------------------------------- eval
+
+
+def run_eval(cfg: Config) -> dict[str, Any]:
+    """Greedy accuracy and per-reward means on the first ``eval_size`` rows of eval_dataset (or
+    dataset); with ``eval_samples`` n > 0 also pass@k for k = 1, 2, 4, ... n at ``temperature``.
+    Writes ``<out_dir>/eval.json`` and returns it."""
+    from .data import run_rows
+    from .evaluate import ks_up_to, pass_at_k, standard_error
+
+    check_paths(cfg, "eval")
+    train_rows, held = run_rows(cfg)
+    rows = (held or train_rows)[: cfg.eval_size]
+    scorer = make_scorer(cfg)
+    model, tok = _load(cfg)
+    # The training backend's settings (chat template, prompt limit, seed), minus what only
+    # training needs: adapters, the reference copy, checkpointing.
+    backend = make_backend(dataclasses.replace(cfg, lora=False, beta=0.0, rollout_backend="hf",
+                                               gradient_checkpointing=False), model, tok)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    n = cfg.eval_samples
+    try:  # in chunks of ``budget`` answers (bounded memory)
+        greedy = score_answers(backend, rows, scorer, cfg.max_new_tokens, cfg.success_threshold,
+                               0.0, gen, chunk=cfg.budget)
+        if n:
+            sampled = score_answers(backend, [r for r in rows for _ in range(n)], scorer,
+                                    cfg.max_new_tokens, cfg.success_threshold, cfg.temperature,
+                                    gen, chunk=cfg.budget)
+    finally:
+        scorer.close()
+    ok, per_fn = greedy.ok, greedy.per_fn
+    out: dict[str, Any] = {
+        "model_path": cfg.model_path, "dataset": cfg.eval_dataset or cfg.dataset,
+        "prompts": len(rows), "greedy_accuracy": float(ok.float().mean()),
+        "greedy_accuracy_se": standard_error(ok.double()),
+        **{f"rewards/{name}": float(per_fn[:, j].mean()) for j, name in enumerate(greedy.names)},
+        "reward_problems": greedy.problems,
+        "greedy_correct": ok.int().tolist(),  # per prompt, for paired comparisons
+    }
+    if n:
+        correct = sampled.ok.view(len(rows), n).sum(1)
+        out.update({"samples_per_prompt": n, "temperature": cfg.temperature,
+                    "sampled_accuracy": float(sampled.ok.float().mean()),  # == pass@1
+                    "sampled_accuracy_se": standard_error(correct.double() / n),
+                    "sampled_reward_problems": sampled.problems,
+                    "sampled_correct": correct.tolist()})
+        out.update({f"pass@{k}": float(pass_at_k(n, correct, k).mean()) for k in ks_up_to(n)})
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "eval.json").write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def evaluate(cfg: Config, compare_to: str | None = None) -> int:
+    """``grpolab eval``: print the measures (and, with --compare, the paired gains)."""
+    if dist.is_dist():
+        raise ConfigError("grpolab eval runs in one process; launch it without torchrun")
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"grpolab eval needs the Hugging Face extras ({e})") from None
+    from .evaluate import compare
+
+    before = None
+    if compare_to:
+        try:
+            before = json.loads(Path(compare_to).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--compare {compare_to}: cannot read it ({e})") from None
+    res = run_eval(cfg)
+    line = f"{res['prompts']} prompts: greedy accuracy {res['greedy_accuracy']:.3f}"
+    ks = [k for k in res if k.startswith("pass@")]
+    if ks:
+        line += f"; at T={res['temperature']}, " + ", ".join(f"{k} {res[k]:.3f}" for k in ks)
+    print(line)
+    if before is not None:
+        for name, (gain, se) in compare(before, res).items():
+            print(f"  {name}: {gain:+.3f} ± {se:.3f} (paired standard error) against {compare_to}")
+    print(f"wrote {cfg.out_dir}/eval.json")
+    return 0
