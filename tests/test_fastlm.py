@@ -115,7 +115,7 @@ def test_llama_family_variants_match_hf(kind: str) -> None:
 def cache_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Decode grouped rows with a plain cache (prompt copied per row) or the shared one."""
     shared = request.param == "shared-cache"
-    monkeypatch.setattr(fastlm, "SHARED_MIN_BYTES", 0 if shared else 1 << 62)
+    monkeypatch.setattr(kvcache, "SHARED_MIN_BYTES", 0 if shared else 1 << 62)
     return request.param
 
 
@@ -167,7 +167,7 @@ def test_shared_prompt_cache_equals_plain_cache(paths: dict[str, str], name: str
                          generator=torch.Generator().manual_seed(0))
 
     def decode(min_bytes: int, ids: torch.Tensor, mask: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        monkeypatch.setattr(fastlm, "SHARED_MIN_BYTES", min_bytes)
+        monkeypatch.setattr(kvcache, "SHARED_MIN_BYTES", min_bytes)
         with torch.inference_mode():
             dec = be._fast.decoder(ids, mask, 7, shared_prompts(ids, mask))
             out = [dec.logits] + [dec.step(tokens[: ids.shape[0]]) for tokens in feed]
