@@ -92,11 +92,13 @@ def variants_help() -> str:
 def world_trainer(cfg: Config, out_dir: str | Path | None = None) -> GRPOTrainer:
     """A trainer on the built-in world, starting from the cached fine-tuned model."""
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
-    splits = make_splits(cfg.seed, cfg.world_train_size, cfg.world_heldout_size)
+    splits = make_splits(cfg.seed, cfg.world_train_size, cfg.world_heldout_size,
+                         cfg.world_top_share)
     model = sft_model(cfg.seed, splits, cfg.sft_steps, cfg.cache_dir or None,
-                      progress=cfg.progress, slip=cfg.sft_slip)
-    backend = TinyBackend(model, lora=cfg.lora, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                          seed=cfg.seed)
+                      progress=cfg.progress, slip=cfg.sft_slip, slip_top=cfg.sft_slip_top,
+                      top_share=cfg.world_top_share)
+    backend = TinyBackend(model, lora=cfg.lora, lora_r=cfg.lora_r,
+                          lora_alpha=cfg.world_lora_alpha, seed=cfg.seed)
     return GRPOTrainer(cfg, backend, splits.train, [exact_answer], splits.heldout,
                        out_dir=out_dir)
 
@@ -122,12 +124,16 @@ SWEEP_HEADER = ["variant", "G", "prompts/step", "mean dead share", "predicted de
 SUMMARY_KEYS = ["mean_dead_share", "mean_predicted_dead_share", "start_heldout_acc",
                 "final_heldout_acc", "heldout_acc_gain", "start_heldout_pass_prob",
                 "final_heldout_pass_prob", "heldout_pass_prob_gain", "answers_generated"]
+# also averaged over seeds (summary.json and the sweep plot), not table columns
+EXTRA_KEYS = ["answers_per_useful", "dead_share_first10", "dead_share_last10",
+              "dead_all_right_first10", "dead_all_right_last10", "reward_first10",
+              "reward_last10", "corr_all_right_dead_vs_acc", "corr_dead_vs_acc"]
 
 
 def mean_summary(summaries: list[dict]) -> dict:
     """Mean over seeds of every table number, plus its spread (sample std) where n > 1."""
     out: dict = {}
-    for k in SUMMARY_KEYS:
+    for k in SUMMARY_KEYS + [k for k in EXTRA_KEYS if all(k in s for s in summaries)]:
         vals = [s[k] for s in summaries]
         out[k] = sum(vals) / len(vals)
         if len(vals) > 1:
