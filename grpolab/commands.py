@@ -48,11 +48,13 @@ def world_trainer(cfg: Config, out_dir: str | Path | None = None) -> GRPOTrainer
     from .world_backend import TinyBackend
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
-    splits = make_splits(cfg.seed, cfg.world_train_size, cfg.world_heldout_size)
+    splits = make_splits(cfg.seed, cfg.world_train_size, cfg.world_heldout_size,
+                         cfg.world_top_share)
     model = sft_model(cfg.seed, splits, cfg.sft_steps, cfg.cache_dir or None,
-                      progress=cfg.progress, slip=cfg.sft_slip)
-    backend = TinyBackend(model, lora=cfg.lora, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                          seed=cfg.seed)
+                      progress=cfg.progress, slip=cfg.sft_slip, slip_top=cfg.sft_slip_top,
+                      top_share=cfg.world_top_share)
+    backend = TinyBackend(model, lora=cfg.lora, lora_r=cfg.lora_r,
+                          lora_alpha=cfg.world_lora_alpha, seed=cfg.seed)
     return GRPOTrainer(cfg, backend, splits.train, [exact_answer], splits.heldout,
                        out_dir=out_dir)
 

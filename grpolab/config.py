@@ -100,8 +100,12 @@ class Config:
     # --- built-in world (used when model_path is empty) ---
     world_train_size: int = 1024  # training prompts the built-in world generates
     world_heldout_size: int = 256  # held-out prompts the built-in world generates
-    sft_steps: int = 1500  # SFT steps that make the built-in start (cached)
-    sft_slip: float = 0.4  # the SFT teacher forgets each carry with this probability
+    world_top_share: float = 0.22  # share of world prompts whose sum reaches 100
+    sft_steps: int = 400  # SFT steps that make the built-in start (cached)
+    sft_slip: float = 0.5  # the SFT teacher forgets the ones carry with this probability
+    sft_slip_top: float = 1.0  # ... and the carry into the hundreds with this one
+    world_lora_alpha: float = 2.0  # LoRA scale numerator of the world's policy (scale alpha/r;
+    #                                lora_alpha is the real models'): sets how fast RL moves it
     cache_dir: str = ""  # where the fine-tuned start is cached; "" = ~/.cache/grpolab
     # --- real models ---
     model_path: str = ""  # HF model folder, a .gguf file or smollm2-135m-instruct; "" = world
@@ -248,6 +252,7 @@ class Config:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
         for name, lo, hi in (("lora_dropout", 0.0, 0.999), ("sft_slip", 0.0, 1.0),
+                             ("sft_slip_top", 0.0, 1.0), ("world_top_share", 0.0, 1.0),
                              ("curriculum_floor", 1e-9, 1.0), ("curriculum_decay", 1e-9, 1.0)):
             if not lo <= getattr(self, name) <= hi:
                 raise ConfigError(f"{name} must be in [{lo:g}, {hi:g}] (got {getattr(self, name)})")

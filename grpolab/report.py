@@ -218,6 +218,8 @@ def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "",
     if steps:
         ax2.bar(steps, wrong, color="tab:red", label="dead: all wrong")
         ax2.bar(steps, right, bottom=wrong, color="tab:orange", label="dead: all right")
+        ax2.plot(steps, _rolling(right, 10), color="tab:brown", lw=2,
+                 label="dead: all right (10-step mean)")
     if _series(rows, "predicted_dead_share")[0]:
         ax2.plot(*_series(rows, "predicted_dead_share"), "k--", lw=1.2,
                  label="predicted  mean p^G+(1-p)^G")
@@ -255,8 +257,13 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         watch = {"start_heldout_check_acc": c0, "final_heldout_check_acc": c1,
                  "hacking_suspected_steps": [r["step"] for r in steps
                                              if r.get("hacking_suspected")]}
+    useful = sum(r.get("useful_answers") or 0 for r in steps)
+    generated = sum(r.get("answers_generated", 0) for r in steps)
     return {
         **watch,
+        **_waste_vs_success(steps),
+        "useful_answers": useful,
+        "answers_per_useful": generated / useful if useful else float("nan"),
         "steps": len(steps),
         "mean_dead_share": sum(dead) / len(dead) if dead else float("nan"),
         "mean_predicted_dead_share": sum(pred) / len(pred) if pred else float("nan"),
@@ -269,6 +276,43 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         "heldout_pass_prob_gain": p1 - p0,
         "mean_reward": (sum(r["reward_mean"] for r in steps) / len(steps)) if steps else float("nan"),
     }
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _corr(xs: list[float], ys: list[float]) -> float | None:
+    """Pearson correlation (None, written as JSON null, when a series is constant or too short)."""
+    n = len(xs)
+    if n < 3:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+
+
+def _waste_vs_success(steps: list[dict], k: int = 10) -> dict[str, float]:
+    """Does the waste grow as training succeeds? Dead share, its all-right part and training
+    reward over the first and last ``k`` steps, and the per-step correlation of the all-right
+    dead share with held-out accuracy (T=1 exact where the world reports it, else greedy)."""
+    rows = [r for r in steps if "dead_share" in r]
+    first, last = rows[:k], rows[-k:]
+    out = {}
+    for key, name in (("dead_share", "dead_share"), ("dead_all_right_share", "dead_all_right"),
+                      ("reward_mean", "reward")):
+        out[f"{name}_first{k}"] = _mean([r[key] for r in first if key in r])
+        out[f"{name}_last{k}"] = _mean([r[key] for r in last if key in r])
+    acc_key = ("heldout_pass_prob" if any(r.get("heldout_pass_prob") is not None for r in rows)
+               else "heldout_acc")
+    pairs = [(r["dead_all_right_share"], r[acc_key]) for r in rows
+             if r.get(acc_key) is not None and "dead_all_right_share" in r]
+    out["corr_all_right_dead_vs_acc"] = _corr([a for a, _ in pairs], [b for _, b in pairs])
+    pairs = [(r["dead_share"], r[acc_key]) for r in rows if r.get(acc_key) is not None]
+    out["corr_dead_vs_acc"] = _corr([a for a, _ in pairs], [b for _, b in pairs])
+    return out
 
 
 def _first_last(rows: list[dict], key: str) -> tuple[float, float]:
@@ -294,7 +338,9 @@ def plot_sweep(
     results: list[tuple[str, int, dict[str, Any]]], out_png: str | os.PathLike, title: str = ""
 ) -> None:
     """Compare runs by group size: dead share (measured vs predicted), held-out accuracy at the
-    end of the run, and what sampling cost. Per-step curves are in each run's workshop.png."""
+    end of the run, and what sampling cost per answer that carried a gradient (answers in live
+    groups; plain GRPO pays 1 / (1 - dead share), dynamic sampling pays for its refills). Per-step curves are in each run's
+    workshop.png."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     variants = list(dict.fromkeys(v for v, _, _ in results))
@@ -313,13 +359,14 @@ def plot_sweep(
                      label=f"{variant}: greedy")
         axes[1].plot(gs, [s["final_heldout_pass_prob"] for _, s in pts], "s:", color=c,
                      alpha=0.7, label=f"{variant}: T=1 (exact)")
-        axes[2].plot(gs, [s["answers_generated"] for _, s in pts], "o-", color=c, label=variant)
+        axes[2].plot(gs, [s.get("answers_per_useful", math.nan) for _, s in pts], "o-", color=c,
+                     label=variant)
     if start is not None:
         axes[1].axhline(start, color="grey", lw=1, ls="--", label="greedy at the start")
     if start_p is not None and not math.isnan(start_p):
         axes[1].axhline(start_p, color="grey", lw=1, ls=":", label="T=1 at the start")
     titles = ("mean dead-group share", "held-out accuracy after the run",
-              "answers generated in the run")
+              "answers generated per answer in a live group")
     for ax, name in zip(axes, titles):
         ax.set_title(name)
         ax.set_xscale("log", base=2)
@@ -330,6 +377,8 @@ def plot_sweep(
         ax.legend(fontsize=7)
     axes[0].set_ylim(0, 1)
     axes[2].set_ylim(bottom=0)
+    axes[2].axhline(1, color="grey", lw=1, ls=":")
+    axes[2].set_ylabel("generated / useful (1 = nothing wasted)")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

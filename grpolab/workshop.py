@@ -91,13 +91,23 @@ SWEEP_HEADER = ["variant", "G", "prompts/step", "mean dead share", "predicted de
 SUMMARY_KEYS = ["mean_dead_share", "mean_predicted_dead_share", "start_heldout_acc",
                 "final_heldout_acc", "heldout_acc_gain", "start_heldout_pass_prob",
                 "final_heldout_pass_prob", "heldout_pass_prob_gain", "answers_generated"]
+# also averaged over seeds (summary.json and the sweep plot), not table columns
+EXTRA_KEYS = ["answers_per_useful", "dead_share_first10", "dead_share_last10",
+              "dead_all_right_first10", "dead_all_right_last10", "reward_first10",
+              "reward_last10", "corr_all_right_dead_vs_acc", "corr_dead_vs_acc"]
 
 
 def mean_summary(summaries: list[dict]) -> dict:
-    """Mean over seeds of every table number, plus its spread (sample std) where n > 1."""
+    """Mean over seeds of every table number, plus its spread (sample std) where n > 1.
+
+    An undefined value (None or NaN: a correlation over a constant series, a short run) is left
+    out of its mean.
+    """
     out: dict = {}
-    for k in SUMMARY_KEYS:
-        vals = [s[k] for s in summaries]
+    for k in SUMMARY_KEYS + [k for k in EXTRA_KEYS if all(k in s for s in summaries)]:
+        vals = [s[k] for s in summaries if s[k] is not None and s[k] == s[k]]  # not NaN
+        if not vals:
+            continue
         out[k] = sum(vals) / len(vals)
         if len(vals) > 1:
             out[k + "_sd"] = statistics.stdev(vals)

@@ -24,70 +24,96 @@ from torch import Tensor, nn
 
 # ---------------------------------------------------------------- task ----
 
-OPS = ("+", "-", "*")
+OPS = ("+",)
+
+# The calibrated world (see docs/workshop-regime.md): most sums stay below 100; the teacher
+# forgets the ones carry half the time and never writes the leading 1 of a sum of 100 or more.
+TOP_SHARE = 0.22  # share of prompts whose sum reaches 100 (the rest sum to 0..99)
+SLIP = 0.5  # the teacher forgets the carry out of the ones column with this probability
+SLIP_TOP = 1.0  # ... and the carry into the hundreds (the leading 1) with this one
 
 
-def make_problem(rng: random.Random) -> dict[str, str]:
-    """One problem: 3-digit addition/subtraction or 3-digit x 1-digit multiplication.
+def answer_of(a: int, b: int) -> str:
+    """The right answer: the sum, written with three digits (``42+17=`` -> ``059``).
 
-    Carries, borrows and multiplication give prompts of very different difficulty, so a
-    partly-trained model solves some prompts almost always and others almost never: the
-    bimodal pass rates that make GRPO groups die.
+    A fixed width puts every answer digit at a fixed distance from the digits it depends on,
+    which a 2-layer model learns in a few hundred steps (variable-width answers take it far
+    longer).
     """
-    op = rng.choice(OPS)
-    if op == "+":
-        a, b = rng.randrange(1000), rng.randrange(1000)
-        ans = a + b
-    elif op == "-":
-        a, b = rng.randrange(1000), rng.randrange(1000)
-        a, b = max(a, b), min(a, b)
-        ans = a - b
-    else:
-        a, b = rng.randrange(1000), rng.randrange(10)
-        ans = a * b
-    return {"prompt": f"{a:03d}{op}{b:03d}=", "answer": str(ans)}
+    return f"{a + b:03d}"
 
 
-def sloppy_answer(prompt: str, rng: random.Random, slip: float) -> str:
-    """The answer of a careless teacher who forgets each carry (or borrow) with prob. ``slip``.
+def make_problem(rng: random.Random, top_share: float = TOP_SHARE) -> dict[str, str]:
+    """One problem: 2-digit + 2-digit addition, ``42+17=`` with answer ``059``.
 
-    SFT on such demonstrations gives a policy that reproduces the slips: prompts without
-    carries are (almost) always right, prompts with k carries right about (1 - slip)^k of the
-    time. Forgetting a carry is one shared habit, so what GRPO unlearns on train prompts
-    carries over to held-out ones, as RL with verifiable rewards does on real models.
+    With probability ``top_share`` the two numbers are uniform among pairs whose sum reaches
+    100, otherwise uniform among pairs whose sum stays below 100 (40% of those carry out
+    of the ones column). The teacher's slips make the three kinds the three pass-rate bands of
+    the start: no carry (solved almost always), a ones carry (about half the time), a sum of
+    100 or more (never).
     """
-    a, op, b = prompt[:3], prompt[3], prompt[4:7]
-    digits: list[int] = []
-    carry = 0
-    if op == "*":
-        m = int(b)
-        for da in reversed(a):
-            v = int(da) * m + carry
-            digits.append(v % 10)
-            carry = v // 10 if rng.random() >= slip else 0
-        digits.append(carry)
-    else:
-        for da, db in zip(reversed(a), reversed(b)):
-            if op == "+":
-                v = int(da) + int(db) + carry
-                digits.append(v % 10)
-                carry = v // 10
-            else:
-                v = int(da) - int(db) - carry
-                digits.append(v % 10)
-                carry = int(v < 0)
-            if carry and rng.random() < slip:
-                carry = 0
-        if op == "+":
-            digits.append(carry)
-    return str(int("".join(str(d) for d in reversed(digits))))
+    top = rng.random() < top_share
+    while True:
+        a, b = rng.randrange(100), rng.randrange(100)
+        if (a + b >= 100) == top:
+            return {"prompt": f"{a:02d}+{b:02d}=", "answer": answer_of(a, b)}
+
+
+def carries(prompt: str) -> tuple[bool, bool]:
+    """(carry out of the ones column, carry into the hundreds) of a prompt ``ab+cd=``."""
+    a, b = int(prompt[:2]), int(prompt[3:5])
+    return (a % 10 + b % 10 >= 10, a + b >= 100)
+
+
+def teacher_pass_rate(prompt: str, slip: float = SLIP, slip_top: float = SLIP_TOP) -> float:
+    """Probability that the careless teacher's answer to ``prompt`` is right.
+
+    (1 - slip) if the ones column carries, times (1 - slip_top) if the sum reaches 100: a
+    policy that copies the teacher has these pass rates, 1 on carry-free prompts.
+    """
+    ones, top = carries(prompt)
+    return (1 - slip if ones else 1.0) * (1 - slip_top if top else 1.0)
+
+
+def sloppy_answer(prompt: str, rng: random.Random, slip: float = SLIP,
+                  slip_top: float = SLIP_TOP) -> str:
+    """The answer of a careless teacher: forgets the carry out of the ones column with
+    probability ``slip`` and the carry into the hundreds (writes ``0`` for the leading ``1``)
+    with probability ``slip_top``.
+
+    SFT on such demonstrations gives a policy that reproduces the slips: carry-free prompts
+    right almost always, prompts with a ones carry right about 1 - slip of the time, sums of
+    100 or more about 1 - slip_top of the time (never, at the default 1). Forgetting a carry is one shared habit, so what GRPO unlearns on train
+    prompts carries over to held-out ones, as RL with verifiable rewards does on real models.
+    """
+    a, b = int(prompt[:2]), int(prompt[3:5])
+    lo = a % 10 + b % 10
+    c1 = int(lo >= 10 and rng.random() >= slip)
+    hi = a // 10 + b // 10 + c1
+    c2 = int(hi >= 10 and rng.random() >= slip_top)
+    return f"{c2}{hi % 10}{lo % 10}"
+
+
+def teacher_answers(prompt: str, slip: float = SLIP,
+                    slip_top: float = SLIP_TOP) -> list[tuple[str, float]]:
+    """Every answer the careless teacher can give to ``prompt``, with its probability (the
+    distribution ``sloppy_answer`` samples from; probabilities sum to 1)."""
+    a, b = int(prompt[:2]), int(prompt[3:5])
+    lo = a % 10 + b % 10
+    out: dict[str, float] = {}
+    for c1, q1 in ((1, 1 - slip), (0, slip)) if lo >= 10 else ((0, 1.0),):
+        hi = a // 10 + b // 10 + c1
+        for c2, q2 in ((1, 1 - slip_top), (0, slip_top)) if hi >= 10 else ((0, 1.0),):
+            if q1 * q2 > 0:
+                ans = f"{c2}{hi % 10}{lo % 10}"
+                out[ans] = out.get(ans, 0.0) + q1 * q2
+    return list(out.items())
 
 
 def check(prompt: str, completion: str) -> bool:
     """The exact verifier, computed from the prompt alone."""
-    a, op, b = int(prompt[:3]), prompt[3], int(prompt[4:7])
-    want = a + b if op == "+" else a - b if op == "-" else a * b
-    return completion.strip() == str(want)
+    a, b = int(prompt[:2]), int(prompt[3:5])
+    return completion.strip() == answer_of(a, b)
 
 
 @dataclass
@@ -96,13 +122,14 @@ class Splits:
     heldout: list[dict[str, str]]
 
 
-def make_splits(seed: int, train_size: int, heldout_size: int) -> Splits:
+def make_splits(seed: int, train_size: int, heldout_size: int,
+                top_share: float = TOP_SHARE) -> Splits:
     """Disjoint train and held-out prompt sets, deterministic in ``seed``."""
     rng = random.Random(f"grpolab-world-{seed}")
     seen: set[str] = set()
     rows: list[dict[str, str]] = []
     while len(rows) < train_size + heldout_size:
-        p = make_problem(rng)
+        p = make_problem(rng, top_share)
         if p["prompt"] not in seen:
             seen.add(p["prompt"])
             rows.append(p)
@@ -113,7 +140,7 @@ class CharTokenizer:
     """Character vocabulary of the world; ids 0-2 are PAD, BOS, EOS."""
 
     PAD, BOS, EOS = 0, 1, 2
-    chars = "0123456789+-*="
+    chars = "0123456789+-*="  # - and * unused since the world is addition only
 
     def __init__(self) -> None:
         self.stoi = {c: i + 3 for i, c in enumerate(self.chars)}
@@ -142,10 +169,10 @@ class CharTokenizer:
 @dataclass
 class TinyConfig:
     vocab_size: int = 17
-    d_model: int = 96
-    n_layers: int = 3
+    d_model: int = 64
+    n_layers: int = 2
     n_heads: int = 4
-    max_len: int = 24
+    max_len: int = 16
 
 
 class Block(nn.Module):
@@ -265,32 +292,41 @@ def encode_batch(tok: CharTokenizer, rows: list[dict[str, str]], max_len: int) -
     return ids, mask
 
 
+SFT_BATCH = 256  # demonstrations per SFT step
+SFT_LR = 1e-2  # peak SFT step size (warm-up, then cosine down to a third of it)
+
+
 def sft(
     model: TinyGPT,
     tok: CharTokenizer,
     exclude: set[str],
     steps: int,
     seed: int,
-    batch_size: int = 128,
-    lr: float = 3e-3,
+    batch_size: int = SFT_BATCH,
+    lr: float = SFT_LR,
     slip: float = 0.0,
     progress: bool = False,
+    slip_top: float = 0.0,
+    top_share: float = TOP_SHARE,
 ) -> None:
     """Supervised fine-tuning on fresh random problems, never a train or held-out prompt.
 
     Keeping the RL prompts out of SFT makes train and held-out prompts alike to the model, so
     what GRPO gains on one must generalise to the other.
 
-    With ``slip`` > 0 the demonstrations come from ``sloppy_answer``: the workshop starts from
-    a partly competent policy whose mistakes RL can fix.
+    With ``slip`` or ``slip_top`` > 0 the demonstrations are the careless teacher's: each
+    prompt comes with every answer the teacher may give, weighted by its probability
+    (``teacher_answers``), which is the expected loss on ``sloppy_answer``'s samples without
+    their noise; the workshop starts from a partly competent policy whose mistakes RL can fix.
     """
     rng = random.Random(f"grpolab-sft-{seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    # Warm up, then cosine down to a third of the peak, not to zero: a model that settled at a
-    # learning rate of lr/3 (1e-3) is not thrown off by RL updates of that size.
+    warmup = max(1, min(100, steps // 10))
+    # Warm up, then cosine down to a tenth of the peak: the teacher's slips make noisy labels,
+    # and only a small final step size settles each band at its slip rate.
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
-        lambda s: min(1.0, (s + 1) / 100) * (1 + 2 * 0.5 * (1 + math.cos(math.pi * s / steps))) / 3,
+        lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))),
     )
     model.train()
     it = range(steps)
@@ -299,16 +335,22 @@ def sft(
 
         it = tqdm(it, desc="SFT (once, then cached)", leave=False)
     for _ in it:
-        rows = []
-        while len(rows) < batch_size:
-            p = make_problem(rng)
+        rows, weights, prompts = [], [], 0
+        while prompts < batch_size:
+            p = make_problem(rng, top_share)
             if p["prompt"] not in exclude:
-                if slip > 0:
-                    p["answer"] = sloppy_answer(p["prompt"], rng, slip)
-                rows.append(p)
+                prompts += 1  # one prompt: its teacher answers, weights summing to 1
+                for ans, q in teacher_answers(p["prompt"], slip, slip_top):
+                    rows.append({"prompt": p["prompt"], "answer": ans})
+                    weights.append(q)
+        w = torch.tensor(weights)
         ids, mask = encode_batch(tok, rows, model.config.max_len)
+        width = int(mask.any(0).nonzero().max()) + 1  # drop columns that are padding only
+        ids, mask = ids[:, :width], mask[:, :width]
         logits, _ = model(ids[:, :-1])
-        loss = F.cross_entropy(logits[mask[:, 1:]], ids[:, 1:][mask[:, 1:]])
+        ce = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        tok_w = mask[:, 1:].float() * w[:, None]
+        loss = (ce * tok_w).sum() / tok_w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -327,14 +369,18 @@ def sft_model(
     sft_steps: int,
     cache_dir: str | os.PathLike | None = None,
     progress: bool = False,
-    slip: float = 0.0,
+    slip: float = SLIP,
+    slip_top: float = SLIP_TOP,
+    top_share: float = TOP_SHARE,
 ) -> TinyGPT:
-    """The fine-tuned starting policy, trained once per (seed, steps, slip, model) and cached."""
+    """The fine-tuned starting policy, trained once per (seed, steps, slips, task mix, model)
+    and cached."""
     tok = CharTokenizer()
     tc = TinyConfig(vocab_size=tok.vocab_size)
     exclude = sorted(r["prompt"] for r in splits.train + splits.heldout)
     key = json.dumps(
-        {"v": 4, "seed": seed, "steps": sft_steps, "slip": slip, "model": asdict(tc),
+        {"v": 7, "seed": seed, "steps": sft_steps, "slip": slip, "slip_top": slip_top,
+         "top_share": top_share, "batch": SFT_BATCH, "lr": SFT_LR, "model": asdict(tc),
          "exclude": exclude},
         sort_keys=True,
     )
@@ -350,7 +396,8 @@ def sft_model(
         except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
             # A corrupt cache entry is rebuilt, not fatal.
             logging.getLogger("grpolab").warning("rebuilding unreadable SFT cache %s (%s)", path, e)
-    sft(model, tok, set(exclude), sft_steps, seed, slip=slip, progress=progress)
+    sft(model, tok, set(exclude), sft_steps, seed, slip=slip, progress=progress,
+        slip_top=slip_top, top_share=top_share)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     torch.save(model.state_dict(), tmp)

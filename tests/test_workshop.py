@@ -86,3 +86,40 @@ def test_mean_summary_hand_values() -> None:
     assert m["mean_dead_share"] == pytest.approx(0.3)
     assert m["mean_dead_share_sd"] == pytest.approx(0.1414, abs=1e-4)
     assert "mean_dead_share_sd" not in mean_summary([a])
+
+
+def test_short_run_is_deterministic_per_seed(tmp_path) -> None:
+    """Same seed, same thread count: the same metrics line for line (timings aside); another
+    seed is another world, start and run."""
+
+    def run(seed: int, name: str) -> list[dict]:
+        out = tmp_path / name
+        assert main(["workshop", *TINY, "--seed", str(seed), "--cache-dir",
+                     str(tmp_path / f"cache-{name}"), "--out-dir", str(out)]) == 0
+        return [{k: v for k, v in r.items() if not k.startswith("time_") and k != "run_id"}
+                for r in read_metrics(out / "metrics.jsonl")]
+
+    a, b, c = run(0, "a"), run(0, "b"), run(1, "c")
+    assert a == b
+    assert a != c
+
+
+def test_waste_vs_success_summary() -> None:
+    """First/last-ten dead shares and the correlation of the all-right dead share with
+    held-out accuracy, from hand-made steps where both rise together."""
+    from grpolab.report import summarize
+
+    rows = [{"step": 0, "heldout_acc": 0.5, "heldout_pass_prob": 0.5}]
+    for s in range(1, 21):
+        right = 0.2 + 0.02 * s
+        rows.append({"step": s, "reward_mean": 0.5 + 0.01 * s, "dead_share": right + 0.1,
+                     "dead_all_right_share": right, "dead_all_wrong_share": 0.1,
+                     "heldout_acc": 0.5, "heldout_pass_prob": 0.5 + 0.01 * s,
+                     "answers_generated": 64, "useful_answers": 32})
+    s = summarize(rows)
+    assert s["dead_share_first10"] == pytest.approx(0.1 + 0.2 + 0.02 * 5.5)
+    assert s["dead_share_last10"] == pytest.approx(0.1 + 0.2 + 0.02 * 15.5)
+    assert s["dead_all_right_last10"] > s["dead_all_right_first10"]
+    assert s["reward_last10"] == pytest.approx(0.5 + 0.155)
+    assert s["corr_all_right_dead_vs_acc"] == pytest.approx(1.0)
+    assert s["answers_per_useful"] == pytest.approx(2.0)

@@ -1,11 +1,28 @@
 """The built-in world: deterministic splits, exact checker, KV-cache sampler consistency."""
 
 import math
+import random
 
 import torch
 
 from grpolab.rollout import cat_rollouts
-from grpolab.world import CharTokenizer, TinyConfig, TinyGPT, check, encode_batch, make_splits
+from grpolab.world import (
+    SLIP,
+    SLIP_TOP,
+    TOP_SHARE,
+    CharTokenizer,
+    TinyConfig,
+    TinyGPT,
+    carries,
+    check,
+    encode_batch,
+    make_problem,
+    make_splits,
+    sft_model,
+    sloppy_answer,
+    teacher_answers,
+    teacher_pass_rate,
+)
 from grpolab.world_backend import TinyBackend
 
 
@@ -22,15 +39,80 @@ def test_splits_deterministic_and_disjoint() -> None:
     held = {r["prompt"] for r in a.heldout}
     assert len(train) == 200 and len(held) == 50 and not train & held
     assert all(check(r["prompt"], r["answer"]) for r in a.train + a.heldout)
-    assert {r["prompt"][3] for r in a.train} == {"+", "-", "*"}
+    assert {len(r["prompt"]) for r in a.train} == {6}
+    assert {len(r["answer"]) for r in a.train} == {3}
 
 
 def test_checker() -> None:
-    assert check("042+317=", "359")
-    assert check("042+317=", " 359 ")
-    assert not check("042+317=", "0359")
-    assert check("317-042=", "275") and check("012*007=", "84")
-    assert not check("012*007=", "")
+    assert check("42+17=", "059")
+    assert check("42+17=", " 059 ")
+    assert not check("42+17=", "59") and not check("42+17=", "0059")
+    assert check("57+68=", "125") and check("00+00=", "000")
+    assert not check("57+68=", "")
+
+
+def test_teacher_slips_at_the_designed_rates() -> None:
+    """The careless teacher is right with probability teacher_pass_rate: 1 without carries,
+    1 - SLIP with a ones carry, 1 - SLIP_TOP for sums of 100 or more, the product with both."""
+    rng = random.Random(0)
+    cases = {"42+17=": 1.0, "48+17=": 1 - SLIP, "72+41=": 1 - SLIP_TOP,
+             "58+67=": (1 - SLIP) * (1 - SLIP_TOP)}
+    assert carries("48+17=") == (True, False) and carries("72+41=") == (False, True)
+    n = 4000
+    for prompt, want in cases.items():
+        assert teacher_pass_rate(prompt) == want
+        freq = sum(check(prompt, sloppy_answer(prompt, rng)) for _ in range(n)) / n
+        assert abs(freq - want) <= 4 * math.sqrt(want * (1 - want) / n) + 1e-9, prompt
+    # the SFT trains on the teacher's answer distribution, which is sloppy_answer's
+    for prompt in ("58+67=", "48+17=", "95+05=", "42+17="):
+        for slip, top in ((SLIP, SLIP_TOP), (0.3, 0.6)):
+            dist = dict(teacher_answers(prompt, slip, top))
+            assert abs(sum(dist.values()) - 1) < 1e-12
+            draws = [sloppy_answer(prompt, rng, slip, top) for _ in range(n)]
+            for ans, q in dist.items():
+                assert abs(draws.count(ans) / n - q) <= 4 * math.sqrt(q * (1 - q) / n) + 1e-9
+            assert set(draws) <= set(dist)
+    # a slip writes the sum without that carry, digit by digit
+    assert sloppy_answer("58+67=", rng, 1.0, 1.0) == "015"
+    assert sloppy_answer("58+67=", rng, 0.0, 0.0) == "125"
+
+
+def test_task_mix_and_the_designed_pass_rate_distribution() -> None:
+    """The start's pass rates are designed to be polarised as the reference's: a band of
+    carry-free prompts (p = 1), a band with a ones carry (p = 1 - SLIP) and the sums of 100
+    or more (p = 0). A policy copying the teacher would have these dead shares (the SFT'd
+    one is measured in docs/workshop-regime.md)."""
+    splits = make_splits(0, 1024, 256)
+    rows = splits.train + splits.heldout
+    kinds = [carries(r["prompt"]) for r in rows]
+    top = sum(k[1] for k in kinds) / len(rows)
+    free = sum(k == (False, False) for k in kinds) / len(rows)
+    assert abs(top - TOP_SHARE) < 0.04
+    assert abs(free - (1 - TOP_SHARE) * 3025 / 5050) < 0.03  # 55 x 55 of the 5050 sums < 100
+    p = torch.tensor([teacher_pass_rate(r["prompt"]) for r in rows], dtype=torch.float64)
+    assert set(p.tolist()) == {1.0, 1 - SLIP, 0.0}
+    dead = {g: float((p**g + (1 - p) ** g).mean()) for g in (2, 8, 16)}
+    right = {g: float((p**g).mean()) for g in (2, 8, 16)}
+    assert dead[2] > dead[8] > dead[16]
+    assert 0.75 < dead[2] < 0.85 and 0.65 < dead[8] < 0.75 and 0.65 < dead[16] < 0.75
+    assert right[8] > dead[8] / 2  # most dead groups all right
+    assert 0.6 < float(p.mean()) < 0.75
+    # the mix moves with top_share: none reaches 100 at 0, every one at 1
+    rng = random.Random(1)
+    assert all(not carries(make_problem(rng, 0.0)["prompt"])[1] for _ in range(200))
+    assert all(carries(make_problem(rng, 1.0)["prompt"])[1] for _ in range(200))
+
+
+def test_sft_start_is_deterministic_per_seed(tmp_path) -> None:
+    """The fine-tuned start is a function of the seed: two trainings from scratch (separate
+    caches) give identical weights; another seed gives others."""
+    splits = make_splits(0, 64, 32)
+    a = sft_model(0, splits, 15, tmp_path / "a", slip=SLIP, slip_top=SLIP_TOP)
+    b = sft_model(0, splits, 15, tmp_path / "b", slip=SLIP, slip_top=SLIP_TOP)
+    c = sft_model(1, splits, 15, tmp_path / "c", slip=SLIP, slip_top=SLIP_TOP)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)
 
 
 def test_tokenizer_roundtrip() -> None:
@@ -66,7 +148,7 @@ def test_pass_probability_is_exact() -> None:
     torch.manual_seed(0)
     be = backend()
     # Make one answer likely enough to be sampled often: a few supervised steps on it.
-    row = {"prompt": "002+003=", "answer": "5"}
+    row = {"prompt": "02+03=", "answer": "005"}
     ids, mask = encode_batch(be.tok, [row], 12)
     opt = torch.optim.Adam(be.model.parameters(), lr=1e-2)
     for _ in range(8):
