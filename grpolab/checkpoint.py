@@ -40,7 +40,7 @@ RANK_SEED_STRIDE = 1_000_003
 # micro-batches is what it is for; float rounding then differs in the last bits).
 RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every",
                     "micro_batch", "log_samples", "overwrite", "reward_timeout", "reward_workers",
-                    "fail_on_reward_errors"}
+                    "fail_on_reward_errors", "report_to"}
 # Config keys that change the trained weights' shapes: a checkpoint of another value cannot load.
 SHAPE_KEYS = ("lora", "lora_r", "lora_target_modules", "model_path")
 

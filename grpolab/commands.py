@@ -22,6 +22,7 @@ from . import dist
 from .config import Config, ConfigError
 from .report import plot_run, read_metrics, summarize
 from .scoring import load_rewards, make_scorer, score_answers
+from .trackers import Reporter
 from .trainer import GRPOTrainer
 
 log = logging.getLogger("grpolab")
@@ -62,9 +63,11 @@ def world_trainer(cfg: Config, out_dir: str | Path | None = None) -> GRPOTrainer
 def run_workshop(cfg: Config, out_dir: str | Path | None = None, resume: bool = False) -> dict:
     """One workshop run: metrics.jsonl, workshop.png and summary.json in the run folder."""
     trainer = world_trainer(cfg, out_dir)
-    trainer.train(resume=resume)
     title = (f"GRPO workshop: G={cfg.group_size}, {cfg.prompts_per_step} prompts x "
              f"{cfg.group_size} answers per step")
+    # report_to, and the plot redrawn with a status line at each evaluation
+    trainer.reporter = Reporter(trainer.out_dir / "workshop.png", title)
+    trainer.train(resume=resume)
     return finish_run(trainer.out_dir, "workshop.png", title, group_size=cfg.group_size,
                       prompts_per_step=cfg.prompts_per_step)
 
@@ -191,15 +194,20 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
     backend.render(rows[0]["prompt"])  # chat prompts without a chat template fail here, early
     trainer = GRPOTrainer(cfg, backend, rows, reward_fns, heldout, out_dir=cfg.out_dir,
                           watch_fn=watch)
+    title = (f"GRPO on {Path(cfg.model_path).name}: G={cfg.group_size}, {cfg.prompts_per_step} "
+             f"prompts per step{' (LoRA)' if cfg.lora else ''}")
+    # report_to, and the plot redrawn with a status line at each evaluation
+    trainer.reporter = Reporter(trainer.out_dir / "train.png", title, lengths=True)
     trainer.train(resume=resume)
     if not dist.is_main():  # under torchrun rank 0 alone writes the model, plot and summary
         return trainer
     out = trainer.out_dir
     backend.save_pretrained(str(out / "final"))
-    title = (f"GRPO on {Path(cfg.model_path).name}: G={cfg.group_size}, {cfg.prompts_per_step} "
-             f"prompts per step{' (LoRA)' if cfg.lora else ''}")
     summary = finish_run(out, "train.png", title, lengths=True, model_path=cfg.model_path,
                          lora=cfg.lora)
+    from .model_card import write_model_card
+
+    write_model_card(out / "final", cfg, summary, read_metrics(out / "metrics.jsonl"))
     acc = (f", held-out accuracy {summary['start_heldout_acc']:.3f} -> "
            f"{summary['final_heldout_acc']:.3f}" if heldout else " (no eval_dataset)")
     if "start_heldout_check_acc" in summary:

@@ -59,6 +59,8 @@ class Config:
     checkpoint_every: int = 10  # steps between checkpoints (0 = none)
     log_samples: int = 1  # groups a step written to samples.jsonl (answers, rewards); 0 = none
     progress: bool = True  # show a progress bar
+    report_to: list[str] = field(default_factory=list)  # trackers fed every step: tensorboard,
+    #                                     wandb, trackio, mlflow, all or none ([] = none)
     # --- GRPO maths ---
     beta: float = 0.04  # KL weight to the frozen reference (TRL beta, verl kl_loss_coef)
     kl_estimator: KLEstimator = "k3"  # per-token KL: k1 log-ratio, k2 squared/2, k3 Schulman's
@@ -224,6 +226,9 @@ class Config:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {list(allowed)} (got {getattr(self, name)!r})")
         self._validate_ranges()
+        from .trackers import check_report_to  # trackers hook: names and packages checked
+
+        check_report_to(self.report_to)
 
     def _validate_ranges(self) -> None:
         """Every float finite (NaN passes every `<` test) and every setting in the range where

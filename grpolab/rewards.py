@@ -248,4 +248,6 @@ def load_reward(spec: str, format_pattern: str | None = None,
     if not callable(obj):  # ValueError, not TypeError: the CLI reports every bad spec alike
         msg = f"reward spec {spec!r}: {attr!r} is a {type(obj).__name__}, not callable"
         raise ValueError(msg)  # noqa: TRY004
-    return obj
+    from .reward_compat import adapt  # TRL reward hook: keywords, None, chat completions
+
+    return adapt(obj)

@@ -38,6 +38,7 @@ from .report import MetricsWriter, sample_record, step_record
 from .rollout import Backend, Rollout, micro_batches
 from .scoring import Scorer, make_scorer, score_answers
 from .stopping import RunStopped, StopSignals
+from .trackers import Reporter, finishing
 from .watch import Watch
 
 log = logging.getLogger("grpolab")
@@ -67,6 +68,8 @@ class GRPOTrainer:
     """Owns the optimiser, the RNGs and the metrics file of one run."""
 
     run_id: str | None = None  # the run's id: in every metrics line and checkpoint
+    reporter: Reporter | None = None  # trackers, live PNG, status line (grpolab.trackers)
+    last_samples: list[dict] | None = None  # the last step's sample groups (as samples.jsonl)
 
     def __init__(self, cfg: Config, backend: Backend, train_rows: list[dict],
                  reward_fns: list[Callable], heldout_rows: list[dict] | None = None,
@@ -110,7 +113,8 @@ class GRPOTrainer:
         SIGTERM/SIGUSR1 let the current step finish, write a checkpoint and raise RunStopped;
         a second one abandons the step at once. The reward workers stop on the way out.
         """
-        with self.stop.handlers(self.out_dir), contextlib.closing(self):
+        with (self.stop.handlers(self.out_dir), contextlib.closing(self),
+              finishing(self.reporter)):  # the reporter's finish, told whether the run failed
             return self._run(resume, on_step)
 
     def _run(self, resume: bool, on_step: Callable[[dict], None] | None) -> list:
@@ -125,6 +129,8 @@ class GRPOTrainer:
             self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl", after, self.run_id)
             if cfg.log_samples:
                 self.samples = MetricsWriter(self.out_dir / "samples.jsonl", after, self.run_id)
+        if self.reporter:
+            self.reporter.start(self)
         records = []
         if start == 0 and not resume:  # (a run stopped at step 0 has its line already)
             rec0 = {"step": 0, "heldout_acc": self.evaluate(),
@@ -133,6 +139,8 @@ class GRPOTrainer:
                 rec0["heldout_check_acc"] = self.watch.check_acc[-1]
             if self.metrics:
                 self.metrics.write(rec0)
+            if self.reporter:
+                self.reporter.log(rec0)
             records.append(rec0)
         self._stop_if_asked(saved=False)
         it: Any = range(start, cfg.steps)
@@ -142,6 +150,8 @@ class GRPOTrainer:
             it = tqdm(it, desc=f"GRPO G={cfg.group_size}", initial=start, total=cfg.steps)
         for _ in it:
             rec = self.step()
+            if self.reporter:  # trackers; at an evaluation the PNG and a status line
+                self.reporter.log(rec, self.last_samples)
             records.append(rec)
             if hasattr(it, "set_postfix"):  # the progress bar
                 acc = rec["heldout_acc"]
@@ -176,8 +186,9 @@ class GRPOTrainer:
         self.watch.record(rec, self.step_num)
         if self.metrics:
             self.metrics.write(rec)
+        self.last_samples = self._sample_record(batch) if self.samples else []
         if self.samples:
-            self.samples.write({"step": self.step_num, "groups": self._sample_record(batch)})
+            self.samples.write({"step": self.step_num, "groups": self.last_samples})
         return rec
 
     def collect(self) -> Batch:

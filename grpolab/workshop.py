@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import re
 import statistics
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +160,16 @@ def run_sweep(
     plot_sweep(results, root / "sweep.png",
                f"GRPO workshop sweep ({cfg.steps} steps, {cfg.budget} answers per step{over})")
     return text
+
+
+class _CallableModule(types.ModuleType):
+    """``grpolab.workshop`` names this module (``from grpolab.workshop import PRESETS``) and,
+    called, runs the workshop: ``grpolab.workshop(steps=20)`` is ``grpolab.api.workshop``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from .api import workshop
+
+        return workshop(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

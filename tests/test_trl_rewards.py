@@ -1,0 +1,119 @@
+"""TRL reward functions used unchanged: trl.rewards' own accuracy_reward and
+think_format_reward in ``grpolab train`` (and in ``grpolab.train``), None as "cannot score",
+TRL's conversational completions; the final model's card."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import grpolab
+from grpolab import cli
+from grpolab.reward_compat import TRLReward
+from grpolab.rewards import load_reward
+from grpolab.scoring import score
+from grpolab.tinyhf import make_tiny_model
+
+trl_rewards = pytest.importorskip("trl.rewards")
+
+# gold answers as TRL's GSM8K/MATH recipes give them; the empty one cannot be parsed, so
+# accuracy_reward returns None for it ("skip this example")
+ROWS = [{"prompt": f"What is {a} + {b}?", "solution": s} for a, b, s in
+        [(3, 4, "$7$"), (12, 7, "$19$"), (25, 17, "$42$"), (8, 9, "")]]
+
+
+def conversational(texts: list[str]) -> list[list[dict[str, str]]]:
+    return [[{"role": "assistant", "content": t}] for t in texts]
+
+
+def test_trl_builtins_score_like_trl() -> None:
+    acc, fmt = load_reward("trl.rewards:accuracy_reward"), load_reward(
+        "trl.rewards:think_format_reward")
+    texts = [r"so \boxed{7}", "<think>\nadd\n</think>\n19", "no idea", r"\boxed{5}"]
+    gold = ["$7$", "$19$", "$42$", ""]
+    res = score([acc, fmt], ["q"] * 4, texts, {"solution": gold})
+    want_acc = trl_rewards.accuracy_reward(conversational(texts), gold)
+    assert want_acc == [1.0, 0.0, 0.0, None]  # TRL's own verdicts, None included
+    assert res.per_fn[:, 0].tolist() == [1.0, 0.0, 0.0, 0.0]  # None counts 0, as TRL's nansum
+    assert res.per_fn[:, 1].tolist() == trl_rewards.think_format_reward(conversational(texts))
+    assert res.problems == []  # None is "cannot score", not a failure
+
+
+def test_calling_conventions() -> None:
+    def trl_style(prompts, completions, **kwargs):  # chat completions, found by trying text first
+        return [float(c[0]["content"] == "ok") for c in completions]
+
+    def keyword_order(completions, answer, **kwargs):  # not (prompts, completions) positions
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    def positional(p, c, answer, **_):  # grpolab's older convention, unchanged
+        return [float(x == a) for x, a in zip(c, answer)]
+
+    fns = [TRLReward(f) for f in (trl_style, keyword_order, positional)]
+    res = score(fns, ["q", "q"], ["ok", "no"], {"answer": ["ok", "ok"]})
+    assert res.per_fn.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]] and res.problems == []
+    assert fns[0].format == "conversational" and fns[1].format == "text"
+    assert res.names == ["trl_style", "keyword_order", "positional"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", hidden=32, heads=4)
+
+
+def config(tmp_path: Path, model: str, **over: Any) -> dict[str, Any]:
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = {"model_path": model, "dataset": str(data), "eval_dataset": str(data),
+           "answer_column": "solution", "steps": 2, "budget": 8, "group_size": 4,
+           "max_new_tokens": 8, "eval_size": 4, "out_dir": str(tmp_path / "run"),
+           "progress": False, "seed": 0}
+    cfg.update(over)
+    return cfg
+
+
+def test_grpolab_train_with_trl_rewards_unchanged(llama: str, tmp_path: Path) -> None:
+    cfg = config(tmp_path, llama, rewards=["trl.rewards:accuracy_reward",
+                                           "trl.rewards:think_format_reward"])
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["train", "--config", str(tmp_path / "run.yaml")]) == 0
+    out = tmp_path / "run"
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics] == [0, 1, 2]
+    for r in metrics[1:]:
+        assert r["reward_problems"] == 0
+        assert {"rewards/accuracy_reward", "rewards/think_format_reward"} <= set(r)
+    # every logged reward is what TRL's own functions give for those completions
+    for line in (out / "samples.jsonl").read_text().splitlines():
+        for g in json.loads(line)["groups"]:
+            comps = conversational(g["completions"])
+            gold = [next(r["solution"] for r in ROWS if r["prompt"] == g["prompt"])] * len(comps)
+            acc = [a or 0.0 for a in trl_rewards.accuracy_reward(comps, gold)]
+            fmt = trl_rewards.think_format_reward(comps)
+            assert g["rewards"] == pytest.approx([a + f for a, f in zip(acc, fmt)])
+    card = (out / "final" / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["library_name"] == "transformers" and "grpo" in meta["tags"]
+    assert llama in card and cfg["dataset"] in card
+    assert "`trl.rewards:accuracy_reward`" in card
+    summary = json.loads((out / "summary.json").read_text())
+    assert f"| held-out accuracy (greedy) | {summary['start_heldout_acc']:.3f} | " in card
+    assert "steps: 2" in card  # the config that differs from the defaults
+
+
+def test_python_api_train_with_a_callable_reward(llama: str, tmp_path: Path) -> None:
+    def length_reward(prompts, completions, **kwargs):  # TRL's signature; None = cannot score
+        return [None if not c else len(c) / 100 for c in completions]
+
+    records = grpolab.train(config(tmp_path, llama, rewards=[length_reward]), steps=1,
+                            budget=4, group_size=2, eval_size=2, report_to=["none"])
+    assert [r["step"] for r in records] == [0, 1]
+    assert records.out_dir == tmp_path / "run"
+    assert records.summary["steps"] == 1
+    assert all(r["reward_problems"] == 0 and r["rewards/length_reward"] > 0
+               for r in records[1:])
+    assert (records.out_dir / "final" / "README.md").is_file()
