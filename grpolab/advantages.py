@@ -243,3 +243,182 @@ def predicted_dead_share(pass_rates: Tensor, group_size: int) -> float:
     if p.numel() == 0:
         return 0.0
     return float((p**group_size + (1 - p) ** group_size).mean())
+
+
+# --------------------------------------------------------------- ragged groups --
+# Groups of different sizes in one batch: answer j belongs to group ``group_ids[j]``. The ids
+# need not be contiguous or start at 0; groups are numbered in increasing id order (so for the
+# usual group-contiguous layout with ids 0, 0, 1, 1, 1, ... group k is the k-th run).
+# Shapes: rewards [B], group_ids [B] long, sizes [N], per-group results [N], per-answer [B].
+
+
+def group_ids_from_sizes(sizes: Tensor | list[int]) -> Tensor:
+    """[B] long: group k repeated sizes[k] times (group-contiguous layout)."""
+    s = torch.as_tensor(sizes, dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(s.numel()), s)
+
+
+def _index(group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """(inverse [B]: each answer's group number 0..N-1, counts [N]: each group's size)."""
+    _, inv, counts = torch.unique(torch.as_tensor(group_ids), return_inverse=True,
+                                  return_counts=True)
+    return inv, counts
+
+
+def _group_reduce(x: Tensor, inv: Tensor, n: int, how: str) -> Tensor:
+    """Per-group sum/amax/amin [N] of per-answer x [B] (float64)."""
+    out = torch.zeros(n, dtype=torch.float64)
+    if how == "sum":
+        return out.index_add_(0, inv, x)
+    return out.scatter_reduce_(0, inv, x, reduce=how, include_self=False)
+
+
+def dead_mask_ragged(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """[N] bool: True where every answer of the group got the same reward (max == min)."""
+    inv, counts = _index(group_ids)
+    r = rewards.to(torch.float64)
+    return _group_reduce(r, inv, counts.numel(), "amax") == _group_reduce(r, inv, counts.numel(),
+                                                                          "amin")
+
+
+def ragged_mean_baseline(r: Tensor, inv: Tensor, counts: Tensor) -> Tensor:
+    """GRPO on ragged groups: r_i - mean of its group. r [B] float64 -> [B]."""
+    mean = _group_reduce(r, inv, counts.numel(), "sum") / counts
+    return r - mean[inv]
+
+
+def ragged_rloo_baseline(r: Tensor, inv: Tensor, counts: Tensor) -> Tensor:
+    """RLOO on ragged groups: r_i - mean of the other n_g - 1 rewards (a group of one: 0)."""
+    total = _group_reduce(r, inv, counts.numel(), "sum")[inv]
+    others = (counts[inv] - 1).to(torch.float64)
+    return torch.where(others > 0, r - (total - r) / others.clamp(min=1), torch.zeros_like(r))
+
+
+RAGGED_BASELINES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "mean": ragged_mean_baseline,
+    "rloo": ragged_rloo_baseline,
+}
+
+
+def ragged_group_std(r: Tensor, inv: Tensor, counts: Tensor, std: str = "population") -> Tensor:
+    """[B]: the std of each answer's group (population /n_g, sample /(n_g - 1); 0 for n_g = 1)."""
+    n = counts.numel()
+    mean = _group_reduce(r, inv, n, "sum") / counts
+    ss = _group_reduce((r - mean[inv]) ** 2, inv, n, "sum")
+    div = (counts - 1).clamp(min=1) if std == "sample" else counts
+    return torch.sqrt(ss / div)[inv]
+
+
+def _ragged_scale(adv: Tensor, r: Tensor, inv: Tensor, counts: Tensor, scale: str, std: str,
+                  std_eps: float, min_std: float, reduce: Reduce | None) -> Tensor:
+    if scale == "std":
+        return _divide(adv, ragged_group_std(r, inv, counts, std), std_eps, min_std)
+    if scale == "batch":
+        return _divide(adv, batch_mean_std(r, std, reduce)[1], std_eps, min_std)
+    if scale == "none":
+        return adv
+    raise ValueError(f"scale {scale!r} has no ragged-group version (std, batch, none)")
+
+
+def group_advantages_ragged(
+    rewards: Tensor,
+    group_ids: Tensor,
+    *,
+    baseline: str = "mean",
+    scale: str = "std",
+    std: str = "population",
+    std_eps: float = 0.0,
+    min_std: float = 0.0,
+    reduce: Reduce | None = None,
+) -> Tensor:
+    """``group_advantages`` for groups of different sizes: rewards [B], group_ids [B] -> [B].
+
+    The same options and numbers as the fixed-size path (when every group has one size the
+    results agree to float rounding); dead groups (including groups of one answer) get 0.
+    """
+    if rewards.ndim != 1 or torch.as_tensor(group_ids).shape != rewards.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids "
+                         f"{tuple(torch.as_tensor(group_ids).shape)} must both be [B]")
+    centre = RAGGED_BASELINES.get(baseline)
+    if centre is None:
+        raise ValueError(f"baseline {baseline!r} has no ragged-group version")
+    if scale != "none" and std not in STD_KINDS:
+        raise ValueError(f"unknown std {std!r}")
+    inv, counts = _index(group_ids)
+    r = rewards.to(torch.float64)
+    adv = _ragged_scale(centre(r, inv, counts), r, inv, counts, scale, std, std_eps, min_std,
+                        reduce)
+    dead = dead_mask_ragged(rewards, group_ids)[inv]
+    adv = torch.where(dead, torch.zeros_like(adv), adv)
+    return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def advantages_by_sizes(rewards: Tensor, sizes: Tensor | list[int], **opts: Any) -> Tensor:
+    """Group advantages of group-contiguous rewards [B] with group k of ``sizes[k]`` answers:
+    the fixed-size path (bit for bit today's numbers) when all sizes agree, else the ragged one."""
+    s = torch.as_tensor(sizes, dtype=torch.long)
+    if s.numel() and bool((s == s[0]).all()):
+        return group_advantages(rewards, int(s[0]), **opts)
+    return group_advantages_ragged(rewards, group_ids_from_sizes(s), **opts)
+
+
+def sum_then_normalize_ragged(per_fn: Tensor, weights: Tensor, group_ids: Tensor,
+                              **adv_opts: Any) -> Tensor:
+    """``sum_then_normalize`` on ragged groups: per_fn [B, K], weights [K] -> [B]."""
+    return group_advantages_ragged(per_fn.float() @ weights.float(), group_ids, **adv_opts)
+
+
+def normalize_then_sum_ragged(per_fn: Tensor, weights: Tensor, group_ids: Tensor, *,
+                              std: str = "population", std_eps: float = 0.0,
+                              min_std: float = 0.0, reduce: Reduce | None = None,
+                              **adv_opts: Any) -> Tensor:
+    """GDPO (``normalize_then_sum``) on ragged groups: per_fn [B, K], weights [K] -> [B]."""
+    per_fn = per_fn.to(torch.float64)
+    inv, _ = _index(group_ids)
+    x = torch.zeros(per_fn.shape[0], dtype=torch.float64)
+    dead = torch.ones(int(inv.max()) + 1 if inv.numel() else 0, dtype=torch.bool)
+    for k in range(per_fn.shape[1]):
+        x = x + float(weights[k]) * group_advantages_ragged(
+            per_fn[:, k], group_ids, std=std, std_eps=std_eps, min_std=min_std, reduce=reduce,
+            **adv_opts).to(torch.float64)
+        dead = dead & dead_mask_ragged(per_fn[:, k], group_ids)
+    mean, sd = batch_mean_std(x, std, reduce)
+    adv = _divide(x - mean, sd, std_eps, min_std)
+    return torch.where(dead[inv], torch.zeros_like(adv), adv).to(torch.float32)
+
+
+RAGGED_REWARD_AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
+    "sum_then_normalize": sum_then_normalize_ragged,
+    "normalize_then_sum": normalize_then_sum_ragged,
+}
+
+
+def dead_stats_ragged(rewards: Tensor, group_ids: Tensor, success: Tensor | None = None,
+                      success_threshold: float = 1.0) -> DeadStats:
+    """``dead_stats`` for ragged groups: a dead group is all right when its first answer (in
+    batch order) is right."""
+    inv, counts = _index(group_ids)
+    dead = dead_mask_ragged(rewards, group_ids)
+    ok = (rewards >= success_threshold if success is None else success.bool()).to(torch.float64)
+    # the first answer of each group: the smallest position among its answers
+    pos = torch.arange(rewards.numel(), dtype=torch.float64)
+    first = _group_reduce(pos, inv, counts.numel(), "amin").long()
+    right = dead & ok[first].bool()
+    return DeadStats(groups=int(dead.numel()), dead=int(dead.sum()), all_right=int(right.sum()),
+                     all_wrong=int((dead & ~right).sum()))
+
+
+def group_successes(success: Tensor, sizes: Tensor | list[int]) -> Tensor:
+    """[N] right answers per group of group-contiguous ``success`` [B] (bool or 0/1)."""
+    ids = group_ids_from_sizes(sizes)
+    n = len(sizes) if isinstance(sizes, list) else int(torch.as_tensor(sizes).numel())
+    return torch.zeros(n, dtype=torch.float64).index_add_(0, ids, success.to(torch.float64))
+
+
+def predicted_dead_share_ragged(pass_rates: Tensor, sizes: Tensor | list[int]) -> float:
+    """``predicted_dead_share`` with group k of sizes[k] answers: mean of p^n + (1-p)^n."""
+    p = pass_rates.to(torch.float64).clamp(0.0, 1.0)
+    if p.numel() == 0:
+        return 0.0
+    n = torch.as_tensor(sizes, dtype=torch.float64)
+    return float((p**n + (1 - p) ** n).mean())

@@ -247,6 +247,7 @@ def trainer_state(tr: Any) -> dict[str, Any]:
         "gen": tr.gen.get_state(),
         "sampler_gen": tr.sampler.generator.get_state(),
         "sampler": tr.sampler.state_dict(),
+        "pass_rates": tr.rollouts.tracker.state_dict(),  # the Beta pass-rate posteriors
         "torch_rng": torch.get_rng_state(),
         "world_size": dist.world_size(),
         "rank_rng": rank_rng,  # each rank samples from its own stream
@@ -329,6 +330,8 @@ def restore(tr: Any, st: dict[str, Any], path: Path | None = None) -> None:
     tr.gen.set_state(gen)
     tr.sampler.generator.set_state(st["sampler_gen"])
     tr.sampler.load_state_dict(st["sampler"])
+    if "pass_rates" in st:  # (older files have none: the posteriors start afresh)
+        tr.rollouts.tracker.load_state_dict(st["pass_rates"])
     torch.set_rng_state(torch_rng)
     tr.step_num = int(st["step"])
     tr.watch.load_state_dict(st.get("watch") or {})

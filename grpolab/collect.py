@@ -5,19 +5,29 @@
 backend, score them, and with dynamic sampling (DAPO) sample further rounds until the batch
 holds that many mixed-reward groups (or the round cap is hit). Under torchrun every rank draws
 the same prompts and samples its own contiguous shard of whole groups.
+
+Every group's P(dead) is predicted from per-prompt Beta pass-rate posteriors before it is
+scored (``grpolab.predict``), for any backend; with ``allocate`` the posteriors also choose the
+prompts and their group sizes (``grpolab.allocate``: ragged groups). ``outcomes`` measures a
+step's groups against those predictions, and ``end_step`` raises the no-signal alarm
+(``grpolab.alarm``).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from . import advantages as adv_mod
 from . import dist
+from .alarm import NoSignalAlarm
+from .allocate import allocate
 from .config import Config
 from .curriculum import PromptSampler
+from .predict import PassRateTracker
 from .rollout import Backend, Rollout, cat_rollouts
 from .scoring import Scorer, ScoreResult
 
@@ -42,6 +52,7 @@ class Batch:
     reward_sums: dict[str, float] = field(default_factory=dict)  # per function, sampled answers
     rewards_per_fn: torch.Tensor | None = None  # [B, K] each reward function's, as rewards
     advantages: torch.Tensor | None = None  # [B] what update() trained with (this rank's rows)
+    group_sizes: list[int] | None = None  # trained groups' sizes (this rank's); None = group_size
 
     # Under torchrun, rollout/rows/rewards/sampled_rows/problems/reward_sums are this rank's;
     # sampled_rewards and sampled_success (every rank's, in prompt order), answers_generated
@@ -53,30 +64,56 @@ class Batch:
 
 
 class Collector:
-    """Samples and scores each step's groups; owns nothing a checkpoint must save (the prompt
-    sampler and the sampling generator are the trainer's)."""
+    """Samples and scores each step's groups. Of its state only the pass-rate posteriors
+    (``tracker``) go into a checkpoint (the prompt sampler and the sampling generator are the
+    trainer's)."""
 
     def __init__(self, cfg: Config, backend: Backend, rows: list[dict], scorer: Scorer,
                  generator: torch.Generator, sampler: PromptSampler) -> None:
         self.cfg, self.backend, self.rows, self.scorer = cfg, backend, rows, scorer
         self.gen, self.sampler = generator, sampler
+        self.tracker = PassRateTracker(len(rows), cfg.predict_decay, cfg.predict_prior_strength)
+        self.alarm = NoSignalAlarm(cfg.alarm_truncated_share)
+        # this step's sampled groups, per round: (global sizes [N], P(dead) predicted before
+        # scoring [N], truncated answers [B] or None)
+        self.rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
-    def choose_prompts(self, n: int) -> list[int]:
-        """The n distinct prompts (indices into the training rows) a sampling round uses."""
-        return self.sampler.draw(n)
-
-    def observe(self, idx: list[int], ok: torch.Tensor) -> None:
-        """Each drawn prompt's group pass rate, for the curriculum's running statistics."""
-        rate = ok.float().reshape(-1, self.cfg.group_size).mean(1)
-        self.sampler.update(idx, rate.tolist())
-
-    def sample_groups(self, idx: list[int]) -> tuple[Rollout, list[dict], ScoreResult]:
-        """G answers to each prompt in ``idx``, scored."""
+    def choose_prompts(self, n: int) -> tuple[list[int], list[int]]:
+        """A round's prompts (indices into the training rows) and group sizes, the same on
+        every rank: n distinct prompts from the sampler at group_size each, or with
+        ``allocate`` what the allocator buys with ``budget`` answers from the posteriors."""
         cfg = self.cfg
-        rows = [self.rows[i] for i in idx for _ in range(cfg.group_size)]
+        if not cfg.allocate:
+            return self.sampler.draw(n), [cfg.group_size] * n
+        a, b = self.tracker.posterior()
+        return allocate(a, b, cfg.budget, cfg.allocate_min_group, cfg.allocate_max_group,
+                        objective=cfg.allocate_objective, explore=cfg.allocate_explore,
+                        generator=self.sampler.generator)
+
+    def observe(self, idx: list[int], ok: torch.Tensor, sizes: list[int]) -> None:
+        """Each drawn prompt's group pass rate, for the curriculum's running statistics; each
+        group's P(dead) predicted from the posteriors, then its outcome added to them."""
+        g = self.cfg.group_size
+        right = adv_mod.group_successes(ok, sizes)
+        rate = (ok.float().reshape(-1, g).mean(1) if all(n == g for n in sizes)
+                else right / torch.as_tensor(sizes, dtype=torch.float64))
+        self.sampler.update(idx, rate.tolist())
+        self.rounds.append((torch.as_tensor(sizes), self.tracker.dead_probability(idx, sizes),
+                            None))
+        self.tracker.observe(idx, right, sizes)
+
+    def sample_groups(self, idx: list[int], sizes: list[int] | None = None,
+                      ) -> tuple[Rollout, list[dict], ScoreResult]:
+        """G answers (or ``sizes[k]``) to each prompt in ``idx``, scored (user rewards see
+        whole groups; ragged groups are scored as one)."""
+        cfg, g = self.cfg, self.cfg.group_size
+        sizes = sizes or [g] * len(idx)
+        rows = [self.rows[i] for i, n in zip(idx, sizes) for _ in range(n)]
         ro = self.backend.generate([r["prompt"] for r in rows], cfg.temperature,
                                    cfg.max_new_tokens, self.gen)
-        return ro, rows, self.scorer(ro.prompts, ro.completions, rows, cfg.group_size)
+        ragged = any(n != g for n in sizes)
+        return ro, rows, self.scorer(ro.prompts, ro.completions, rows,
+                                     len(rows) if ragged else g)
 
     def sample_round(
         self, n: int
@@ -86,12 +123,14 @@ class Collector:
         Returns this rank's rollout, rows and scores, every rank's rewards and successes in
         prompt order (for statistics and group selection), and where this rank's groups start.
         """
-        idx = self.choose_prompts(n)
+        idx, sizes = self.choose_prompts(n)
         lo, hi = dist.shard(len(idx))
-        ro, rows, res = self.sample_groups(idx[lo:hi])
+        ro, rows, res = self.sample_groups(idx[lo:hi], sizes[lo:hi])
         everyone = dist.gather_cat(res.total)
         ok = dist.gather_cat(res.success(self.cfg.success_threshold).float()).bool()
-        self.observe(idx, ok)  # identical on every rank: samplers stay in step
+        self.observe(idx, ok, sizes)  # identical on every rank: samplers stay in step
+        cut = dist.gather_cat(ro.truncated.float()) if ro.truncated is not None else None
+        self.rounds[-1] = (*self.rounds[-1][:2], cut)  # for the no-signal alarm
         return ro, rows, res, everyone, ok, lo
 
     def collect(self, step: int = 0) -> Batch:
@@ -99,6 +138,7 @@ class Collector:
         mixed."""
         cfg, g = self.cfg, self.cfg.group_size
         n = cfg.prompts_per_step
+        self.rounds = []
         ro, rows, res, everyone, ok, lo = self.sample_round(n)
         rewards = res.total
         batch = Batch(ro, rows, rewards, answers_generated=everyone.numel(),
@@ -106,6 +146,11 @@ class Collector:
                       problems=list(res.problems), trained_groups=everyone.numel() // g,
                       rewards_per_fn=res.per_fn)
         batch.add_scores(res)
+        if cfg.allocate:  # ragged groups (allocate excludes dynamic sampling)
+            sizes = self.rounds[-1][0].tolist()
+            batch.trained_groups = len(sizes)
+            mine = dist.shard(len(sizes))
+            batch.group_sizes = sizes[mine[0] : mine[1]]
         if not cfg.dynamic_sampling:
             return batch
         keep_ro: list[Rollout] = []
@@ -155,3 +200,58 @@ class Collector:
             batch.rollout, batch.rows, batch.rewards = ro.select([]), [], rewards[:0]
             batch.rewards_per_fn = res.per_fn[:0]
         return batch
+
+    # ------------------------------------------------------------ measuring the groups --
+    def outcomes(self, batch: Batch, sampled: torch.Tensor, sampled_ok: torch.Tensor,
+                 ) -> tuple[adv_mod.DeadStats, float | None, dict[str, Any]]:
+        """The step's sampled groups (every round, every rank): dead counts, the exact
+        predicted dead share (backends with exact pass rates: the world) from the same, not yet
+        updated, policy, and the metrics of the posterior prediction, per group (P(dead), dead,
+        size when ragged) and for the step."""
+        cfg, g = self.cfg, self.cfg.group_size
+        sizes = torch.cat([r[0] for r in self.rounds])
+        dead_prob = torch.cat([r[1] for r in self.rounds])
+        cuts = [r[2] for r in self.rounds]
+        if cfg.allocate:
+            ids = adv_mod.group_ids_from_sizes(sizes)
+            ds = adv_mod.dead_stats_ragged(sampled, ids, sampled_ok)
+            dead = adv_mod.dead_mask_ragged(sampled, ids)
+            firsts, at = [], 0  # this rank's first answer of each group
+            for n in batch.group_sizes or []:
+                firsts.append(batch.sampled_rows[at])
+                at += n
+            predicted = self.predicted_dead(firsts, sizes)
+        else:
+            ds = adv_mod.dead_stats(sampled, g, sampled_ok)
+            dead = adv_mod.dead_mask(sampled, g)
+            predicted = self.predicted_dead(batch.sampled_rows[::g])
+        cut = (float(torch.cat(cuts).mean()) if cuts and all(c is not None for c in cuts)
+               and sum(c.numel() for c in cuts) else None)
+        rec = {
+            "posterior_dead_share": float(dead_prob.mean()) if dead_prob.numel() else None,
+            "posterior_prior": [round(x, 4) for x in self.tracker.prior],
+            "group_dead_prob": [round(float(x), 4) for x in dead_prob],
+            "group_dead": dead.int().tolist(),
+            "sampled_truncated_share": cut,
+            **({"group_sizes": sizes.tolist()} if cfg.allocate else {}),
+        }
+        return ds, predicted, rec
+
+    def predicted_dead(self, rows: list[dict], sizes: torch.Tensor | None = None,
+                       ) -> float | None:
+        """Mean exact P(dead) of the groups whose prompts are ``rows`` (this rank's), from
+        backends that know each answer's pass probability; None from the others."""
+        p = self.backend.pass_probability(rows, self.cfg.temperature)
+        if p is None:
+            return None
+        if sizes is not None:  # ragged groups
+            return adv_mod.predicted_dead_share_ragged(dist.gather_cat(p), sizes)
+        return adv_mod.predicted_dead_share(dist.gather_cat(p), self.cfg.group_size)
+
+    def end_step(self, step: int, rec: dict[str, Any], ds: adv_mod.DeadStats) -> None:
+        """After the step's record: the loud no-signal alarm (``rec["no_signal"]``), then the
+        posteriors' evidence fades."""
+        rec["no_signal"] = self.alarm.check(step, ds.groups, ds.dead, ds.all_right,
+                                            ds.all_wrong, rec["sampled_truncated_share"],
+                                            self.cfg.max_new_tokens, warn=dist.is_main())
+        self.tracker.end_step()

@@ -29,11 +29,16 @@ log = logging.getLogger("grpolab")
 
 
 def finish_run(out: Path, plot_name: str, title: str, lengths: bool = False,
-               **fields: Any) -> dict[str, Any]:
-    """The end of every run: its plot (``plot_name``) and ``summary.json`` (``fields`` then the
-    numbers of ``report.summarize``), from the metrics on disk; returns the summary."""
+               calibration_title: str = "", **fields: Any) -> dict[str, Any]:
+    """The end of every run: its plot (``plot_name``), ``calibration.png`` (the pass-rate
+    posteriors' P(dead) against the groups' outcomes, ``predict.plot_calibration``) and
+    ``summary.json`` (``fields`` then the numbers of ``report.summarize``), from the metrics on
+    disk; returns the summary."""
+    from .predict import plot_calibration
+
     rows = read_metrics(out / "metrics.jsonl")
     plot_run(rows, out / plot_name, title, lengths=lengths)
+    plot_calibration(rows, out / "calibration.png", calibration_title or title)
     summary = {**fields, **summarize(rows)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -48,7 +53,11 @@ def world_trainer(cfg: Config, out_dir: str | Path | None = None) -> GRPOTrainer
     from .world import make_splits, sft_model
     from .world_backend import TinyBackend
 
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
+    # One thread: the world's model is so small that a second thread buys little, and on a
+    # shared or busy machine its spin-waits cost several times the CPU (measured: the first run
+    # took over 200 s of CPU with 2 threads on a loaded 2-core host, 44 s with one). The README's
+    # tables are measured this way and are bit-for-bit repeatable with it.
+    torch.set_num_threads(1)
     splits = make_splits(cfg.seed, cfg.world_train_size, cfg.world_heldout_size,
                          cfg.world_top_share)
     model = sft_model(cfg.seed, splits, cfg.sft_steps, cfg.cache_dir or None,
@@ -65,6 +74,9 @@ def run_workshop(cfg: Config, out_dir: str | Path | None = None, resume: bool = 
     trainer = world_trainer(cfg, out_dir)
     title = (f"GRPO workshop: G={cfg.group_size}, {cfg.prompts_per_step} prompts x "
              f"{cfg.group_size} answers per step")
+    if cfg.allocate:  # group sizes chosen per prompt
+        title = (f"GRPO workshop: allocate, {cfg.budget} answers per step in groups of "
+                 f"{cfg.allocate_min_group}-{cfg.allocate_max_group}")
     # report_to, and the plot redrawn with a status line at each evaluation
     trainer.reporter = Reporter(trainer.out_dir / "workshop.png", title)
     trainer.train(resume=resume)
@@ -204,7 +216,8 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
     out = trainer.out_dir
     backend.save_pretrained(str(out / "final"))
     summary = finish_run(out, "train.png", title, lengths=True, model_path=cfg.model_path,
-                         lora=cfg.lora)
+                         lora=cfg.lora, calibration_title="Dead-group prediction: "
+                         f"{Path(cfg.model_path).name}")
     from .model_card import write_model_card
 
     write_model_card(out / "final", cfg, summary, read_metrics(out / "metrics.jsonl"))
@@ -215,6 +228,11 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
                 f"{summary['final_heldout_check_acc']:.3f}")
         if summary["hacking_suspected_steps"]:
             acc += f"; REWARD HACKING SUSPECTED at steps {summary['hacking_suspected_steps']}"
+    if "posterior_dead_brier" in summary:
+        print(f"dead groups: predicted {summary['mean_posterior_dead_share']:.3f}, measured "
+              f"{summary['mean_dead_share']:.3f}; Brier {summary['posterior_dead_brier']:.3f} "
+              f"(base rate {summary['posterior_dead_brier_base_rate']:.3f}), "
+              f"see {out}/calibration.png")
     print(f"trained {summary['steps']} steps: mean reward {summary['mean_reward']:.3f}{acc}")
     print(f"wrote {out}/metrics.jsonl, {out}/train.png and the model in {out}/final")
     return trainer

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from .advantages import ADVANTAGE_BASELINES, ADVANTAGE_SCALES, REWARD_AGGREGATIONS, STD_KINDS
+from .allocate import ALLOCATION_OBJECTIVES, validate_allocation
 from .losses import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 
 # The allowed values of the objective's settings are the keys of the maths modules' registries:
@@ -29,6 +30,7 @@ Baseline = Literal[tuple(ADVANTAGE_BASELINES)]  # type: ignore[valid-type]
 Scale = Literal[tuple(ADVANTAGE_SCALES)]  # type: ignore[valid-type]
 StdKind = Literal[tuple(STD_KINDS)]  # type: ignore[valid-type]
 RewardAggregation = Literal[tuple(REWARD_AGGREGATIONS)]  # type: ignore[valid-type]
+AllocationObjective = Literal[tuple(ALLOCATION_OBJECTIVES)]  # type: ignore[valid-type]
 
 
 class ConfigError(ValueError):
@@ -99,6 +101,19 @@ class Config:
     curriculum: bool = False  # weight prompts by recent pass rate strictly in (0, 1)
     curriculum_floor: float = 0.05  # weight of prompts with pass rate 0 or 1 (keeps exploring)
     curriculum_decay: float = 0.5  # EMA weight of the newest observation
+    # --- dead-group prediction and answer allocation (grpolab.predict, grpolab.allocate) ---
+    allocate: bool = False  # choose each step's prompts and group sizes from the pass-rate
+    #                         posteriors to spend `budget` answers on predicted-live groups
+    allocate_objective: AllocationObjective = "live_groups"  # what allocate maximises: expected
+    #                                       live groups, or expected answers in live groups
+    allocate_min_group: int = 4  # smallest group allocate makes
+    allocate_max_group: int = 16  # largest group allocate makes
+    allocate_explore: float = 0.1  # share of the budget allocate gives random prompts (revisits
+    #                                prompts predicted dead)
+    predict_decay: float = 0.97  # each step, past answers keep this weight in a prompt's posterior
+    predict_prior_strength: float = 0.0  # a0 + b0 of the pass-rate prior; 0 = fitted (moments)
+    alarm_truncated_share: float = 0.9  # warn NO LEARNING SIGNAL when this share of a step's
+    #                                     answers hit max_new_tokens (above 1 = off)
     # --- built-in world (used when model_path is empty) ---
     world_train_size: int = 1024  # training prompts the built-in world generates
     world_heldout_size: int = 256  # held-out prompts the built-in world generates
@@ -196,6 +211,7 @@ class Config:
                 raise ConfigError(f"{name} must be > 0 (got {getattr(self, name)})")
         if self.beta < 0 or self.eps_low < 0 or self.eps_high < 0:
             raise ConfigError("beta, eps_low and eps_high must be >= 0")
+        validate_allocation(self)  # the prediction and allocation keys (grpolab.allocate)
         if self.max_sampling_rounds < 0:
             raise ConfigError("max_sampling_rounds must be >= 0")
         if self.max_prompt_tokens < 0:

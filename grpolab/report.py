@@ -29,14 +29,18 @@ if TYPE_CHECKING:
 def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_ok: Tensor,
                 ds: DeadStats, predicted: float | None, heldout_acc: float | None,
                 heldout_pass_prob: float | None, update: dict[str, float], t0: float,
-                t_sample: float) -> dict[str, Any]:
+                t_sample: float, posterior: dict[str, Any] | None = None) -> dict[str, Any]:
     """The metrics line of GRPO step ``step``: rewards and accuracy of every answer sampled,
-    held-out accuracy, dead groups (measured and predicted), what sampling cost, the update's
+    held-out accuracy, dead groups (measured and predicted; ``posterior``: the pass-rate
+    posteriors' P(dead) per group, ``Collector.outcomes``), what sampling cost, the update's
     numbers (``update``) and timings. Collective under torchrun (every rank gets the global
     record)."""
     g = cfg.group_size
+    posterior = posterior or {}
     # Without dynamic sampling the trained batch is the one sampled round (every rank's).
     useful = (batch.trained_groups if cfg.dynamic_sampling else ds.groups - ds.dead) * g
+    if "group_sizes" in posterior:  # ragged groups: the live groups' answers
+        useful = sum(n for n, d in zip(posterior["group_sizes"], posterior["group_dead"]) if not d)
     lens = dist.gather_cat(batch.rollout.completion_mask.sum(1))
     cut = batch.rollout.truncated
     cut_all = dist.gather_cat(cut.float()) if cut is not None else None
@@ -66,6 +70,7 @@ def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_o
         "truncated_share": (float(cut_all.mean()) if cut_all is not None and cut_all.numel()
                             else None),
         "reward_problems": problems,
+        **posterior,  # P(dead) from the pass-rate posteriors vs dead, per group
         # each reward function's mean over every answer sampled (before weighting)
         **{f"rewards/{k}": v / batch.answers_generated for k, v in zip(names, fn_sums)},
         **update,
@@ -75,29 +80,33 @@ def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_o
 
 
 def sample_record(batch: Batch, group_size: int, groups: int,
-                  advantages: Callable[[Tensor], Tensor]) -> list[dict[str, Any]]:
+                  advantages: Callable[..., Tensor]) -> list[dict[str, Any]]:
     """The first ``groups`` groups trained on (this rank's): what the policy wrote, its rewards
-    and the advantages they gave (``batch.advantages``, else ``advantages(rewards)``), for
-    reading a run, not just its averages."""
+    and the advantages they gave (``batch.advantages``, else ``advantages(rewards,
+    sizes=...)``), for reading a run, not just its averages. Groups may differ in size
+    (``batch.group_sizes``)."""
     from .advantages import dead_mask
 
-    g = group_size
-    n = min(groups, len(batch.rows) // g) * g
+    sizes = (batch.group_sizes or [group_size] * (len(batch.rows) // group_size))[:groups]
+    n = sum(sizes)
     if not n:
         return []
     rewards = batch.rewards[:n].float()
-    adv = batch.advantages[:n] if batch.advantages is not None else advantages(rewards)
+    adv = (batch.advantages[:n] if batch.advantages is not None
+           else advantages(rewards, sizes=sizes))
     out = []
-    for lo in range(0, n, g):
-        row = batch.rows[lo]
+    lo = 0
+    for k in sizes:
+        row, hi = batch.rows[lo], lo + k
         out.append({
             "prompt": row["prompt"],
             **({"answer": str(row["answer"])} if row.get("answer") is not None else {}),
-            "completions": batch.rollout.completions[lo : lo + g],
-            "rewards": rewards[lo : lo + g].tolist(),
-            "advantages": adv[lo : lo + g].tolist(),
-            "dead": bool(dead_mask(rewards[lo : lo + g], g)[0]),
+            "completions": batch.rollout.completions[lo:hi],
+            "rewards": rewards[lo:hi].tolist(),
+            "advantages": adv[lo:hi].tolist(),
+            "dead": bool(dead_mask(rewards[lo:hi], k)[0]),
         })
+        lo = hi
     return out
 
 
@@ -223,6 +232,9 @@ def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "",
     if _series(rows, "predicted_dead_share")[0]:
         ax2.plot(*_series(rows, "predicted_dead_share"), "k--", lw=1.2,
                  label="predicted  mean p^G+(1-p)^G")
+    if _series(rows, "posterior_dead_share")[0]:  # any backend, before sampling
+        ax2.plot(*_series(rows, "posterior_dead_share"), ":", color="tab:blue", lw=1.5,
+                 label="predicted from Beta posteriors")
     ax2.set_xlabel("step")
     ax2.set_ylim(0, 1)
     ax2.set_ylabel("share of groups")
@@ -246,6 +258,7 @@ def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "",
 
 def summarize(rows: list[dict]) -> dict[str, Any]:
     """The numbers a sweep table shows for one run."""
+    from .predict import calibration_summary
     steps = [r for r in rows if r.get("step", 0) >= 1]
     dead = [r["dead_share"] for r in steps if "dead_share" in r]
     pred = [r["predicted_dead_share"] for r in steps if r.get("predicted_dead_share") is not None]
@@ -275,6 +288,7 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         "heldout_acc_gain": acc1 - acc0,
         "heldout_pass_prob_gain": p1 - p0,
         "mean_reward": (sum(r["reward_mean"] for r in steps) / len(steps)) if steps else float("nan"),
+        **calibration_summary(steps),  # the posteriors' Brier score and reliability table
     }
 
 

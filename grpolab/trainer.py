@@ -96,6 +96,7 @@ class GRPOTrainer:
                                      curriculum=cfg.curriculum, floor=cfg.curriculum_floor,
                                      decay=cfg.curriculum_decay)
         self.rollouts = Collector(cfg, backend, train_rows, self.scorer, self.gen, self.sampler)
+        self.tracker = self.rollouts.tracker  # the pass-rate posteriors (grpolab.predict)
         dist.broadcast_module(backend.model)  # every rank starts from rank 0's weights
         self.params = [p for p in backend.model.parameters() if p.requires_grad]
         self.opt = torch.optim.Adam(self.params, lr=cfg.lr)
@@ -168,13 +169,12 @@ class GRPOTrainer:
 
     def step(self) -> dict[str, Any]:
         """One GRPO step; returns the metrics record written for it."""
-        cfg, g = self.cfg, self.cfg.group_size
+        cfg = self.cfg
         t0 = time.perf_counter()
         batch = self.collect()
-        # Predicted from the same (not yet updated) policy that produced the measured groups.
-        predicted = self._predicted_dead(batch.sampled_rows[::g])
         sampled, sampled_ok = torch.cat(batch.sampled_rewards), torch.cat(batch.sampled_success)
-        ds = adv_mod.dead_stats(sampled, g, sampled_ok)
+        # dead groups, measured and predicted (before the update), with the posteriors' P(dead)
+        ds, predicted, posterior = self.rollouts.outcomes(batch, sampled, sampled_ok)
         t_sample = time.perf_counter() - t0
         upd = self.update(batch)
         self.step_num += 1
@@ -182,8 +182,9 @@ class GRPOTrainer:
         acc = self.evaluate() if do_eval else None
         pass_prob = self.heldout_pass_prob() if do_eval else None
         rec = step_record(cfg, self.step_num, batch, sampled, sampled_ok, ds, predicted, acc,
-                          pass_prob, upd, t0, t_sample)
+                          pass_prob, upd, t0, t_sample, posterior)
         self.watch.record(rec, self.step_num)
+        self.rollouts.end_step(self.step_num, rec, ds)  # the no-signal alarm; posteriors fade
         if self.metrics:
             self.metrics.write(rec)
         self.last_samples = self._sample_record(batch) if self.samples else []
@@ -197,16 +198,24 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- advantages --
     def _advantages(self, rewards: Tensor, per_fn: Tensor | None = None,
-                    reduce: Callable[[list[float]], list[float]] | None = None) -> Tensor:
+                    reduce: Callable[[list[float]], list[float]] | None = None,
+                    sizes: list[int] | None = None) -> Tensor:
         """Each answer's advantage within its group, as the config's baseline and scaling say.
 
         ``rewards`` is the weighted total; with ``per_fn`` (each reward function's [B, K]) a
         reward_aggregation other than sum_then_normalize (GDPO) combines the functions itself.
         ``reduce`` sums over ranks, for batch-level statistics (scale: batch, GDPO).
+        ``sizes``: the groups' sizes when they differ (``allocate``: ragged groups).
         """
         cfg = self.cfg
         opts: dict[str, Any] = {"baseline": cfg.baseline, "scale": cfg.scale, "std": cfg.std,
                                 "std_eps": cfg.std_eps, "min_std": cfg.min_std, "reduce": reduce}
+        if sizes is not None and any(n != cfg.group_size for n in sizes):
+            ids = adv_mod.group_ids_from_sizes(sizes)
+            if per_fn is None or cfg.reward_aggregation == "sum_then_normalize":
+                return adv_mod.group_advantages_ragged(rewards.float(), ids, **opts)
+            return adv_mod.RAGGED_REWARD_AGGREGATIONS[cfg.reward_aggregation](
+                per_fn, torch.tensor(cfg.reward_weights or [1.0] * per_fn.shape[1]), ids, **opts)
         if per_fn is None or cfg.reward_aggregation == "sum_then_normalize":
             return adv_mod.group_advantages(rewards.float(), cfg.group_size, **opts)
         weights = torch.tensor(cfg.reward_weights or [1.0] * per_fn.shape[1])
@@ -246,7 +255,7 @@ class GRPOTrainer:
             rewards, kl_pen = self._reward_with_kl(ro, batch.rewards)
         # Batch-level statistics (scale: batch, GDPO) are over every rank: all ranks take part.
         reduce = dist.all_reduce_sum if dist.is_dist() else None
-        adv = (self._advantages(rewards, batch.rewards_per_fn, reduce)
+        adv = (self._advantages(rewards, batch.rewards_per_fn, reduce, batch.group_sizes)
                if n_loc or reduce is not None else None)
         adv = batch.advantages = adv if n_loc else None  # samples.jsonl logs these
         bad = float(adv is not None and not bool(torch.isfinite(adv).all()))
@@ -355,12 +364,6 @@ class GRPOTrainer:
         rows = self.heldout_rows[: self.cfg.eval_size]
         p = self.backend.pass_probability(rows, self.cfg.temperature) if rows else None
         return None if p is None else float(p.mean())
-
-    def _predicted_dead(self, rows: list[dict]) -> float | None:
-        p = self.backend.pass_probability(rows, self.cfg.temperature)
-        if p is None:
-            return None
-        return adv_mod.predicted_dead_share(dist.gather_cat(p), self.cfg.group_size)
 
     def _sample_record(self, batch: Batch) -> list[dict[str, Any]]:
         return sample_record(batch, self.cfg.group_size, self.cfg.log_samples, self._advantages)

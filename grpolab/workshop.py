@@ -25,6 +25,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "grpo": {},
     "dynamic": {"dynamic_sampling": True},
     "curriculum": {"curriculum": True},
+    "allocate": {"allocate": True},  # prompts and group sizes from pass-rate posteriors
     "dr_grpo": {"dr_grpo": True},
     "clip_higher": {"clip_higher": True},
     "token_loss": {"token_level_loss": True},

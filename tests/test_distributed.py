@@ -212,7 +212,8 @@ def test_torchrun_workshop_smoke(tmp_path: Path) -> None:
     assert st["world_size"] == 2 and len(st["rank_rng"]) == 2
     assert not torch.equal(st["rank_rng"][0]["gen"], st["rank_rng"][1]["gen"])
     assert sorted(x.name for x in out.iterdir()) == [
-        "checkpoints", "metrics.jsonl", "samples.jsonl", "summary.json", "workshop.png"]
+        "calibration.png", "checkpoints", "metrics.jsonl", "samples.jsonl", "summary.json",
+        "workshop.png"]
 
 
 @pytest.mark.parametrize("micro_batch", [5, 12])

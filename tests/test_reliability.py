@@ -73,7 +73,10 @@ def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list
     finally:
         logger.removeHandler(handler)
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    return code, [f"grpolab: {r.getMessage()}" for r in records] + err
+    # (the no-signal alarm fires on these 2-step SFT starts, which get every answer wrong; its
+    # warning is tested in test_predict.py, not counted here)
+    return code, [f"grpolab: {r.getMessage()}" for r in records
+                  if not r.getMessage().startswith("NO LEARNING SIGNAL")] + err
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -320,7 +323,7 @@ def test_a_reward_failing_on_every_answer_is_one_line_from_the_cli(
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
                             for i in range(4)))
-    (tmp_path / "my_rewards.py").write_text("def bad(completions, **kw):\n    return [0.0]\n")
+    (tmp_path / "my_rewards.py").write_text("def bad(completions, **kw):\n    return 1 + 'x'\n")
     capsys.readouterr()  # (the model's save progress bars)
     out = tmp_path / "run"
     args = ["train", "--model-path", model, "--dataset", str(data), "--rewards",
@@ -343,7 +346,7 @@ def test_eval_with_a_broken_reward_is_an_error(tmp_path: Path,
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
                             for i in range(4)))
-    (tmp_path / "my_rewards.py").write_text("def bad(completions, **kw):\n    return [0.0]\n")
+    (tmp_path / "my_rewards.py").write_text("def bad(completions, **kw):\n    return 1 + 'x'\n")
     code, err = _cli(["eval", "--model-path", model, "--eval-dataset", str(data), "--rewards",
                       f"{tmp_path / 'my_rewards.py'}:bad", "--max-new-tokens", "4",
                       "--out-dir", str(tmp_path / "eval")], capsys)

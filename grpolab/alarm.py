@@ -1,0 +1,86 @@
+"""The no-signal alarm: a step that can teach nothing is said so on the console, with the cause.
+
+GRPO learns only from mixed groups. A step whose groups are all dead (every answer of each
+group got the same reward), or whose answers are nearly all cut off by ``max_new_tokens``
+(cut-off answers rarely hold a final answer, so they all score the same), has a zero gradient
+apart from the KL term: a run can spend its whole budget that way without an error. ``diagnose``
+is the pure check; ``NoSignalAlarm`` rate-limits the warnings of a run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("grpolab")
+
+REPEAT_EVERY = 10  # after the first warning, repeat at most once per this many steps
+
+
+def diagnose(groups: int, dead: int, all_right: int, all_wrong: int,
+             truncated_share: float | None, max_new_tokens: int,
+             truncated_threshold: float = 0.9) -> tuple[str, str] | None:
+    """(cause, message) when a step has no learning signal, else None.
+
+    ``groups``, ``dead``, ``all_right``, ``all_wrong``: the step's sampled groups and how many
+    were dead (all right / all wrong); ``truncated_share``: share of its sampled answers cut off
+    at ``max_new_tokens`` (None when the backend does not know). Causes, checked in order:
+    "truncated" (share >= ``truncated_threshold``, which 1 or more turns off), "all_wrong",
+    "all_right", "all_dead" (every group dead, some each way or equal non-binary rewards).
+    """
+    cut = (truncated_share is not None and truncated_threshold <= 1.0
+           and truncated_share >= truncated_threshold)
+    if cut:
+        state = "every group dead" if groups and dead == groups else f"{dead}/{groups} groups dead"
+        return "truncated", (
+            f"{truncated_share:.0%} of the answers hit max_new_tokens={max_new_tokens} without "
+            f"finishing ({state}): cut-off answers rarely contain a final answer, so their rewards "
+            "are equal and the advantages zero. Raise max_new_tokens, or ask for shorter answers "
+            "(prompt_template / system prompt); mask_truncated drops them from the loss but does "
+            "not bring the signal back")
+    if not groups or dead < groups:
+        return None
+    if all_wrong == groups:
+        return "all_wrong", (
+            f"all {groups} groups are all wrong: the reward never counted an answer right. "
+            "Likely: the answers are not in the form the reward parses (check samples.jsonl; "
+            "e.g. \\boxed{} vs an 'Answer:' line, answer_sources, the chat template), the task "
+            "is too hard for the starting model (easier prompts, a larger group_size, curriculum "
+            "or allocate), or the temperature is too low to ever find a right answer")
+    if all_right == groups:
+        return "all_right", (
+            f"all {groups} groups are all right: every answer gets full reward. Likely: the task "
+            "is too easy for the model (harder prompts), or the reward does not read the answer "
+            "(it ignores its completions, or compares the wrong column)")
+    return "all_dead", (
+        f"all {groups} groups are dead ({all_right} all right, {all_wrong} all wrong): the reward "
+        "does not vary within any group. Likely: a reward that ignores the completion or is "
+        "constant, a temperature too low to vary the answers, or a group_size too small")
+
+
+class NoSignalAlarm:
+    """Warns (logger "grpolab", WARNING, prefixed "NO LEARNING SIGNAL") on the first step without
+    signal, then at most every ``REPEAT_EVERY`` steps while it lasts, and again whenever the
+    cause changes."""
+
+    def __init__(self, truncated_threshold: float = 0.9) -> None:
+        self.truncated_threshold = truncated_threshold
+        self.last_step: int | None = None
+        self.last_cause: str | None = None
+        self.steps_without = 0
+
+    def check(self, step: int, groups: int, dead: int, all_right: int, all_wrong: int,
+              truncated_share: float | None, max_new_tokens: int, warn: bool = True) -> str | None:
+        """The cause (see ``diagnose``) or None; logs the warning when due and ``warn``."""
+        found = diagnose(groups, dead, all_right, all_wrong, truncated_share, max_new_tokens,
+                         self.truncated_threshold)
+        if found is None:
+            return None
+        cause, message = found
+        self.steps_without += 1
+        due = (self.last_step is None or cause != self.last_cause
+               or step - self.last_step >= REPEAT_EVERY)
+        if due and warn:
+            log.warning("NO LEARNING SIGNAL at step %d (%d step(s) so far): %s", step,
+                        self.steps_without, message)
+            self.last_step, self.last_cause = step, cause
+        return cause

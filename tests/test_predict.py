@@ -1,0 +1,326 @@
+"""Issue 15: ragged groups, Beta pass-rate posteriors, the allocator and the no-signal alarm."""
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+import yaml
+
+from grpolab import advantages as A
+from grpolab.alarm import NoSignalAlarm, diagnose
+from grpolab.allocate import allocate, expected_value
+from grpolab.config import ConfigError, make_config
+from grpolab.predict import (
+    PassRateTracker,
+    brier_score,
+    calibration_summary,
+    dead_probability,
+    fit_beta_prior,
+    reliability_table,
+)
+from grpolab.trainer import GRPOTrainer
+from grpolab.world import TinyConfig, TinyGPT, make_splits
+from grpolab.world_backend import TinyBackend
+
+# ------------------------------------------------------------------ ragged groups --
+
+
+def test_ragged_advantages_hand_values() -> None:
+    # group 0: two answers [1, 0]; group 1: four answers [1, 1, 0, 0]... and a dead group [1, 1]
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 3.0, 3.0])
+    ids = A.group_ids_from_sizes([2, 4, 2])
+    assert ids.tolist() == [0, 0, 1, 1, 1, 1, 2, 2]
+    # mean 0.5, population std 0.5 -> +-1; group 1: mean 0.75, std sqrt(3)/4
+    s = math.sqrt(3) / 4
+    want = [1, -1, 0.25 / s, 0.25 / s, 0.25 / s, -0.75 / s, 0, 0]
+    assert A.group_advantages_ragged(r, ids).tolist() == pytest.approx(want)
+    # Dr. GRPO (no scale): r - mean
+    assert A.group_advantages_ragged(r, ids, scale="none").tolist() == pytest.approx(
+        [0.5, -0.5, 0.25, 0.25, 0.25, -0.75, 0, 0])
+    # RLOO: r - mean of the others (group of 2: the other one; group 1: 2/3 or 1)
+    assert A.group_advantages_ragged(r, ids, baseline="rloo", scale="none").tolist() == (
+        pytest.approx([1, -1, 1 - 2 / 3, 1 / 3, 1 / 3, -1, 0, 0]))
+    # sample std: group 0 sqrt(0.5), group 1 sqrt(0.25)
+    assert A.group_advantages_ragged(r, ids, std="sample").tolist()[:3] == pytest.approx(
+        [0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5), 0.25 / 0.5])
+    assert A.dead_mask_ragged(r, ids).tolist() == [False, False, True]
+    ds = A.dead_stats_ragged(r, ids)
+    assert (ds.groups, ds.dead, ds.all_right, ds.all_wrong) == (3, 1, 1, 0)
+    # ids need not be contiguous or sorted: the same groups, shuffled
+    perm = torch.tensor([7, 2, 0, 5, 1, 4, 6, 3])
+    shuffled = A.group_advantages_ragged(r[perm], ids[perm] * 3 + 1)
+    assert shuffled.tolist() == pytest.approx([want[i] for i in perm.tolist()])
+    # a group of one answer is dead
+    assert A.group_advantages_ragged(torch.tensor([1.0, 0.0, 1.0]),
+                                     A.group_ids_from_sizes([2, 1])).tolist() == [1, -1, 0]
+
+
+@pytest.mark.parametrize("baseline", ["mean", "rloo"])
+@pytest.mark.parametrize("scale", ["std", "batch", "none"])
+@pytest.mark.parametrize("std", ["population", "sample"])
+def test_ragged_equals_fixed_reshape_for_equal_sizes(baseline: str, scale: str, std: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    r = torch.randint(0, 3, (24,), generator=g).float()
+    r[:4] = 1.0  # one dead group
+    opts = {"baseline": baseline, "scale": scale, "std": std, "std_eps": 1e-6}
+    fixed = A.group_advantages(r, 4, **opts)
+    ragged = A.group_advantages_ragged(r, A.group_ids_from_sizes([4] * 6), **opts)
+    assert torch.allclose(fixed, ragged, atol=1e-6)
+    assert torch.equal(A.advantages_by_sizes(r, [4] * 6, **opts), fixed)  # bit for bit
+    assert torch.equal(A.dead_mask_ragged(r, A.group_ids_from_sizes([4] * 6)), A.dead_mask(r, 4))
+    per_fn = torch.stack([r, (r > 1).float()], 1)
+    w = torch.tensor([1.0, 0.5])
+    for name, fn in A.REWARD_AGGREGATIONS.items():
+        ragged_fn = A.RAGGED_REWARD_AGGREGATIONS[name]
+        assert torch.allclose(fn(per_fn, w, 4, **opts),
+                              ragged_fn(per_fn, w, A.group_ids_from_sizes([4] * 6), **opts),
+                              atol=1e-6)
+
+
+# ----------------------------------------------------------------- posteriors --
+
+
+def test_dead_probability_hand_values_and_monte_carlo() -> None:
+    # uniform prior: E[p^G] = 1/(G+1), so P(dead) = 2/(G+1)
+    for n in (2, 4, 8, 16):
+        assert float(dead_probability(torch.tensor([1.0]), torch.tensor([1.0]), n)) == (
+            pytest.approx(2 / (n + 1)))
+    # Beta(2, 1): E[p^2] = 2/4 = 1/2, E[(1-p)^2] = 2/(3*4) = 1/6
+    assert float(dead_probability(torch.tensor([2.0]), torch.tensor([1.0]), 2)) == (
+        pytest.approx(2 / 3))
+    a = torch.tensor([0.3, 2.0, 5.0, 0.7])
+    b = torch.tensor([0.9, 3.0, 1.0, 20.0])
+    n = torch.tensor([4, 8, 16, 6])
+    p = torch.distributions.Beta(a, b).sample((200_000,)).double()
+    mc = (p**n + (1 - p) ** n).mean(0)
+    assert torch.allclose(dead_probability(a, b, n), mc, atol=5e-3)
+
+
+def test_prior_fit_recovers_the_population() -> None:
+    torch.manual_seed(0)
+    p = torch.distributions.Beta(torch.tensor(0.4), torch.tensor(1.2)).sample((4000,))
+    s = torch.distributions.Binomial(8, p).sample()
+    a0, b0 = fit_beta_prior(s, 8 - s)
+    assert a0 / (a0 + b0) == pytest.approx(0.25, abs=0.02)
+    assert a0 + b0 == pytest.approx(1.6, rel=0.15)
+    assert fit_beta_prior(s, 8 - s, strength=10.0)[0] == pytest.approx(10 * 0.25, abs=0.2)
+    assert fit_beta_prior(torch.tensor([1.0]), torch.tensor([3.0])) == (1.0, 1.0)  # one prompt
+
+
+def test_tracker_observes_decays_and_predicts_before_seeing() -> None:
+    t = PassRateTracker(3, decay=0.5, prior_strength=0.0)
+    before = t.dead_probability([0, 1], [4, 4])
+    assert before.tolist() == pytest.approx([0.4, 0.4])  # uniform prior: 2/5
+    t.observe([0, 1, 0], torch.tensor([4.0, 2.0, 0.0]), [4, 4, 4])
+    a, b = t.posterior()
+    assert a.tolist() == [5, 3, 1] and b.tolist() == [5, 3, 1]
+    t.end_step()
+    assert t.successes.tolist() == [2, 1, 0] and t.failures.tolist() == [2, 1, 0]
+    state = t.state_dict()
+    u = PassRateTracker(3)
+    u.load_state_dict(state)
+    assert u.posterior()[0].tolist() == t.posterior()[0].tolist() and u.prior == t.prior
+
+
+def test_brier_and_reliability_hand_values() -> None:
+    pred = torch.tensor([0.05, 0.15, 0.95, 0.91, 0.5])
+    dead = torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0])
+    assert brier_score(pred, dead) == pytest.approx(
+        (0.05**2 + 0.15**2 + 0.05**2 + 0.91**2 + 0.25) / 5)
+    table = reliability_table(pred, dead)
+    assert [(b["lo"], b["groups"], b["measured"]) for b in table] == [
+        (0.0, 1, 0.0), (0.1, 1, 0.0), (0.5, 1, 1.0), (0.9, 2, 0.5)]
+    assert table[-1]["mean_predicted"] == pytest.approx(0.93)
+    rows = [{"step": 1, "group_dead_prob": [0.05, 0.15], "group_dead": [0, 0]},
+            {"step": 2, "group_dead_prob": [0.95, 0.91, 0.5], "group_dead": [1, 0, 1]}]
+    s = calibration_summary(rows)
+    assert s["posterior_dead_brier"] == pytest.approx(brier_score(pred, dead))
+    assert s["posterior_dead_brier_base_rate"] == pytest.approx(0.24)  # base rate 0.4
+    assert s["posterior_dead_groups"] == 5 and len(s["posterior_dead_reliability"]) == 4
+
+
+# ------------------------------------------------------------------ allocation --
+
+
+def test_allocator_choice_on_hand_made_posteriors() -> None:
+    # 0: near 1/2, well known; 1: confidently dead (never solved); 2: hard (p ~ 0.1);
+    # 3: unknown (uniform); 4: confidently all right
+    a = torch.tensor([50.0, 0.1, 2.0, 1.0, 60.0])
+    b = torch.tensor([50.0, 60.0, 18.0, 1.0, 0.1])
+    gen = torch.Generator().manual_seed(0)
+    idx, sizes = allocate(a, b, 16, 4, 8, generator=gen)
+    got = dict(zip(idx, sizes))
+    assert sum(sizes) == 16 and all(4 <= n <= 8 for n in sizes)
+    # live groups: the p ~ 1/2 prompt first (live almost surely at 4), then the unknown one,
+    # then the hard one gets a large group; the confidently dead ones get nothing
+    # live groups: the p ~ 1/2 prompt (live almost surely at 4), the unknown one and the hard
+    # one (p ~ 0.1) are opened at 4; the 4 answers left go where one more answer buys the most
+    # live chance (hand values: unknown 4->5 +0.067, p~1/2 4->5 +0.066, hard 4->5 +0.056,
+    # then 5->6 +0.048 / +0.050 ...). The confidently dead or solved prompts get nothing.
+    assert got == {0: 5, 3: 5, 2: 6}
+    # and no allocation of the 16 answers does better (brute force over every split)
+    import itertools
+
+    best = max(expected_value(a, b, list(split)) if sum(split) == 16 else -1
+               for split in itertools.product([0, 4, 5, 6, 7, 8], repeat=5))
+    assert expected_value(a[idx], b[idx], sizes) == pytest.approx(best)
+    # live answers: fewer, larger groups on the likely-live prompts
+    idx2, sizes2 = allocate(a, b, 16, 4, 8, objective="live_answers", generator=gen)
+    assert dict(zip(idx2, sizes2)) == {0: 8, 3: 8}
+    # a budget that is no multiple of min_size is spent exactly
+    assert sum(allocate(a, b, 18, 4, 8, generator=gen)[1]) == 18
+
+
+def test_allocator_explores_and_respects_limits() -> None:
+    n = 200
+    a = torch.full((n,), 0.05)
+    b = torch.full((n,), 50.0)  # every prompt confidently dead ...
+    a[7], b[7] = 5.0, 5.0  # ... but one
+    seen = set()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        idx, sizes = allocate(a, b, 32, 4, 16, explore=0.25, generator=gen)
+        assert 7 in idx and sum(sizes) == 32 and len(set(idx)) == len(idx)
+        seen |= set(idx) - {7}
+    assert len(seen) > 20  # exploration visits dead prompts, different ones each step
+    # without exploration the live prompt gets the largest group; the budget is still spent
+    got = dict(zip(*allocate(a, b, 32, 4, 16, generator=gen)))
+    assert got[7] == 16 and sum(got.values()) == 32
+    # too few prompts to spend the budget: every prompt at max_size, the rest unspent
+    assert allocate(a[:2], b[:2], 64, 4, 8, generator=gen)[1] == [8, 8]
+
+
+# ---------------------------------------------------------------------- alarm --
+
+
+def test_alarm_diagnoses() -> None:
+    assert diagnose(8, 7, 3, 4, 0.1, 8) is None
+    assert diagnose(8, 8, 0, 8, 0.0, 8)[0] == "all_wrong"
+    assert diagnose(8, 8, 8, 0, 0.0, 8)[0] == "all_right"
+    assert diagnose(8, 8, 3, 5, None, 8)[0] == "all_dead"
+    cause, msg = diagnose(8, 8, 0, 8, 1.0, 16)
+    assert cause == "truncated" and "max_new_tokens=16" in msg
+    assert diagnose(8, 2, 0, 2, 0.95, 16)[0] == "truncated"  # even with live groups
+    assert diagnose(8, 2, 0, 2, 0.95, 16, truncated_threshold=1.01) is None  # off
+
+
+def test_alarm_rate_limits(caplog: pytest.LogCaptureFixture) -> None:
+    alarm = NoSignalAlarm()
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        for step in range(1, 13):
+            alarm.check(step, 4, 4, 0, 4, 0.0, 8)
+    assert caplog.text.count("NO LEARNING SIGNAL") == 2  # steps 1 and 11
+
+
+def never(prompts, completions, **_):
+    return [0.0] * len(completions)
+
+
+def first_digit_odd(prompts, completions, **_):
+    return [1.0 if c[:1] in "13579" and c else 0.0 for c in completions]
+
+
+def world_trainer(tmp_path, reward=first_digit_odd, **over) -> GRPOTrainer:
+    cfg = make_config(None, {"progress": False, "checkpoint_every": 0, "budget": 32,
+                             "group_size": 4, "steps": 2, "max_new_tokens": 4,
+                             "eval_size": 8, **over})
+    torch.manual_seed(0)
+    model = TinyGPT(TinyConfig(d_model=32, n_layers=2, n_heads=2))
+    splits = make_splits(0, 64, 16)
+    return GRPOTrainer(cfg, TinyBackend(model, seed=0), splits.train, [reward], splits.heldout,
+                       out_dir=tmp_path)
+
+
+def test_alarm_fires_on_an_all_truncated_step(tmp_path, caplog) -> None:
+    # one token of room: a random model almost never ends its answer at once
+    tr = world_trainer(tmp_path, max_new_tokens=1)
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        rec = tr.step()
+    assert rec["sampled_truncated_share"] > 0.9
+    assert rec["no_signal"] == "truncated"
+    assert "NO LEARNING SIGNAL at step 1" in caplog.text and "max_new_tokens=1" in caplog.text
+
+
+def test_alarm_fires_on_an_all_dead_step(tmp_path, caplog) -> None:
+    tr = world_trainer(tmp_path, reward=never)
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        rec = tr.step()
+    assert rec["dead_share"] == 1.0 and rec["no_signal"] == "all_wrong"
+    assert "all 8 groups are all wrong" in caplog.text
+
+
+# ------------------------------------------------------------- in the trainer --
+
+
+def test_posterior_prediction_logged_per_group(tmp_path) -> None:
+    tr = world_trainer(tmp_path)
+    rec = tr.step()
+    assert len(rec["group_dead_prob"]) == len(rec["group_dead"]) == rec["groups"] == 8
+    assert rec["posterior_dead_share"] == pytest.approx(0.4, abs=1e-4)  # uniform prior, G=4
+    assert rec["dead_share"] == pytest.approx(sum(rec["group_dead"]) / 8)
+    rec2 = tr.step()  # the prior is now fitted to step 1's groups
+    assert rec2["posterior_prior"] != [1.0, 1.0]
+    assert tr.tracker.successes.sum() > 0
+
+
+def test_allocate_trains_ragged_groups_within_the_budget(tmp_path) -> None:
+    tr = world_trainer(tmp_path, allocate=True, allocate_min_group=2, allocate_max_group=8,
+                       allocate_explore=0.0, log_samples=3)
+    from grpolab.report import MetricsWriter
+
+    tr.samples = MetricsWriter(tmp_path / "samples.jsonl")
+    recs = [tr.step() for _ in range(3)]
+    for rec in recs:
+        assert rec["answers_generated"] == 32 == sum(rec["group_sizes"])
+        assert rec["groups"] == len(rec["group_sizes"]) == len(rec["group_dead"])
+        live = [n for n, d in zip(rec["group_sizes"], rec["group_dead"]) if not d]
+        assert rec["useful_answers"] == sum(live)
+        assert math.isfinite(rec["loss"]) and rec["predicted_dead_share"] is not None
+    assert any(len(set(r["group_sizes"])) > 1 for r in recs)  # groups of different sizes
+    logged = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert all(len(g["completions"]) == len(g["advantages"]) for s in logged for g in s["groups"])
+
+
+def test_allocate_config_checks() -> None:
+    with pytest.raises(ConfigError, match="cannot be combined with dynamic_sampling"):
+        make_config(None, {"allocate": True, "dynamic_sampling": True})
+    with pytest.raises(ConfigError, match="allocate_min_group"):
+        make_config(None, {"allocate_min_group": 8, "allocate_max_group": 4})
+    from grpolab.cli import field_help
+    from grpolab.workshop import variant_settings
+
+    assert variant_settings("allocate") == {"allocate": True}
+    assert "posteriors" in field_help()["allocate"]
+
+
+# --------------------------------------------------------- Hugging Face tiny run --
+
+
+def test_hf_run_logs_predicted_vs_measured_with_calibration(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    from grpolab import cli
+    from grpolab.tinyhf import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "llama", arch="llama", hidden=32, heads=4)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "solution": str(a + b)})
+                            + "\n" for a, b in [(3, 4), (12, 7), (25, 17), (8, 9)]))
+    out = tmp_path / "run"
+    cfg = {"model_path": model, "dataset": str(data), "prompt_column": "question",
+           "answer_column": "solution", "rewards": ["format"], "format_pattern": r".*7.*",
+           "steps": 3, "budget": 8, "group_size": 4, "max_new_tokens": 8, "eval_size": 2,
+           "out_dir": str(out), "progress": False, "checkpoint_every": 0}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["train", "--config", str(tmp_path / "run.yaml")]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    for r in rows:
+        assert r["predicted_dead_share"] is None  # no exact pass rate for a real model ...
+        assert 0 <= r["posterior_dead_share"] <= 1  # ... but the posteriors predict it
+        assert len(r["group_dead_prob"]) == r["groups"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["posterior_dead_groups"] == 6
+    assert 0 <= summary["posterior_dead_brier"] <= 1
+    assert sum(b["groups"] for b in summary["posterior_dead_reliability"]) == 6
+    assert (out / "calibration.png").read_bytes()[:4] == b"\x89PNG"
