@@ -240,10 +240,15 @@ def test_mlflow_local_store(run: dict) -> None:
         "plots/workshop.png"]
 
 
-def test_trackio_local_database(run: dict) -> None:
+def test_trackio_local_database(run: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     need("trackio")
     from trackio.sqlite_storage import SQLiteStorage
 
+    # where the run wrote (a trackio imported before the fixture, by another test's imports,
+    # had TRACKIO_DIR patched only while the run lasted)
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("trackio") and hasattr(mod, "TRACKIO_DIR"):
+            monkeypatch.setattr(mod, "TRACKIO_DIR", run["tmp"] / "trackio")
     assert (run["tmp"] / "trackio").is_dir()
     (name,) = SQLiteStorage.get_runs("grpolab-test")
     assert name == f"run-{run['metrics'][0]['run_id']}"
