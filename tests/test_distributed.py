@@ -48,7 +48,8 @@ def digit_reward(prompts: list, completions: list[str], **_: object) -> list[flo
 def _trainer(loss_agg: str, epochs: int, out_dir: Path, budget: int = G * GROUPS,
              micro_batch: int = 0) -> GRPOTrainer:
     torch.manual_seed(0)
-    model = TinyGPT(TinyConfig(vocab_size=CharTokenizer().vocab_size, d_model=32, n_layers=2))
+    model = TinyGPT(TinyConfig(vocab_size=CharTokenizer().vocab_size, d_model=32, n_layers=2,
+                               max_len=24))
     splits = make_splits(0, 64, 8)
     cfg = Config(budget=budget, group_size=G, loss_agg=loss_agg, epochs=epochs, beta=0.04,
                  progress=False, out_dir=str(out_dir), micro_batch=micro_batch)

@@ -29,7 +29,7 @@ def trainer(tmp_path, reward=first_digit_odd, lora=False, **over) -> GRPOTrainer
                              "group_size": 4, "steps": 2, "max_new_tokens": 4,
                              "eval_size": 16, **over})
     torch.manual_seed(0)
-    model = TinyGPT(TinyConfig(d_model=32, n_layers=2, n_heads=2))
+    model = TinyGPT(TinyConfig(d_model=32, n_layers=2, n_heads=2, max_len=24))
     splits = make_splits(0, 64, 16)
     backend = TinyBackend(model, lora=lora, seed=0)
     return GRPOTrainer(cfg, backend, splits.train, [reward], splits.heldout, out_dir=tmp_path)
@@ -183,7 +183,7 @@ def test_accuracy_is_the_first_rewards_verdict(tmp_path) -> None:
     cfg = make_config(None, {"progress": False, "checkpoint_every": 0, "budget": 32,
                              "group_size": 4, "steps": 1, "max_new_tokens": 4, "eval_size": 16})
     torch.manual_seed(0)
-    model = TinyGPT(TinyConfig(d_model=32, n_layers=2, n_heads=2))
+    model = TinyGPT(TinyConfig(d_model=32, n_layers=2, n_heads=2, max_len=24))
     splits = make_splits(0, 64, 16)
     tr = GRPOTrainer(cfg, TinyBackend(model, seed=0), splits.train,
                      [first_digit_odd, always_formatted], splits.heldout, out_dir=tmp_path)
