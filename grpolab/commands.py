@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import dist
+from . import dist, shard
 from .config import Config, ConfigError
 from .report import plot_run, read_metrics, summarize
 from .scoring import load_rewards, make_scorer, score_answers
@@ -192,10 +192,12 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
     trainer = GRPOTrainer(cfg, backend, rows, reward_fns, heldout, out_dir=cfg.out_dir,
                           watch_fn=watch)
     trainer.train(resume=resume)
+    # sharded weights are gathered to rank 0 (collective) for the final model
+    full = shard.full_state_dict(backend.model) if trainer.sharded else None
     if not dist.is_main():  # under torchrun rank 0 alone writes the model, plot and summary
         return trainer
     out = trainer.out_dir
-    backend.save_pretrained(str(out / "final"))
+    backend.save_pretrained(str(out / "final"), state_dict=full)
     title = (f"GRPO on {Path(cfg.model_path).name}: G={cfg.group_size}, {cfg.prompts_per_step} "
              f"prompts per step{' (LoRA)' if cfg.lora else ''}")
     summary = finish_run(out, "train.png", title, lengths=True, model_path=cfg.model_path,

@@ -135,6 +135,14 @@ def local_bytes(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> i
     return total
 
 
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on rank 0's CPU (empty elsewhere); every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+
+
 # ------------------------------------------------------------------------- checkpoints
 
 _SAFE_PREFIXES = ("torch.distributed.checkpoint.", "torch.distributed.tensor.")
