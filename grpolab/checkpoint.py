@@ -14,10 +14,12 @@ continues bitwise. ``claim_out_dir`` keeps two runs out of one folder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
 import os
+import pickle
 import shutil
 import struct
 import uuid
@@ -40,7 +42,7 @@ RANK_SEED_STRIDE = 1_000_003
 # micro-batches is what it is for; float rounding then differs in the last bits).
 RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every",
                     "micro_batch", "log_samples", "overwrite", "reward_timeout", "reward_workers",
-                    "fail_on_reward_errors", "report_to"}
+                    "fail_on_reward_errors", "report_to", "shard"}
 # Config keys that change the trained weights' shapes: a checkpoint of another value cannot load.
 SHAPE_KEYS = ("lora", "lora_r", "lora_target_modules", "model_path")
 
@@ -239,11 +241,15 @@ def trainer_state(tr: Any) -> dict[str, Any]:
     """Everything a bitwise-identical continuation needs (collective under torchrun)."""
     rank_rng = dist.all_gather_object({"gen": tr.gen.get_state(),
                                        "torch_rng": torch.get_rng_state()})
+    weights: dict[str, Any]
+    if tr.cfg.shard == "fsdp":  # weights and Adam state: one DCP folder, a file per rank
+        weights = save_sharded(tr)
+    else:
+        weights = {"backend": tr.backend.state_dict(), "optimizer": tr.opt.state_dict()}
     return {
         "step": tr.step_num,
         "config": to_dict(tr.cfg),
-        "backend": tr.backend.state_dict(),
-        "optimizer": tr.opt.state_dict(),
+        **weights,
         "gen": tr.gen.get_state(),
         "sampler_gen": tr.sampler.generator.get_state(),
         "sampler": tr.sampler.state_dict(),
@@ -263,7 +269,50 @@ def save_trainer(tr: Any) -> Path:
     st = trainer_state(tr)
     if not dist.is_main():
         return tr.ckpt_dir / LAST
-    return save(st, tr.ckpt_dir)
+    path = save(st, tr.ckpt_dir)
+    if st.get("dcp"):  # keep the DCP folders last.pt and prev.pt name; drop older ones
+        keep = {st["dcp"]}
+        with contextlib.suppress(CheckpointError, OSError, KeyError):
+            keep.add(read(tr.ckpt_dir / PREV).get("dcp"))
+        for d in tr.ckpt_dir.glob("dcp-*"):
+            if d.name not in keep:
+                shutil.rmtree(d, ignore_errors=True)
+    return path
+
+
+def save_sharded(tr: Any) -> dict[str, Any]:
+    """Write the (sharded) weights and optimizer state with torch.distributed.checkpoint into a
+    new folder named by step and run; last.pt names it and carries its files' sha256."""
+    from . import shard
+
+    name = dist.all_gather_object(f"dcp-{tr.step_num:06d}-{tr.run_id}")[0]  # rank 0's run id
+    path = tr.ckpt_dir / name
+    if dist.is_main():
+        tr.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(path, ignore_errors=True)  # a save of this step killed half-way
+    dist.all_reduce_sum([0.0])  # (no rank writes before the folder is clean)
+    shard.save_dcp(path, tr.backend.model, tr.opt)
+    dist.all_reduce_sum([0.0])  # every rank's file is written before rank 0 hashes them
+    return {"backend": None, "optimizer": None, "dcp": name,
+            "dcp_sha256": shard.files_hash(path) if dist.is_main() else {}}
+
+
+def load_sharded(tr: Any, st: dict[str, Any], path: Path) -> None:
+    """Load a DCP checkpoint (written on any number of ranks) after checking its files."""
+    from . import shard
+
+    folder = path.parent / st["dcp"]
+    if not folder.is_dir():
+        raise CheckpointError(f"{path} names the weights folder {folder.name}, which is missing")
+    if shard.files_hash(folder) != st.get("dcp_sha256"):
+        raise CheckpointError(f"the weights folder {folder} does not match the hashes in {path}")
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        shard.load_dcp(folder, tr.backend.model, tr.opt)
+    except (CheckpointException, pickle.UnpicklingError) as e:  # one line, not a rank dump
+        raise CheckpointError(f"the weights folder {folder} cannot be loaded: "
+                              f"{' '.join(str(e).split())[-300:]}") from e
 
 
 def load_trainer(tr: Any, path: str | os.PathLike | None = None) -> int:
@@ -308,8 +357,13 @@ def restore(tr: Any, st: dict[str, Any], path: Path | None = None) -> None:
     free = RESUME_FREE_KEYS - ({"steps"} if tr.cfg.lr_schedule != "constant" else set())
     changed = sorted(k for k in now if k in saved and k not in free and saved[k] != now[k])
     try:
-        tr.backend.load_state_dict(st["backend"])
-        tr.opt.load_state_dict(st["optimizer"])
+        if st.get("dcp"):
+            load_sharded(tr, st, path or tr.ckpt_dir / LAST)
+        else:
+            tr.backend.load_state_dict(st["backend"])
+            tr.opt.load_state_dict(st["optimizer"])
+    except CheckpointError:
+        raise
     except (ValueError, RuntimeError, KeyError) as e:
         shape = [f"{k}={saved[k]!r} (this run: {now[k]!r})" for k in SHAPE_KEYS if k in changed]
         why = (f"it was written with {', '.join(shape)}" if shape

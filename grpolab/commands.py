@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import dist
+from . import dist, shard
 from .config import Config, ConfigError
 from .report import plot_run, read_metrics, summarize
 from .scoring import load_rewards, make_scorer, score_answers
@@ -211,10 +211,12 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
     # report_to, and the plot redrawn with a status line at each evaluation
     trainer.reporter = Reporter(trainer.out_dir / "train.png", title, lengths=True)
     trainer.train(resume=resume)
+    # sharded weights are gathered to rank 0 (collective) for the final model
+    full = shard.full_state_dict(backend.model) if trainer.sharded else None
     if not dist.is_main():  # under torchrun rank 0 alone writes the model, plot and summary
         return trainer
     out = trainer.out_dir
-    backend.save_pretrained(str(out / "final"))
+    backend.save_pretrained(str(out / "final"), state_dict=full)
     summary = finish_run(out, "train.png", title, lengths=True, model_path=cfg.model_path,
                          lora=cfg.lora, calibration_title="Dead-group prediction: "
                          f"{Path(cfg.model_path).name}")

@@ -55,6 +55,7 @@ class Config:
     grad_clip: float = 1.0  # largest gradient norm kept (TRL max_grad_norm)
     epochs: int = 1  # mu: optimisation passes over one batch (old-policy ratio when > 1)
     micro_batch: int = 0  # rows per forward/backward in the update (0 = all); same step
+    shard: Literal["none", "fsdp"] = "none"  # torchrun: fsdp shards weights, grads, Adam (full FT)
     eval_every: int = 1  # steps between held-out evaluations
     eval_size: int = 256  # held-out prompts evaluated (first rows of the split)
     eval_samples: int = 0  # grpolab eval: answers per prompt at `temperature` for pass@k
@@ -222,6 +223,9 @@ class Config:
             raise ConfigError(f"warmup_steps must be >= 0 (got {self.warmup_steps})")
         if self.log_samples < 0:
             raise ConfigError(f"log_samples must be >= 0 (got {self.log_samples})")
+        if self.shard == "fsdp" and self.lora:
+            raise ConfigError("shard fsdp shards a full fine-tune: add --no-lora (LoRA's "
+                              "adapters are small; run it data-parallel with shard none)")
         if self.micro_batch < 0:
             raise ConfigError(f"micro_batch must be >= 0 (got {self.micro_batch})")
         if self.prompt_template and "{prompt}" not in self.prompt_template:

@@ -408,7 +408,7 @@ class HFBackend(LMBackend):
             return self.model
         return copy.deepcopy(self.model).merge_and_unload()
 
-    def save_pretrained(self, out_dir: str) -> None:
+    def save_pretrained(self, out_dir: str, state_dict: dict | None = None) -> None:
         """Save a model ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads, and the tokenizer.
 
         With LoRA the adapters are merged into a copy of the base; the adapters alone are also
@@ -417,7 +417,8 @@ class HFBackend(LMBackend):
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         # The checkpoint's generation_config (only hidden during rollouts) is saved as it was.
-        self.merged_model().save_pretrained(str(out))
+        # (state_dict: the full weights of a sharded model, gathered by the caller)
+        self.merged_model().save_pretrained(str(out), state_dict=state_dict)
         self.tokenizer.save_pretrained(str(out))
         if self.lora:
             self.model.save_pretrained(str(out / "adapter"))

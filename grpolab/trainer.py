@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import advantages as adv_mod
-from . import checkpoint, dist
+from . import checkpoint, dist, shard
 from .checkpoint import RANK_SEED_STRIDE, CheckpointError
 from .collect import Batch, Collector
 from .config import Config, ConfigError
@@ -98,6 +98,9 @@ class GRPOTrainer:
         self.rollouts = Collector(cfg, backend, train_rows, self.scorer, self.gen, self.sampler)
         self.tracker = self.rollouts.tracker  # the pass-rate posteriors (grpolab.predict)
         dist.broadcast_module(backend.model)  # every rank starts from rank 0's weights
+        if cfg.shard == "fsdp":  # before the optimizer: sharding replaces the parameters
+            shard.shard_backend(backend)
+        self.sharded = shard.is_sharded(backend.model)
         self.params = [p for p in backend.model.parameters() if p.requires_grad]
         self.opt = torch.optim.Adam(self.params, lr=cfg.lr)
         self.step_num = 0
@@ -286,7 +289,12 @@ class GRPOTrainer:
         for _ in range(cfg.epochs):
             self.opt.zero_grad(set_to_none=True)
             stats = [0.0] * 7  # loss, policy loss, kl, clip frac, non-finite, entropy, share
-            for part, a, ref_lp, old_lp in parts:
+            if self.sharded and dist.all_reduce_sum([float(not parts)])[0]:
+                raise TrainingError("a rank has no answers to train on this step; fsdp needs "
+                                    "every rank in every backward")
+            for k, (part, a, ref_lp, old_lp) in enumerate(parts):
+                if self.sharded:  # FSDP reduces once, in the last micro-batch's backward
+                    shard.set_sync(self.backend.model, k == len(parts) - 1)
                 if with_entropy:  # the same log-probs, plus each position's entropy
                     lp, ent = self.backend.logprobs_and_entropy(
                         part, cfg.temperature, entropy_grad=bool(cfg.entropy_coef))
@@ -301,10 +309,10 @@ class GRPOTrainer:
                     cispo_max=cfg.cispo_max, entropy=ent, entropy_coef=cfg.entropy_coef,
                     top_entropy_quantile=cfg.top_entropy_quantile,
                     global_rows=n_all, global_tokens=t_all)
-                if torch.isfinite(res.loss):
+                finite = bool(torch.isfinite(res.loss))
+                if finite or self.sharded:  # (fsdp: every rank takes part in the reduction)
                     res.loss.backward()
-                else:
-                    stats[4] = 1.0
+                stats[4] = max(stats[4], float(not finite))
                 for i, v in enumerate((float(res.loss.detach()), res.policy_loss, res.kl,
                                        res.clip_frac, 0.0, res.entropy or 0.0,
                                        res.entropy_share)):
@@ -313,8 +321,10 @@ class GRPOTrainer:
             if stats[4]:
                 raise TrainingError(f"non-finite loss ({stats[0]}) at step {self.step_num + 1}; "
                                     f"last checkpoint and metrics in {self.out_dir} are intact")
-            dist.sum_grads(self.params)
-            gn = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+            if not self.sharded:
+                dist.sum_grads(self.params)
+            gn = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+            gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
             if not math.isfinite(gn):
                 raise TrainingError(
                     f"non-finite gradient norm ({gn}) at step {self.step_num + 1}; the update "
