@@ -19,8 +19,9 @@ import torch
 
 from grpolab import advantages as A
 from grpolab import losses as L
-from grpolab.config import TRL_ALIASES, TRL_VALUES, Config, ConfigError, literal_fields, make_config
+from grpolab.config import Config, ConfigError, literal_fields, make_config
 from grpolab.losses import grpo_loss
+from grpolab.trl_names import TRL_ALIASES, TRL_VALUES
 
 trl = pytest.importorskip("trl")
 from test_trainer import first_digit_odd, trainer  # the tiny-world trainer the tests share
