@@ -1,0 +1,521 @@
+"""grpolab vs TRL on a real model: each trainer in its own process, rounds interleaved.
+
+    python bench/vs_trl_real.py [--model smollm2-135m-instruct] [--rounds 2 --steps 2 --warmup 1]
+                                [--batch 32 --group-size 8 --max-new-tokens 64 --threads 2]
+
+Runs TRL's ``GRPOTrainer`` and grpolab's ``GRPOTrainer`` (``HFBackend``) on the same local HF
+model folder (``--model`` is a folder or a name grpolab resolves, e.g. smollm2-135m-instruct:
+the converted float32 folder under ~/.cache/grpolab/models is handed to both) with identical
+settings:
+
+* chat-templated prompts (the tokenizer's template, a user turn, generation prompt added) over a
+  local set of generated two-digit additions, and one exact-answer reward for both;
+* B completions per optimizer step (B / G prompts x G answers), one generation per step, one
+  optimisation pass, no gradient accumulation, at most L new tokens, temperature 1, no
+  top-k/top-p, beta (KL to the reference), Adam(W) at a constant lr, no weight decay, gradient
+  clipping at 1, float32, no gradient checkpointing;
+* LoRA r=8, alpha 16, dropout 0 on q_proj, k_proj, v_proj, o_proj for both (peft); the reference
+  is the model with the adapters off in both (no copy);
+* per-reply mean loss (TRL ``loss_type='grpo'`` == grpolab ``seq_mean_token_mean``), group std
+  scaling with the sample std + 1e-4.
+
+Each (round, trainer) is a fresh subprocess, so ``ru_maxrss`` in the child is that trainer's
+peak resident memory (model load, imports and all). The order alternates round by round (TRL
+first, then grpolab first, ...) so machine noise reaches both. The first ``--warmup`` steps of a
+child are not timed; model loading and trainer construction are not timed.
+
+Time split per timed step (wall clock, seconds):
+
+* gen: TRL ``_generate`` (tokenize, ``model.generate``, decode) / grpolab ``backend.generate``;
+* ref: log-probs of the reference (adapters off, no grad): TRL ``_get_per_token_logps_and_
+  entropies`` outside autograd / grpolab ``backend.logprobs(..., reference=True)``;
+* pol: policy forward + backward: TRL ``training_step`` less its ``_prepare_inputs`` (which
+  generates, scores rewards and the reference) / grpolab ``update`` less its reference pass
+  (this includes the LoRA optimizer step, which is tiny);
+* other: the rest of the step (rewards, advantages, optimizer step for TRL, bookkeeping).
+
+Completions stop at EOS, so the two trainers can generate different amounts; tokens generated
+per step and generated tokens per second are printed next to steps/s.
+
+With ``--flops`` (default on) the children of the last round run one more step under
+``torch.utils.flop_counter.FlopCounterMode`` after their timed steps and after reading their
+peak memory; the parent measures the machine's float32 matmul rate at the same thread count.
+Counted work / rate is the floor for that trainer's step on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+# ----------------------------------------------------------------------------- task
+
+
+def make_rows(n: int, seed: int) -> list[dict[str, str]]:
+    """Two-digit additions with their answers, generated here (no dataset download)."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        rows.append({"question": f"What is {a} + {b}? Reply with the number only.",
+                     "answer": str(a + b)})
+    return rows
+
+
+def _text(c: Any) -> str:
+    """A completion as text: a string (grpolab, plain prompts) or chat messages (TRL)."""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and c and isinstance(c[-1], dict):
+        return str(c[-1].get("content", ""))
+    return str(c)
+
+
+def exact_answer_reward(prompts: list[Any], completions: list[Any], answer: list[str],
+                        **_: Any) -> list[float]:
+    """1 when the last integer in the completion is the answer, else 0 (both trainers)."""
+    out = []
+    for c, a in zip(completions, answer):
+        nums = re.findall(r"-?\d+", _text(c).replace(",", ""))
+        out.append(1.0 if nums and nums[-1] == a else 0.0)
+    return out
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+class Split:
+    """Wall-clock time per phase, accumulated until ``close_step`` files it under one step."""
+
+    def __init__(self) -> None:
+        self.cur: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+        self.begin: list[tuple[float, float]] = []  # (wall, cpu) at each step's start
+
+    def add(self, key: str, dt: float) -> None:
+        self.cur[key] = self.cur.get(key, 0.0) + dt
+
+    def wrap(self, obj: Any, name: str, key: str, when: Any = None) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            if when is not None and not when(*a, **kw):
+                return fn(*a, **kw)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.add(key, time.perf_counter() - t0)
+
+        setattr(obj, name, timed)
+
+    def close_step(self, **extra: float) -> None:
+        self.steps.append({**self.cur, **extra})
+        self.cur = {}
+
+
+# ----------------------------------------------------------------------------- children
+
+
+def child_trl(args: argparse.Namespace, model_dir: str, out: str, split: Split) -> Any:
+    """Build TRL's trainer; returns a function that runs all steps and one to count FLOPs."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]}
+            for r in make_rows(512, args.seed)]
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.trainer: Any = None
+
+        def on_step_begin(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
+            split.begin.append((time.perf_counter(), time.process_time()))
+
+        def on_step_end(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
+            m = self.trainer._metrics["train"]
+            split.close_step(end=time.perf_counter(), cpu=time.process_time(),
+                             tokens=m["completions/mean_length"][-1] * args.batch,
+                             width=m["completions/max_length"][-1])
+
+    cfg = GRPOConfig(
+        output_dir=out, num_generations=args.group_size,
+        per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
+        steps_per_generation=1, num_iterations=1, max_completion_length=args.max_new_tokens,
+        temperature=1.0, top_k=0, top_p=1.0, beta=args.beta, epsilon=0.2,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, loss_type="grpo", scale_rewards="group", disable_dropout=True,
+        gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, report_to="none",
+        logging_steps=10**6, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        max_steps=args.warmup + args.steps, seed=args.seed,
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    peft_cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
+                          task_type="CAUSAL_LM")
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tok.padding_side = "left"
+    clock = Clock()
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[exact_answer_reward], args=cfg,
+                          train_dataset=Dataset.from_list(rows), processing_class=tok,
+                          callbacks=[clock], peft_config=peft_cfg)
+    clock.trainer = trainer
+    split.wrap(trainer, "_generate", "gen")
+    split.wrap(trainer, "_get_per_token_logps_and_entropies", "ref",
+               when=lambda *a, **k: not torch.is_grad_enabled())
+    split.wrap(trainer, "_prepare_inputs", "prep")
+    split.wrap(trainer, "training_step", "train_step")
+    n_train = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+
+    def run() -> None:
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.train()
+
+    def one_step() -> None:
+        trainer.args.max_steps = 1
+        run()
+
+    return run, one_step, n_train
+
+
+def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) -> Any:
+    from grpolab.commands import make_backend
+    from grpolab.config import Config
+    from grpolab.models import load_model
+    from grpolab.trainer import GRPOTrainer
+
+    rows = [{"prompt": r["question"], "answer": r["answer"]} for r in make_rows(512, args.seed)]
+    cfg = Config(
+        out_dir=out, seed=args.seed, steps=10**6, budget=args.batch, group_size=args.group_size,
+        temperature=1.0, max_new_tokens=args.max_new_tokens, lr=args.lr, grad_clip=1.0,
+        epochs=1, beta=args.beta, eps_low=0.2, eps_high=0.2, loss_agg="seq_mean_token_mean",
+        baseline="mean", scale="std", std="sample", std_eps=1e-4, eval_every=10**6,
+        checkpoint_every=0, progress=False, model_path=model_dir, use_chat_template=True,
+        lora=True, lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=TARGETS,
+        dtype="float32",
+    ).resolved()
+    model, tok = load_model(model_dir, device="cpu", dtype="float32")
+    backend = make_backend(cfg, model, tok)
+    trainer = GRPOTrainer(cfg, backend, rows, [exact_answer_reward], heldout_rows=[],
+                          out_dir=out)
+    tokens: list[tuple[int, int]] = []
+    gen = backend.generate
+
+    def counted(prompts: Any, temperature: float, max_new_tokens: int, generator: Any = None
+                ) -> Any:
+        ro = gen(prompts, temperature, max_new_tokens, generator)
+        tokens.append((int(ro.completion_mask.sum()), int(ro.completion_ids.shape[1])))
+        return ro
+
+    backend.generate = counted
+    split.wrap(backend, "generate", "gen")
+    split.wrap(backend, "logprobs", "ref", when=lambda *a, **k: bool(k.get("reference")))
+    split.wrap(trainer, "update", "update")
+    n_train = sum(p.numel() for p in backend.model.parameters() if p.requires_grad)
+
+    def run() -> None:
+        for _ in range(args.warmup + args.steps):
+            split.begin.append((time.perf_counter(), time.process_time()))
+            trainer.step()
+            tok_n, width = tokens[-1]
+            split.close_step(end=time.perf_counter(), cpu=time.process_time(), tokens=tok_n,
+                             width=width)
+
+    return run, trainer.step, n_train
+
+
+def child_main(args: argparse.Namespace) -> int:
+    for k, v in OFFLINE_ENV.items():
+        os.environ.setdefault(k, v)
+    import logging
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    for name in ("transformers", "trl", "accelerate", "grpolab", "peft", "httpx"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+    split = Split()
+    t_load = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"vs-trl-real-{args.child}-") as out:
+        build = child_trl if args.child == "trl" else child_lab
+        run, one_step, n_train = build(args, args.model, out, split)
+        rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        t_built = time.perf_counter()
+        split.cur = {}
+        run()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+        steps = split.steps
+        w = args.warmup
+        # From the previous step's end (warm-up), or from the first step's start (--warmup 0:
+        # TRL's train() setup before its first step is then not counted).
+        t0, c0 = (split.begin[0] if w == 0 else (steps[w - 1]["end"], steps[w - 1]["cpu"]))
+        timed = steps[w:]
+        res: dict[str, Any] = {
+            "trainer": args.child, "round": args.round, "steps": len(timed),
+            "time": timed[-1]["end"] - t0, "cpu": timed[-1]["cpu"] - c0,
+            "tokens": sum(s["tokens"] for s in timed), "width": statistics.mean(
+                s["width"] for s in timed),
+            "peak_rss_mib": peak, "rss_after_build_mib": rss_built,
+            "build_s": t_built - t_load, "trainable": n_train, "threads": torch.get_num_threads(),
+        }
+        phases = {"gen": 0.0, "ref": 0.0, "pol": 0.0}
+        for s in timed:
+            phases["gen"] += s.get("gen", 0.0)
+            phases["ref"] += s.get("ref", 0.0)
+            if args.child == "trl":
+                phases["pol"] += s.get("train_step", 0.0) - s.get("prep", 0.0)
+            else:
+                phases["pol"] += s.get("update", 0.0) - s.get("ref", 0.0)
+        res["split"] = phases
+        print("RESULT " + json.dumps(res), flush=True)  # kept if the count below is cut
+        if args.flops:
+            from vs_trl import count_flops
+
+            print(f"FLOPS {count_flops(one_step)}", flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def matmul_rate(threads: int, tokens: int, hidden: int, inter: int, vocab: int) -> float:
+    """FLOP/s of the fastest of a few float32 matmuls (the model's shapes and a square one)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    best = 0.0
+    for m, k, n in [(tokens, hidden, vocab), (tokens, hidden, inter), (1024, 1024, 1024)]:
+        a, w = torch.randn(m, k), torch.randn(n, k)
+        torch.nn.functional.linear(a, w)
+        reps = 3
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.nn.functional.linear(a, w)
+        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0))
+    return best
+
+
+def loadavg() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except OSError:
+        return float("nan")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run_child(args: argparse.Namespace, who: str, rnd: int, flops: bool,
+              deadline: float) -> dict[str, Any] | None:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", who, "--round", str(rnd),
+           "--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--batch", str(args.batch), "--group-size", str(args.group_size),
+           "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads),
+           "--lr", str(args.lr), "--beta", str(args.beta), "--seed", str(args.seed)]
+    if flops:
+        cmd.append("--flops")
+    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": str(args.threads),
+           "MKL_NUM_THREADS": str(args.threads)}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    la0 = loadavg()
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
+                           timeout=max(1.0, deadline - time.monotonic()))
+        stdout, stderr, rc = p.stdout, p.stderr, p.returncode
+    except subprocess.TimeoutExpired as cut:
+        stdout = cut.stdout.decode() if isinstance(cut.stdout, bytes) else (cut.stdout or "")
+        stderr, rc = "", "cut at --time-limit"
+        print(f"  round {rnd} {who}: cut at the --time-limit", flush=True)
+    flops = [int(line[6:]) for line in stdout.splitlines() if line.startswith("FLOPS ")]
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[7:])
+            if flops:
+                res["flops"] = flops[0]
+            res["load"] = (la0, loadavg())
+            res["wall_child"] = time.perf_counter() - t0
+            print(f"  round {rnd} {who:7s}: {res['steps'] / res['time']:.4f} steps/s, "
+                  f"{res['time'] / res['steps']:.1f} s/step, peak RSS "
+                  f"{res['peak_rss_mib']:.0f} MiB, {res['tokens'] / res['steps']:.0f} tok/step, "
+                  f"build {res['build_s']:.0f} s, load {la0:.2f}->{res['load'][1]:.2f}, "
+                  f"child {res['wall_child']:.0f} s", flush=True)
+            return res
+    if rc == "cut at --time-limit":
+        return None
+    sys.stderr.write(stdout[-3000:] + stderr[-6000:])
+    raise SystemExit(f"{who} child failed (rc {rc})")
+
+
+def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
+                 rate: float | None, info: dict[str, Any]) -> str:
+    lines = []
+    agg: dict[str, dict[str, float]] = {}
+    for who in ("trl", "lab"):
+        rs = res[who]
+        steps = sum(r["steps"] for r in rs)
+        t = sum(r["time"] for r in rs)
+        a = {"steps": steps, "t": t, "sps": steps / t, "cpu_sps": steps / sum(r["cpu"] for r in rs),
+             "tok": sum(r["tokens"] for r in rs) / steps,
+             "width": statistics.mean(r["width"] for r in rs),
+             "peak": max(r["peak_rss_mib"] for r in rs),
+             "built": max(r["rss_after_build_mib"] for r in rs)}
+        for k in ("gen", "ref", "pol"):
+            a[k] = sum(r["split"][k] for r in rs) / steps
+        a["other"] = t / steps - a["gen"] - a["ref"] - a["pol"]
+        a["tok_s"] = a["tok"] * steps / t
+        fl = [r["flops"] for r in rs if "flops" in r]
+        if fl and rate:
+            a["gflop"] = fl[-1] / 1e9
+            a["floor"] = fl[-1] / rate
+        agg[who] = a
+    name = {"trl": "TRL GRPOTrainer", "lab": "grpolab"}
+    hdr = ("| trainer | steps/s | s/step | gen s | ref s | policy fwd+bwd s | other s | "
+           "tokens/step | gen tokens/s | peak RSS MiB | GFLOP/step | floor s/step | "
+           "x floor |")
+    lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for who in ("trl", "lab"):
+        a = agg[who]
+        floor = (f"{a['gflop']:.0f} | {a['floor']:.1f} | {a['t'] / a['steps'] / a['floor']:.1f}"
+                 if "floor" in a else "- | - | -")
+        lines.append(f"| {name[who]} | {a['sps']:.4f} | {1 / a['sps']:.1f} | {a['gen']:.1f} | "
+                     f"{a['ref']:.1f} | {a['pol']:.1f} | {a['other']:.1f} | {a['tok']:.0f} | "
+                     f"{a['tok_s']:.1f} | {a['peak']:.0f} | {floor} |")
+    lab, trl = agg["lab"], agg["trl"]
+    per = [lr["steps"] / lr["time"] / (tr["steps"] / tr["time"])
+           for lr, tr in zip(res["lab"], res["trl"])]
+    lines += [
+        "",
+        f"ratio grpolab / TRL: {lab['sps'] / trl['sps']:.2f}x steps/s (per round: "
+        + ", ".join(f"{x:.2f}" for x in per) + f"); {lab['cpu_sps'] / trl['cpu_sps']:.2f}x "
+        f"steps per CPU-second; {lab['tok_s'] / trl['tok_s']:.2f}x generated tokens/s; "
+        f"peak RSS {lab['peak'] / trl['peak']:.2f}x TRL's",
+    ]
+    if "floor" in lab and "floor" in trl:
+        lines.append(f"floor: matmul+attention FLOPs of one step (torch.utils.flop_counter) / "
+                     f"{rate / 1e9:.0f} GFLOP/s (best float32 matmul here at {args.threads} "
+                     f"threads); TRL does {trl['gflop'] / lab['gflop']:.2f}x grpolab's counted "
+                     f"work (sampled lengths differ); TRL's measured time / grpolab's floor = "
+                     f"{trl['t'] / trl['steps'] / lab['floor']:.2f}x (the most any trainer "
+                     f"doing grpolab's work could reach)")
+    lines.append(f"machine: {info['cpu']}, {info['nproc']} CPUs visible, torch threads "
+                 f"{args.threads}; 1-min load before/after each child: " + ", ".join(
+                     f"{r['trainer']}{r['round']} {r['load'][0]:.2f}/{r['load'][1]:.2f}"
+                     for rr in zip(res["trl"], res["lab"]) for r in rr))
+    lines.append(f"peak RSS after model load + trainer build (before any step): TRL "
+                 f"{trl['built']:.0f} MiB, grpolab {lab['built']:.0f} MiB; trainable params: "
+                 f"TRL {res['trl'][0]['trainable']}, grpolab {res['lab'][0]['trainable']}")
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="HF model folder, .gguf file or a name grpolab knows")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per child")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed steps at the start of a child (0: time from the first step)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds; each runs both trainers")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32, help="completions per optimizer step")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="torch threads in every child")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--beta", type=float, default=0.04)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--flops", action=argparse.BooleanOptionalAction, default=True,
+                   help="count one step's FLOPs in the last round and print the floor")
+    p.add_argument("--time-limit", type=float, default=0,
+                   help="seconds for all children; a round cut short is dropped (0 = none)")
+    p.add_argument("--out", default="", help="also write the report (markdown) here")
+    p.add_argument("--child", choices=["trl", "lab"], help=argparse.SUPPRESS)
+    p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.batch % a.group_size:
+        p.error(f"--batch {a.batch} must be a multiple of --group-size {a.group_size}")
+    if a.warmup < 0 or a.steps < 1 or a.rounds < 1:
+        p.error("--warmup must be >= 0, --steps and --rounds >= 1")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.child:
+        return child_main(args)
+    from grpolab.models import resolve_model
+
+    args.model = resolve_model(args.model)
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    info = {"cpu": cpu_name(), "nproc": os.cpu_count()}
+    print(f"model {args.model}\nGRPO: G={args.group_size}, {args.batch} completions/step, max "
+          f"{args.max_new_tokens} new tokens, T=1, beta={args.beta}, LoRA r=8 alpha 16 on "
+          f"{','.join(TARGETS)}, float32, {args.threads} threads; {args.rounds} rounds x "
+          f"{args.steps} timed steps (+{args.warmup} warm-up) per trainer, one process each; "
+          f"{info['cpu']}", flush=True)
+    res: dict[str, list[dict[str, Any]]] = {"trl": [], "lab": []}
+    deadline = time.monotonic() + (args.time_limit or 1e9)
+    for rnd in range(args.rounds):
+        order = ["trl", "lab"] if rnd % 2 == 0 else ["lab", "trl"]
+        got = [run_child(args, who, rnd, args.flops and rnd == args.rounds - 1, deadline)
+               for who in order if time.monotonic() < deadline]
+        if len(got) < 2 or None in got:  # a round counts only with both trainers in it
+            print(f"  round {rnd} incomplete: dropped; stopping", flush=True)
+            break
+        for who, r in zip(order, got):
+            res[who].append(r)
+    if not res["trl"]:
+        print("no complete round within --time-limit")
+        return 1
+    rate = None
+    if args.flops:
+        rate = matmul_rate(args.threads, args.batch * args.max_new_tokens,
+                           cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"])
+    report = print_report(args, res, rate, info)
+    print("\n" + report)
+    if args.out:
+        Path(args.out).write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
