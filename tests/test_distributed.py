@@ -88,10 +88,15 @@ def _flat(tr: GRPOTrainer, grad: bool = False) -> torch.Tensor:
     ])
 
 
-def _worker(rank: int, world: int, port: int, tmp: str) -> None:
+def rank_env(rank: int, world: int, port: int) -> None:
+    """What torchrun sets for a rank (on this host), and one torch thread per rank."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+
+
+def _worker(rank: int, world: int, port: int, tmp: str) -> None:
+    rank_env(rank, world, port)
     dist.init()
     try:
         res: dict = {"cases": [_update(*case, Path(tmp) / f"r{rank}") for case in CASES]}
@@ -152,9 +157,7 @@ def _threads() -> int:
 
 
 def _cleanup_worker(rank: int, world: int, port: int, tmp: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     before = _threads()
     dist.init()
     during = _threads()

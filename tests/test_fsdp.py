@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_distributed import GROUPS, G, _free_port, digit_reward
+from test_distributed import GROUPS, G, _free_port, digit_reward, rank_env
 
 from grpolab import dist, shard
 from grpolab.config import Config, ConfigError
@@ -62,9 +62,7 @@ def _update(out: Path, loss_agg: str, epochs: int, micro_batch: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, tmp: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     dist.init()
     try:
         res: dict = {"cases": [_update(Path(tmp) / f"u{rank}", *c) for c in CASES]}
