@@ -25,7 +25,8 @@ def diagnose(groups: int, dead: int, all_right: int, all_wrong: int,
     were dead (all right / all wrong); ``truncated_share``: share of its sampled answers cut off
     at ``max_new_tokens`` (None when the backend does not know). Causes, checked in order:
     "truncated" (share >= ``truncated_threshold``, which 1 or more turns off), "all_wrong",
-    "all_right", "all_dead" (every group dead, some each way or equal non-binary rewards).
+    "all_right", "polarised" (every group dead, some all right and some all wrong),
+    "all_dead" (every group dead with equal rewards that are neither the best nor the worst).
     """
     cut = (truncated_share is not None and truncated_threshold <= 1.0
            and truncated_share >= truncated_threshold)
@@ -51,10 +52,16 @@ def diagnose(groups: int, dead: int, all_right: int, all_wrong: int,
             f"all {groups} groups are all right: every answer gets full reward. Likely: the task "
             "is too easy for the model (harder prompts), or the reward does not read the answer "
             "(it ignores its completions, or compares the wrong column)")
+    if all_right and all_wrong:
+        return "polarised", (
+            f"all {groups} groups are dead ({all_right} all right, {all_wrong} all wrong): each "
+            "prompt was either always or never solved. Likely: the policy's pass rates sit near "
+            "0 and 1 (a larger group_size, curriculum, allocate or dynamic_sampling find the "
+            "prompts in between), or a temperature too low to vary the answers")
     return "all_dead", (
-        f"all {groups} groups are dead ({all_right} all right, {all_wrong} all wrong): the reward "
-        "does not vary within any group. Likely: a reward that ignores the completion or is "
-        "constant, a temperature too low to vary the answers, or a group_size too small")
+        f"all {groups} groups are dead: the reward does not vary within any group. Likely: a "
+        "reward that ignores the completion or is constant, or a temperature too low to vary "
+        "the answers")
 
 
 class NoSignalAlarm:

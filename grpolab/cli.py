@@ -27,7 +27,8 @@ MODEL_ONLY = frozenset({
     "watch_window", "format_pattern", "lora_dropout", "lora_target_modules",
     "use_chat_template", "rollout_backend"})
 WORLD_ONLY = frozenset({"world_train_size", "world_heldout_size", "sft_steps", "sft_slip",
-                        "sft_slip_top", "world_top_share", "world_lora_alpha"})
+                        "sft_slip_top", "world_top_share", "world_carry_share",
+                        "world_lora_alpha"})
 # What grpolab eval reads: the model, the data, the rewards, how to sample and how many.
 EVAL_FIELDS = frozenset({
     "out_dir", "seed", "budget", "temperature", "max_new_tokens", "eval_size", "eval_samples",

@@ -59,10 +59,9 @@ def world_trainer(cfg: Config, out_dir: str | Path | None = None) -> GRPOTrainer
     # tables are measured this way and are bit-for-bit repeatable with it.
     torch.set_num_threads(1)
     splits = make_splits(cfg.seed, cfg.world_train_size, cfg.world_heldout_size,
-                         cfg.world_top_share)
+                         cfg.world_top_share, cfg.world_carry_share)
     model = sft_model(cfg.seed, splits, cfg.sft_steps, cfg.cache_dir or None,
-                      progress=cfg.progress, slip=cfg.sft_slip, slip_top=cfg.sft_slip_top,
-                      top_share=cfg.world_top_share)
+                      progress=cfg.progress, slip=cfg.sft_slip, slip_top=cfg.sft_slip_top)
     backend = TinyBackend(model, lora=cfg.lora, lora_r=cfg.lora_r,
                           lora_alpha=cfg.world_lora_alpha, seed=cfg.seed)
     return GRPOTrainer(cfg, backend, splits.train, [exact_answer], splits.heldout,
@@ -104,9 +103,10 @@ def workshop(cfg: Config, sweep: str | None, variants: str | None, seeds: str | 
     s = run_workshop(cfg, resume=resume)
     print(f"G={s['group_size']} ({s['prompts_per_step']} prompts/step): mean dead share "
           f"{s['mean_dead_share']:.3f} (predicted {s['mean_predicted_dead_share']:.3f}), "
-          f"held-out accuracy {s['start_heldout_acc']:.3f} -> {s['final_heldout_acc']:.3f} "
-          f"(greedy), {s['start_heldout_pass_prob']:.3f} -> {s['final_heldout_pass_prob']:.3f} "
-          f"(T={cfg.temperature}, exact)")
+          f"held-out accuracy {s['start_heldout_pass_prob']:.3f} -> "
+          f"{s['final_heldout_pass_prob']:.3f} (T={cfg.temperature}, exact; greedy "
+          f"{s['start_heldout_acc']:.3f} -> {s['final_heldout_acc']:.3f}); "
+          f"{s['all_right_share_of_dead']:.0%} of dead groups all right")
     print(f"wrote {cfg.out_dir}/metrics.jsonl and {cfg.out_dir}/workshop.png")
     return 0
 

@@ -119,8 +119,9 @@ class Config:
     world_train_size: int = 1024  # training prompts the built-in world generates
     world_heldout_size: int = 256  # held-out prompts the built-in world generates
     world_top_share: float = 0.22  # share of world prompts whose sum reaches 100
-    sft_steps: int = 400  # SFT steps that make the built-in start (cached)
-    sft_slip: float = 0.5  # the SFT teacher forgets the ones carry with this probability
+    world_carry_share: float = 0.72  # share of the world's sums below 100 with a ones carry
+    sft_steps: int = 700  # SFT steps that make the built-in start (cached)
+    sft_slip: float = 0.25  # the SFT teacher forgets the ones carry with this probability
     sft_slip_top: float = 1.0  # ... and the carry into the hundreds with this one
     world_lora_alpha: float = 2.0  # LoRA scale numerator of the world's policy (scale alpha/r;
     #                                lora_alpha is the real models'): sets how fast RL moves it
@@ -278,6 +279,7 @@ class Config:
                 raise ConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
         for name, lo, hi in (("lora_dropout", 0.0, 0.999), ("sft_slip", 0.0, 1.0),
                              ("sft_slip_top", 0.0, 1.0), ("world_top_share", 0.0, 1.0),
+                             ("world_carry_share", 0.0, 1.0),
                              ("curriculum_floor", 1e-9, 1.0), ("curriculum_decay", 1e-9, 1.0)):
             if not lo <= getattr(self, name) <= hi:
                 raise ConfigError(f"{name} must be in [{lo:g}, {hi:g}] (got {getattr(self, name)})")

@@ -205,11 +205,15 @@ def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "",
     steps, rew = _series(rows, "reward_mean")
     ax1.plot(steps, rew, label="training reward (mean of the step)", color="tab:blue", alpha=0.35)
     ax1.plot(steps, _rolling(rew, 5), label="training reward (5-step mean)", color="tab:blue")
-    ax1.plot(*_series(rows, "heldout_acc"), "o-", ms=3, label="held-out accuracy (greedy)",
-             color="tab:green")
-    if _series(rows, "heldout_pass_prob")[0]:  # only the world can compute it
-        ax1.plot(*_series(rows, "heldout_pass_prob"), "--", label="held-out accuracy (T=1, exact)",
-                 color="tab:green")
+    exact = bool(_series(rows, "heldout_pass_prob")[0])  # only the world can compute it
+    if _series(rows, "train_pass_prob")[0]:
+        ax1.plot(*_series(rows, "train_pass_prob"), "--", color="tab:blue", lw=2,
+                 label="training reward, expected (exact, first eval_size train prompts)")
+    ax1.plot(*_series(rows, "heldout_acc"), "o:" if exact else "o-", ms=3,
+             label="held-out accuracy (greedy)", color="tab:green", alpha=0.6 if exact else 1)
+    if exact:
+        ax1.plot(*_series(rows, "heldout_pass_prob"), "-", lw=2, color="tab:green",
+                 label="held-out accuracy (T=1, exact)")
     if _series(rows, "heldout_check_acc")[0]:
         ax1.plot(*_series(rows, "heldout_check_acc"), "s:", ms=3, color="tab:purple",
                  label="held-out strict check (watch)")
@@ -264,6 +268,7 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
     pred = [r["predicted_dead_share"] for r in steps if r.get("predicted_dead_share") is not None]
     acc0, acc1 = _first_last(rows, "heldout_acc")
     p0, p1 = _first_last(rows, "heldout_pass_prob")
+    t0, t1 = _first_last(rows, "train_pass_prob")
     watch = {}
     if any(r.get("heldout_check_acc") is not None for r in rows):
         c0, c1 = _first_last(rows, "heldout_check_acc")
@@ -279,6 +284,8 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         "answers_per_useful": generated / useful if useful else float("nan"),
         "steps": len(steps),
         "mean_dead_share": sum(dead) / len(dead) if dead else float("nan"),
+        # of all dead groups over the run, the share that was all right
+        "all_right_share_of_dead": _all_right_of_dead(steps),
         "mean_predicted_dead_share": sum(pred) / len(pred) if pred else float("nan"),
         "start_heldout_acc": acc0,
         "final_heldout_acc": acc1,
@@ -287,9 +294,17 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         "answers_generated": sum(r.get("answers_generated", 0) for r in steps),
         "heldout_acc_gain": acc1 - acc0,
         "heldout_pass_prob_gain": p1 - p0,
+        "start_train_pass_prob": t0,
+        "final_train_pass_prob": t1,
         "mean_reward": (sum(r["reward_mean"] for r in steps) / len(steps)) if steps else float("nan"),
         **calibration_summary(steps),  # the posteriors' Brier score and reliability table
     }
+
+
+def _all_right_of_dead(steps: list[dict]) -> float:
+    right = sum(r.get("dead_all_right_share", 0.0) * r.get("groups", 0) for r in steps)
+    dead = sum(r.get("dead_share", 0.0) * r.get("groups", 0) for r in steps)
+    return right / dead if dead else float("nan")
 
 
 def _mean(xs: list[float]) -> float:

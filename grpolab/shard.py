@@ -24,6 +24,7 @@ import hashlib
 import importlib
 import io
 import pickle
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,9 @@ def _fsdp_modules(model: nn.Module) -> list[Any]:
 
 
 def is_sharded(model: nn.Module | None) -> bool:
-    return model is not None and bool(_fsdp_modules(model))
+    # Nothing is sharded before FSDP is imported (importing it to check costs ~2 s).
+    return (model is not None and "torch.distributed.fsdp" in sys.modules
+            and bool(_fsdp_modules(model)))
 
 
 def shard_module(model: nn.Module) -> None:

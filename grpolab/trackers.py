@@ -291,6 +291,7 @@ class Reporter:
     """
 
     draw_share = 0.1  # most of the run's time that redrawing the PNG may take
+    first_draw_s = 20.0  # no live redraw in a run's first seconds (a short run draws at its end)
 
     def __init__(self, png: str | Path | None = None, title: str = "", lengths: bool = False,
                  status: bool = True) -> None:
@@ -351,7 +352,11 @@ class Reporter:
         time since the last one; the last step always) and print one status line."""
         step = int(record.get("step", 0))
         now = time.perf_counter()
-        if step != self.cfg.steps and now - self._last_draw < self._draw_cost / self.draw_share:
+        if step != self.cfg.steps and (
+                now - self._last_draw < self._draw_cost / self.draw_share
+                or now - self._t0 < self.first_draw_s):
+            if step == 0 and self.status:  # the start's numbers, not drawn yet
+                self._print(self.status_line(record))
             return
         if self.png is not None:
             import warnings

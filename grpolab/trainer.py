@@ -138,7 +138,8 @@ class GRPOTrainer:
         records = []
         if start == 0 and not resume:  # (a run stopped at step 0 has its line already)
             rec0 = {"step": 0, "heldout_acc": self.evaluate(),
-                    "heldout_pass_prob": self.heldout_pass_prob()}
+                    "heldout_pass_prob": self.heldout_pass_prob(),
+                    "train_pass_prob": self.train_pass_prob()}
             if self.watch.check_acc:
                 rec0["heldout_check_acc"] = self.watch.check_acc[-1]
             if self.metrics:
@@ -186,6 +187,7 @@ class GRPOTrainer:
         pass_prob = self.heldout_pass_prob() if do_eval else None
         rec = step_record(cfg, self.step_num, batch, sampled, sampled_ok, ds, predicted, acc,
                           pass_prob, upd, t0, t_sample, posterior)
+        rec["train_pass_prob"] = self.train_pass_prob() if do_eval else None
         self.watch.record(rec, self.step_num)
         self.rollouts.end_step(self.step_num, rec, ds)  # the no-signal alarm; posteriors fade
         if self.metrics:
@@ -372,6 +374,14 @@ class GRPOTrainer:
         """Mean exact probability that one temperature-T answer to a held-out prompt is right,
         from backends that can compute it (the world: one right string per prompt)."""
         rows = self.heldout_rows[: self.cfg.eval_size]
+        p = self.backend.pass_probability(rows, self.cfg.temperature) if rows else None
+        return None if p is None else float(p.mean())
+
+    def train_pass_prob(self) -> float | None:
+        """The training reward's expectation on the first ``eval_size`` training prompts (the
+        same exact computation): the trend that the sampled reward_mean shows through the noise
+        of a few prompts a step."""
+        rows = self.train_rows[: self.cfg.eval_size]
         p = self.backend.pass_probability(rows, self.cfg.temperature) if rows else None
         return None if p is None else float(p.mean())
 

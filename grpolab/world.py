@@ -26,10 +26,12 @@ from torch import Tensor, nn
 
 OPS = ("+",)
 
-# The calibrated world (see docs/workshop-regime.md): most sums stay below 100; the teacher
-# forgets the ones carry half the time and never writes the leading 1 of a sum of 100 or more.
+# The calibrated world (see docs/workshop-calibration.md): most sums stay below 100 and most of
+# those carry out of the ones column; the teacher forgets that carry a quarter of the time and
+# never writes the leading 1 of a sum of 100 or more.
 TOP_SHARE = 0.22  # share of prompts whose sum reaches 100 (the rest sum to 0..99)
-SLIP = 0.5  # the teacher forgets the carry out of the ones column with this probability
+CARRY_SHARE = 0.72  # share of the sums below 100 that carry out of the ones column
+SLIP = 0.25  # the teacher forgets the carry out of the ones column with this probability
 SLIP_TOP = 1.0  # ... and the carry into the hundreds (the leading 1) with this one
 
 
@@ -43,19 +45,21 @@ def answer_of(a: int, b: int) -> str:
     return f"{a + b:03d}"
 
 
-def make_problem(rng: random.Random, top_share: float = TOP_SHARE) -> dict[str, str]:
+def make_problem(rng: random.Random, top_share: float = TOP_SHARE,
+                 carry_share: float = CARRY_SHARE) -> dict[str, str]:
     """One problem: 2-digit + 2-digit addition, ``42+17=`` with answer ``059``.
 
     With probability ``top_share`` the two numbers are uniform among pairs whose sum reaches
-    100, otherwise uniform among pairs whose sum stays below 100 (40% of those carry out
-    of the ones column). The teacher's slips make the three kinds the three pass-rate bands of
-    the start: no carry (solved almost always), a ones carry (about half the time), a sum of
-    100 or more (never).
+    100; otherwise, with probability ``carry_share``, uniform among pairs whose sum stays below
+    100 and carries out of the ones column, else among the carry-free pairs below 100. The
+    teacher's slips make the three kinds the three pass-rate bands of the start: no carry
+    (solved almost always), a ones carry (1 - slip), a sum of 100 or more (never).
     """
     top = rng.random() < top_share
+    ones = rng.random() < carry_share
     while True:
         a, b = rng.randrange(100), rng.randrange(100)
-        if (a + b >= 100) == top:
+        if (a + b >= 100) == top and (top or (a % 10 + b % 10 >= 10) == ones):
             return {"prompt": f"{a:02d}+{b:02d}=", "answer": answer_of(a, b)}
 
 
@@ -83,8 +87,9 @@ def sloppy_answer(prompt: str, rng: random.Random, slip: float = SLIP,
 
     SFT on such demonstrations gives a policy that reproduces the slips: carry-free prompts
     right almost always, prompts with a ones carry right about 1 - slip of the time, sums of
-    100 or more about 1 - slip_top of the time (never, at the default 1). Forgetting a carry is one shared habit, so what GRPO unlearns on train
-    prompts carries over to held-out ones, as RL with verifiable rewards does on real models.
+    100 or more about 1 - slip_top of the time (never, at the default 1). Forgetting a carry
+    is one shared habit, so what GRPO unlearns on train prompts carries over to held-out ones,
+    as RL with verifiable rewards does on real models.
     """
     a, b = int(prompt[:2]), int(prompt[3:5])
     lo = a % 10 + b % 10
@@ -123,13 +128,13 @@ class Splits:
 
 
 def make_splits(seed: int, train_size: int, heldout_size: int,
-                top_share: float = TOP_SHARE) -> Splits:
+                top_share: float = TOP_SHARE, carry_share: float = CARRY_SHARE) -> Splits:
     """Disjoint train and held-out prompt sets, deterministic in ``seed``."""
     rng = random.Random(f"grpolab-world-{seed}")
     seen: set[str] = set()
     rows: list[dict[str, str]] = []
     while len(rows) < train_size + heldout_size:
-        p = make_problem(rng, top_share)
+        p = make_problem(rng, top_share, carry_share)
         if p["prompt"] not in seen:
             seen.add(p["prompt"])
             rows.append(p)
@@ -282,18 +287,23 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 def encode_batch(tok: CharTokenizer, rows: list[dict[str, str]], max_len: int) -> tuple:
     """Teacher-forcing tensors: ids [B, L] and a loss mask that covers answer + EOS only."""
-    ids = torch.full((len(rows), max_len), tok.PAD, dtype=torch.long)
-    mask = torch.zeros((len(rows), max_len), dtype=torch.bool)
-    for i, r in enumerate(rows):
+    ids, mask = [], []  # built as lists, one tensor each (a tensor per row costs the SFT ~5 s)
+    for r in rows:
         p = tok.encode(r["prompt"])
         seq = (p + tok.encode_answer(r["answer"]))[:max_len]
-        ids[i, : len(seq)] = torch.tensor(seq)
-        mask[i, len(p) : len(seq)] = True
-    return ids, mask
+        pad = max_len - len(seq)
+        ids.append(seq + [tok.PAD] * pad)
+        mask.append([False] * len(p) + [True] * (len(seq) - len(p)) + [False] * pad)
+    return (torch.tensor(ids, dtype=torch.long).reshape(len(rows), max_len),
+            torch.tensor(mask, dtype=torch.bool).reshape(len(rows), max_len))
 
 
-SFT_BATCH = 256  # demonstrations per SFT step
-SFT_LR = 1e-2  # peak SFT step size (warm-up, then cosine down to a third of it)
+# The SFT demonstrations' own mix, whatever the RL prompts' mix: enough carry-free prompts for
+# every seed's start to learn them (with the RL mix, 28% carry-free, some seeds' SFT did not).
+SFT_TOP_SHARE = 0.22
+SFT_CARRY_SHARE = 0.5
+SFT_BATCH = 96  # prompts per SFT step (each with every answer the teacher may give)
+SFT_LR = 6e-3  # peak SFT step size (warm-up, then cosine down to a tenth of it)
 
 
 def sft(
@@ -307,7 +317,9 @@ def sft(
     slip: float = 0.0,
     progress: bool = False,
     slip_top: float = 0.0,
-    top_share: float = TOP_SHARE,
+    top_share: float = SFT_TOP_SHARE,
+    carry_share: float = SFT_CARRY_SHARE,
+    stream: str = "",
 ) -> None:
     """Supervised fine-tuning on fresh random problems, never a train or held-out prompt.
 
@@ -319,7 +331,7 @@ def sft(
     (``teacher_answers``), which is the expected loss on ``sloppy_answer``'s samples without
     their noise; the workshop starts from a partly competent policy whose mistakes RL can fix.
     """
-    rng = random.Random(f"grpolab-sft-{seed}")
+    rng = random.Random(f"grpolab-sft-{seed}{stream}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = max(1, min(100, steps // 10))
     # Warm up, then cosine down to a tenth of the peak: the teacher's slips make noisy labels,
@@ -337,7 +349,7 @@ def sft(
     for _ in it:
         rows, weights, prompts = [], [], 0
         while prompts < batch_size:
-            p = make_problem(rng, top_share)
+            p = make_problem(rng, top_share, carry_share)
             if p["prompt"] not in exclude:
                 prompts += 1  # one prompt: its teacher answers, weights summing to 1
                 for ans, q in teacher_answers(p["prompt"], slip, slip_top):
@@ -359,6 +371,28 @@ def sft(
     model.eval()
 
 
+SFT_ATTEMPTS = 4  # SFT streams tried until the start lands on the teacher's pass-rate bands
+SFT_BAND_TOL = 0.06  # how far a band's mean pass rate may sit from the teacher's
+
+
+@torch.no_grad()
+def answer_probability(model: TinyGPT, tok: CharTokenizer, rows: list[dict[str, str]]) -> Tensor:
+    """[len(rows)] exact probability that one T=1 sample of ``model`` is each row's answer."""
+    ids, mask = encode_batch(tok, rows, model.config.max_len)
+    logits, _ = model(ids[:, :-1])
+    lp = logits.float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return torch.exp((lp * mask[:, 1:]).sum(-1))
+
+
+def lands_on_teacher(model: TinyGPT, tok: CharTokenizer, rows: list[dict[str, str]],
+                     slip: float, slip_top: float, tol: float = SFT_BAND_TOL) -> bool:
+    """Whether every pass-rate band of ``rows`` (prompts grouped by the teacher's pass rate)
+    has a mean exact pass rate within ``tol`` of the teacher's."""
+    p = answer_probability(model, tok, rows)
+    q = torch.tensor([teacher_pass_rate(r["prompt"], slip, slip_top) for r in rows])
+    return all(abs(float(p[q == v].mean()) - float(v)) <= tol for v in q.unique())
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("GRPOLAB_CACHE", Path.home() / ".cache" / "grpolab"))
 
@@ -371,16 +405,23 @@ def sft_model(
     progress: bool = False,
     slip: float = SLIP,
     slip_top: float = SLIP_TOP,
-    top_share: float = TOP_SHARE,
 ) -> TinyGPT:
-    """The fine-tuned starting policy, trained once per (seed, steps, slips, task mix, model)
-    and cached."""
+    """The fine-tuned starting policy, trained once per (seed, steps, slips, model, the
+    splits it must not see) and cached.
+
+    A few hundred SFT steps on noisy labels do not always land: now and then (about one
+    stream in five, measured) the model has not yet told carry-free prompts from carrying
+    ones. A start whose bands miss the teacher's (``lands_on_teacher`` on the first 256
+    training prompts) is trained again from the next stream, up to ``SFT_ATTEMPTS`` times, so
+    every seed starts in the calibrated regime; each attempt is a function of the seed.
+    """
     tok = CharTokenizer()
     tc = TinyConfig(vocab_size=tok.vocab_size)
     exclude = sorted(r["prompt"] for r in splits.train + splits.heldout)
     key = json.dumps(
-        {"v": 7, "seed": seed, "steps": sft_steps, "slip": slip, "slip_top": slip_top,
-         "top_share": top_share, "batch": SFT_BATCH, "lr": SFT_LR, "model": asdict(tc),
+        {"v": 10, "seed": seed, "steps": sft_steps, "slip": slip, "slip_top": slip_top,
+         "top_share": SFT_TOP_SHARE, "carry_share": SFT_CARRY_SHARE, "batch": SFT_BATCH,
+         "lr": SFT_LR, "attempts": SFT_ATTEMPTS, "tol": SFT_BAND_TOL, "model": asdict(tc),
          "exclude": exclude},
         sort_keys=True,
     )
@@ -396,8 +437,22 @@ def sft_model(
         except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
             # A corrupt cache entry is rebuilt, not fatal.
             logging.getLogger("grpolab").warning("rebuilding unreadable SFT cache %s (%s)", path, e)
-    sft(model, tok, set(exclude), sft_steps, seed, slip=slip, progress=progress,
-        slip_top=slip_top, top_share=top_share)
+    check = splits.train[:256]
+    for attempt in range(SFT_ATTEMPTS):
+        if attempt:
+            torch.manual_seed(seed * SFT_ATTEMPTS + attempt)
+            model = TinyGPT(tc)
+        sft(model, tok, set(exclude), sft_steps, seed, slip=slip, progress=progress,
+            slip_top=slip_top, stream=f"-{attempt}" if attempt else "")
+        if not check or lands_on_teacher(model, tok, check, slip, slip_top):
+            break
+        logging.getLogger("grpolab").info(
+            "SFT stream %d of seed %d missed the teacher's pass-rate bands; training again",
+            attempt, seed)
+    else:
+        logging.getLogger("grpolab").warning(
+            "the fine-tuned start of seed %d missed the teacher's pass-rate bands in %d "
+            "attempts; the workshop's calibration does not hold for it", seed, SFT_ATTEMPTS)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     torch.save(model.state_dict(), tmp)

@@ -199,7 +199,9 @@ def test_alarm_diagnoses() -> None:
     assert diagnose(8, 7, 3, 4, 0.1, 8) is None
     assert diagnose(8, 8, 0, 8, 0.0, 8)[0] == "all_wrong"
     assert diagnose(8, 8, 8, 0, 0.0, 8)[0] == "all_right"
-    assert diagnose(8, 8, 3, 5, None, 8)[0] == "all_dead"
+    cause, msg = diagnose(8, 8, 3, 5, None, 8)  # binary rewards, polarised prompts
+    assert cause == "polarised" and "3 all right, 5 all wrong" in msg and "group_size" in msg
+    assert diagnose(8, 8, 0, 0, None, 8)[0] == "all_dead"  # equal middling rewards
     cause, msg = diagnose(8, 8, 0, 8, 1.0, 16)
     assert cause == "truncated" and "max_new_tokens=16" in msg
     assert diagnose(8, 2, 0, 2, 0.95, 16)[0] == "truncated"  # even with live groups

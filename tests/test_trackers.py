@@ -57,6 +57,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     mp.setattr(mod, "TRACKIO_DIR", tmp / "trackio")
         mp.setattr(report, "plot_run", spy)
         mp.setattr(Reporter, "draw_share", 1e9)  # redraw at every evaluation, however fast
+        mp.setattr(Reporter, "first_draw_s", 0.0)  # ... from the first
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             records = grpolab.workshop(

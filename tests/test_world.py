@@ -7,6 +7,7 @@ import torch
 
 from grpolab.rollout import cat_rollouts
 from grpolab.world import (
+    CARRY_SHARE,
     SLIP,
     SLIP_TOP,
     TOP_SHARE,
@@ -80,27 +81,96 @@ def test_teacher_slips_at_the_designed_rates() -> None:
 def test_task_mix_and_the_designed_pass_rate_distribution() -> None:
     """The start's pass rates are designed to be polarised as the reference's: a band of
     carry-free prompts (p = 1), a band with a ones carry (p = 1 - SLIP) and the sums of 100
-    or more (p = 0). A policy copying the teacher would have these dead shares (the SFT'd
-    one is measured in docs/workshop-regime.md)."""
+    or more (p = 0), in the shares TOP_SHARE and CARRY_SHARE set. A policy copying the teacher
+    would have these dead shares (the SFT'd one is tested below)."""
     splits = make_splits(0, 1024, 256)
     rows = splits.train + splits.heldout
     kinds = [carries(r["prompt"]) for r in rows]
     top = sum(k[1] for k in kinds) / len(rows)
-    free = sum(k == (False, False) for k in kinds) / len(rows)
+    ones = sum(k == (True, False) for k in kinds) / len(rows)
     assert abs(top - TOP_SHARE) < 0.04
-    assert abs(free - (1 - TOP_SHARE) * 3025 / 5050) < 0.03  # 55 x 55 of the 5050 sums < 100
+    assert abs(ones - (1 - TOP_SHARE) * CARRY_SHARE) < 0.04
     p = torch.tensor([teacher_pass_rate(r["prompt"]) for r in rows], dtype=torch.float64)
     assert set(p.tolist()) == {1.0, 1 - SLIP, 0.0}
     dead = {g: float((p**g + (1 - p) ** g).mean()) for g in (2, 8, 16)}
     right = {g: float((p**g).mean()) for g in (2, 8, 16)}
     assert dead[2] > dead[8] > dead[16]
-    assert 0.75 < dead[2] < 0.85 and 0.65 < dead[8] < 0.75 and 0.65 < dead[16] < 0.75
+    assert 0.75 < dead[2] < 0.85 and 0.5 < dead[8] < 0.6 and 0.44 < dead[16] < 0.5
     assert right[8] > dead[8] / 2  # most dead groups all right
-    assert 0.6 < float(p.mean()) < 0.75
-    # the mix moves with top_share: none reaches 100 at 0, every one at 1
+    assert 0.6 < float(p.mean()) < 0.66
+    # the mix moves with top_share and carry_share
     rng = random.Random(1)
     assert all(not carries(make_problem(rng, 0.0)["prompt"])[1] for _ in range(200))
     assert all(carries(make_problem(rng, 1.0)["prompt"])[1] for _ in range(200))
+    assert all(carries(make_problem(rng, 0.0, 1.0)["prompt"]) == (True, False) for _ in range(200))
+    assert all(carries(make_problem(rng, 0.0, 0.0)["prompt"]) == (False, False)
+               for _ in range(200))
+
+
+def test_the_fine_tuned_start_has_the_calibrated_bands(tmp_path) -> None:
+    """The workshop's real start (the default SFT, seed 0, about 45 s of one core): exact
+    pass rates at T=1 per band on the train split land on the teacher's (measured for seeds
+    0-2 in docs/workshop-calibration.md), and so the dead shares the calibration relies on."""
+    from grpolab.config import Config
+
+    torch.set_num_threads(1)  # as the workshop does; the start is bitwise per thread count
+    cfg = Config()
+    splits = make_splits(0, cfg.world_train_size, cfg.world_heldout_size)
+    model = sft_model(0, splits, cfg.sft_steps, tmp_path)
+    be = TinyBackend(model, lora=False, lora_r=8, lora_alpha=2.0, seed=0)
+    p = be.pass_probability(splits.train, 1.0).double()
+    kinds = [carries(r["prompt"]) for r in splits.train]
+    band = {k: p[torch.tensor([x == k for x in kinds])] for k in set(kinds)}
+    assert band[(False, False)].mean() > 0.97 and band[(False, False)].quantile(0.1) > 0.95
+    assert 0.68 < band[(True, False)].mean() < 0.8  # teacher: 1 - SLIP = 0.75
+    assert float(band[(True, True)].mean()) < 0.01 and float(band[(False, True)].mean()) < 0.01
+    dead8 = float((p**8 + (1 - p) ** 8).mean())
+    assert 0.45 < dead8 < 0.58  # the run's mean is higher: RL lifts the ones-carry band
+
+
+def test_a_start_that_misses_the_bands_is_trained_again(tmp_path, monkeypatch) -> None:
+    """sft_model checks the start against the teacher's bands and, when it misses, trains a
+    fresh model from the next stream; the cache holds the one that landed."""
+    from grpolab import world
+
+    splits = make_splits(0, 64, 32)
+    verdicts = iter([False, True])
+    seen = []
+
+    def lands(model, tok, rows, slip, slip_top, tol=0.06):
+        seen.append({k: v.clone() for k, v in model.state_dict().items()})
+        return next(verdicts)
+
+    monkeypatch.setattr(world, "lands_on_teacher", lands)
+    m = sft_model(0, splits, 5, tmp_path, slip=SLIP, slip_top=SLIP_TOP)
+    assert len(seen) == 2
+    assert not all(torch.equal(seen[0][k], seen[1][k]) for k in seen[0])  # another stream
+    assert all(torch.equal(m.state_dict()[k], seen[1][k]) for k in seen[1])
+    again = sft_model(0, splits, 5, tmp_path, slip=SLIP, slip_top=SLIP_TOP)  # from the cache
+    assert len(seen) == 2 and all(torch.equal(again.state_dict()[k], seen[1][k]) for k in seen[1])
+
+
+def test_lands_on_teacher_reads_each_band(monkeypatch) -> None:
+    """The check compares each band's mean exact pass rate with the teacher's: a model whose
+    answer probabilities are set by hand passes at the teacher's rates and fails off them."""
+    from grpolab import world
+
+    rows = [{"prompt": "12+34=", "answer": "046"}, {"prompt": "15+27=", "answer": "042"},
+            {"prompt": "55+66=", "answer": "121"}]  # carry-free, ones carry, sum >= 100
+    for probs, ok in (([1.0, 0.75, 0.0], True), ([0.97, 0.7, 0.03], True),
+                      ([0.8, 0.75, 0.0], False), ([1.0, 0.5, 0.0], False)):
+        monkeypatch.setattr(world, "answer_probability",
+                            lambda model, tok, rows, p=probs: torch.tensor(p))
+        assert world.lands_on_teacher(None, CharTokenizer(), rows, 0.25, 1.0) is ok
+
+
+def test_answer_probability_is_the_backends_pass_probability() -> None:
+    from grpolab.world import answer_probability
+
+    be = backend()
+    rows = make_splits(0, 32, 0).train
+    assert torch.allclose(answer_probability(be.model, CharTokenizer(), rows),
+                          be.pass_probability(rows, 1.0), atol=1e-6)
 
 
 def test_sft_start_is_deterministic_per_seed(tmp_path) -> None:
