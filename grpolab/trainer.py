@@ -370,20 +370,22 @@ class GRPOTrainer:
         return res.ok.float(), None if res.checked is None else res.checked.float()
 
     @torch.no_grad()
-    def heldout_pass_prob(self) -> float | None:
-        """Mean exact probability that one temperature-T answer to a held-out prompt is right,
-        from backends that can compute it (the world: one right string per prompt)."""
-        rows = self.heldout_rows[: self.cfg.eval_size]
+    def _pass_prob(self, rows: list[dict]) -> float | None:
+        """Mean exact probability that one temperature-T answer to the first ``eval_size``
+        ``rows`` is right, from backends that can compute it (the world: one right string per
+        prompt)."""
+        rows = rows[: self.cfg.eval_size]
         p = self.backend.pass_probability(rows, self.cfg.temperature) if rows else None
         return None if p is None else float(p.mean())
 
+    def heldout_pass_prob(self) -> float | None:
+        """Held-out accuracy at the run's temperature, exact (see ``_pass_prob``)."""
+        return self._pass_prob(self.heldout_rows)
+
     def train_pass_prob(self) -> float | None:
-        """The training reward's expectation on the first ``eval_size`` training prompts (the
-        same exact computation): the trend that the sampled reward_mean shows through the noise
-        of a few prompts a step."""
-        rows = self.train_rows[: self.cfg.eval_size]
-        p = self.backend.pass_probability(rows, self.cfg.temperature) if rows else None
-        return None if p is None else float(p.mean())
+        """The training reward's expectation on the first ``eval_size`` training prompts: the
+        trend that the sampled reward_mean shows through the noise of a few prompts a step."""
+        return self._pass_prob(self.train_rows)
 
     def _sample_record(self, batch: Batch) -> list[dict[str, Any]]:
         return sample_record(batch, self.cfg.group_size, self.cfg.log_samples, self._advantages)

@@ -97,9 +97,10 @@ SUMMARY_KEYS = ["mean_dead_share", "mean_predicted_dead_share", "all_right_share
                 "start_heldout_pass_prob", "final_heldout_pass_prob", "heldout_pass_prob_gain",
                 "start_heldout_acc", "final_heldout_acc", "heldout_acc_gain", "answers_generated"]
 # also averaged over seeds (summary.json and the sweep plot), not table columns
-EXTRA_KEYS = ["start_train_pass_prob", "final_train_pass_prob", "answers_per_useful", "dead_share_first10", "dead_share_last10",
-              "dead_all_right_first10", "dead_all_right_last10", "reward_first10",
-              "reward_last10", "corr_all_right_dead_vs_acc", "corr_dead_vs_acc"]
+EXTRA_KEYS = ["start_train_pass_prob", "final_train_pass_prob", "answers_per_useful",
+              "dead_share_first10", "dead_share_last10", "dead_all_right_first10",
+              "dead_all_right_last10", "reward_first10", "reward_last10",
+              "corr_all_right_dead_vs_acc", "corr_dead_vs_acc"]
 
 
 def mean_summary(summaries: list[dict]) -> dict:
