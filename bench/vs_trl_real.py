@@ -173,6 +173,8 @@ def child_trl(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
         logging_steps=10**6, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         max_steps=args.warmup + args.steps, seed=args.seed,
         model_init_kwargs={"dtype": torch.float32},
+        # --fixed-length: no EOS before max_new_tokens, so both trainers do the same work
+        generation_kwargs=({"min_new_tokens": args.max_new_tokens} if args.fixed_length else {}),
     )
     peft_cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
                           task_type="CAUSAL_LM")
@@ -204,6 +206,18 @@ def child_trl(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
     return run, one_step, n_train
 
 
+LAB_VARIANTS = {  # --levers: grpolab with one lever changed (in its own process)
+    "full": "as shipped",
+    "no-chunk": "logit_chunk 0: the [tokens, vocab] logits held whole when scoring",
+    "no-share": "no shared prompts: each of a group's G rows prefills and scores its prompt",
+    "hf-forward": "GRPOLAB_FASTLM=0: the HF forward for sampling and scoring",
+    "threads1": "1 torch thread instead of --threads",
+    "micro8": "micro_batch 8: the update in 8-row forward/backward passes",
+    "micro4": "micro_batch 4",
+    "ckpt": "gradient checkpointing (runs the HF forward; fastlm does not checkpoint)",
+}
+
+
 def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) -> Any:
     from grpolab.commands import make_backend
     from grpolab.config import Config
@@ -218,10 +232,21 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
         baseline="mean", scale="std", std="sample", std_eps=1e-4, eval_every=10**6,
         checkpoint_every=0, progress=False, model_path=model_dir, use_chat_template=True,
         lora=True, lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=TARGETS,
-        dtype="float32",
+        dtype="float32", logit_chunk=0 if args.variant == "no-chunk" else 256,
+        micro_batch={"micro8": 8, "micro4": 4}.get(args.variant, 0),
+        gradient_checkpointing=args.variant == "ckpt",
     ).resolved()
+    if args.variant == "hf-forward":
+        os.environ["GRPOLAB_FASTLM"] = "0"
+    if args.variant == "no-share":
+        import grpolab.hf_backend as hb
+
+        hb.shared_prompts = lambda ids, mask: None  # sampling: one prefill per row
+        hb.HFBackend.share_prompts = property(lambda self: False)  # scoring: one pass per row
     model, tok = load_model(model_dir, device="cpu", dtype="float32")
     backend = make_backend(cfg, model, tok)
+    if args.fixed_length:  # no token is EOS: every answer runs to max_new_tokens
+        backend.eos_ids = [-1]
     trainer = GRPOTrainer(cfg, backend, rows, [exact_answer_reward], heldout_rows=[],
                           out_dir=out)
     tokens: list[tuple[int, int]] = []
@@ -346,22 +371,28 @@ def cpu_name() -> str:
 
 
 def run_child(args: argparse.Namespace, who: str, rnd: int, flops: bool,
-              deadline: float) -> dict[str, Any] | None:
+              deadline: float, variant: str = "full", max_new: int = 0
+              ) -> dict[str, Any] | None:
+    threads = 1 if variant == "threads1" else args.threads
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", who, "--round", str(rnd),
            "--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--batch", str(args.batch), "--group-size", str(args.group_size),
-           "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads),
-           "--lr", str(args.lr), "--beta", str(args.beta), "--seed", str(args.seed)]
+           "--max-new-tokens", str(max_new or args.max_new_tokens), "--threads", str(threads),
+           "--lr", str(args.lr), "--beta", str(args.beta), "--seed", str(args.seed),
+           "--variant", variant]
     if flops:
         cmd.append("--flops")
-    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": str(args.threads),
-           "MKL_NUM_THREADS": str(args.threads)}
+    if args.fixed_length:
+        cmd.append("--fixed-length")
+    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": str(threads),
+           "MKL_NUM_THREADS": str(threads)}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     la0 = loadavg()
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
-                           timeout=max(1.0, deadline - time.monotonic()))
+                           timeout=(max(1.0, deadline - time.monotonic())
+                                    if args.time_limit else None))
         stdout, stderr, rc = p.stdout, p.stderr, p.returncode
     except subprocess.TimeoutExpired as cut:
         stdout = cut.stdout.decode() if isinstance(cut.stdout, bytes) else (cut.stdout or "")
@@ -375,7 +406,8 @@ def run_child(args: argparse.Namespace, who: str, rnd: int, flops: bool,
                 res["flops"] = flops[0]
             res["load"] = (la0, loadavg())
             res["wall_child"] = time.perf_counter() - t0
-            print(f"  round {rnd} {who:7s}: {res['steps'] / res['time']:.4f} steps/s, "
+            res["variant"], res["max_new"] = variant, max_new or args.max_new_tokens
+            print(f"  round {rnd} {who:3s} {variant:10s}: {res['steps'] / res['time']:.4f} steps/s, "
                   f"{res['time'] / res['steps']:.1f} s/step, peak RSS "
                   f"{res['peak_rss_mib']:.0f} MiB, {res['tokens'] / res['steps']:.0f} tok/step, "
                   f"build {res['build_s']:.0f} s, load {la0:.2f}->{res['load'][1]:.2f}, "
@@ -467,15 +499,79 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="count one step's FLOPs in the last round and print the floor")
     p.add_argument("--time-limit", type=float, default=0,
                    help="seconds for all children; a round cut short is dropped (0 = none)")
+    p.add_argument("--fixed-length", action="store_true",
+                   help="no EOS: every completion runs to --max-new-tokens (equal work)")
+    p.add_argument("--levers", default="",
+                   help="grpolab only, one child per variant and round, comma-separated: "
+                   + ", ".join(LAB_VARIANTS) + "; prints the lever table")
+    p.add_argument("--lengths", default="",
+                   help="comma-separated completion lengths: peak memory and time of both "
+                   "trainers at each (implies --fixed-length); with --levers, grpolab's "
+                   "variants too")
     p.add_argument("--out", default="", help="also write the report (markdown) here")
     p.add_argument("--child", choices=["trl", "lab"], help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="full", choices=list(LAB_VARIANTS),
+                   help=argparse.SUPPRESS)
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.batch % a.group_size:
         p.error(f"--batch {a.batch} must be a multiple of --group-size {a.group_size}")
     if a.warmup < 0 or a.steps < 1 or a.rounds < 1:
         p.error("--warmup must be >= 0, --steps and --rounds >= 1")
+    a.lever_list = [v.strip() for v in a.levers.split(",") if v.strip()]
+    bad = [v for v in a.lever_list if v not in LAB_VARIANTS]
+    if bad:
+        p.error(f"unknown --levers {bad}; choose from {', '.join(LAB_VARIANTS)}")
+    try:
+        a.length_list = [int(x) for x in a.lengths.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--lengths must be comma-separated integers (got {a.lengths!r})")
+    if any(x < 1 for x in a.length_list):
+        p.error("--lengths must be >= 1")
+    if a.length_list:
+        a.fixed_length = True
     return a
+
+
+def per_step(rs: list[dict[str, Any]]) -> dict[str, float]:
+    """Means per timed step over children: s/step, time split, tokens, peak memory."""
+    steps = sum(r["steps"] for r in rs)
+    t = sum(r["time"] for r in rs)
+    out = {"s": t / steps, "tok": sum(r["tokens"] for r in rs) / steps,
+           "peak": max(r["peak_rss_mib"] for r in rs)}
+    for k in ("gen", "ref", "pol"):
+        out[k] = sum(r["split"][k] for r in rs) / steps
+    return out
+
+
+def lever_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> str:
+    """grpolab with one lever changed at a time, against the build as shipped."""
+    base = per_step(res["full"]) if res.get("full") else None
+    hdr = ("| grpolab variant | what changes | s/step | gen s | ref s | policy fwd+bwd s | "
+           "tokens/step | peak RSS MiB | time vs shipped | memory vs shipped |")
+    lines = [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for v, rs in res.items():
+        a = per_step(rs)
+        rel = (f"{a['s'] / base['s']:.2f}x | {a['peak'] / base['peak']:.2f}x" if base
+               else "- | -")
+        lines.append(f"| {v} | {LAB_VARIANTS[v]} | {a['s']:.1f} | {a['gen']:.1f} | "
+                     f"{a['ref']:.1f} | {a['pol']:.1f} | {a['tok']:.0f} | {a['peak']:.0f} | "
+                     f"{rel} |")
+    return "\n".join(lines)
+
+
+def length_report(res: dict[tuple[str, str, int], dict[str, Any]]) -> str:
+    hdr = ("| completion tokens | trainer | s/step | gen s | ref s | policy fwd+bwd s | "
+           "tokens/step | peak RSS MiB | peak vs TRL |")
+    lines = [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for (who, variant, n), r in res.items():
+        a = per_step([r])
+        trl = res.get(("trl", "full", n))
+        name = "TRL GRPOTrainer" if who == "trl" else f"grpolab {variant}"
+        vs = f"{a['peak'] / trl['peak_rss_mib']:.2f}x" if trl else "-"
+        lines.append(f"| {n} | {name} | {a['s']:.1f} | {a['gen']:.1f} | {a['ref']:.1f} | "
+                     f"{a['pol']:.1f} | {a['tok']:.0f} | {a['peak']:.0f} | {vs} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -488,29 +584,57 @@ def main(argv: list[str] | None = None) -> int:
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     info = {"cpu": cpu_name(), "nproc": os.cpu_count()}
     print(f"model {args.model}\nGRPO: G={args.group_size}, {args.batch} completions/step, max "
-          f"{args.max_new_tokens} new tokens, T=1, beta={args.beta}, LoRA r=8 alpha 16 on "
-          f"{','.join(TARGETS)}, float32, {args.threads} threads; {args.rounds} rounds x "
-          f"{args.steps} timed steps (+{args.warmup} warm-up) per trainer, one process each; "
-          f"{info['cpu']}", flush=True)
-    res: dict[str, list[dict[str, Any]]] = {"trl": [], "lab": []}
+          f"{args.max_new_tokens} new tokens{' (no EOS)' if args.fixed_length else ''}, T=1, "
+          f"beta={args.beta}, LoRA r=8 alpha 16 on {','.join(TARGETS)}, float32, "
+          f"{args.threads} threads; {args.rounds} rounds x {args.steps} timed steps "
+          f"(+{args.warmup} warm-up) per trainer, one process each; {info['cpu']}", flush=True)
     deadline = time.monotonic() + (args.time_limit or 1e9)
-    for rnd in range(args.rounds):
-        order = ["trl", "lab"] if rnd % 2 == 0 else ["lab", "trl"]
-        got = [run_child(args, who, rnd, args.flops and rnd == args.rounds - 1, deadline)
-               for who in order if time.monotonic() < deadline]
-        if len(got) < 2 or None in got:  # a round counts only with both trainers in it
-            print(f"  round {rnd} incomplete: dropped; stopping", flush=True)
-            break
-        for who, r in zip(order, got):
-            res[who].append(r)
-    if not res["trl"]:
-        print("no complete round within --time-limit")
-        return 1
-    rate = None
-    if args.flops:
-        rate = matmul_rate(args.threads, args.batch * args.max_new_tokens,
-                           cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"])
-    report = print_report(args, res, rate, info)
+    machine = (f"machine: {info['cpu']}, {info['nproc']} CPUs visible, torch threads "
+               f"{args.threads}")
+    if args.length_list:
+        got: dict[tuple[str, str, int], dict[str, Any]] = {}
+        for n in args.length_list:
+            for who, variant in [("trl", "full"), ("lab", "full")] + [
+                    ("lab", v) for v in args.lever_list if v != "full"]:
+                if time.monotonic() >= deadline:
+                    break
+                r = run_child(args, who, 0, False, deadline, variant, max_new=n)
+                if r is not None:
+                    got[(who, variant, n)] = r
+        report = length_report(got) + "\n" + machine
+    elif args.lever_list:
+        lev: dict[str, list[dict[str, Any]]] = {v: [] for v in args.lever_list}
+        for rnd in range(args.rounds):
+            order = args.lever_list if rnd % 2 == 0 else args.lever_list[::-1]
+            for v in order:
+                if time.monotonic() < deadline:
+                    r = run_child(args, "lab", rnd, False, deadline, v)
+                    if r is not None:
+                        lev[v].append(r)
+        lev = {v: rs for v, rs in lev.items() if rs}
+        if not lev:
+            print("no lever run finished within --time-limit")
+            return 1
+        report = lever_report(args, lev) + "\n" + machine
+    else:
+        res: dict[str, list[dict[str, Any]]] = {"trl": [], "lab": []}
+        for rnd in range(args.rounds):
+            order = ["trl", "lab"] if rnd % 2 == 0 else ["lab", "trl"]
+            both = [run_child(args, who, rnd, args.flops and rnd == args.rounds - 1, deadline)
+                    for who in order if time.monotonic() < deadline]
+            if len(both) < 2 or None in both:  # a round counts only with both trainers in it
+                print(f"  round {rnd} incomplete: dropped; stopping", flush=True)
+                break
+            for who, r in zip(order, both):
+                res[who].append(r)
+        if not res["trl"]:
+            print("no complete round within --time-limit")
+            return 1
+        rate = None
+        if args.flops:
+            rate = matmul_rate(args.threads, args.batch * args.max_new_tokens,
+                               cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"])
+        report = print_report(args, res, rate, info)
     print("\n" + report)
     if args.out:
         Path(args.out).write_text(report + "\n")

@@ -415,10 +415,15 @@ def group_successes(success: Tensor, sizes: Tensor | list[int]) -> Tensor:
     return torch.zeros(n, dtype=torch.float64).index_add_(0, ids, success.to(torch.float64))
 
 
+def group_dead_probability(pass_rates: Tensor, sizes: Tensor | list[int]) -> Tensor:
+    """P(dead) of group k of sizes[k] answers at pass rate p_k: p^n + (1-p)^n, [K] float64."""
+    p = pass_rates.to(torch.float64).clamp(0.0, 1.0)
+    n = torch.as_tensor(sizes, dtype=torch.float64)
+    return p**n + (1 - p) ** n
+
+
 def predicted_dead_share_ragged(pass_rates: Tensor, sizes: Tensor | list[int]) -> float:
     """``predicted_dead_share`` with group k of sizes[k] answers: mean of p^n + (1-p)^n."""
-    p = pass_rates.to(torch.float64).clamp(0.0, 1.0)
-    if p.numel() == 0:
+    if pass_rates.numel() == 0:
         return 0.0
-    n = torch.as_tensor(sizes, dtype=torch.float64)
-    return float((p**n + (1 - p) ** n).mean())
+    return float(group_dead_probability(pass_rates, sizes).mean())

@@ -119,7 +119,6 @@ def validate_allocation(cfg: Any) -> None:
     if cfg.allocate_min_group > cfg.budget:
         raise ConfigError(f"allocate_min_group {cfg.allocate_min_group} exceeds the budget "
                           f"{cfg.budget}")
-    for other in ("dynamic_sampling", "curriculum"):
-        if getattr(cfg, other):
-            raise ConfigError(f"allocate chooses the prompts itself; it cannot be combined "
-                              f"with {other}")
+    if cfg.curriculum:
+        raise ConfigError("allocate chooses the prompts itself; it cannot be combined with "
+                          "curriculum")

@@ -15,6 +15,7 @@ step's groups against those predictions, and ``end_step`` raises the no-signal a
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +78,7 @@ class Collector:
         # this step's sampled groups, per round: (global sizes [N], P(dead) predicted before
         # scoring [N], truncated answers [B] or None)
         self.rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self.local_sizes: list[list[int]] = []  # this rank's group sizes, per round
 
     def choose_prompts(self, n: int) -> tuple[list[int], list[int]]:
         """A round's prompts (indices into the training rows) and group sizes, the same on
@@ -125,6 +127,7 @@ class Collector:
         """
         idx, sizes = self.choose_prompts(n)
         lo, hi = dist.shard(len(idx))
+        self.local_sizes.append(sizes[lo:hi])
         ro, rows, res = self.sample_groups(idx[lo:hi], sizes[lo:hi])
         everyone = dist.gather_cat(res.total)
         ok = dist.gather_cat(res.success(self.cfg.success_threshold).float()).bool()
@@ -135,10 +138,11 @@ class Collector:
 
     def collect(self, step: int = 0) -> Batch:
         """Sample step ``step + 1``'s groups; with dynamic sampling, refill until every group is
-        mixed."""
+        mixed: ``prompts_per_step`` groups, or with ``allocate`` (ragged groups) until live
+        groups fill the budget of answers (a group that would overflow it is left out)."""
         cfg, g = self.cfg, self.cfg.group_size
         n = cfg.prompts_per_step
-        self.rounds = []
+        self.rounds, self.local_sizes = [], []
         ro, rows, res, everyone, ok, lo = self.sample_round(n)
         rewards = res.total
         batch = Batch(ro, rows, rewards, answers_generated=everyone.numel(),
@@ -146,34 +150,47 @@ class Collector:
                       problems=list(res.problems), trained_groups=everyone.numel() // g,
                       rewards_per_fn=res.per_fn)
         batch.add_scores(res)
-        if cfg.allocate:  # ragged groups (allocate excludes dynamic sampling)
-            sizes = self.rounds[-1][0].tolist()
-            batch.trained_groups = len(sizes)
-            mine = dist.shard(len(sizes))
-            batch.group_sizes = sizes[mine[0] : mine[1]]
+        ragged = cfg.allocate
+        if ragged:
+            batch.trained_groups = len(self.rounds[-1][0])
+            batch.group_sizes = list(self.local_sizes[-1])
         if not cfg.dynamic_sampling:
             return batch
         keep_ro: list[Rollout] = []
         keep_rows: list[dict] = []
         keep_r: list[torch.Tensor] = []
         keep_pf: list[torch.Tensor] = []
-        kept = 0
+        keep_sizes: list[int] = []
+        kept = kept_answers = 0
+
+        def full() -> bool:
+            if ragged:
+                return cfg.budget - kept_answers < cfg.allocate_min_group
+            return kept == n
+
         while True:
             # The choice is made on every rank's rewards, so all ranks agree on it.
-            live = ~adv_mod.dead_mask(everyone, g)
-            mine = range(lo, lo + len(rows) // g)
+            sizes = self.rounds[-1][0].tolist()  # this round's groups, every rank's
+            live = ~adv_mod.dead_mask_ragged(everyone, adv_mod.group_ids_from_sizes(sizes))
+            starts = [0, *itertools.accumulate(sizes)]
+            hi = lo + len(self.local_sizes[-1])
             for j in torch.nonzero(live).flatten().tolist():
-                if kept == n:
+                if full():
                     break
-                kept += 1
-                if j not in mine:
+                if ragged and kept_answers + sizes[j] > cfg.budget:
                     continue
-                sl = list(range((j - lo) * g, (j - lo + 1) * g))
+                kept += 1
+                kept_answers += sizes[j]
+                if not lo <= j < hi:
+                    continue
+                a = starts[j] - starts[lo]
+                sl = list(range(a, a + sizes[j]))
                 keep_ro.append(ro.select(sl))
                 keep_rows += [rows[i] for i in sl]
-                keep_r.append(rewards[sl[0] : sl[-1] + 1])
-                keep_pf.append(res.per_fn[sl[0] : sl[-1] + 1])
-            if kept == n or batch.rounds > cfg.max_sampling_rounds:
+                keep_r.append(rewards[a : a + sizes[j]])
+                keep_pf.append(res.per_fn[a : a + sizes[j]])
+                keep_sizes.append(sizes[j])
+            if full() or batch.rounds > cfg.max_sampling_rounds:
                 break
             ro, rows, res, everyone, ok, lo = self.sample_round(n)
             rewards = res.total
@@ -185,12 +202,14 @@ class Collector:
             batch.problems += res.problems
             batch.add_scores(res)
         batch.trained_groups = kept
-        batch.cap_hit = kept < n
+        batch.cap_hit = not full()
+        if ragged:
+            batch.group_sizes = keep_sizes
         if batch.cap_hit and dist.is_main():
-            log.warning(
-                "dynamic sampling: cap of %d extra rounds hit at step %d; training on %d of %d "
-                "mixed groups", cfg.max_sampling_rounds, step + 1, kept, n,
-            )
+            what = (f"{kept_answers} of {cfg.budget} answers in mixed groups" if ragged
+                    else f"{kept} of {n} mixed groups")
+            log.warning("dynamic sampling: cap of %d extra rounds hit at step %d; training on %s",
+                        cfg.max_sampling_rounds, step + 1, what)
         if keep_ro:
             batch.rollout = cat_rollouts(keep_ro, self.backend.pad_id)
             batch.rows = keep_rows
@@ -216,11 +235,12 @@ class Collector:
             ids = adv_mod.group_ids_from_sizes(sizes)
             ds = adv_mod.dead_stats_ragged(sampled, ids, sampled_ok)
             dead = adv_mod.dead_mask_ragged(sampled, ids)
-            firsts, at = [], 0  # this rank's first answer of each group
-            for n in batch.group_sizes or []:
+            mine = [n for r in self.local_sizes for n in r]  # this rank's sampled groups
+            firsts, at = [], 0  # the first answer of each
+            for n in mine:
                 firsts.append(batch.sampled_rows[at])
                 at += n
-            predicted = self.predicted_dead(firsts, sizes)
+            predicted = self.predicted_dead(firsts, mine)
         else:
             ds = adv_mod.dead_stats(sampled, g, sampled_ok)
             dead = adv_mod.dead_mask(sampled, g)
@@ -244,8 +264,9 @@ class Collector:
         p = self.backend.pass_probability(rows, self.cfg.temperature)
         if p is None:
             return None
-        if sizes is not None:  # ragged groups
-            return adv_mod.predicted_dead_share_ragged(dist.gather_cat(p), sizes)
+        if sizes is not None:  # ragged groups: this rank's, so each rank's P(dead), then all
+            dead = dist.gather_cat(adv_mod.group_dead_probability(p, sizes))
+            return float(dead.mean()) if dead.numel() else 0.0
         return adv_mod.predicted_dead_share(dist.gather_cat(p), self.cfg.group_size)
 
     def end_step(self, step: int, rec: dict[str, Any], ds: adv_mod.DeadStats) -> None:

@@ -118,8 +118,8 @@ class Config:
     # --- built-in world (used when model_path is empty) ---
     world_train_size: int = 1024  # training prompts the built-in world generates
     world_heldout_size: int = 256  # held-out prompts the built-in world generates
-    world_top_share: float = 0.22  # share of world prompts whose sum reaches 100
-    world_carry_share: float = 0.72  # share of the world's sums below 100 with a ones carry
+    world_top_share: float = 0.24  # share of world prompts whose sum reaches 100
+    world_carry_share: float = 0.68  # share of the world's sums below 100 with a ones carry
     sft_steps: int = 700  # SFT steps that make the built-in start (cached)
     sft_slip: float = 0.25  # the SFT teacher forgets the ones carry with this probability
     sft_slip_top: float = 1.0  # ... and the carry into the hundreds with this one
@@ -130,6 +130,7 @@ class Config:
     model_path: str = ""  # HF model folder, a .gguf file or smollm2-135m-instruct; "" = world
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of the model's weights
     gradient_checkpointing: bool = False  # recompute activations in backward (HF forward)
+    logit_chunk: int = 256  # answer tokens scored through the LM head at a time (0 = all at once)
     max_prompt_tokens: int = 1024  # longer prompts lose their first tokens (0 = model's limit)
     dataset: str = ""  # local jsonl/parquet/csv file or folder, or reasoning_gym:<task>
     eval_dataset: str = ""  # held-out prompts (same forms); reasoning_gym: uses another seed
@@ -271,7 +272,7 @@ class Config:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")
         for name in ("eval_size", "checkpoint_every", "sft_steps", "reward_workers",
-                     "world_heldout_size"):
+                     "world_heldout_size", "logit_chunk"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")
         for name in ("lora_r", "lora_alpha", "world_train_size", "watch_window"):

@@ -30,6 +30,7 @@ caller falls back to the HF forward.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -139,6 +140,10 @@ def _proj(m: nn.Module) -> Fn:
     return m
 
 
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
 def _rms_norm(m: nn.Module) -> Fn:
     """Llama-style RMSNorm: weight * x / sqrt(mean(x^2) + eps), computed in float32."""
     w, eps = m.weight, m.variance_epsilon
@@ -217,6 +222,7 @@ class FastLM:
             self.head_dim = int(config.hidden_size) // self.heads
             self.window = None
         self.lm_head = hf.lm_head
+        self.head_off = False  # True in ``trunk()``: forwards return hidden states, not logits
 
     @property
     def dtype(self) -> torch.dtype:
@@ -225,6 +231,18 @@ class FastLM:
     def fits(self, length: int) -> bool:
         """Whether sequences of ``length`` tokens see every earlier token (sliding windows)."""
         return self.window is None or length <= self.window
+
+    def trunk(self) -> FastLM:
+        """This forward without the LM head: ``logits``, ``prefill`` and ``extend`` return the
+        final normed hidden states [..., hidden] (for ``losses.head_logprobs``)."""
+        view = copy.copy(self)
+        view.head_off = True
+        return view
+
+    def linear_head(self) -> tuple[Tensor, Tensor | None] | None:
+        """(weight [V, D], bias) of a plain ``nn.Linear`` LM head, else None."""
+        h = self.lm_head
+        return (h.weight, h.bias) if type(h) is nn.Linear else None
 
     # ------------------------------------------------------------------ pieces --
     def rope_tables(self, n: int, like: Tensor) -> tuple[Tensor, Tensor]:
@@ -262,10 +280,10 @@ class FastLM:
                 r.up, r.down, r.act = _proj(mlp.c_fc), _proj(mlp.c_proj), mlp.act
             r.scale = at.scaling
             layers.append(r)
+        head = _identity if self.head_off else _proj(self.lm_head)
         if self.arch == "llama":
-            return _Weights(self.embed, layers, _rms_norm(self.norm), _proj(self.lm_head))
-        return _Weights(self.embed, layers, _layer_norm(self.norm), _proj(self.lm_head),
-                        self.wpe)
+            return _Weights(self.embed, layers, _rms_norm(self.norm), head)
+        return _Weights(self.embed, layers, _layer_norm(self.norm), head, self.wpe)
 
     def _attention(self, i: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                    kv: Any, scale: float) -> Tensor:

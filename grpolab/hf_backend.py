@@ -20,6 +20,8 @@ local directory, so the same ``GRPOTrainer`` that runs the workshop trains real 
   scoring skip the HF forward altogether and run ``grpolab.fastlm``: the same maths over the
   model's own modules, with a static KV cache (the HF forward's own overhead is most of a
   tiny model's step). Other models use the HF forward; ``GRPOLAB_FASTLM=0`` forces it.
+* Scoring through fastlm with a plain linear head never holds the [tokens, vocabulary] logits:
+  ``logit_chunk`` answer tokens go through the head at a time (``losses.head_logprobs``).
 * Each call draws a seed from the trainer's generator and samples with a private
   ``torch.Generator``: runs are reproducible and the caller's global RNG is untouched.
 * Dropout in the model is switched off (LoRA dropout, if configured, is kept): the policy is
@@ -172,8 +174,10 @@ class HFBackend(LMBackend):
         gradient_checkpointing: bool = False,
         max_prompt_tokens: int = 0,
         max_new_tokens: int = 0,
+        logit_chunk: int = 256,
     ) -> None:
-        self.tokenizer = tokenizer  # left untouched: prompts are padded here, not by it
+        self.tokenizer = tokenizer
+        self.logit_chunk = logit_chunk  # left untouched: prompts are padded here, not by it
         self.max_prompt_tokens = max_prompt_tokens
         self._warned_long = False
         # Prompt + answer must fit the model's positions (GPT-2 has 1024 and fails past them;

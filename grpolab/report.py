@@ -37,10 +37,16 @@ def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_o
     record)."""
     g = cfg.group_size
     posterior = posterior or {}
-    # Without dynamic sampling the trained batch is the one sampled round (every rank's).
-    useful = (batch.trained_groups if cfg.dynamic_sampling else ds.groups - ds.dead) * g
-    if "group_sizes" in posterior:  # ragged groups: the live groups' answers
+        # The answers of the live groups trained on: with dynamic sampling the kept groups,
+    # without it the one sampled round's live groups (every rank's).
+    if cfg.dynamic_sampling and batch.group_sizes is not None:  # ragged groups kept
+        useful = int(dist.all_reduce_sum([float(sum(batch.group_sizes))])[0])
+    elif cfg.dynamic_sampling:
+        useful = batch.trained_groups * g
+    elif "group_sizes" in posterior:  # ragged groups: the live groups' answers
         useful = sum(n for n, d in zip(posterior["group_sizes"], posterior["group_dead"]) if not d)
+    else:
+        useful = (ds.groups - ds.dead) * g
     lens = dist.gather_cat(batch.rollout.completion_mask.sum(1))
     cut = batch.rollout.truncated
     cut_all = dist.gather_cat(cut.float()) if cut is not None else None

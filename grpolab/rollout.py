@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from .losses import token_logprobs, token_logprobs_and_entropy
+from .losses import head_logprobs, token_logprobs, token_logprobs_and_entropy
 
 
 @dataclass
@@ -294,6 +294,7 @@ class LMBackend:
     pad_id: int
     device: torch.device = torch.device("cpu")
     share_prompts: bool = False  # score each distinct prompt once (needs a Forward.prefill)
+    logit_chunk: int = 0  # answer tokens through a plain linear LM head at a time (0: all)
 
     @torch.no_grad()
     def generate(self, prompts: list[Any], temperature: float, max_new_tokens: int,
@@ -347,8 +348,14 @@ class LMBackend:
             zero = torch.zeros(ro.completion_ids.shape)
             return zero if entropy is None else (zero, zero.clone())
         lm = self.forward_of(model, ro.prompt_ids.shape[1] + tc)
-        logits = completion_logits(lm, ro, self.device, self.share_prompts)
         t = temperature if temperature > 0 else 1.0
+        head = lm.linear_head() if self.logit_chunk and hasattr(lm, "linear_head") else None
+        if head is not None and not entropy:  # (an entropy bonus needs the full logits)
+            hidden = completion_logits(lm.trunk(), ro, self.device, self.share_prompts)
+            lp, ent = head_logprobs(hidden, *head, ro.completion_ids.to(hidden.device), 1.0 / t,
+                                    self.logit_chunk)
+            return lp.cpu() if entropy is None else (lp.cpu(), ent.cpu())
+        logits = completion_logits(lm, ro, self.device, self.share_prompts)
         if t != 1.0:  # x / 1 == x: skip a [B, Tc, V] copy
             logits = logits / t
         targets = ro.completion_ids.to(logits.device)

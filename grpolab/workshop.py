@@ -26,6 +26,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dynamic": {"dynamic_sampling": True},
     "curriculum": {"curriculum": True},
     "allocate": {"allocate": True},  # prompts and group sizes from pass-rate posteriors
+    "allocate_dynamic": {"allocate": True, "dynamic_sampling": True},  # ... refilled with live
     "dr_grpo": {"dr_grpo": True},
     "clip_higher": {"clip_higher": True},
     "token_loss": {"token_level_loss": True},

@@ -13,7 +13,8 @@ import math
 import os
 import pickle
 import random
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,8 +30,8 @@ OPS = ("+",)
 # The calibrated world (see docs/workshop-calibration.md): most sums stay below 100 and most of
 # those carry out of the ones column; the teacher forgets that carry a quarter of the time and
 # never writes the leading 1 of a sum of 100 or more.
-TOP_SHARE = 0.22  # share of prompts whose sum reaches 100 (the rest sum to 0..99)
-CARRY_SHARE = 0.72  # share of the sums below 100 that carry out of the ones column
+TOP_SHARE = 0.24  # share of prompts whose sum reaches 100 (the rest sum to 0..99)
+CARRY_SHARE = 0.68  # share of the sums below 100 that carry out of the ones column
 SLIP = 0.25  # the teacher forgets the carry out of the ones column with this probability
 SLIP_TOP = 1.0  # ... and the carry into the hundreds (the leading 1) with this one
 
@@ -46,21 +47,28 @@ def answer_of(a: int, b: int) -> str:
 
 
 def make_problem(rng: random.Random, top_share: float = TOP_SHARE,
-                 carry_share: float = CARRY_SHARE) -> dict[str, str]:
+                 carry_share: float = CARRY_SHARE,
+                 accept: Callable[[str], bool] | None = None) -> dict[str, str]:
     """One problem: 2-digit + 2-digit addition, ``42+17=`` with answer ``059``.
 
     With probability ``top_share`` the two numbers are uniform among pairs whose sum reaches
     100; otherwise, with probability ``carry_share``, uniform among pairs whose sum stays below
     100 and carries out of the ones column, else among the carry-free pairs below 100. The
-    teacher's slips make the three kinds the three pass-rate bands of the start: no carry
+        teacher's slips make the three kinds the three pass-rate bands of the start: no carry
     (solved almost always), a ones carry (1 - slip), a sum of 100 or more (never).
+    ``accept``: redraw within the kind until it accepts the prompt (so a caller's filter, such
+    as no repeats, does not skew the mix towards the kinds with more pairs).
     """
     top = rng.random() < top_share
     ones = rng.random() < carry_share
-    while True:
+    for _ in range(1_000_000):
         a, b = rng.randrange(100), rng.randrange(100)
         if (a + b >= 100) == top and (top or (a % 10 + b % 10 >= 10) == ones):
-            return {"prompt": f"{a:02d}+{b:02d}=", "answer": answer_of(a, b)}
+            prompt = f"{a:02d}+{b:02d}="
+            if accept is None or accept(prompt):
+                return {"prompt": prompt, "answer": answer_of(a, b)}
+    raise ValueError("the world has too few problems of one kind for this request (lower "
+                     "world_train_size or world_heldout_size, or move the shares off 0 and 1)")
 
 
 def carries(prompt: str) -> tuple[bool, bool]:
@@ -127,17 +135,27 @@ class Splits:
     heldout: list[dict[str, str]]
 
 
+def sft_side(prompt: str) -> bool:
+    """Which half of the problems the SFT draws from; the RL splits draw from the other half.
+
+    A fixed partition (by a hash of the prompt) keeps RL prompts out of SFT without the SFT
+    depending on the splits: the fine-tuned start of a seed is the same whatever the RL
+    prompt mix, so the mix can be fitted on fixed starts.
+    """
+    return zlib.crc32(prompt.encode()) % 2 == 0
+
+
 def make_splits(seed: int, train_size: int, heldout_size: int,
                 top_share: float = TOP_SHARE, carry_share: float = CARRY_SHARE) -> Splits:
-    """Disjoint train and held-out prompt sets, deterministic in ``seed``."""
+    """Disjoint train and held-out prompt sets off the SFT's half, deterministic in ``seed``."""
     rng = random.Random(f"grpolab-world-{seed}")
     seen: set[str] = set()
     rows: list[dict[str, str]] = []
     while len(rows) < train_size + heldout_size:
-        p = make_problem(rng, top_share, carry_share)
-        if p["prompt"] not in seen:
-            seen.add(p["prompt"])
-            rows.append(p)
+        p = make_problem(rng, top_share, carry_share,
+                         accept=lambda q: q not in seen and not sft_side(q))
+        seen.add(p["prompt"])
+        rows.append(p)
     return Splits(train=rows[heldout_size:], heldout=rows[:heldout_size])
 
 
@@ -350,7 +368,7 @@ def sft(
         rows, weights, prompts = [], [], 0
         while prompts < batch_size:
             p = make_problem(rng, top_share, carry_share)
-            if p["prompt"] not in exclude:
+            if sft_side(p["prompt"]) and p["prompt"] not in exclude:
                 prompts += 1  # one prompt: its teacher answers, weights summing to 1
                 for ans, q in teacher_answers(p["prompt"], slip, slip_top):
                     rows.append({"prompt": p["prompt"], "answer": ans})
@@ -393,6 +411,18 @@ def lands_on_teacher(model: TinyGPT, tok: CharTokenizer, rows: list[dict[str, st
     return all(abs(float(p[q == v].mean()) - float(v)) <= tol for v in q.unique())
 
 
+def sft_check_rows(seed: int, n: int = 256) -> list[dict[str, str]]:
+    """Prompts the SFT never sees (off its half), at its own mix, for ``lands_on_teacher``:
+    fixed per seed, whatever the RL splits."""
+    rng = random.Random(f"grpolab-sft-check-{seed}")
+    rows: list[dict[str, str]] = []
+    while len(rows) < n:
+        p = make_problem(rng, SFT_TOP_SHARE, SFT_CARRY_SHARE)
+        if not sft_side(p["prompt"]):
+            rows.append(p)
+    return rows
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("GRPOLAB_CACHE", Path.home() / ".cache" / "grpolab"))
 
@@ -406,23 +436,27 @@ def sft_model(
     slip: float = SLIP,
     slip_top: float = SLIP_TOP,
 ) -> TinyGPT:
-    """The fine-tuned starting policy, trained once per (seed, steps, slips, model, the
-    splits it must not see) and cached.
+    """The fine-tuned starting policy, trained once per (seed, steps, slips, model) and
+    cached; it draws from its own half of the problems (``sft_side``), never the splits'.
 
     A few hundred SFT steps on noisy labels do not always land: now and then (about one
     stream in five, measured) the model has not yet told carry-free prompts from carrying
-    ones. A start whose bands miss the teacher's (``lands_on_teacher`` on the first 256
-    training prompts) is trained again from the next stream, up to ``SFT_ATTEMPTS`` times, so
-    every seed starts in the calibrated regime; each attempt is a function of the seed.
+    ones. A start whose bands miss the teacher's (``lands_on_teacher`` on 256 prompts off the
+    SFT's half, ``sft_check_rows``) is trained again from the next stream, up to
+    ``SFT_ATTEMPTS`` times, so every seed starts in the calibrated regime; each attempt is a
+    function of the seed.
     """
     tok = CharTokenizer()
     tc = TinyConfig(vocab_size=tok.vocab_size)
-    exclude = sorted(r["prompt"] for r in splits.train + splits.heldout)
+    exclude = {r["prompt"] for r in splits.train + splits.heldout}
+    if any(sft_side(p) for p in exclude):
+        raise ValueError("the splits hold prompts from the SFT's half (use make_splits)")
+    # Not keyed on the splits: the SFT never sees their half, so it is the same for any mix.
     key = json.dumps(
-        {"v": 10, "seed": seed, "steps": sft_steps, "slip": slip, "slip_top": slip_top,
+        {"v": 11, "seed": seed, "steps": sft_steps, "slip": slip, "slip_top": slip_top,
          "top_share": SFT_TOP_SHARE, "carry_share": SFT_CARRY_SHARE, "batch": SFT_BATCH,
          "lr": SFT_LR, "attempts": SFT_ATTEMPTS, "tol": SFT_BAND_TOL, "model": asdict(tc),
-         "exclude": exclude},
+         "half": "crc32%2==0"},
         sort_keys=True,
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -437,12 +471,12 @@ def sft_model(
         except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
             # A corrupt cache entry is rebuilt, not fatal.
             logging.getLogger("grpolab").warning("rebuilding unreadable SFT cache %s (%s)", path, e)
-    check = splits.train[:256]
+    check = sft_check_rows(seed)
     for attempt in range(SFT_ATTEMPTS):
         if attempt:
             torch.manual_seed(seed * SFT_ATTEMPTS + attempt)
             model = TinyGPT(tc)
-        sft(model, tok, set(exclude), sft_steps, seed, slip=slip, progress=progress,
+        sft(model, tok, exclude, sft_steps, seed, slip=slip, progress=progress,
             slip_top=slip_top, stream=f"-{attempt}" if attempt else "")
         if not check or lands_on_teacher(model, tok, check, slip, slip_top):
             break

@@ -58,3 +58,58 @@ def test_vs_trl_prints_both_rates_and_ratio(tmp_path: Path) -> None:
     assert out.count("KV cache / forward bound") == 2
     assert not any(tmp_path.iterdir())  # everything went to a temporary directory
     assert elapsed < 60, f"the tiny benchmark took {elapsed:.0f}s"
+
+
+REAL = BENCH.parent / "vs_trl_real.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from grpolab.tinyhf import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-chat"), hidden=32, heads=4,
+                           chat_template=True)
+
+
+def run_real(model: str, tmp_path: Path, *extra: str) -> str:
+    cmd = [sys.executable, str(REAL), "--model", model, "--rounds", "1", "--steps", "1",
+           "--warmup", "0", "--batch", "8", "--group-size", "4", "--max-new-tokens", "6",
+           "--threads", "1", "--no-flops", *extra]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def row(out: str, name: str) -> list[str]:
+    m = re.search(rf"^\| {re.escape(name)} \|(.*)\|$", out, re.MULTILINE)
+    assert m, f"no {name!r} row in:\n{out}"
+    return [c.strip() for c in m.group(1).split("|")]
+
+
+def test_real_model_bench_side_by_side_at_fixed_length(tiny_chat_model: str,
+                                                       tmp_path: Path) -> None:
+    """Both trainers in their own processes on one HF folder; with --fixed-length every
+    completion runs to --max-new-tokens in both, so the work is equal: 8 x 6 tokens."""
+    out = run_real(tiny_chat_model, tmp_path, "--fixed-length")
+    for name in ("TRL GRPOTrainer", "grpolab"):
+        cells = row(out, name)
+        assert float(cells[0]) > 0  # steps/s
+        assert float(cells[6]) == 48  # tokens/step
+        assert float(cells[8]) > 0  # peak RSS
+    assert re.search(r"ratio grpolab / TRL: [0-9.]+x steps/s", out)
+
+
+def test_real_model_bench_levers_and_lengths(tiny_chat_model: str, tmp_path: Path) -> None:
+    """--levers runs grpolab variants against the build as shipped; --lengths measures both
+    trainers (and the variants) at each completion length."""
+    out = run_real(tiny_chat_model, tmp_path, "--levers", "full,no-chunk", "--fixed-length")
+    assert row(out, "full")[-2:] == ["1.00x", "1.00x"]
+    assert float(row(out, "no-chunk")[5]) == 48  # the same work in every variant
+    out = run_real(tiny_chat_model, tmp_path, "--lengths", "5", "--levers", "micro4")
+    for n in (5,):
+        for name in ("TRL GRPOTrainer", "grpolab full", "grpolab micro4"):
+            m = re.search(rf"^\| {n} \| {name} \|(.*)\|$", out, re.MULTILINE)
+            assert m, out
+            cells = [c.strip() for c in m.group(1).split("|")]
+            assert float(cells[4]) == 8 * n  # tokens/step: no EOS before the length

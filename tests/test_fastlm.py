@@ -357,3 +357,36 @@ def test_bfloat16_model_matches_hf(paths: dict[str, str], name: str, cache_kind:
     slow = be.logprobs(ro, 0.7)
     assert fast.dtype == torch.float32 and torch.isfinite(fast[m]).all()
     torch.testing.assert_close(fast[m], slow[m], atol=2e-2, rtol=1e-2)
+
+
+# ------------------------------------------------------------------- chunked LM head
+
+
+@pytest.mark.parametrize("name", ["llama", "gqa"])
+def test_chunked_head_scores_like_full_logits(paths: dict[str, str], name: str) -> None:
+    """Scoring through ``logit_chunk`` tokens of the head at a time gives the full-logit path's
+    log-probs, entropies and gradients (tied and untied heads, T != 1, shared prompts)."""
+    be = backend(paths, name)
+    with torch.no_grad():  # a trained-looking head: the tied one is also the embedding
+        for p in be.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ro = be.generate([p for p in PROMPTS for _ in range(2)], 0.7, 10,
+                     torch.Generator().manual_seed(2))
+    m = ro.completion_mask.bool()
+    out = {}
+    for chunk in (0, 3, 1000):
+        be.logit_chunk = chunk
+        be.model.zero_grad(set_to_none=True)
+        lp, ent = be.logprobs_and_entropy(ro, 0.7)
+        w = torch.linspace(-1, 1, lp.numel()).view_as(lp)
+        (lp * w * ro.completion_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in be.model.named_parameters()}
+        out[chunk] = (lp.detach(), ent, grads)
+    lp0, ent0, g0 = out[0]
+    for chunk in (3, 1000):
+        lp, ent, g = out[chunk]
+        torch.testing.assert_close(lp[m], lp0[m], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent[m], ent0[m], atol=1e-5, rtol=1e-5)
+        for n in g0:
+            torch.testing.assert_close(g[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert be._fast is not None and be._fast.linear_head() is not None

@@ -148,3 +148,24 @@ def test_parts_with_global_denominators_sum_to_the_whole_batch(agg: str) -> None
     for name in ("policy_loss", "kl", "clip_frac", "entropy", "entropy_share"):
         assert sum(getattr(o, name) for _, o in outs) == pytest.approx(getattr(whole, name),
                                                                        rel=1e-5), name
+
+
+def test_head_logprobs_equal_full_logits_and_pass_gradcheck() -> None:
+    """``head_logprobs`` (chunked through the head, backward recomputing each chunk) is
+    log_softmax(scale * (h W^T + b)) gathered at the targets, with exact gradients."""
+    from grpolab.losses import head_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 3, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(12, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(12, dtype=torch.float64, generator=g, requires_grad=True)
+    y = torch.randint(0, 12, (2, 3), generator=g)
+    for scale, chunk in ((1.0, 4), (1 / 0.7, 7), (2.0, 100)):
+        lp, ent = head_logprobs(h, w, b, y, scale, chunk)
+        logp = torch.log_softmax(scale * (h @ w.T + b), dim=-1)  # float64 throughout
+        torch.testing.assert_close(lp, logp.gather(-1, y[..., None])[..., 0])
+        torch.testing.assert_close(ent, -(logp.exp() * logp).sum(-1))
+        assert not ent.requires_grad
+        assert torch.autograd.gradcheck(
+            lambda h, w, b, s=scale, c=chunk: head_logprobs(h, w, b, y, s, c)[0], (h, w, b))
+    assert torch.autograd.gradcheck(lambda h, w: head_logprobs(h, w, None, y, 1.0, 4)[0], (h, w))

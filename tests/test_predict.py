@@ -285,9 +285,41 @@ def test_allocate_trains_ragged_groups_within_the_budget(tmp_path) -> None:
     assert all(len(g["completions"]) == len(g["advantages"]) for s in logged for g in s["groups"])
 
 
+def test_allocate_with_dynamic_sampling_fills_the_budget_with_live_ragged_groups(
+        tmp_path) -> None:
+    """Ragged dynamic sampling: refill rounds until live groups hold the budget of answers (a
+    group that would overflow it is left out), train on those only, and count every answer."""
+    tr = world_trainer(tmp_path, allocate=True, dynamic_sampling=True, allocate_min_group=2,
+                       allocate_max_group=8, allocate_explore=0.0, max_sampling_rounds=6)
+    kept = []
+    orig = tr.rollouts.collect
+
+    def spy(step: int = 0):
+        b = orig(step)
+        kept.append(b)
+        return b
+
+    tr.rollouts.collect = spy
+    recs = [tr.step() for _ in range(3)]
+    for rec, b in zip(recs, kept):
+        sizes = b.group_sizes
+        assert sum(sizes) == len(b.rows) == b.rewards.numel() and len(sizes) == b.trained_groups
+        assert 32 - 2 < sum(sizes) <= 32 or b.cap_hit
+        start = 0
+        for n in sizes:  # every trained group is live, and its rows are one prompt's
+            r = b.rewards[start:start + n]
+            assert r.max() > r.min()
+            assert len({row["prompt"] for row in b.rows[start:start + n]}) == 1
+            start += n
+        assert rec["answers_generated"] == sum(rec["group_sizes"]) >= sum(sizes)
+        assert rec["useful_answers"] == sum(sizes)  # the live answers trained on
+        assert math.isfinite(rec["loss"])
+    assert any(b.rounds > 1 for b in kept)  # refills happened
+
+
 def test_allocate_config_checks() -> None:
-    with pytest.raises(ConfigError, match="cannot be combined with dynamic_sampling"):
-        make_config(None, {"allocate": True, "dynamic_sampling": True})
+    with pytest.raises(ConfigError, match="cannot be combined with curriculum"):
+        make_config(None, {"allocate": True, "curriculum": True})
     with pytest.raises(ConfigError, match="allocate_min_group"):
         make_config(None, {"allocate_min_group": 8, "allocate_max_group": 4})
     from grpolab.cli import field_help

@@ -185,6 +185,48 @@ def test_sft_start_is_deterministic_per_seed(tmp_path) -> None:
     assert not all(torch.equal(sa[k], sc[k]) for k in sa)
 
 
+def test_sft_and_rl_prompts_are_disjoint_halves_and_the_start_ignores_the_mix(
+        tmp_path, monkeypatch) -> None:
+    """The SFT draws only from its half of the problems (``sft_side``), the splits and the
+    landing check only from the other, so the fine-tuned start of a seed is one model (one
+    cache entry) for every RL prompt mix."""
+    from grpolab import world
+    from grpolab.world import sft_check_rows, sft_side
+
+    rng = random.Random(0)
+    drawn = [make_problem(rng)["prompt"] for _ in range(2000)]
+    assert 0.45 < sum(map(sft_side, drawn)) / len(drawn) < 0.55  # a half, across the mix
+    a, b = make_splits(0, 200, 50), make_splits(0, 200, 50, top_share=0.1, carry_share=0.9)
+    assert not any(sft_side(r["prompt"]) for r in a.train + a.heldout + b.train + b.heldout)
+    assert not any(sft_side(r["prompt"]) for r in sft_check_rows(0))
+    assert sft_check_rows(3) == sft_check_rows(3) != sft_check_rows(4)
+    seen: list[str] = []
+    real_sft = world.sft
+
+    def spy(model, tok, exclude, steps, seed, **kw):
+        real_make = world.make_problem
+
+        def make(*args):
+            p = real_make(*args)
+            seen.append(p["prompt"])
+            return p
+
+        monkeypatch.setattr(world, "make_problem", make)
+        try:
+            return real_sft(model, tok, exclude, steps, seed, **kw)
+        finally:
+            monkeypatch.setattr(world, "make_problem", real_make)
+
+    monkeypatch.setattr(world, "sft", spy)
+    monkeypatch.setattr(world, "lands_on_teacher", lambda *a, **k: True)
+    ma = sft_model(0, a, 3, tmp_path)
+    used = [p for p in seen if sft_side(p)]
+    assert used and len(list(tmp_path.glob("sft-*.pt"))) == 1
+    mb = sft_model(0, b, 3, tmp_path)  # another mix: the same cached start
+    assert len(list(tmp_path.glob("sft-*.pt"))) == 1
+    assert all(torch.equal(ma.state_dict()[k], mb.state_dict()[k]) for k in ma.state_dict())
+
+
 def test_tokenizer_roundtrip() -> None:
     tok = CharTokenizer()
     ids = tok.encode("123+456=")
