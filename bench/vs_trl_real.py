@@ -419,6 +419,17 @@ def run_child(args: argparse.Namespace, who: str, rnd: int, flops: bool,
     raise SystemExit(f"{who} child failed (rc {rc})")
 
 
+def per_step(rs: list[dict[str, Any]]) -> dict[str, float]:
+    """Means per timed step over children: s/step, time split, tokens, peak memory."""
+    steps = sum(r["steps"] for r in rs)
+    t = sum(r["time"] for r in rs)
+    out = {"s": t / steps, "tok": sum(r["tokens"] for r in rs) / steps,
+           "peak": max(r["peak_rss_mib"] for r in rs)}
+    for k in ("gen", "ref", "pol"):
+        out[k] = sum(r["split"][k] for r in rs) / steps
+    return out
+
+
 def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
                  rate: float | None, info: dict[str, Any]) -> str:
     lines = []
@@ -427,14 +438,11 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
         rs = res[who]
         steps = sum(r["steps"] for r in rs)
         t = sum(r["time"] for r in rs)
-        a = {"steps": steps, "t": t, "sps": steps / t, "cpu_sps": steps / sum(r["cpu"] for r in rs),
-             "tok": sum(r["tokens"] for r in rs) / steps,
+        a = {**per_step(rs), "steps": steps, "t": t, "sps": steps / t,
+             "cpu_sps": steps / sum(r["cpu"] for r in rs),
              "width": statistics.mean(r["width"] for r in rs),
-             "peak": max(r["peak_rss_mib"] for r in rs),
              "built": max(r["rss_after_build_mib"] for r in rs)}
-        for k in ("gen", "ref", "pol"):
-            a[k] = sum(r["split"][k] for r in rs) / steps
-        a["other"] = t / steps - a["gen"] - a["ref"] - a["pol"]
+        a["other"] = a["s"] - a["gen"] - a["ref"] - a["pol"]
         a["tok_s"] = a["tok"] * steps / t
         fl = [r["flops"] for r in rs if "flops" in r]
         if fl and rate:
@@ -531,17 +539,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if a.length_list:
         a.fixed_length = True
     return a
-
-
-def per_step(rs: list[dict[str, Any]]) -> dict[str, float]:
-    """Means per timed step over children: s/step, time split, tokens, peak memory."""
-    steps = sum(r["steps"] for r in rs)
-    t = sum(r["time"] for r in rs)
-    out = {"s": t / steps, "tok": sum(r["tokens"] for r in rs) / steps,
-           "peak": max(r["peak_rss_mib"] for r in rs)}
-    for k in ("gen", "ref", "pol"):
-        out[k] = sum(r["split"][k] for r in rs) / steps
-    return out
 
 
 def lever_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> str:

@@ -422,8 +422,3 @@ def group_dead_probability(pass_rates: Tensor, sizes: Tensor | list[int]) -> Ten
     return p**n + (1 - p) ** n
 
 
-def predicted_dead_share_ragged(pass_rates: Tensor, sizes: Tensor | list[int]) -> float:
-    """``predicted_dead_share`` with group k of sizes[k] answers: mean of p^n + (1-p)^n."""
-    if pass_rates.numel() == 0:
-        return 0.0
-    return float(group_dead_probability(pass_rates, sizes).mean())

@@ -176,8 +176,8 @@ class HFBackend(LMBackend):
         max_new_tokens: int = 0,
         logit_chunk: int = 256,
     ) -> None:
-        self.tokenizer = tokenizer
-        self.logit_chunk = logit_chunk  # left untouched: prompts are padded here, not by it
+        self.tokenizer = tokenizer  # left untouched: prompts are padded here, not by it
+        self.logit_chunk = logit_chunk
         self.max_prompt_tokens = max_prompt_tokens
         self._warned_long = False
         # Prompt + answer must fit the model's positions (GPT-2 has 1024 and fails past them;

@@ -74,17 +74,18 @@ class _HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                scale: float, chunk: int) -> tuple[Tensor, Tensor]:
+                scale: float, chunk: int, entropy: bool) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         lp = hidden.new_empty(n, dtype=_at_least_f32(hidden.dtype))
-        ent = torch.empty_like(lp)
+        ent = torch.empty_like(lp) if entropy else lp.new_zeros(n)
         for s in range(0, n, chunk):
             z = F.linear(hidden[s:s + chunk], weight, bias).to(lp.dtype)
             if scale != 1.0:
                 z = z * scale
             logp = torch.log_softmax(z, dim=-1)
             lp[s:s + chunk] = logp.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
-            ent[s:s + chunk] = entropy_from_logp(logp)
+            if entropy:
+                ent[s:s + chunk] = entropy_from_logp(logp)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.scale, ctx.chunk = scale, chunk
         ctx.mark_non_differentiable(ent)
@@ -118,15 +119,16 @@ class _HeadLogprobs(torch.autograd.Function):
             if g_b is not None:
                 g_b += gz.to(acc).sum(0)
         return (g_h, None if g_w is None else g_w.to(weight.dtype),
-                None if g_b is None else g_b.to(bias.dtype), None, None, None)
+                None if g_b is None else g_b.to(bias.dtype), None, None, None, None)
 
 
 def head_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                  scale: float = 1.0, chunk: int = 256) -> tuple[Tensor, Tensor]:
+                  scale: float = 1.0, chunk: int = 256, entropy: bool = True
+                  ) -> tuple[Tensor, Tensor]:
     """``token_logprobs`` and the entropy of ``log_softmax(scale * (hidden @ weight.T + bias))``
     without ever holding the [N, V] logits: hidden [..., D], weight [V, D], targets [...] ->
     log-probs (float32, with autograd into ``hidden``, ``weight``, ``bias``) and entropies
-    (no autograd), both shaped like ``targets``.
+    (no autograd; zeros without ``entropy``), both shaped like ``targets``.
 
     The full-vocabulary logits of a scoring pass are [tokens, V] float32, and autograd keeps
     them and their log-softmax for backward: 0.4 GB each for 2,048 answer tokens of a
@@ -135,7 +137,8 @@ def head_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: 
     """
     shape = targets.shape
     lp, ent = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
-                                  targets.reshape(-1), float(scale), max(1, int(chunk)))
+                                  targets.reshape(-1), float(scale), max(1, int(chunk)),
+                                  bool(entropy))
     return lp.view(shape), ent.view(shape)
 
 

@@ -37,7 +37,7 @@ def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_o
     record)."""
     g = cfg.group_size
     posterior = posterior or {}
-        # The answers of the live groups trained on: with dynamic sampling the kept groups,
+    # The answers of the live groups trained on: with dynamic sampling the kept groups,
     # without it the one sampled round's live groups (every rank's).
     if cfg.dynamic_sampling and batch.group_sizes is not None:  # ragged groups kept
         useful = int(dist.all_reduce_sum([float(sum(batch.group_sizes))])[0])

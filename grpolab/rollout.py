@@ -353,7 +353,7 @@ class LMBackend:
         if head is not None and not entropy:  # (an entropy bonus needs the full logits)
             hidden = completion_logits(lm.trunk(), ro, self.device, self.share_prompts)
             lp, ent = head_logprobs(hidden, *head, ro.completion_ids.to(hidden.device), 1.0 / t,
-                                    self.logit_chunk)
+                                    self.logit_chunk, entropy=entropy is not None)
             return lp.cpu() if entropy is None else (lp.cpu(), ent.cpu())
         logits = completion_logits(lm, ro, self.device, self.share_prompts)
         if t != 1.0:  # x / 1 == x: skip a [B, Tc, V] copy

@@ -54,7 +54,7 @@ def make_problem(rng: random.Random, top_share: float = TOP_SHARE,
     With probability ``top_share`` the two numbers are uniform among pairs whose sum reaches
     100; otherwise, with probability ``carry_share``, uniform among pairs whose sum stays below
     100 and carries out of the ones column, else among the carry-free pairs below 100. The
-        teacher's slips make the three kinds the three pass-rate bands of the start: no carry
+    teacher's slips make the three kinds the three pass-rate bands of the start: no carry
     (solved almost always), a ones carry (1 - slip), a sum of 100 or more (never).
     ``accept``: redraw within the kind until it accepts the prompt (so a caller's filter, such
     as no repeats, does not skew the mix towards the kinds with more pairs).

@@ -166,6 +166,8 @@ def test_head_logprobs_equal_full_logits_and_pass_gradcheck() -> None:
         torch.testing.assert_close(lp, logp.gather(-1, y[..., None])[..., 0])
         torch.testing.assert_close(ent, -(logp.exp() * logp).sum(-1))
         assert not ent.requires_grad
+        lp_only, none = head_logprobs(h, w, b, y, scale, chunk, entropy=False)
+        assert torch.equal(lp_only, lp) and torch.equal(none, torch.zeros_like(ent))
         assert torch.autograd.gradcheck(
             lambda h, w, b, s=scale, c=chunk: head_logprobs(h, w, b, y, s, c)[0], (h, w, b))
     assert torch.autograd.gradcheck(lambda h, w: head_logprobs(h, w, None, y, 1.0, 4)[0], (h, w))

@@ -96,6 +96,9 @@ def test_dead_probability_hand_values_and_monte_carlo() -> None:
     p = torch.distributions.Beta(a, b).sample((200_000,)).double()
     mc = (p**n + (1 - p) ** n).mean(0)
     assert torch.allclose(dead_probability(a, b, n), mc, atol=5e-3)
+    # a known pass rate p, group of n: p^n + (1-p)^n; one answer is always a dead group
+    got = A.group_dead_probability(torch.tensor([0.5, 1.0, 0.2, 0.3]), [2, 4, 1, 3])
+    assert got.tolist() == pytest.approx([0.5, 1.0, 1.0, 0.3**3 + 0.7**3])
 
 
 def test_prior_fit_recovers_the_population() -> None:
