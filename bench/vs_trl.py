@@ -355,6 +355,14 @@ def _cpu_sdpa_backward_flops(grad: Any, q: Any, k: Any, v: Any, *_: Any, **__: A
     return sdpa_backward_flop_count(grad, q, k, v)
 
 
+def _onednn_linear_flops(x: Any, w: Any, *_: Any, **__: Any) -> int:
+    """grpolab.packed's oneDNN linear: x [..., K] against a prepacked weight [N, K]."""
+    rows = 1
+    for d in x[:-1]:
+        rows *= d
+    return 2 * rows * x[-1] * w[0]
+
+
 def count_flops(fn: Any) -> int:
     """Matrix-multiplication and attention FLOPs that ``fn()`` performs (forward and backward).
 
@@ -367,6 +375,8 @@ def count_flops(fn: Any) -> int:
     counter = FlopCounterMode(display=False, custom_mapping={
         aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+        **({torch.ops.mkldnn._linear_pointwise: _onednn_linear_flops}
+           if hasattr(torch.ops.mkldnn, "_linear_pointwise") else {}),
     })
     with counter, contextlib.redirect_stdout(io.StringIO()):
         fn()

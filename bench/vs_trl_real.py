@@ -208,6 +208,8 @@ def child_trl(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
 
 LAB_VARIANTS = {  # --levers: grpolab with one lever changed (in its own process)
     "full": "as shipped",
+    "no-pack": "cpu_pack off: sampling through peft's LoRA layers and MKL matmuls, the "
+               "scoring head on F.linear",
     "no-chunk": "logit_chunk 0: the [tokens, vocab] logits held whole when scoring",
     "no-share": "no shared prompts: each of a group's G rows prefills and scores its prompt",
     "hf-forward": "GRPOLAB_FASTLM=0: the HF forward for sampling and scoring",
@@ -233,6 +235,7 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
         checkpoint_every=0, progress=False, model_path=model_dir, use_chat_template=True,
         lora=True, lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=TARGETS,
         dtype="float32", logit_chunk=0 if args.variant == "no-chunk" else 256,
+        cpu_pack=args.variant != "no-pack",
         micro_batch={"micro8": 8, "micro4": 4}.get(args.variant, 0),
         gradient_checkpointing=args.variant == "ckpt",
     ).resolved()
@@ -516,6 +519,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated completion lengths: peak memory and time of both "
                    "trainers at each (implies --fixed-length); with --levers, grpolab's "
                    "variants too")
+    p.add_argument("--ab", default="",
+                   help="grpolab only, in one process: steps alternate between the build as "
+                   "shipped and each of these levers off (" + ", ".join(AB_SWITCHES)
+                   + "); --rounds rounds")
     p.add_argument("--out", default="", help="also write the report (markdown) here")
     p.add_argument("--child", choices=["trl", "lab"], help=argparse.SUPPRESS)
     p.add_argument("--variant", default="full", choices=list(LAB_VARIANTS),
@@ -527,6 +534,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if a.warmup < 0 or a.steps < 1 or a.rounds < 1:
         p.error("--warmup must be >= 0, --steps and --rounds >= 1")
     a.lever_list = [v.strip() for v in a.levers.split(",") if v.strip()]
+    a.ab_list = [v.strip() for v in a.ab.split(",") if v.strip()]
+    if [v for v in a.ab_list if v not in AB_SWITCHES]:
+        p.error(f"--ab takes {', '.join(AB_SWITCHES)} (got {a.ab!r})")
     bad = [v for v in a.lever_list if v not in LAB_VARIANTS]
     if bad:
         p.error(f"unknown --levers {bad}; choose from {', '.join(LAB_VARIANTS)}")
@@ -571,6 +581,53 @@ def length_report(res: dict[tuple[str, str, int], dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# --ab: levers that switch at run time, so one process can alternate them step by step
+AB_SWITCHES = {
+    "no-pack": lambda be, on: (setattr(be, "cpu_pack", on),
+                               be._fast is not None and setattr(be._fast, "pack", on)),
+    "no-chunk": lambda be, on: setattr(be, "logit_chunk", 256 if on else 0),
+}
+
+
+def ab_main(args: argparse.Namespace) -> str:
+    """One grpolab process; after a warm-up step, steps alternate between the build as shipped
+    and each --ab lever off (order flipped every round), so machine drift reaches both alike.
+    Time only (one process: no per-variant peak memory)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    split = Split()
+    with tempfile.TemporaryDirectory(prefix="vs-trl-real-ab-") as out:
+        _, one_step, _ = child_lab(args, args.model, out, split)
+        be = one_step.__self__.backend
+        one_step()
+        split.close_step()
+        names = ["full", *args.ab_list]
+        got: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+        for rnd in range(args.rounds):
+            for name in (names if rnd % 2 == 0 else names[::-1]):
+                for lever in args.ab_list:
+                    AB_SWITCHES[lever](be, name != lever)
+                t0 = time.perf_counter()
+                one_step()
+                split.close_step(total=time.perf_counter() - t0)
+                st = split.steps[-1]
+                got[name].append({"time": st["total"], "gen": st.get("gen", 0.0),
+                                  "ref": st.get("ref", 0.0),
+                                  "pol": st.get("update", 0.0) - st.get("ref", 0.0)})
+                print(f"  round {rnd} {name:9s}: {st['total']:.2f} s/step", flush=True)
+    mean = {n: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for n, rs in got.items()}
+    lines = [("| grpolab, one process | steps | s/step | gen s | ref s | policy fwd+bwd s | "
+              "time vs shipped |"), "|---|---|---|---|---|---|---|"]
+    for n in names:
+        m = mean[n]
+        what = "as shipped" if n == "full" else LAB_VARIANTS[n]
+        lines.append(f"| {n}: {what} | {len(got[n])} | {m['time']:.2f} | {m['gen']:.2f} | "
+                     f"{m['ref']:.2f} | {m['pol']:.2f} | "
+                     f"{m['time'] / mean['full']['time']:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.child:
@@ -588,7 +645,9 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + (args.time_limit or 1e9)
     machine = (f"machine: {info['cpu']}, {info['nproc']} CPUs visible, torch threads "
                f"{args.threads}")
-    if args.length_list:
+    if args.ab_list:
+        report = ab_main(args) + "\n" + machine
+    elif args.length_list:
         got: dict[tuple[str, str, int], dict[str, Any]] = {}
         for n in args.length_list:
             for who, variant in [("trl", "full"), ("lab", "full")] + [

@@ -1,6 +1,6 @@
 """Spend a step's answer budget where it teaches: which prompts, and how many answers each.
 
-Given each prompt's Beta posterior over its pass rate (``predict.PassRateTracker``), a budget of
+Given each prompt's posterior over its pass rate (``predict.PassRateTracker``), a budget of
 answers per step and a group size range [min_size, max_size], ``allocate`` chooses prompts i
 and group sizes n_i (sum n_i <= budget) to maximise an objective over the chosen prompts:
 
@@ -40,28 +40,43 @@ ALLOCATION_OBJECTIVES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 
 
+def size_axis(min_size: int, max_size: int) -> Tensor:
+    """The group sizes [S] an allocation may use: min_size .. max_size, float64."""
+    return torch.arange(min_size, max_size + 1, dtype=torch.float64)
+
+
 def allocate(a: Tensor, b: Tensor, budget: int, min_size: int, max_size: int, *,
              objective: str = "live_groups", explore: float = 0.0,
              generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
     """Prompts and group sizes for one step: (indices [K], sizes [K]), sum(sizes) <= budget.
 
-    ``a``, ``b`` [N]: each prompt's Beta posterior. Every size is in [min_size, max_size]; a
-    prompt is chosen at most once. ``explore`` in [0, 1): share of the budget given first to
-    random prompts at min_size. The result is exactly ``budget`` answers whenever the prompts
-    and max_size allow it (the remainder of budget / min_size is added to open groups).
+    ``a``, ``b`` [N]: each prompt's Beta posterior (``allocate_table`` takes any predictor's
+    P(dead) table instead). Every size is in [min_size, max_size]; a prompt is chosen at most
+    once. ``explore`` in [0, 1): share of the budget given first to random prompts at min_size.
+    The result is exactly ``budget`` answers whenever the prompts and max_size allow it (the
+    remainder of budget / min_size is added to open groups).
     """
+    a = torch.as_tensor(a, dtype=torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float64)
+    dead = dead_probability(a[:, None], b[:, None], size_axis(min_size, max_size)[None, :])
+    return allocate_table(dead, budget, min_size, max_size, objective=objective,
+                          explore=explore, generator=generator)
+
+
+def allocate_table(dead: Tensor, budget: int, min_size: int, max_size: int, *,
+                   objective: str = "live_groups", explore: float = 0.0,
+                   generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+    """``allocate`` from ``dead`` [N, S]: P(a group of size_axis(min_size, max_size)[s] answers
+    to prompt i is dead)."""
     if not 2 <= min_size <= max_size:
         raise ValueError(f"need 2 <= min_size <= max_size (got {min_size}, {max_size})")
     value_fn = ALLOCATION_OBJECTIVES.get(objective)
     if value_fn is None:
         raise ValueError(f"unknown allocation objective {objective!r}")
-    n_prompts = int(torch.as_tensor(a).numel())
+    n_prompts = dead.shape[0]
     order = torch.randperm(n_prompts, generator=generator)  # random tie-breaking
-    a = torch.as_tensor(a, dtype=torch.float64)[order]
-    b = torch.as_tensor(b, dtype=torch.float64)[order]
-    sizes_axis = torch.arange(min_size, max_size + 1, dtype=torch.float64)  # [S]
-    dead = dead_probability(a[:, None], b[:, None], sizes_axis[None, :])  # [N, S]
-    value = value_fn(sizes_axis[None, :], dead)  # [N, S]
+    sizes_axis = size_axis(min_size, max_size)  # [S]
+    value = value_fn(sizes_axis[None, :], dead.to(torch.float64)[order])  # [N, S]
     size = torch.zeros(n_prompts, dtype=torch.long)  # 0 = not chosen
     left = budget
     # exploration: random prompts at min_size, whatever their posterior

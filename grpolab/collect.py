@@ -25,10 +25,10 @@ import torch
 from . import advantages as adv_mod
 from . import dist
 from .alarm import NoSignalAlarm
-from .allocate import allocate
+from .allocate import allocate_table, size_axis
 from .config import Config
 from .curriculum import PromptSampler
-from .predict import PassRateTracker
+from .predict import PASS_RATE_PRIORS
 from .rollout import Backend, Rollout, cat_rollouts
 from .scoring import Scorer, ScoreResult
 
@@ -73,7 +73,8 @@ class Collector:
                  generator: torch.Generator, sampler: PromptSampler) -> None:
         self.cfg, self.backend, self.rows, self.scorer = cfg, backend, rows, scorer
         self.gen, self.sampler = generator, sampler
-        self.tracker = PassRateTracker(len(rows), cfg.predict_decay, cfg.predict_prior_strength)
+        self.tracker = PASS_RATE_PRIORS[cfg.predict_prior](len(rows), cfg.predict_decay,
+                                                           cfg.predict_prior_strength)
         self.alarm = NoSignalAlarm(cfg.alarm_truncated_share)
         # this step's sampled groups, per round: (global sizes [N], P(dead) predicted before
         # scoring [N], truncated answers [B] or None)
@@ -87,10 +88,10 @@ class Collector:
         cfg = self.cfg
         if not cfg.allocate:
             return self.sampler.draw(n), [cfg.group_size] * n
-        a, b = self.tracker.posterior()
-        return allocate(a, b, cfg.budget, cfg.allocate_min_group, cfg.allocate_max_group,
-                        objective=cfg.allocate_objective, explore=cfg.allocate_explore,
-                        generator=self.sampler.generator)
+        lo, hi = cfg.allocate_min_group, cfg.allocate_max_group
+        return allocate_table(self.tracker.dead_table(size_axis(lo, hi)), cfg.budget, lo, hi,
+                              objective=cfg.allocate_objective, explore=cfg.allocate_explore,
+                              generator=self.sampler.generator)
 
     def observe(self, idx: list[int], ok: torch.Tensor, sizes: list[int]) -> None:
         """Each drawn prompt's group pass rate, for the curriculum's running statistics; each
@@ -249,7 +250,7 @@ class Collector:
                and sum(c.numel() for c in cuts) else None)
         rec = {
             "posterior_dead_share": float(dead_prob.mean()) if dead_prob.numel() else None,
-            "posterior_prior": [round(x, 4) for x in self.tracker.prior],
+            "posterior_prior": self.tracker.prior_summary(),
             "group_dead_prob": [round(float(x), 4) for x in dead_prob],
             "group_dead": dead.int().tolist(),
             "sampled_truncated_share": cut,

@@ -162,7 +162,7 @@ def make_backend(cfg: Config, model: Any, tokenizer: Any) -> Any:
         "use_chat_template": cfg.use_chat_template, "reference": cfg.beta > 0, "seed": cfg.seed,
         "gradient_checkpointing": cfg.gradient_checkpointing,
         "max_prompt_tokens": cfg.max_prompt_tokens, "max_new_tokens": cfg.max_new_tokens,
-        "logit_chunk": cfg.logit_chunk,
+        "logit_chunk": cfg.logit_chunk, "cpu_pack": cfg.cpu_pack,
     }
     if cfg.rollout_backend == "vllm":
         from .vllm_backend import VLLMBackend

@@ -20,6 +20,7 @@ import yaml
 from .advantages import ADVANTAGE_BASELINES, ADVANTAGE_SCALES, REWARD_AGGREGATIONS, STD_KINDS
 from .allocate import ALLOCATION_OBJECTIVES, validate_allocation
 from .losses import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from .predict import PASS_RATE_PRIORS
 
 # The allowed values of the objective's settings are the keys of the maths modules' registries:
 # a new variant there is a new choice here, on the command line and in the workshop's presets.
@@ -31,6 +32,7 @@ Scale = Literal[tuple(ADVANTAGE_SCALES)]  # type: ignore[valid-type]
 StdKind = Literal[tuple(STD_KINDS)]  # type: ignore[valid-type]
 RewardAggregation = Literal[tuple(REWARD_AGGREGATIONS)]  # type: ignore[valid-type]
 AllocationObjective = Literal[tuple(ALLOCATION_OBJECTIVES)]  # type: ignore[valid-type]
+PassRatePrior = Literal[tuple(PASS_RATE_PRIORS)]  # type: ignore[valid-type]
 
 
 class ConfigError(ValueError):
@@ -113,6 +115,8 @@ class Config:
     #                                prompts predicted dead)
     predict_decay: float = 0.97  # each step, past answers keep this weight in a prompt's posterior
     predict_prior_strength: float = 0.0  # a0 + b0 of the pass-rate prior; 0 = fitted (moments)
+    predict_prior: PassRatePrior = "beta"  # the pass-rate prior: one Beta (moments) or a grid
+    #                                       of rates with EM-fitted weights (several bands)
     alarm_truncated_share: float = 0.9  # warn NO LEARNING SIGNAL when this share of a step's
     #                                     answers hit max_new_tokens (above 1 = off)
     # --- built-in world (used when model_path is empty) ---
@@ -131,6 +135,8 @@ class Config:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of the model's weights
     gradient_checkpointing: bool = False  # recompute activations in backward (HF forward)
     logit_chunk: int = 256  # answer tokens scored through the LM head at a time (0 = all at once)
+    cpu_pack: bool = True  # CPU float32: sample on LoRA-merged, oneDNN-prepacked weights, and
+    #                        score through a prepacked head (same maths, other rounding ~1e-6)
     max_prompt_tokens: int = 1024  # longer prompts lose their first tokens (0 = model's limit)
     dataset: str = ""  # local jsonl/parquet/csv file or folder, or reasoning_gym:<task>
     eval_dataset: str = ""  # held-out prompts (same forms); reasoning_gym: uses another seed

@@ -46,6 +46,7 @@ from .kvcache import (
     chunk_mask4d,
     prompt_mask4d,
 )
+from .packed import decode_proj
 from .rollout import pos_ids, shared_prefix_logits
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
@@ -223,6 +224,7 @@ class FastLM:
             self.window = None
         self.lm_head = hf.lm_head
         self.head_off = False  # True in ``trunk()``: forwards return hidden states, not logits
+        self.pack = True  # the decode loop on merged, prepacked weights (decode_weights)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -244,6 +246,13 @@ class FastLM:
         h = self.lm_head
         return (h.weight, h.bias) if type(h) is nn.Linear else None
 
+    def decode_weights(self, rows: int) -> _Weights:
+        """``weights()`` for the decode loop at ``rows`` rows a step: LoRA merged, big CPU
+        weights prepacked (``grpolab.packed``; ``pack`` False: ``weights()``)."""
+        if not self.pack:
+            return self.weights()
+        return self.weights(lambda m: decode_proj(m, rows, _proj))
+
     # ------------------------------------------------------------------ pieces --
     def rope_tables(self, n: int, like: Tensor) -> tuple[Tensor, Tensor]:
         """cos and signed sin [n, head_dim] for positions 0..n-1, as HF's rotary embedding."""
@@ -256,8 +265,9 @@ class FastLM:
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         return cos.to(like.dtype), sin.to(like.dtype)
 
-    def weights(self) -> _Weights:
-        """The functions a forward calls, resolved from the model's current modules.
+    def weights(self, proj: Callable[[nn.Module], Fn] = _proj) -> _Weights:
+        """The functions a forward calls, resolved from the model's current modules, each
+        projection through ``proj``.
 
         Prepared once per scoring or sampling call (module lookups are slow in a decode loop).
         """
@@ -268,19 +278,19 @@ class FastLM:
                 at, mlp = lay.self_attn, lay.mlp
                 r.norm1, r.norm2 = _rms_norm(lay.input_layernorm), _rms_norm(
                     lay.post_attention_layernorm)
-                r.q, r.k, r.v, r.o = (_proj(m) for m in (at.q_proj, at.k_proj, at.v_proj,
-                                                          at.o_proj))
-                r.gate, r.up, r.down = (_proj(m) for m in (mlp.gate_proj, mlp.up_proj,
-                                                            mlp.down_proj))
+                r.q, r.k, r.v, r.o = (proj(m) for m in (at.q_proj, at.k_proj, at.v_proj,
+                                                         at.o_proj))
+                r.gate, r.up, r.down = (proj(m) for m in (mlp.gate_proj, mlp.up_proj,
+                                                           mlp.down_proj))
                 r.act = F.silu if self.silu else mlp.act_fn
             else:
                 at, mlp = lay.attn, lay.mlp
                 r.norm1, r.norm2 = _layer_norm(lay.ln_1), _layer_norm(lay.ln_2)
-                r.qkv, r.o = _proj(at.c_attn), _proj(at.c_proj)
-                r.up, r.down, r.act = _proj(mlp.c_fc), _proj(mlp.c_proj), mlp.act
+                r.qkv, r.o = proj(at.c_attn), proj(at.c_proj)
+                r.up, r.down, r.act = proj(mlp.c_fc), proj(mlp.c_proj), mlp.act
             r.scale = at.scaling
             layers.append(r)
-        head = _identity if self.head_off else _proj(self.lm_head)
+        head = _identity if self.head_off else proj(self.lm_head)
         if self.arch == "llama":
             return _Weights(self.embed, layers, _rms_norm(self.norm), head)
         return _Weights(self.embed, layers, _layer_norm(self.norm), head, self.wpe)
@@ -327,13 +337,15 @@ class FastLM:
         return tables[0][pos].unsqueeze(2), tables[1][pos].unsqueeze(2)
 
     def forward(self, ids: Tensor, pos: Tensor, mask: Tensor | None, kv: Any, keep: int = 0,
-                rot: tuple[Tensor, Tensor] | None = None, w: _Weights | None = None) -> Tensor:
+                rot: tuple[Tensor, Tensor] | None = None, w: _Weights | None = None,
+                rows: Tensor | None = None) -> Tensor:
         """Logits [B, T or keep, V] for ``ids`` [B, T] at positions ``pos`` [B, T].
 
         ``mask``: additive [B, 1, T, keys], 0 or -inf (None = causal, nothing padded);
         ``kv``: where keys and values come from and go (``ConcatKV`` or ``StaticKV``); ``keep``:
         only the last keep positions get logits; ``rot``: precomputed ``rotary(pos)``; ``w``:
-        ``weights()``.
+        ``weights()``; ``rows``: the logits of these rows, in this order (reordering the hidden
+        states, not the [B, V] logits).
         """
         w = w or self.weights()
         x = w.embed(ids)
@@ -347,6 +359,8 @@ class FastLM:
                 x = self._gpt2_layer(i, r, x, mask, kv)
         if keep:
             x = x[:, -keep:]
+        if rows is not None:
+            x = x[rows]
         return w.head(w.norm(x))
 
     # ----------------------------------------------------------------- scoring --

@@ -175,9 +175,11 @@ class HFBackend(LMBackend):
         max_prompt_tokens: int = 0,
         max_new_tokens: int = 0,
         logit_chunk: int = 256,
+        cpu_pack: bool = True,
     ) -> None:
         self.tokenizer = tokenizer  # left untouched: prompts are padded here, not by it
         self.logit_chunk = logit_chunk
+        self.cpu_pack = cpu_pack
         self.max_prompt_tokens = max_prompt_tokens
         self._warned_long = False
         # Prompt + answer must fit the model's positions (GPT-2 has 1024 and fails past them;
@@ -228,8 +230,10 @@ class HFBackend(LMBackend):
             except ValueError as why:  # unsupported architecture: the HF forward
                 log.debug("fastlm: using the HF forward (%s)", why)
             else:
+                self._fast.pack = cpu_pack
                 if self.ref is not None:  # a deep copy of the model: supported as well
                     self._fast_ref = FastLM(self.ref)
+                    self._fast_ref.pack = cpu_pack
 
     # ------------------------------------------------------------------ prompts --
     @property

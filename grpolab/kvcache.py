@@ -61,6 +61,10 @@ class StaticKV:
 # 2-core CPU: 0.7 MB slower, 1.3 MB even, 1.7 MB and up faster, 30% faster at 100-token prompts).
 SHARED_MIN_BYTES = 1 << 20
 
+# Sampling calls of more steps than this decode on ``FastLM.decode_weights``: packing SmolLM2's
+# weights (~0.3 s) costs what 3-4 decode steps save.
+DECODE_PACK_MIN_STEPS = 8
+
 
 def _copied_bytes(prompt_keys: Tensor, group: int) -> int:
     """Bytes of keys and values a plain cache copies per layer: every prompt to group - 1 rows."""
@@ -201,6 +205,9 @@ class Decoder:
         if self.order is None and not bool(mask.all()):
             full = torch.cat([mask.bool(), mask.new_ones((b, max_new), dtype=torch.bool)], dim=1)
             self.key_mask = additive(full[:, None, None, :], lm.dtype)
+        # The steps' projections: LoRA merged, big weights prepacked for b rows (worth its
+        # one-off cost from a few steps on).
+        self.ws = lm.decode_weights(b) if max_new > DECODE_PACK_MIN_STEPS else self.w
         self.t = 0
 
     def step(self, tokens: Tensor) -> Tensor:
@@ -210,7 +217,8 @@ class Decoder:
             tokens = tokens[self.order]
         mask = None if self.key_mask is None else self.key_mask.narrow(3, 0, c.len + 1)
         logits = self.lm.forward(tokens[:, None], self.pos[:, t:t + 1], mask, c,
-                                 rot=None if self.rot is None else self.rot[t], w=self.w)
+                                 rot=None if self.rot is None else self.rot[t], w=self.ws,
+                                 rows=self.back)
         c.len += 1
         self.t += 1
-        return logits[:, -1] if self.back is None else logits[self.back, -1]
+        return logits[:, -1]

@@ -19,6 +19,7 @@ the one-pass, one-process step: a property of this function, tested as such.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -39,10 +40,15 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
 def entropy_from_logp(logp_all: Tensor) -> Tensor:
     """Shannon entropy in nats, -sum_v p log p, of each row of full log-probs [..., V].
 
-    A token of probability 0 (log-prob -inf, e.g. a masked vocabulary entry) adds 0, not NaN.
+    A token of probability 0 (log-prob -inf, e.g. a masked vocabulary entry) adds 0, not NaN:
+    such rows (0 * -inf is NaN in the fused product) are summed again with -inf clamped.
     """
-    finite = logp_all.clamp(min=torch.finfo(logp_all.dtype).min)
-    return -(logp_all.exp() * finite).sum(-1)
+    ent = -torch.linalg.vecdot(logp_all.exp(), logp_all)  # no [..., V] product tensor
+    bad = ent.isnan()
+    if bool(bad.any()):
+        finite = logp_all.clamp(min=torch.finfo(logp_all.dtype).min)
+        ent = torch.where(bad, -(logp_all.exp() * finite).sum(-1), ent)
+    return ent
 
 
 def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, entropy_grad: bool = False,
@@ -74,26 +80,32 @@ class _HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                scale: float, chunk: int, entropy: bool) -> tuple[Tensor, Tensor]:
+                scale: float, chunk: int, entropy: bool,
+                linear: Callable[[Tensor], Tensor] | None) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
+        if linear is None:
+            linear = functools.partial(F.linear, weight=weight, bias=bias)
         lp = hidden.new_empty(n, dtype=_at_least_f32(hidden.dtype))
+        lse = torch.empty_like(lp)  # each row's log-sum-exp, for backward's softmax
         ent = torch.empty_like(lp) if entropy else lp.new_zeros(n)
         for s in range(0, n, chunk):
-            z = F.linear(hidden[s:s + chunk], weight, bias).to(lp.dtype)
+            t = targets[s:s + chunk, None]
+            z = linear(hidden[s:s + chunk]).to(lp.dtype)
             if scale != 1.0:
-                z = z * scale
+                z.mul_(scale)  # (z is this chunk's own tensor: in place saves a [chunk, V] copy)
             logp = torch.log_softmax(z, dim=-1)
-            lp[s:s + chunk] = logp.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
+            lp[s:s + chunk] = logp.gather(-1, t).squeeze(-1)
+            lse[s:s + chunk] = z.gather(-1, t).squeeze(-1) - lp[s:s + chunk]
             if entropy:
                 ent[s:s + chunk] = entropy_from_logp(logp)
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.scale, ctx.chunk = scale, chunk
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.scale, ctx.chunk, ctx.linear = scale, chunk, linear
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
     def backward(ctx: Any, g_lp: Tensor, g_ent: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, targets = ctx.saved_tensors
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
         scale, chunk = ctx.scale, ctx.chunk
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         g_h = torch.empty_like(hidden) if need_h else None
@@ -102,12 +114,15 @@ class _HeadLogprobs(torch.autograd.Function):
         g_b = torch.zeros_like(bias, dtype=acc) if need_b else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
-            z = F.linear(h, weight, bias).to(g_lp.dtype)
+            z = ctx.linear(h).to(g_lp.dtype)
             if scale != 1.0:
-                z = z * scale
+                z.mul_(scale)
             g = g_lp[s:s + chunk, None]
-            # d log p(y) / dz = onehot(y) - softmax(z), chained through z = scale * logits
-            gz = torch.softmax(z, dim=-1).mul_(-g)
+            # d log p(y) / dz = onehot(y) - softmax(z), chained through z = scale * logits;
+            # softmax(z) = exp(z - lse) in place (a -inf target's lse is NaN: softmax proper)
+            c = lse[s:s + chunk, None]
+            gz = (z.sub_(c).exp_() if bool(c.isfinite().all()) else torch.softmax(z, -1))
+            gz.mul_(-g)
             gz.scatter_add_(-1, targets[s:s + chunk, None], g)
             if scale != 1.0:
                 gz.mul_(scale)
@@ -119,12 +134,12 @@ class _HeadLogprobs(torch.autograd.Function):
             if g_b is not None:
                 g_b += gz.to(acc).sum(0)
         return (g_h, None if g_w is None else g_w.to(weight.dtype),
-                None if g_b is None else g_b.to(bias.dtype), None, None, None, None)
+                None if g_b is None else g_b.to(bias.dtype), None, None, None, None, None)
 
 
 def head_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                  scale: float = 1.0, chunk: int = 256, entropy: bool = True
-                  ) -> tuple[Tensor, Tensor]:
+                  scale: float = 1.0, chunk: int = 256, entropy: bool = True,
+                  linear: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """``token_logprobs`` and the entropy of ``log_softmax(scale * (hidden @ weight.T + bias))``
     without ever holding the [N, V] logits: hidden [..., D], weight [V, D], targets [...] ->
     log-probs (float32, with autograd into ``hidden``, ``weight``, ``bias``) and entropies
@@ -133,12 +148,13 @@ def head_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: 
     The full-vocabulary logits of a scoring pass are [tokens, V] float32, and autograd keeps
     them and their log-softmax for backward: 0.4 GB each for 2,048 answer tokens of a
     49,152-word vocabulary. Here ``chunk`` rows are materialised at a time, in forward and again
-    in backward, for one extra head matmul.
+    in backward, for one extra head matmul. ``linear``: h [n, D] -> h @ weight.T + bias
+    computed another way (a prepacked weight; no autograd needed), else ``F.linear``.
     """
     shape = targets.shape
     lp, ent = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
                                   targets.reshape(-1), float(scale), max(1, int(chunk)),
-                                  bool(entropy))
+                                  bool(entropy), linear)
     return lp.view(shape), ent.view(shape)
 
 

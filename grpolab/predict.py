@@ -18,6 +18,11 @@ over its groups; ``brier_score`` and ``reliability_table`` say how good the pred
 ``calibration_summary`` / ``plot_calibration`` turn a run's metrics into the summary's numbers
 and ``calibration.png``.
 
+``GridPassRateTracker`` keeps the same counts under another prior: a discrete distribution over
+a grid of pass rates fitted by EM (the nonparametric maximum-likelihood prior of the binomial
+counts), which can hold several bands at once (prompts always solved, never solved, and some
+between), where one Beta cannot. ``PASS_RATE_PRIORS`` names both (config ``predict_prior``).
+
 All maths is float64 tensor arithmetic on shapes given in each docstring.
 """
 
@@ -119,6 +124,15 @@ class PassRateTracker:
         a, b = self.posterior(idx)
         return dead_probability(a, b, torch.as_tensor(sizes, dtype=torch.float64))
 
+    def dead_table(self, sizes: Tensor) -> Tensor:
+        """[N, S] P(dead) of a group of each of ``sizes`` [S] answers, for every prompt."""
+        a, b = self.posterior()
+        return dead_probability(a[:, None], b[:, None], torch.as_tensor(sizes)[None, :])
+
+    def prior_summary(self) -> list[float]:
+        """The fitted prior, for the metrics line: [a0, b0]."""
+        return [round(x, 4) for x in self.prior]
+
     def observe(self, idx: list[int] | Tensor, successes: Tensor, sizes: Tensor | list[int]) -> None:
         """Add each group's right answers ``successes`` [K] out of ``sizes`` [K] to its prompt
         (a prompt may appear twice: both groups count)."""
@@ -142,6 +156,101 @@ class PassRateTracker:
         self.successes.copy_(st["successes"])
         self.failures.copy_(st["failures"])
         self.prior = (float(st["prior"][0]), float(st["prior"][1]))
+
+
+GRID_POINTS = 21  # pass rates 0, 0.05, ..., 1 of the grid prior
+GRID_PSEUDO = 0.05  # prompts' worth of evidence given to each grid point (no rate ruled out)
+
+
+def fit_grid_prior(successes: Tensor, failures: Tensor, grid: Tensor, init: Tensor,
+                   iters: int = 100) -> Tensor:
+    """Weights [J] of a discrete prior on the pass rates ``grid`` [J], by EM on the binomial
+    counts ``successes``, ``failures`` [N] (decayed, so fractional; prompts with under one
+    answer's worth are left out), started from ``init`` [J].
+
+    E step: prompt i's posterior over the grid, w_ij ~ pi_j p_j^s_i (1 - p_j)^f_i; M step:
+    pi_j = (sum_i w_ij + c) / (K + c J), with c = ``GRID_PSEUDO``. ``init`` comes back when
+    under two prompts have evidence.
+    """
+    s = successes.to(torch.float64)
+    f = failures.to(torch.float64)
+    keep = s + f >= 1.0
+    s, f = s[keep], f[keep]
+    if s.numel() < 2:
+        return init
+    loglik = _grid_loglik(s, f, grid)  # [K, J]
+    pi = init.clone()
+    for _ in range(iters):
+        post = torch.softmax(loglik + pi.log()[None, :], dim=1)
+        pi = (post.sum(0) + GRID_PSEUDO) / (s.numel() + GRID_PSEUDO * grid.numel())
+    return pi
+
+
+def _grid_loglik(s: Tensor, f: Tensor, grid: Tensor) -> Tensor:
+    """log p_j^s (1 - p_j)^f [K, J] (0 log 0 = 0: a rate of 0 or 1 fits counts it allows)."""
+    return torch.xlogy(s[:, None], grid[None, :]) + torch.xlogy(f[:, None], 1 - grid[None, :])
+
+
+class GridPassRateTracker(PassRateTracker):
+    """``PassRateTracker`` whose prior is a grid of pass rates with fitted weights
+    (``fit_grid_prior``) instead of one Beta: each prompt's posterior is a weight per grid rate.
+    """
+
+    def __init__(self, n: int, decay: float = 0.97, prior_strength: float = 0.0) -> None:
+        super().__init__(n, decay, prior_strength)
+        self.grid = torch.linspace(0.0, 1.0, GRID_POINTS, dtype=torch.float64)
+        self.weights = torch.full((GRID_POINTS,), 1.0 / GRID_POINTS, dtype=torch.float64)
+
+    def grid_posterior(self, idx: list[int] | Tensor | None = None) -> Tensor:
+        """[K, J] each prompt's posterior weight on each grid rate."""
+        s, f = self.successes, self.failures
+        if idx is not None:
+            t = torch.as_tensor(idx, dtype=torch.long)
+            s, f = s[t], f[t]
+        return torch.softmax(_grid_loglik(s, f, self.grid) + self.weights.log()[None, :], dim=1)
+
+    def _dead_by_size(self, sizes: Tensor) -> Tensor:
+        """[J, S] p_j^n + (1 - p_j)^n for each grid rate and size."""
+        n = torch.as_tensor(sizes, dtype=torch.float64)[None, :]
+        g = self.grid[:, None]
+        return g.pow(n) + (1 - g).pow(n)
+
+    def mean(self, idx: list[int] | Tensor | None = None) -> Tensor:
+        return self.grid_posterior(idx) @ self.grid
+
+    def dead_probability(self, idx: list[int] | Tensor, sizes: list[int] | Tensor | int) -> Tensor:
+        w = self.grid_posterior(idx)  # [K, J]
+        n = torch.as_tensor(sizes, dtype=torch.float64).expand(w.shape[0])
+        g = self.grid[None, :]
+        return (w * (g.pow(n[:, None]) + (1 - g).pow(n[:, None]))).sum(1).clamp(0, 1)
+
+    def dead_table(self, sizes: Tensor) -> Tensor:
+        return (self.grid_posterior() @ self._dead_by_size(sizes)).clamp(0, 1)
+
+    def prior_summary(self) -> list[float]:
+        """The fitted prior, for the metrics line: [mean rate, weight at 0, weight at 1]."""
+        w = self.weights
+        return [round(float(w @ self.grid), 4), round(float(w[0]), 4), round(float(w[-1]), 4)]
+
+    def end_step(self) -> None:
+        self.successes.mul_(self.decay)
+        self.failures.mul_(self.decay)
+        self.weights = fit_grid_prior(self.successes, self.failures, self.grid, self.weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "grid_weights": self.weights.clone()}
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        super().load_state_dict(st)
+        if "grid_weights" in st:
+            self.weights = st["grid_weights"].to(torch.float64).clone()
+
+
+# config predict_prior -> the tracker that keeps the posteriors
+PASS_RATE_PRIORS: dict[str, type[PassRateTracker]] = {
+    "beta": PassRateTracker,
+    "grid": GridPassRateTracker,
+}
 
 
 # ------------------------------------------------------------------ calibration --

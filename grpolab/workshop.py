@@ -27,6 +27,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "curriculum": {"curriculum": True},
     "allocate": {"allocate": True},  # prompts and group sizes from pass-rate posteriors
     "allocate_dynamic": {"allocate": True, "dynamic_sampling": True},  # ... refilled with live
+    "allocate_grid": {"allocate": True, "predict_prior": "grid"},  # ... posteriors on a grid prior
+    "allocate_grid_answers": {"allocate": True, "predict_prior": "grid",
+                              "allocate_objective": "live_answers"},
     "dr_grpo": {"dr_grpo": True},
     "clip_higher": {"clip_higher": True},
     "token_loss": {"token_level_loss": True},

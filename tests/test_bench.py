@@ -113,3 +113,17 @@ def test_real_model_bench_levers_and_lengths(tiny_chat_model: str, tmp_path: Pat
             assert m, out
             cells = [c.strip() for c in m.group(1).split("|")]
             assert float(cells[4]) == 8 * n  # tokens/step: no EOS before the length
+
+
+def test_real_model_bench_ab_alternates_levers_in_one_process(tiny_chat_model: str,
+                                                             tmp_path: Path) -> None:
+    """--ab: after a warm-up, each round runs one step as shipped and one per lever switched
+    off, all in one process; the table averages them against the shipped steps."""
+    out = run_real(tiny_chat_model, tmp_path, "--ab", "no-pack,no-chunk", "--rounds", "2",
+                   "--fixed-length")
+    full = row(out, "full: as shipped")
+    assert full[0] == "2" and full[-1] == "1.00x"
+    for lever in ("no-pack", "no-chunk"):
+        assert len(re.findall(rf"round \d {lever}", out)) == 2
+        m = re.search(rf"^\| {lever}: [^|]+\| 2 \| ([0-9.]+) \|", out, re.MULTILINE)
+        assert m and float(m.group(1)) > 0, out

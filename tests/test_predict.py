@@ -13,11 +13,13 @@ from grpolab.alarm import NoSignalAlarm, diagnose
 from grpolab.allocate import allocate, expected_value
 from grpolab.config import ConfigError, make_config
 from grpolab.predict import (
+    GridPassRateTracker,
     PassRateTracker,
     brier_score,
     calibration_summary,
     dead_probability,
     fit_beta_prior,
+    fit_grid_prior,
     reliability_table,
 )
 from grpolab.trainer import GRPOTrainer
@@ -125,6 +127,60 @@ def test_tracker_observes_decays_and_predicts_before_seeing() -> None:
     u = PassRateTracker(3)
     u.load_state_dict(state)
     assert u.posterior()[0].tolist() == t.posterior()[0].tolist() and u.prior == t.prior
+
+
+def test_grid_posterior_hand_values() -> None:
+    """Prior weight 1/3 on each of p = 0, 1/2, 1: a prompt with one right and one wrong answer
+    can only be at 1/2 (P(dead, n=4) = 2 / 16); a prompt never seen is the prior's mix."""
+    tr = GridPassRateTracker(3)
+    w = torch.full_like(tr.weights, 1e-300)
+    w[[0, 10, 20]] = 1 / 3  # grid 0, 0.05, ..., 1: index 10 is 1/2
+    tr.weights = w
+    tr.observe([0, 1], torch.tensor([1.0, 2.0]), [2, 2])  # prompt 1: 2 of 2 right
+    dead = tr.dead_probability([0, 2, 1], 4)
+    assert dead[0] == pytest.approx(0.125)
+    assert dead[1] == pytest.approx((1 + 1 + 0.125) / 3)
+    # all right twice: p = 1 (prior 1/3, likelihood 1) or 1/2 (1/3, 1/4) -> 4/5 and 1/5
+    assert dead[2] == pytest.approx(0.8 + 0.2 * 0.125)
+    assert tr.mean([1])[0] == pytest.approx(0.8 + 0.2 * 0.5)
+    table = tr.dead_table(torch.tensor([4.0, 6.0]))
+    assert table.shape == (3, 2) and table[0, 0] == pytest.approx(0.125)
+    assert table[0, 1] == pytest.approx(2 / 64)
+
+
+def test_grid_prior_recovers_bands_that_one_beta_cannot() -> None:
+    """Prompts always right (50%), always wrong (30%) or right 3 times in 4 (20%), each seen
+    once with 8 answers: the EM grid prior finds the three bands and predicts an unseen
+    prompt's dead chance (exactly 0.8 + 0.2 (0.75^8 + 0.25^8) = 0.820) far better than the
+    moment-fitted Beta."""
+    g = torch.Generator().manual_seed(0)
+    n = 2000
+    p = torch.cat([torch.ones(n // 2), torch.zeros(3 * n // 10), torch.full((n // 5,), 0.75)])
+    s = torch.binomial(torch.full((n,), 8.0), p, generator=g).double()
+    f = 8.0 - s
+    grid = torch.linspace(0, 1, 21, dtype=torch.float64)
+    w = fit_grid_prior(s, f, grid, torch.full((21,), 1 / 21, dtype=torch.float64), iters=500)
+    assert w[20] == pytest.approx(0.5, abs=0.02) and w[0] == pytest.approx(0.3, abs=0.02)
+    assert float(w[12:18].sum()) == pytest.approx(0.2, abs=0.03)  # 0.6 .. 0.85
+    exact = 0.8 + 0.2 * (0.75**8 + 0.25**8)
+    grid_dead = float(w @ (grid**8 + (1 - grid) ** 8))
+    a0, b0 = fit_beta_prior(s, f)
+    beta_dead = float(dead_probability(torch.tensor(a0), torch.tensor(b0), 8))
+    assert abs(grid_dead - exact) < 0.01 < abs(beta_dead - exact)
+
+
+def test_grid_tracker_fits_on_end_step_and_round_trips() -> None:
+    tr = GridPassRateTracker(4, decay=0.5)
+    tr.observe([0, 1, 2], torch.tensor([4.0, 0.0, 4.0]), [4, 4, 4])
+    tr.end_step()
+    assert tr.successes[0] == pytest.approx(2.0)  # decayed
+    assert tr.weights[-1] > tr.weights[10] and tr.weights[0] > tr.weights[10]
+    assert tr.prior_summary()[1:] == [round(float(tr.weights[0]), 4),
+                                      round(float(tr.weights[-1]), 4)]
+    tr2 = GridPassRateTracker(4)
+    tr2.load_state_dict(tr.state_dict())
+    assert torch.equal(tr2.weights, tr.weights)
+    assert torch.equal(tr2.dead_probability([0, 3], 8), tr.dead_probability([0, 3], 8))
 
 
 def test_brier_and_reliability_hand_values() -> None:
@@ -286,6 +342,15 @@ def test_allocate_trains_ragged_groups_within_the_budget(tmp_path) -> None:
     assert any(len(set(r["group_sizes"])) > 1 for r in recs)  # groups of different sizes
     logged = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert all(len(g["completions"]) == len(g["advantages"]) for s in logged for g in s["groups"])
+
+
+def test_allocate_on_the_grid_prior_trains(tmp_path) -> None:
+    tr = world_trainer(tmp_path, allocate=True, predict_prior="grid", allocate_min_group=2,
+                       allocate_max_group=8)
+    recs = [tr.step() for _ in range(3)]
+    assert isinstance(tr.tracker, GridPassRateTracker)
+    assert all(r["answers_generated"] == 32 == sum(r["group_sizes"]) for r in recs)
+    assert len(recs[-1]["posterior_prior"]) == 3 and math.isfinite(recs[-1]["loss"])
 
 
 def test_allocate_with_dynamic_sampling_fills_the_budget_with_live_ragged_groups(

@@ -1,0 +1,181 @@
+"""grpolab.packed and the fast paths built on it: LoRA merged for sampling, oneDNN-prepacked
+weights, the chunked head through a packed weight, and the two-level sampler.
+
+Each is checked against the plain computation it replaces (same maths, other rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grpolab import packed, rollout
+from grpolab.hf_backend import HFBackend
+from grpolab.kvcache import Decoder
+from grpolab.losses import entropy_from_logp, head_logprobs
+from grpolab.models import load_model
+from grpolab.tinyhf import make_tiny_model
+
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                          "_reorder_linear_weight")
+
+
+@pytest.fixture(scope="module")
+def lora_backend(tmp_path_factory: pytest.TempPathFactory) -> HFBackend:
+    path = make_tiny_model(tmp_path_factory.mktemp("llama"), hidden=32, heads=4, arch="llama")
+    be = HFBackend(*load_model(path, device="cpu"), reference=False, lora=True,
+                   lora_target_modules=["q_proj", "v_proj", "up_proj"])
+    with torch.no_grad():  # adapters start as a no-op (lora_B = 0): make them count
+        for n, p in be.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    return be
+
+
+def _lora_layers(be: HFBackend) -> list[nn.Module]:
+    return [m for m in be.model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+
+
+def test_merged_weight_is_the_lora_layers_map(lora_backend: HFBackend) -> None:
+    layers = _lora_layers(lora_backend)
+    assert layers
+    x = torch.randn(5, layers[0].base_layer.in_features)
+    with torch.no_grad():
+        for m in layers:
+            w, b = packed.merged_weight(m)
+            torch.testing.assert_close(F.linear(x, w, b), m(x), atol=1e-6, rtol=1e-5)
+            assert not torch.allclose(w, m.base_layer.weight)  # the adapters count
+        with lora_backend.model.disable_adapter():  # the reference: the base weight itself
+            assert all(packed.merged_weight(m)[0] is m.base_layer.weight for m in layers)
+    plain = nn.Linear(3, 4)
+    assert packed.merged_weight(plain) == (plain.weight, plain.bias)
+    assert packed.merged_weight(nn.Conv1d(3, 4, 1)) is None
+
+
+def test_merged_weight_refuses_what_it_would_change(lora_backend: HFBackend) -> None:
+    m = _lora_layers(lora_backend)[0]
+    name = m.active_adapters[0]
+    m.base_layer.to(torch.bfloat16)  # float32 adapters on a bfloat16 base
+    try:
+        assert packed.merged_weight(m) is None
+    finally:
+        m.base_layer.to(torch.float32)
+    m.lora_dropout[name] = nn.Dropout(0.5)
+    m.train()
+    try:
+        assert packed.merged_weight(m) is None  # dropout on: the module runs
+        m.eval()
+        assert packed.merged_weight(m) is not None
+    finally:
+        m.lora_dropout[name] = nn.Identity()
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")
+def test_packed_weight_is_kept_while_frozen_and_redone_when_changed() -> None:
+    w = torch.randn(16, 8)
+    x = torch.randn(3, 8)
+    old = packed.PACK_MIN
+    packed.PACK_MIN = 0
+    try:
+        first = packed.packed_weight(w, 3)
+        assert first is not None and packed.packed_weight(w, 3) is first  # kept
+        f = packed.packed_linear(w, None, 3)
+        torch.testing.assert_close(f(x), F.linear(x, w), atol=1e-6, rtol=1e-5)
+        w.add_(1.0)  # an optimizer step in place: the copy is stale
+        again = packed.packed_weight(w, 3)
+        assert again is not first
+        torch.testing.assert_close(packed.packed_linear(w, None, 3)(x), F.linear(x, w),
+                                   atol=1e-6, rtol=1e-5)
+        trained = torch.randn(16, 8, requires_grad=True)  # trained weights keep no copy
+        assert packed.packed_weight(trained, 3) is not packed.packed_weight(trained, 3)
+        assert packed.packed_weight(w.double(), 3) is None  # float32 only
+    finally:
+        packed.PACK_MIN = old
+
+
+@pytest.mark.parametrize("pack_all", [False, True])
+def test_decoder_on_decode_weights_matches_the_training_forward(
+        lora_backend: HFBackend, monkeypatch: pytest.MonkeyPatch, pack_all: bool) -> None:
+    """Merged LoRA (and, with pack_all, every weight through oneDNN) gives the decode loop the
+    logits of the plain weights, step by step, for grouped rows (shared prompts)."""
+    if pack_all and not ONEDNN:
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(packed, "PACK_MIN", 0 if pack_all else packed.PACK_MIN)
+    be = lora_backend
+    ids, mask = be.encode_prompts([p for p in ("2 + 3 =", "Compute 12 * 7.") for _ in range(3)])
+    shared = rollout.shared_prompts(ids, mask)
+    fast = be._fast
+    steps = 12
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 60, (ids.shape[0], steps), generator=g)
+    with torch.inference_mode():
+        outs = []
+        for pack in (False, True):
+            fast.pack = pack
+            dec = Decoder(fast, ids, mask, steps + 1, shared)
+            assert isinstance(dec.ws.layers[0].q, nn.Module) != pack  # peft's layer, or merged
+            outs.append([dec.logits] + [dec.step(tokens[:, t]) for t in range(steps)])
+    fast.pack = True
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")
+def test_chunked_head_through_a_packed_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed, "PACK_MIN", 0)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 16, generator=g)
+    b = torch.randn(300, generator=g)
+    h0 = torch.randn(37, 16, generator=g)
+    t = torch.randint(0, 300, (37,), generator=g)
+    got, want = [], []
+    for linear, out in ((packed.packed_linear(w, b, 8), got), (None, want)):
+        h = h0.clone().requires_grad_(True)
+        lp, ent = head_logprobs(h, w, b, t, 0.7, chunk=8, linear=linear)
+        (lp * torch.linspace(-1, 1, 37)).sum().backward()
+        out += [lp, ent, h.grad]
+    for a, c in zip(got, want, strict=True):
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
+
+
+def test_head_backward_with_a_masked_target_row() -> None:
+    """A target of probability 0 (-inf logit) has no finite log-sum-exp shortcut: backward
+    falls back to softmax and still gives the gradient of the full log-softmax."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(50, 8, dtype=torch.float64, generator=g)
+    b = torch.zeros(50, dtype=torch.float64)
+    b[7] = float("-inf")
+    h = torch.randn(6, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.tensor([1, 2, 3, 4, 5, 6])
+    lp, _ = head_logprobs(h, w, b, t, 1.0, chunk=4)
+    lp.sum().backward()
+    h2 = h.detach().clone().requires_grad_(True)
+    want = torch.log_softmax(F.linear(h2, w, b), -1).gather(-1, t[:, None]).squeeze(-1)
+    want.sum().backward()
+    torch.testing.assert_close(lp, want)
+    torch.testing.assert_close(h.grad, h2.grad)
+
+
+def test_entropy_with_impossible_tokens_is_finite() -> None:
+    logits = torch.tensor([[0.0, 0.0, float("-inf"), 0.0], [1.0, 2.0, 3.0, 4.0]])
+    ent = entropy_from_logp(torch.log_softmax(logits, -1))
+    p = torch.softmax(logits[1], -1)
+    torch.testing.assert_close(ent, torch.stack([torch.log(torch.tensor(3.0)),
+                                                 -(p * p.log()).sum()]))
+
+
+@pytest.mark.parametrize("vocab", [49152, 3001])
+def test_two_level_sampler_draws_the_full_search_token(vocab: int) -> None:
+    """Same uniforms, same tokens as the one-level float64 inverse CDF; tokens of probability 0
+    (every 7th, and the last 300, part of the padded final block) are never drawn."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(256, vocab, generator=g) * 3
+    logits[:, ::7] = float("-inf")
+    logits[:, -300:] = float("-inf")
+    got = rollout.sample_next(logits, 0.8, torch.Generator().manual_seed(5))
+    probs = torch.softmax(logits / 0.8, -1)
+    u = torch.rand((256, 1), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    assert torch.equal(got, rollout._inverse_cdf(probs, u))
+    assert bool((probs.gather(1, got[:, None]) > 0).all())
