@@ -73,9 +73,12 @@ def allocate_table(dead: Tensor, budget: int, min_size: int, max_size: int, *,
     value_fn = ALLOCATION_OBJECTIVES.get(objective)
     if value_fn is None:
         raise ValueError(f"unknown allocation objective {objective!r}")
+    sizes_axis = size_axis(min_size, max_size)  # [S]
+    if dead.dim() != 2 or dead.shape[1] != sizes_axis.numel():
+        raise ValueError(f"dead must be [prompts, {sizes_axis.numel()}] (one column per size "
+                         f"{min_size}..{max_size}), got {list(dead.shape)}")
     n_prompts = dead.shape[0]
     order = torch.randperm(n_prompts, generator=generator)  # random tie-breaking
-    sizes_axis = size_axis(min_size, max_size)  # [S]
     value = value_fn(sizes_axis[None, :], dead.to(torch.float64)[order])  # [N, S]
     size = torch.zeros(n_prompts, dtype=torch.long)  # 0 = not chosen
     left = budget
@@ -90,8 +93,8 @@ def allocate_table(dead: Tensor, budget: int, min_size: int, max_size: int, *,
         open_gain = torch.where(closed, value[:, 0] / min_size, neg) if left >= min_size else (
             torch.full_like(value[:, 0], -float("inf")))
         growable = (size > 0) & (size < max_size)
-        col = (size - min_size).clamp(min=0, max=max_size - min_size - 1)
-        nxt = value.gather(1, (col + 1)[:, None]).squeeze(1)
+        col = (size - min_size).clamp(min=0, max=max(max_size - min_size - 1, 0))
+        nxt = value.gather(1, (col + 1).clamp(max=value.shape[1] - 1)[:, None]).squeeze(1)
         cur = value.gather(1, col[:, None]).squeeze(1)
         grow_gain = torch.where(growable, nxt - cur, neg)
         best_open, i_open = open_gain.max(0)

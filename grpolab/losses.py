@@ -40,14 +40,18 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
 def entropy_from_logp(logp_all: Tensor) -> Tensor:
     """Shannon entropy in nats, -sum_v p log p, of each row of full log-probs [..., V].
 
-    A token of probability 0 (log-prob -inf, e.g. a masked vocabulary entry) adds 0, not NaN:
-    such rows (0 * -inf is NaN in the fused product) are summed again with -inf clamped.
+    A token of probability 0 (log-prob -inf, e.g. a masked vocabulary entry) adds 0, not NaN.
+    Without autograd the sum is one fused product (no [..., V] product tensor); rows where it
+    meets 0 * -inf (NaN) are summed again with -inf clamped. With autograd the clamped form is
+    used throughout, since the fused product's backward would turn 0 * -inf into NaN gradients.
     """
-    ent = -torch.linalg.vecdot(logp_all.exp(), logp_all)  # no [..., V] product tensor
+    finite = lambda: logp_all.clamp(min=torch.finfo(logp_all.dtype).min)
+    if logp_all.requires_grad and torch.is_grad_enabled():
+        return -(logp_all.exp() * finite()).sum(-1)
+    ent = -torch.linalg.vecdot(logp_all.exp(), logp_all)
     bad = ent.isnan()
     if bool(bad.any()):
-        finite = logp_all.clamp(min=torch.finfo(logp_all.dtype).min)
-        ent = torch.where(bad, -(logp_all.exp() * finite).sum(-1), ent)
+        ent = torch.where(bad, -(logp_all.exp() * finite()).sum(-1), ent)
     return ent
 
 

@@ -16,6 +16,7 @@ tokens are scored afterwards by the training forward, so the loss never mixes th
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -36,15 +37,18 @@ def merged_weight(m: nn.Module) -> tuple[Tensor, Tensor | None] | None:
     base = getattr(m, "base_layer", None)
     if type(base) is not nn.Linear or not hasattr(m, "get_delta_weight"):
         return None
-    if getattr(m, "disable_adapters", False) or getattr(m, "merged", False):
-        return base.weight, base.bias  # adapters off (the reference), or already in the base
+    if getattr(m, "merged", False):
+        return None  # adapters folded into the base in place: peft's own forward knows how
+    if getattr(m, "disable_adapters", False):
+        return base.weight, base.bias  # adapters off: the reference
     w = base.weight
     for name in m.active_adapters:
         if name not in m.lora_A:
             continue
         drop = m.lora_dropout[name]
-        if (getattr(m, "use_dora", {}).get(name) or getattr(m, "lora_bias", {}).get(name)
-                or (m.training and isinstance(drop, nn.Dropout) and drop.p > 0)):
+        if (name in (getattr(m, "lora_variant", None) or {})  # DoRA, aLoRA, ...: own forward
+                or getattr(m, "use_dora", {}).get(name) or getattr(m, "lora_bias", {}).get(name)
+                or (drop.training and isinstance(drop, nn.Dropout) and drop.p > 0)):
             return None
         delta = m.get_delta_weight(name)
         if delta.dtype != w.dtype:  # e.g. float32 adapters on a bfloat16 base: rounding the
@@ -60,25 +64,39 @@ def can_pack(w: Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+# id(frozen weight) -> (weak reference to it, (version counter, address), its oneDNN copy);
+# an entry goes when its weight does (a tensor's == is elementwise: no WeakKeyDictionary)
+_PACKED: dict[int, tuple[weakref.ref, tuple[int, int], Tensor]] = {}
+
+
 def packed_weight(w: Tensor, rows: int) -> Tensor | None:
     """A oneDNN copy of ``w`` laid out for about ``rows`` rows a call, or None (``can_pack``
     false, or oneDNN refused it). A frozen weight keeps its copy, checked against its version
-    counter, so the head and base weights under LoRA are reordered once a run; weights being
-    trained are reordered per call rather than holding a second copy between steps."""
+    counter and address, so the head and base weights under LoRA are reordered once a run;
+    weights being trained are reordered per call rather than holding a second copy between
+    steps. Writes through ``.data`` bypass the version counter: call ``clear_packed()`` after
+    them."""
     if not can_pack(w):
         return None
     keep = not w.requires_grad and not w.is_inference()
+    key = (w._version, w.data_ptr()) if keep else None
     if keep:
-        hit = getattr(w, "_grpolab_packed", None)
-        if hit is not None and hit[0] == (w._version, w.data_ptr()):
-            return hit[1]
+        hit = _PACKED.get(id(w))
+        if hit is not None and hit[0]() is w and hit[1] == key:
+            return hit[2]
     try:
         wp = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
     except RuntimeError:
         return None
     if keep:
-        w._grpolab_packed = ((w._version, w.data_ptr()), wp)
+        i = id(w)
+        _PACKED[i] = (weakref.ref(w, lambda _, i=i: _PACKED.pop(i, None)), key, wp)
     return wp
+
+
+def clear_packed() -> None:
+    """Forget every kept oneDNN copy (after changing frozen weights through ``.data``)."""
+    _PACKED.clear()
 
 
 def packed_linear(w: Tensor, b: Tensor | None, rows: int) -> Fn:
@@ -101,5 +119,5 @@ def decode_proj(m: nn.Module, rows: int, fallback: Callable[[nn.Module], Fn]) ->
     return packed_linear(w, b, rows) if can_pack(w) else (lambda x: F.linear(x, w, b))
 
 
-__all__ = ["PACK_MIN", "can_pack", "decode_proj", "merged_weight", "packed_linear",
+__all__ = ["PACK_MIN", "can_pack", "clear_packed", "decode_proj", "merged_weight", "packed_linear",
            "packed_weight"]

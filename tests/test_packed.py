@@ -88,6 +88,10 @@ def test_packed_weight_is_kept_while_frozen_and_redone_when_changed() -> None:
         assert again is not first
         torch.testing.assert_close(packed.packed_linear(w, None, 3)(x), F.linear(x, w),
                                    atol=1e-6, rtol=1e-5)
+        w.data.add_(1.0)  # bypasses the version counter: clear_packed() forgets the copy
+        packed.clear_packed()
+        torch.testing.assert_close(packed.packed_linear(w, None, 3)(x), F.linear(x, w),
+                                   atol=1e-6, rtol=1e-5)
         trained = torch.randn(16, 8, requires_grad=True)  # trained weights keep no copy
         assert packed.packed_weight(trained, 3) is not packed.packed_weight(trained, 3)
         assert packed.packed_weight(w.double(), 3) is None  # float32 only
@@ -148,22 +152,28 @@ def test_head_backward_with_a_masked_target_row() -> None:
     b = torch.zeros(50, dtype=torch.float64)
     b[7] = float("-inf")
     h = torch.randn(6, 8, dtype=torch.float64, generator=g, requires_grad=True)
-    t = torch.tensor([1, 2, 3, 4, 5, 6])
+    t = torch.tensor([1, 2, 3, 4, 7, 6])  # row 4's target is impossible: lp = -inf
     lp, _ = head_logprobs(h, w, b, t, 1.0, chunk=4)
     lp.sum().backward()
     h2 = h.detach().clone().requires_grad_(True)
     want = torch.log_softmax(F.linear(h2, w, b), -1).gather(-1, t[:, None]).squeeze(-1)
     want.sum().backward()
+    assert lp[4] == -float("inf") == want[4]
     torch.testing.assert_close(lp, want)
-    torch.testing.assert_close(h.grad, h2.grad)
+    torch.testing.assert_close(h.grad, h2.grad)  # (onehot - softmax is finite there too)
 
 
-def test_entropy_with_impossible_tokens_is_finite() -> None:
-    logits = torch.tensor([[0.0, 0.0, float("-inf"), 0.0], [1.0, 2.0, 3.0, 4.0]])
-    ent = entropy_from_logp(torch.log_softmax(logits, -1))
-    p = torch.softmax(logits[1], -1)
-    torch.testing.assert_close(ent, torch.stack([torch.log(torch.tensor(3.0)),
-                                                 -(p * p.log()).sum()]))
+def test_entropy_with_impossible_tokens_is_finite_and_differentiable() -> None:
+    logits = torch.tensor([[0.0, 0.0, float("-inf"), 0.0], [1.0, 2.0, 3.0, 4.0]],
+                          requires_grad=True)
+    p = torch.softmax(logits[1].detach(), -1)
+    want = torch.stack([torch.log(torch.tensor(3.0)), -(p * p.log()).sum()])
+    with torch.no_grad():  # the fused product, NaN row summed again
+        torch.testing.assert_close(entropy_from_logp(torch.log_softmax(logits, -1)), want)
+    ent = entropy_from_logp(torch.log_softmax(logits, -1))  # with autograd (entropy bonus)
+    torch.testing.assert_close(ent.detach(), want)
+    ent.sum().backward()
+    assert torch.isfinite(logits.grad[:, [0, 1, 3]]).all() and torch.isfinite(logits.grad[1]).all()
 
 
 @pytest.mark.parametrize("vocab", [49152, 3001])

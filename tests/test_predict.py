@@ -10,7 +10,7 @@ import yaml
 
 from grpolab import advantages as A
 from grpolab.alarm import NoSignalAlarm, diagnose
-from grpolab.allocate import allocate, expected_value
+from grpolab.allocate import allocate, allocate_table, expected_value
 from grpolab.config import ConfigError, make_config
 from grpolab.predict import (
     GridPassRateTracker,
@@ -230,6 +230,14 @@ def test_allocator_choice_on_hand_made_posteriors() -> None:
     assert dict(zip(idx2, sizes2)) == {0: 8, 3: 8}
     # a budget that is no multiple of min_size is spent exactly
     assert sum(allocate(a, b, 18, 4, 8, generator=gen)[1]) == 18
+
+
+def test_allocator_with_one_group_size_and_a_table_of_the_wrong_width() -> None:
+    a, b = torch.ones(10), torch.ones(10)
+    idx, sizes = allocate(a, b, 24, 4, 4)  # min == max: groups of exactly 4
+    assert sizes == [4] * 6 and len(set(idx)) == 6
+    with pytest.raises(ValueError, match="one column per size"):
+        allocate_table(torch.zeros(10, 3), 24, 4, 8)
 
 
 def test_allocator_explores_and_respects_limits() -> None:
