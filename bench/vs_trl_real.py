@@ -278,6 +278,13 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
     return run, trainer.step, n_train
 
 
+def phases(who: str, s: dict[str, float]) -> dict[str, float]:
+    """One step's time split (gen, ref, pol; see the module docstring) from its ``Split``."""
+    pol = (s.get("train_step", 0.0) - s.get("prep", 0.0) if who == "trl"
+           else s.get("update", 0.0) - s.get("ref", 0.0))
+    return {"gen": s.get("gen", 0.0), "ref": s.get("ref", 0.0), "pol": pol}
+
+
 def child_main(args: argparse.Namespace) -> int:
     for k, v in OFFLINE_ENV.items():
         os.environ.setdefault(k, v)
@@ -319,15 +326,8 @@ def child_main(args: argparse.Namespace) -> int:
             "peak_rss_mib": peak, "rss_after_build_mib": rss_built,
             "build_s": t_built - t_load, "trainable": n_train, "threads": torch.get_num_threads(),
         }
-        phases = {"gen": 0.0, "ref": 0.0, "pol": 0.0}
-        for s in timed:
-            phases["gen"] += s.get("gen", 0.0)
-            phases["ref"] += s.get("ref", 0.0)
-            if args.child == "trl":
-                phases["pol"] += s.get("train_step", 0.0) - s.get("prep", 0.0)
-            else:
-                phases["pol"] += s.get("update", 0.0) - s.get("ref", 0.0)
-        res["split"] = phases
+        res["split"] = {k: sum(phases(args.child, s)[k] for s in timed)
+                        for k in ("gen", "ref", "pol")}
         print("RESULT " + json.dumps(res), flush=True)  # kept if the count below is cut
         if args.flops:
             from vs_trl import count_flops
@@ -581,12 +581,20 @@ def length_report(res: dict[tuple[str, str, int], dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# --ab: levers that switch at run time, so one process can alternate them step by step
-AB_SWITCHES = {
-    "no-pack": lambda be, on: (setattr(be, "cpu_pack", on),
-                               be._fast is not None and setattr(be._fast, "pack", on)),
-    "no-chunk": lambda be, on: setattr(be, "logit_chunk", 256 if on else 0),
-}
+def _switch_pack(be: Any, on: bool) -> None:
+    be.cpu_pack = on
+    if be._fast is not None:
+        be._fast.pack = on
+
+
+def _switch_chunk(be: Any, on: bool) -> None:
+    from grpolab.config import Config
+
+    be.logit_chunk = Config.logit_chunk if on else 0
+
+
+# --ab: levers that switch at run time (backend, lever on?), so one process can alternate them
+AB_SWITCHES = {"no-pack": _switch_pack, "no-chunk": _switch_chunk}
 
 
 def ab_main(args: argparse.Namespace) -> str:
@@ -612,9 +620,7 @@ def ab_main(args: argparse.Namespace) -> str:
                 one_step()
                 split.close_step(total=time.perf_counter() - t0)
                 st = split.steps[-1]
-                got[name].append({"time": st["total"], "gen": st.get("gen", 0.0),
-                                  "ref": st.get("ref", 0.0),
-                                  "pol": st.get("update", 0.0) - st.get("ref", 0.0)})
+                got[name].append({"time": st["total"], **phases("lab", st)})
                 print(f"  round {rnd} {name:9s}: {st['total']:.2f} s/step", flush=True)
     mean = {n: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for n, rs in got.items()}
     lines = [("| grpolab, one process | steps | s/step | gen s | ref s | policy fwd+bwd s | "

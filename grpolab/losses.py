@@ -77,6 +77,13 @@ def _at_least_f32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _chunk_logits(linear: Callable[[Tensor], Tensor], h: Tensor, dtype: torch.dtype,
+                  scale: float) -> Tensor:
+    """scale * linear(h) [n, V] in ``dtype``, scaled in place (the tensor is this call's own)."""
+    z = linear(h).to(dtype)
+    return z.mul_(scale) if scale != 1.0 else z
+
+
 class _HeadLogprobs(torch.autograd.Function):
     """log p(target) and entropy from hidden states through the LM head, ``chunk`` rows of
     [rows, V] logits at a time; backward recomputes each chunk's logits instead of keeping
@@ -94,9 +101,7 @@ class _HeadLogprobs(torch.autograd.Function):
         ent = torch.empty_like(lp) if entropy else lp.new_zeros(n)
         for s in range(0, n, chunk):
             t = targets[s:s + chunk, None]
-            z = linear(hidden[s:s + chunk]).to(lp.dtype)
-            if scale != 1.0:
-                z.mul_(scale)  # (z is this chunk's own tensor: in place saves a [chunk, V] copy)
+            z = _chunk_logits(linear, hidden[s:s + chunk], lp.dtype, scale)
             logp = torch.log_softmax(z, dim=-1)
             lp[s:s + chunk] = logp.gather(-1, t).squeeze(-1)
             lse[s:s + chunk] = z.gather(-1, t).squeeze(-1) - lp[s:s + chunk]
@@ -118,9 +123,7 @@ class _HeadLogprobs(torch.autograd.Function):
         g_b = torch.zeros_like(bias, dtype=acc) if need_b else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
-            z = ctx.linear(h).to(g_lp.dtype)
-            if scale != 1.0:
-                z.mul_(scale)
+            z = _chunk_logits(ctx.linear, h, g_lp.dtype, scale)
             g = g_lp[s:s + chunk, None]
             # d log p(y) / dz = onehot(y) - softmax(z), chained through z = scale * logits;
             # softmax(z) = exp(z - lse) in place (a -inf target's lse is NaN: softmax proper)

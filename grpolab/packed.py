@@ -115,8 +115,7 @@ def decode_proj(m: nn.Module, rows: int, fallback: Callable[[nn.Module], Fn]) ->
     wb = merged_weight(m)
     if wb is None:
         return fallback(m)
-    w, b = wb
-    return packed_linear(w, b, rows) if can_pack(w) else (lambda x: F.linear(x, w, b))
+    return packed_linear(*wb, rows)
 
 
 __all__ = ["PACK_MIN", "can_pack", "clear_packed", "decode_proj", "merged_weight", "packed_linear",

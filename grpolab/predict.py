@@ -221,8 +221,7 @@ class GridPassRateTracker(PassRateTracker):
     def dead_probability(self, idx: list[int] | Tensor, sizes: list[int] | Tensor | int) -> Tensor:
         w = self.grid_posterior(idx)  # [K, J]
         n = torch.as_tensor(sizes, dtype=torch.float64).expand(w.shape[0])
-        g = self.grid[None, :]
-        return (w * (g.pow(n[:, None]) + (1 - g).pow(n[:, None]))).sum(1).clamp(0, 1)
+        return (w * self._dead_by_size(n).T).sum(1).clamp(0, 1)
 
     def dead_table(self, sizes: Tensor) -> Tensor:
         return (self.grid_posterior() @ self._dead_by_size(sizes)).clamp(0, 1)
