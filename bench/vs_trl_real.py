@@ -211,12 +211,14 @@ LAB_VARIANTS = {  # --levers: grpolab with one lever changed (in its own process
     "no-pack": "cpu_pack off: sampling through peft's LoRA layers and MKL matmuls, the "
                "scoring head on F.linear",
     "no-chunk": "logit_chunk 0: the [tokens, vocab] logits held whole when scoring",
+    "no-eager-head": "the chunked head's backward recomputes each chunk's logits (instead of "
+                     "forward finishing the hidden states' gradient under a frozen head)",
     "no-share": "no shared prompts: each of a group's G rows prefills and scores its prompt",
     "hf-forward": "GRPOLAB_FASTLM=0: the HF forward for sampling and scoring",
     "threads1": "1 torch thread instead of --threads",
     "micro8": "micro_batch 8: the update in 8-row forward/backward passes",
     "micro4": "micro_batch 4",
-    "ckpt": "gradient checkpointing (runs the HF forward; fastlm does not checkpoint)",
+    "ckpt": "gradient checkpointing: each layer recomputed in backward",
 }
 
 
@@ -248,6 +250,8 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
         hb.HFBackend.share_prompts = property(lambda self: False)  # scoring: one pass per row
     model, tok = load_model(model_dir, device="cpu", dtype="float32")
     backend = make_backend(cfg, model, tok)
+    if args.variant in AB_SWITCHES:
+        AB_SWITCHES[args.variant](backend, False)
     if args.fixed_length:  # no token is EOS: every answer runs to max_new_tokens
         backend.eos_ids = [-1]
     trainer = GRPOTrainer(cfg, backend, rows, [exact_answer_reward], heldout_rows=[],
@@ -593,8 +597,15 @@ def _switch_chunk(be: Any, on: bool) -> None:
     be.logit_chunk = Config.logit_chunk if on else 0
 
 
+def _switch_eager_head(be: Any, on: bool) -> None:
+    from grpolab import losses
+
+    losses.HEAD_GRAD_IN_FORWARD = on
+
+
 # --ab: levers that switch at run time (backend, lever on?), so one process can alternate them
-AB_SWITCHES = {"no-pack": _switch_pack, "no-chunk": _switch_chunk}
+AB_SWITCHES = {"no-pack": _switch_pack, "no-chunk": _switch_chunk,
+               "no-eager-head": _switch_eager_head}
 
 
 def ab_main(args: argparse.Namespace) -> str:

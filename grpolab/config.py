@@ -133,7 +133,7 @@ class Config:
     # --- real models ---
     model_path: str = ""  # HF model folder, a .gguf file or smollm2-135m-instruct; "" = world
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of the model's weights
-    gradient_checkpointing: bool = False  # recompute activations in backward (HF forward)
+    gradient_checkpointing: bool = False  # recompute each layer in backward: memory for time
     logit_chunk: int = 256  # answer tokens scored through the LM head at a time (0 = all at once)
     cpu_pack: bool = True  # CPU float32: sample on LoRA-merged, oneDNN-prepacked weights, and
     #                        score through a prepacked head (same maths, other rounding ~1e-6)

@@ -19,10 +19,13 @@ sampler calls it once per token. ``FastLM`` runs the same maths directly:
   G rows share each prompt and its keys are large, the prompt's keys stay in one copy per group
   and every step reads them once per group, not once per row (``SharedKV``);
 * scoring with gradients: one forward over [prompt | completion], or a shared prompt run once
-  and its keys/values (with their autograd history) handed to the G completions of its group.
+  and its keys/values (with their autograd history) handed to the G completions of its group;
+  with the model's gradient checkpointing on, each layer is recomputed in backward
+  (``torch.utils.checkpoint``, non-reentrant): what stays for backward is each layer's input
+  and the shared prompts' keys and values.
 
 Supported: ``llama``, ``mistral``, ``qwen2`` and ``gpt2`` models (``model_type``) with default
-RoPE, no gradient checkpointing, no module hooks, no cross-attention, plain or LoRA-wrapped
+RoPE, no module hooks, no cross-attention, plain or LoRA-wrapped
 (peft). Sliding-window attention is exact full attention while the sequence fits in the window;
 ``FastLM.fits`` tells the caller. ``unsupported(model)`` names the reason otherwise, and the
 caller falls back to the HF forward.
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .kvcache import (
     ConcatKV,
@@ -72,6 +76,19 @@ def _rope_type(config: Any) -> str:
     return "default"
 
 
+def checkpointing(hf: nn.Module) -> bool:
+    """Whether the transformers model ``hf`` has gradient (activation) checkpointing on."""
+    new = getattr(type(hf), "is_activation_checkpointing", None) is not None  # transformers 5
+    return bool(getattr(hf, "is_activation_checkpointing" if new
+                        else "is_gradient_checkpointing", False))
+
+
+def _grads_hook(hook: Any) -> bool:
+    """transformers' ``enable_input_require_grads`` hook (gradient checkpointing, peft): it
+    makes the embeddings' output require grad and changes no value."""
+    return getattr(hook, "__qualname__", "").startswith("PreTrainedModel.enable_input_require")
+
+
 def unsupported(model: nn.Module) -> str | None:
     """Why ``FastLM`` cannot run ``model`` exactly, or None when it can."""
     peft_cfg = getattr(model, "peft_config", None)
@@ -86,12 +103,9 @@ def unsupported(model: nn.Module) -> str | None:
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention",
                                                                False):
         return "cross-attention"
-    ckpt = getattr(type(hf), "is_activation_checkpointing", None)  # transformers >= 5.x
-    if getattr(hf, "is_activation_checkpointing" if ckpt is not None
-               else "is_gradient_checkpointing", False):
-        return "gradient checkpointing"
     for m in hf.modules():
-        if m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook"):
+        if (any(not _grads_hook(h) for h in m._forward_hooks.values()) or m._forward_pre_hooks
+                or hasattr(m, "_hf_hook")):
             return f"forward hooks on {type(m).__name__}"
     if mtype in LLAMA_TYPES:
         rope = _rope_type(config)
@@ -224,6 +238,9 @@ class FastLM:
             self.window = None
         self.lm_head = hf.lm_head
         self.head_off = False  # True in ``trunk()``: forwards return hidden states, not logits
+        # the model's gradient checkpointing: forwards with autograd keep each layer's input
+        # only and recompute the layer in backward
+        self.checkpoint = checkpointing(hf)
         self.pack = True  # the decode loop on merged, prepacked weights (decode_weights)
 
     @property
@@ -349,14 +366,19 @@ class FastLM:
         """
         w = w or self.weights()
         x = w.embed(ids)
+        ckpt = self.checkpoint and torch.is_grad_enabled()
         if w.wpe is None:
             cos, sin = rot if rot is not None else self.rotary(pos, x)
             for i, r in enumerate(w.layers):
-                x = self._llama_layer(i, r, x, cos, sin, mask, kv)
+                args = (i, r, x, cos, sin, mask, kv)
+                x = (checkpoint(self._llama_layer, *args, use_reentrant=False) if ckpt
+                     else self._llama_layer(*args))
         else:
             x = x + w.wpe(pos)
             for i, r in enumerate(w.layers):
-                x = self._gpt2_layer(i, r, x, mask, kv)
+                args = (i, r, x, mask, kv)
+                x = (checkpoint(self._gpt2_layer, *args, use_reentrant=False) if ckpt
+                     else self._gpt2_layer(*args))
         if keep:
             x = x[:, -keep:]
         if rows is not None:
@@ -366,7 +388,8 @@ class FastLM:
     # ----------------------------------------------------------------- scoring --
     def logits(self, ids: Tensor, attn: Tensor, pos: Tensor, keep: int) -> Tensor:
         """One forward over left-padded ``ids`` [B, T] (mask ``attn``): the last keep logits."""
-        return self.forward(ids, pos, prompt_mask4d(attn, self.dtype), ConcatKV(), keep=keep)
+        return self.forward(ids, pos, prompt_mask4d(attn, self.dtype), ConcatKV(keep=False),
+                            keep=keep)
 
     def prefill(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Any]:
         """Logits [U, 1, V] at the last position of left-padded prompts, and their keys and
@@ -379,9 +402,8 @@ class FastLM:
         """Logits for ``ids`` [B, t] after prompt ``rows`` of ``prefill`` (``attn`` [B, P + t +
         1] covers prompt and tokens)."""
         pre, w = state
-        past = [(k[rows], v[rows]) for k, v in pre.kv]
         mask = chunk_mask4d(attn[:, : attn.shape[1] - ids.shape[1] - 1], ids.shape[1], self.dtype)
-        return self.forward(ids, pos, mask, ConcatKV(past), w=w)
+        return self.forward(ids, pos, mask, ConcatKV(pre.kv, rows, keep=False), w=w)
 
     def shared_prefix_logits(self, ids: Tensor, attn: Tensor, pos: Tensor, tc: int,
                              shared: tuple[Tensor, Tensor, Tensor]) -> Tensor:

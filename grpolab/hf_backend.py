@@ -87,6 +87,9 @@ class HFForward:
     def __init__(self, backend: HFBackend, model: nn.Module) -> None:
         self.model, self.cache_kw, self.keep_kw = model, backend._cache_kw, backend._keep
         self.config = backend._hf_model().config
+        # HF turns caches off in training forwards when checkpointing: then each row is scored
+        # in one pass, its prompt included
+        self.shares = not backend.checkpointing
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache
@@ -312,9 +315,9 @@ class HFBackend(LMBackend):
 
     @property
     def share_prompts(self) -> bool:  # type: ignore[override]
-        """Score each distinct prompt once. HF turns caches off in training forwards when
-        checkpointing, so then each row is scored in one pass."""
-        return self._lean and not self.checkpointing
+        """Score each distinct prompt once (``HFForward.shares`` says whether the HF forward
+        can)."""
+        return self._lean
 
     def forward_of(self, model: nn.Module, length: int) -> Any:
         """fastlm for the policy or the reference copy when it can run them, else the HF

@@ -17,17 +17,27 @@ from .rollout import pos_ids
 
 
 class ConcatKV:
-    """Keys/values of one forward: ``past`` ones (a shared prompt's) in front, own ones kept."""
+    """Keys/values of one forward: ``past`` ones (a shared prompt's, rows ``rows`` of them) in
+    front; with ``keep`` each layer's own kept in ``kv`` (a prefill's, for what extends it).
 
-    def __init__(self, past: list[tuple[Tensor, Tensor]] | None = None) -> None:
-        self.past = past
+    Under gradient checkpointing a layer runs again in backward and calls ``update`` again: the
+    first keys of each layer stay, and only the [U, ...] prompt keys are held, not per-row
+    copies (the rows are taken inside ``update``).
+    """
+
+    def __init__(self, past: list[tuple[Tensor, Tensor]] | None = None,
+                 rows: Tensor | None = None, keep: bool = True) -> None:
+        self.past, self.rows, self.keep = past, rows, keep
         self.kv: list[tuple[Tensor, Tensor]] = []
 
     def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self.past is not None:
             pk, pv = self.past[i]
+            if self.rows is not None:
+                pk, pv = pk[self.rows], pv[self.rows]
             k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
-        self.kv.append((k, v))
+        if self.keep and len(self.kv) == i:
+            self.kv.append((k, v))
         return k, v
 
 

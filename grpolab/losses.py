@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 # ------------------------------------------------------------ log-probs, entropy --
 
@@ -77,6 +78,10 @@ def _at_least_f32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+# False: the head's backward always recomputes its chunks (bench/vs_trl_real.py --ab measures it)
+HEAD_GRAD_IN_FORWARD = True
+
+
 def _chunk_logits(linear: Callable[[Tensor], Tensor], h: Tensor, dtype: torch.dtype,
                   scale: float) -> Tensor:
     """scale * linear(h) [n, V] in ``dtype``, scaled in place (the tensor is this call's own)."""
@@ -86,34 +91,63 @@ def _chunk_logits(linear: Callable[[Tensor], Tensor], h: Tensor, dtype: torch.dt
 
 class _HeadLogprobs(torch.autograd.Function):
     """log p(target) and entropy from hidden states through the LM head, ``chunk`` rows of
-    [rows, V] logits at a time; backward recomputes each chunk's logits instead of keeping
-    them (see ``head_logprobs``)."""
+    [rows, V] logits at a time (see ``head_logprobs``).
+
+    When only ``hidden`` needs a gradient (LoRA: the head is frozen), forward also computes
+    d log p(y) / d hidden = scale * (W[y] - softmax(z) @ W) per row, which backward only scales
+    by the incoming gradient; otherwise backward recomputes each chunk's logits."""
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
                 scale: float, chunk: int, entropy: bool,
-                linear: Callable[[Tensor], Tensor] | None) -> tuple[Tensor, Tensor]:
+                linear: Callable[[Tensor], Tensor] | None, grad: bool) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         if linear is None:
             linear = functools.partial(F.linear, weight=weight, bias=bias)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        eager = grad and need_h and not need_w and not need_b and HEAD_GRAD_IN_FORWARD
         lp = hidden.new_empty(n, dtype=_at_least_f32(hidden.dtype))
-        lse = torch.empty_like(lp)  # each row's log-sum-exp, for backward's softmax
+        lse = None if eager else torch.empty_like(lp)  # for the recomputing backward's softmax
         ent = torch.empty_like(lp) if entropy else lp.new_zeros(n)
+        jac = torch.empty_like(hidden, dtype=lp.dtype) if eager else None  # (float32 or wider)
+        # One [chunk, V] log-softmax buffer for all chunks: a fresh one per chunk is page-faulted
+        # anew (50 MB at 256 x 49152 lies above glibc's mmap threshold), slower than the op.
+        buf = None
         for s in range(0, n, chunk):
             t = targets[s:s + chunk, None]
             z = _chunk_logits(linear, hidden[s:s + chunk], lp.dtype, scale)
-            logp = torch.log_softmax(z, dim=-1)
+            buf = z.new_empty(z.shape) if buf is None else buf
+            logp = torch._log_softmax(z, -1, False, out=buf[:z.shape[0]])
             lp[s:s + chunk] = logp.gather(-1, t).squeeze(-1)
-            lse[s:s + chunk] = z.gather(-1, t).squeeze(-1) - lp[s:s + chunk]
-            if entropy:
-                ent[s:s + chunk] = entropy_from_logp(logp)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.scale, ctx.chunk, ctx.linear = scale, chunk, linear
+            if lse is not None:
+                lse[s:s + chunk] = z.gather(-1, t).squeeze(-1) - lp[s:s + chunk]
+            if not (entropy or eager):
+                continue
+            p = torch.exp(logp, out=z)  # z is spent: softmax in its place
+            if entropy:  # -sum p log p, with 0 * log 0 = 0 (a -inf logit adds nothing)
+                logp.clamp_(min=torch.finfo(logp.dtype).min)
+                ent[s:s + chunk] = logp.mul_(p).sum(-1).neg_()
+            if eager:  # d log p(y) / dz = onehot(y) - softmax(z)
+                gz = p.neg_().scatter_add_(-1, t, torch.ones_like(t, dtype=p.dtype))
+                jac[s:s + chunk] = gz.to(hidden.dtype) @ weight
+        if eager:
+            if scale != 1.0:
+                jac.mul_(scale)
+            ctx.save_for_backward(jac)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.eager, ctx.scale, ctx.chunk, ctx.hidden_dtype = eager, scale, chunk, hidden.dtype
+        ctx.linear = None if eager else linear
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, g_lp: Tensor, g_ent: Tensor) -> tuple[Tensor | None, ...]:
+        if ctx.eager:
+            (jac,) = ctx.saved_tensors
+            g_h = (jac * g_lp[:, None].to(jac.dtype)).to(ctx.hidden_dtype)
+            return (g_h, None, None, None, None, None, None, None, None)
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         scale, chunk = ctx.scale, ctx.chunk
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -141,7 +175,7 @@ class _HeadLogprobs(torch.autograd.Function):
             if g_b is not None:
                 g_b += gz.to(acc).sum(0)
         return (g_h, None if g_w is None else g_w.to(weight.dtype),
-                None if g_b is None else g_b.to(bias.dtype), None, None, None, None, None)
+                None if g_b is None else g_b.to(bias.dtype), None, None, None, None, None, None)
 
 
 def head_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
@@ -154,14 +188,16 @@ def head_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: 
 
     The full-vocabulary logits of a scoring pass are [tokens, V] float32, and autograd keeps
     them and their log-softmax for backward: 0.4 GB each for 2,048 answer tokens of a
-    49,152-word vocabulary. Here ``chunk`` rows are materialised at a time, in forward and again
-    in backward, for one extra head matmul. ``linear``: h [n, D] -> h @ weight.T + bias
+    49,152-word vocabulary. Here ``chunk`` rows are materialised at a time. With a frozen head
+    (and bias) the gradient into ``hidden`` is finished in forward, a [N, D] tensor, for a head
+    matmul in forward whether or not backward runs; when the head trains, backward materialises
+    each chunk again, for one extra head matmul. ``linear``: h [n, D] -> h @ weight.T + bias
     computed another way (a prepacked weight; no autograd needed), else ``F.linear``.
     """
     shape = targets.shape
     lp, ent = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
                                   targets.reshape(-1), float(scale), max(1, int(chunk)),
-                                  bool(entropy), linear)
+                                  bool(entropy), linear, torch.is_grad_enabled())
     return lp.view(shape), ent.view(shape)
 
 

@@ -382,15 +382,16 @@ class LMBackend:
             return zero if entropy is None else (zero, zero.clone())
         lm = self.forward_of(model, ro.prompt_ids.shape[1] + tc)
         t = temperature if temperature > 0 else 1.0
+        share = self.share_prompts and getattr(lm, "shares", True)
         head = lm.linear_head() if self.logit_chunk and hasattr(lm, "linear_head") else None
         if head is not None and not entropy:  # (an entropy bonus needs the full logits)
-            hidden = completion_logits(lm.trunk(), ro, self.device, self.share_prompts)
+            hidden = completion_logits(lm.trunk(), ro, self.device, share)
             linear = packed_linear(*head, self.logit_chunk) if self.cpu_pack else None
             lp, ent = head_logprobs(hidden, *head, ro.completion_ids.to(hidden.device), 1.0 / t,
                                     self.logit_chunk, entropy=entropy is not None,
                                     linear=linear)
             return lp.cpu() if entropy is None else (lp.cpu(), ent.cpu())
-        logits = completion_logits(lm, ro, self.device, self.share_prompts)
+        logits = completion_logits(lm, ro, self.device, share)
         if t != 1.0:  # x / 1 == x: skip a [B, Tc, V] copy
             logits = logits / t
         targets = ro.completion_ids.to(logits.device)

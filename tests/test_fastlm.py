@@ -390,3 +390,52 @@ def test_chunked_head_scores_like_full_logits(paths: dict[str, str], name: str) 
         for n in g0:
             torch.testing.assert_close(g[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
     assert be._fast is not None and be._fast.linear_head() is not None
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_checkpointed_scoring_keeps_layer_inputs_only(paths: dict[str, str], name: str,
+                                                      lora: bool) -> None:
+    """With the model's gradient checkpointing on, the lean forward (prompts shared) gives the
+    same log-probs and gradients and saves a fraction of the activations for backward."""
+    kw: dict[str, Any] = {"lora": True, "lora_target_modules": ["q_proj", "v_proj", "up_proj"]
+                          if name != "gpt2" else ["c_attn", "c_fc"]} if lora else {}
+    plain = backend(paths, name, **kw)
+    ckpt = backend(paths, name, gradient_checkpointing=True, **kw)
+    ckpt.model.load_state_dict(plain.model.state_dict())
+    assert ckpt._fast is not None and ckpt._fast.checkpoint and not plain._fast.checkpoint
+    ro = plain.generate([p for p in PROMPTS for _ in range(3)], 1.0, 10,
+                        torch.Generator().manual_seed(3))
+    out = []
+    for be in (plain, ckpt):
+        saved = []  # bytes of every tensor autograd keeps for backward
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t, saved=saved: saved.append(t.numel() * t.element_size()) or t,
+                lambda t: t):
+            lp, grads = scores_and_grads(be, ro, be._fast)
+        out.append((lp, grads, sum(saved)))
+    (lp_a, g_a, bytes_a), (lp_b, g_b, bytes_b) = out
+    assert torch.equal(lp_a, lp_b)
+    assert g_a.keys() == g_b.keys() and g_a
+    for n in g_a:
+        torch.testing.assert_close(g_b[n], g_a[n], rtol=1e-5, atol=1e-7, msg=n)
+    assert bytes_b < 0.5 * bytes_a, (bytes_a, bytes_b)
+
+
+def test_concat_kv_keeps_first_keys_and_takes_prompt_rows() -> None:
+    """A checkpointed layer calls ``update`` again in backward: the first keys stay and no
+    duplicates pile up; a shared prompt's keys are taken per row inside ``update``."""
+    from grpolab.kvcache import ConcatKV
+
+    k0, k1 = torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4)
+    kv = ConcatKV()
+    kv.update(0, k0, k0)
+    kv.update(1, k1, k1)
+    kv.update(0, k1, k1)  # (the recomputation)
+    assert len(kv.kv) == 2 and kv.kv[0][0] is k0
+    rows = torch.tensor([1, 1, 0])
+    own = torch.randn(3, 1, 2, 4)
+    ext = ConcatKV(kv.kv, rows, keep=False)
+    k, _ = ext.update(1, own, own)
+    assert torch.equal(k, torch.cat([k1[rows], own], dim=2)) and ext.kv == []

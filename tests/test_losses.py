@@ -171,3 +171,42 @@ def test_head_logprobs_equal_full_logits_and_pass_gradcheck() -> None:
         assert torch.autograd.gradcheck(
             lambda h, w, b, s=scale, c=chunk: head_logprobs(h, w, b, y, s, c)[0], (h, w, b))
     assert torch.autograd.gradcheck(lambda h, w: head_logprobs(h, w, None, y, 1.0, 4)[0], (h, w))
+
+
+def test_head_logprobs_with_a_frozen_head_finish_the_gradient_in_forward() -> None:
+    """With only the hidden states trainable (LoRA), forward computes d lp / d hidden and
+    backward only scales it: the same values, entropies and gradients as the full logits."""
+    from grpolab.losses import head_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(12, 6, dtype=torch.float64, generator=g)
+    b = torch.randn(12, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 12, (2, 3), generator=g)
+    b[5] = float("-inf")  # an impossible token: 0 log 0 = 0 in the entropy, finite gradients
+    for scale, chunk in ((1.0, 4), (1 / 0.7, 7), (2.0, 1)):
+        h = torch.randn(2, 3, 6, dtype=torch.float64, generator=g, requires_grad=True)
+        saved: list[tuple[int, ...]] = []  # what backward keeps: the [N, D] gradient only
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t, saved=saved: saved.append(tuple(t.shape)) or t, lambda t: t):
+            lp, ent = head_logprobs(h, w, b, y, scale, chunk)
+        assert saved == [(6, 6)]
+        (lp * torch.arange(1.0, 7.0, dtype=torch.float64).view(2, 3)).sum().backward()
+        h2 = h.detach().clone().requires_grad_(True)
+        logp = torch.log_softmax(scale * (h2 @ w.T + b), dim=-1)
+        want = logp.gather(-1, y[..., None])[..., 0]
+        (want * torch.arange(1.0, 7.0, dtype=torch.float64).view(2, 3)).sum().backward()
+        torch.testing.assert_close(lp, want)
+        finite = logp.clamp(min=torch.finfo(logp.dtype).min)
+        torch.testing.assert_close(ent, -(logp.exp() * finite).sum(-1).detach())
+        torch.testing.assert_close(h.grad, h2.grad)
+        assert torch.autograd.gradcheck(
+            lambda h, s=scale, c=chunk: head_logprobs(h, w, b, y, s, c)[0], (h,))
+    with torch.no_grad():  # no autograd, nothing kept
+        assert head_logprobs(h, w, b, y)[0].grad_fn is None
+    # bfloat16 hidden states and head: the float32 gradient rounded once, as the full logits'
+    hb, wb = h.detach().bfloat16().requires_grad_(True), w.bfloat16()
+    head_logprobs(hb, wb, None, y, 1.5, 4)[0].sum().backward()
+    h32 = hb.detach().float().requires_grad_(True)
+    torch.log_softmax(1.5 * (h32 @ wb.float().T), -1).gather(-1, y[..., None]).sum().backward()
+    assert hb.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(hb.grad.float(), h32.grad, atol=2e-2, rtol=2e-2)
