@@ -34,6 +34,7 @@ caller falls back to the HF forward.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -157,6 +158,10 @@ def _proj(m: nn.Module) -> Fn:
 
 def _identity(x: Tensor) -> Tensor:
     return x
+
+
+def _call(f: Callable[..., Tensor], *args: Any) -> Tensor:
+    return f(*args)
 
 
 def _rms_norm(m: nn.Module) -> Fn:
@@ -366,19 +371,16 @@ class FastLM:
         """
         w = w or self.weights()
         x = w.embed(ids)
-        ckpt = self.checkpoint and torch.is_grad_enabled()
+        run = (functools.partial(checkpoint, use_reentrant=False)
+               if self.checkpoint and torch.is_grad_enabled() else _call)
         if w.wpe is None:
             cos, sin = rot if rot is not None else self.rotary(pos, x)
             for i, r in enumerate(w.layers):
-                args = (i, r, x, cos, sin, mask, kv)
-                x = (checkpoint(self._llama_layer, *args, use_reentrant=False) if ckpt
-                     else self._llama_layer(*args))
+                x = run(self._llama_layer, i, r, x, cos, sin, mask, kv)
         else:
             x = x + w.wpe(pos)
             for i, r in enumerate(w.layers):
-                args = (i, r, x, mask, kv)
-                x = (checkpoint(self._gpt2_layer, *args, use_reentrant=False) if ckpt
-                     else self._gpt2_layer(*args))
+                x = run(self._gpt2_layer, i, r, x, mask, kv)
         if keep:
             x = x[:, -keep:]
         if rows is not None:
