@@ -213,6 +213,10 @@ LAB_VARIANTS = {  # --levers: grpolab with one lever changed (in its own process
     "no-chunk": "logit_chunk 0: the [tokens, vocab] logits held whole when scoring",
     "no-eager-head": "the chunked head's backward recomputes each chunk's logits (instead of "
                      "forward finishing the hidden states' gradient under a frozen head)",
+    "no-early-exit": "finished answers stay in the decode batch until every answer has ended "
+                     "(as HF generate)",
+    "no-buckets": "answers scored in one forward padded to the longest (instead of only their "
+                  "real positions, in length buckets)",
     "no-share": "no shared prompts: each of a group's G rows prefills and scores its prompt",
     "hf-forward": "GRPOLAB_FASTLM=0: the HF forward for sampling and scoring",
     "threads1": "1 torch thread instead of --threads",
@@ -263,6 +267,7 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
                 ) -> Any:
         ro = gen(prompts, temperature, max_new_tokens, generator)
         tokens.append((int(ro.completion_mask.sum()), int(ro.completion_ids.shape[1])))
+        split.add("tokens", tokens[-1][0])
         return ro
 
     backend.generate = counted
@@ -603,9 +608,22 @@ def _switch_eager_head(be: Any, on: bool) -> None:
     losses.HEAD_GRAD_IN_FORWARD = on
 
 
+def _switch_early_exit(be: Any, on: bool) -> None:
+    from grpolab import rollout
+
+    rollout.EARLY_EXIT = on
+
+
+def _switch_buckets(be: Any, on: bool) -> None:
+    from grpolab import rollout
+
+    rollout.LENGTH_BUCKETS = on
+
+
 # --ab: levers that switch at run time (backend, lever on?), so one process can alternate them
 AB_SWITCHES = {"no-pack": _switch_pack, "no-chunk": _switch_chunk,
-               "no-eager-head": _switch_eager_head}
+               "no-eager-head": _switch_eager_head, "no-early-exit": _switch_early_exit,
+               "no-buckets": _switch_buckets}
 
 
 def ab_main(args: argparse.Namespace) -> str:
@@ -631,16 +649,19 @@ def ab_main(args: argparse.Namespace) -> str:
                 one_step()
                 split.close_step(total=time.perf_counter() - t0)
                 st = split.steps[-1]
-                got[name].append({"time": st["total"], **phases("lab", st)})
+                got[name].append({"time": st["total"], **phases("lab", st),
+                                  "tok": st.get("tokens", 0.0)})
                 print(f"  round {rnd} {name:9s}: {st['total']:.2f} s/step", flush=True)
     mean = {n: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for n, rs in got.items()}
     lines = [("| grpolab, one process | steps | s/step | gen s | ref s | policy fwd+bwd s | "
-              "time vs shipped |"), "|---|---|---|---|---|---|---|"]
+              "tokens/step | gen ms/token | time vs shipped |"),
+             "|---|---|---|---|---|---|---|---|---|"]
     for n in names:
         m = mean[n]
         what = "as shipped" if n == "full" else LAB_VARIANTS[n]
+        per_tok = 1e3 * m["gen"] / m["tok"] if m["tok"] else float("nan")
         lines.append(f"| {n}: {what} | {len(got[n])} | {m['time']:.2f} | {m['gen']:.2f} | "
-                     f"{m['ref']:.2f} | {m['pol']:.2f} | "
+                     f"{m['ref']:.2f} | {m['pol']:.2f} | {m['tok']:.0f} | {per_tok:.1f} | "
                      f"{m['time'] / mean['full']['time']:.2f}x |")
     return "\n".join(lines)
 

@@ -17,7 +17,8 @@ sampler calls it once per token. ``FastLM`` runs the same maths directly:
 * sampling: one prefill per distinct prompt, then single-token decode steps into a
   preallocated static KV cache (``Decoder``), rotations for every step computed up front; when
   G rows share each prompt and its keys are large, the prompt's keys stay in one copy per group
-  and every step reads them once per group, not once per row (``SharedKV``);
+  and every step reads them once per group, not once per row (``SharedKV``); finished rows
+  leave the batch (``Decoder.shrink``);
 * scoring with gradients: one forward over [prompt | completion], or a shared prompt run once
   and its keys/values (with their autograd history) handed to the G completions of its group;
   with the model's gradient checkpointing on, each layer is recomputed in backward
@@ -247,6 +248,7 @@ class FastLM:
         # only and recompute the layer in backward
         self.checkpoint = checkpointing(hf)
         self.pack = True  # the decode loop on merged, prepacked weights (decode_weights)
+        self.rescores = True  # one prefill's state serves several extends (length buckets)
 
     @property
     def dtype(self) -> torch.dtype:

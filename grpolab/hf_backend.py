@@ -53,6 +53,7 @@ from .rollout import (
     LMBackend,
     decode,
     draw_seed,
+    drop_due,
     frozen_copy,
     pos_ids,
     shared_prompts,
@@ -140,6 +141,16 @@ class HFDecoder:
         self.full_mask = torch.cat([mask, mask.new_ones((b, max_new))], dim=1)
         self.pos = mask.sum(dim=1, keepdim=True)  # position of the first new token
         self.t = 0
+
+    def shrink(self, done: Tensor) -> Tensor | None:
+        """Stop computing finished rows (see ``rollout.Decoder``)."""
+        if not drop_due(done):
+            return None
+        keep = ~done
+        idx = keep.nonzero().squeeze(1)
+        self.cache.batch_select_indices(idx)
+        self.full_mask, self.pos = self.full_mask[idx], self.pos[idx]
+        return keep
 
     def step(self, tokens: Tensor) -> Tensor:
         t = self.t

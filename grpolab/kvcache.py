@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .rollout import pos_ids
+from .rollout import drop_due, pos_ids
 
 
 class ConcatKV:
@@ -58,6 +58,12 @@ class StaticKV:
                 k, v = k[rows], v[rows]
             self.k[i].narrow(2, 0, self.len).copy_(k)
             self.v[i].narrow(2, 0, self.len).copy_(v)
+
+    def select(self, idx: Tensor) -> None:
+        """Keep rows ``idx`` only (a copy of their part of the cache)."""
+        self.buf = self.buf.index_select(2, idx)
+        self.k = list(self.buf[:, 0].unbind(0))
+        self.v = list(self.buf[:, 1].unbind(0))
 
     def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         t, n = k.shape[2], self.len + k.shape[2]
@@ -110,6 +116,18 @@ class SharedKV:
         # The prompts' left padding as an additive key mask [U, 1, 1, Tp] (None: none padded).
         self.mask = (None if bool(prompt_mask.all())
                      else additive(prompt_mask.bool()[:, None, None, :], k0.dtype))
+
+    def unshared(self, rows: Tensor, where: Tensor) -> StaticKV:
+        """A plain cache of some rows: ``rows`` [n] their prompts, ``where`` [n] their places
+        in group-by-group order; each gets its own copy of its prompt's keys and values."""
+        tp = self.prefix[0][0].shape[2]
+        out = StaticKV(self.prefix, rows, tp + self.k[0].shape[3])
+        u, j = where // self.group, where % self.group
+        for i in range(len(self.k)):
+            out.k[i].narrow(2, tp, self.len).copy_(self.k[i][u, :, j, : self.len])
+            out.v[i].narrow(2, tp, self.len).copy_(self.v[i][u, :, j, : self.len])
+        out.len = tp + self.len
+        return out
 
     def attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """q [B, 1, H, D] and this step's k/v [B, 1, kv heads, D] -> output [B, 1, H * D].
@@ -206,19 +224,60 @@ class Decoder:
             self.cache = SharedKV(pre.kv, p_mask, int(counts[0]), max(max_new - 1, 1))
         else:
             self.cache = StaticKV(pre.kv, rows, tp + max(max_new - 1, 0))
-        self.rot = None
-        if tables is not None:
-            cos, sin = lm.rotary(self.pos, x, tables)
-            self.rot = list(zip(cos.split(1, dim=1), sin.split(1, dim=1)))
+        self.rows, self.mask = rows, mask
+        self.cos_sin = None if tables is None else lm.rotary(self.pos, x, tables)
+        self._rotations()
         # Plain cache, padded prompts: the key mask for every step (padding, then new tokens).
         self.key_mask = None
-        if self.order is None and not bool(mask.all()):
-            full = torch.cat([mask.bool(), mask.new_ones((b, max_new), dtype=torch.bool)], dim=1)
-            self.key_mask = additive(full[:, None, None, :], lm.dtype)
+        if self.order is None:
+            self.key_mask = self._key_mask(mask, max_new)
         # The steps' projections: LoRA merged, big weights prepacked for b rows (worth its
         # one-off cost from a few steps on).
         self.ws = lm.decode_weights(b) if max_new > DECODE_PACK_MIN_STEPS else self.w
         self.t = 0
+
+    def _rotations(self) -> None:
+        """Each step's (cos, sin) [B, 1, 1, head_dim] from ``cos_sin`` (views, made once)."""
+        self.rot = None
+        if self.cos_sin is not None:
+            cos, sin = self.cos_sin
+            self.rot = list(zip(cos.split(1, dim=1), sin.split(1, dim=1)))
+
+    def _key_mask(self, mask: Tensor, max_new: int) -> Tensor | None:
+        """Additive key mask [n, 1, 1, Tp + max_new] of rows with prompt ``mask`` [n, Tp]
+        (None: no padding)."""
+        if bool(mask.all()):
+            return None
+        n = mask.shape[0]
+        full = torch.cat([mask.bool(), mask.new_ones((n, max_new), dtype=torch.bool)], dim=1)
+        return additive(full[:, None, None, :], self.lm.dtype)
+
+    def shrink(self, done: Tensor) -> Tensor | None:
+        """Stop computing the finished rows ``done`` [n] (caller's order) once they are
+        ``DROP_SHARE`` of the rows (half, the first time, when groups share their prompt's keys:
+        dropping gives each row its own copy of them). Returns the rows kept, or None."""
+        if not drop_due(done, 0.5 if self.order is not None else None):
+            return None
+        keep = ~done
+        idx = keep.nonzero().squeeze(1)
+        c = self.cache
+        if isinstance(c, SharedKV):  # rows are the caller's own rows: the first drop
+            where = self.back[idx]  # each kept row's place in group-by-group order
+            self.cache = c.unshared(self.rows[idx], where)
+            self.pos = self.pos[where]
+            if self.cos_sin is not None:
+                self.cos_sin = tuple(x[where] for x in self.cos_sin)
+            self.key_mask = self._key_mask(self.mask[idx], self.pos.shape[1])
+            self.order = self.back = None
+        else:
+            c.select(idx)
+            self.pos = self.pos[idx]
+            if self.cos_sin is not None:
+                self.cos_sin = tuple(x[idx] for x in self.cos_sin)
+            if self.key_mask is not None:
+                self.key_mask = self.key_mask[idx]
+        self._rotations()
+        return keep
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed ``tokens`` [B] (one per row); the logits [B, V] for the token after them."""

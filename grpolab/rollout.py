@@ -7,10 +7,13 @@ interface, ``Forward``:
 
 * ``decoder(ids, mask, max_new, shared)`` prefills prompts and returns a ``Decoder``, whose
   ``logits`` predict the first new token and whose ``step(tokens)`` feeds one token per row;
-  ``decode`` is the sampling loop over it (the only one);
+  ``decode`` is the sampling loop over it (the only one; finished rows leave a decoder that
+  can ``shrink``);
 * ``logits(ids, attn, pos, keep)`` is one teacher-forced forward; ``prefill`` and ``extend`` run
   each distinct prompt once and hand its keys and values to the rows that share it
-  (``shared_prefix_logits``, GRPO's G answers of a group).
+  (``shared_prefix_logits``, GRPO's G answers of a group). Where one prefill serves several
+  extends (``rescores``), answers of unequal length are scored in length buckets, real
+  positions only (``bucketed_hidden``).
 
 ``LMBackend`` builds ``generate`` and ``logprobs`` on them once: the reference-model choice (a
 frozen copy, or the policy with its LoRA adapters off) and the score-a-rollout pass live here.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -219,13 +223,32 @@ def draw_seed(generator: torch.Generator | None, high: int) -> int:
 
 
 class Decoder(Protocol):
-    """Sampling state of one batch: ``logits`` [B, V] predict each row's next token."""
+    """Sampling state of one batch: ``logits`` [B, V] predict each row's next token.
+
+    A decoder may also have ``shrink(done) -> keep or None``: told which of the rows it computes
+    have finished ([n] bool), it may stop computing them (returning the [n] mask of rows kept,
+    after which ``step`` takes and returns those rows only) or carry on (None).
+    """
 
     logits: Tensor
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed ``tokens`` [B]; the logits [B, V] for the token after them."""
         ...
+
+
+# A decoder drops finished rows once they are this share of the rows it computes: dropping
+# copies the KV cache, so it is done a few times a call, not at every finished row.
+DROP_SHARE = 0.25
+# False: the decode loop never asks a decoder to drop finished rows (for benchmarks).
+EARLY_EXIT = True
+
+
+def drop_due(done: Tensor, share: float | None = None) -> bool:
+    """Whether the finished rows ``done`` [n] are at least ``share`` (default ``DROP_SHARE``)
+    of the n rows, and at least one."""
+    share = DROP_SHARE if share is None else share
+    return int(done.sum()) >= max(1.0, share * done.shape[0])
 
 
 class Forward(Protocol):
@@ -247,12 +270,18 @@ def decode(dec: Decoder, max_new: int, temperature: float, eos_ids: list[int], p
     """The decode loop: draw a token per row, feed it, until every row has ended or max_new.
 
     Rows stop at their first EOS (PAD after it). Returns the completion ids [B, steps taken].
+    Finished rows leave the decoder's batch where it can ``shrink``; every row is still drawn
+    for (finished ones on their last logits, then masked), so the random stream is that of the
+    loop without early exit, and so is every answer up to float rounding (a matmul over fewer
+    rows may round differently, and a draw at a probability boundary could then flip).
     """
     logits = dec.logits
     b, dev = logits.shape[0], logits.device
     eos = torch.as_tensor(eos_ids, device=dev)
     out = torch.full((b, max_new), pad_id, dtype=torch.long, device=dev)
     done = torch.zeros(b, dtype=torch.bool, device=dev)
+    shrink = getattr(dec, "shrink", None) if EARLY_EXIT else None
+    live: Tensor | None = None  # the rows the decoder still computes (None: all)
     steps = max_new
     for t in range(max_new):
         nxt = draw(logits, temperature, generator).masked_fill(done, pad_id)
@@ -261,7 +290,14 @@ def decode(dec: Decoder, max_new: int, temperature: float, eos_ids: list[int], p
         if t == max_new - 1 or bool(done.all()):
             steps = t + 1
             break
-        logits = dec.step(nxt)
+        feed = nxt if live is None else nxt[live]
+        keep = None if shrink is None else shrink(done if live is None else done[live])
+        if keep is not None:
+            if live is None:
+                live, logits = torch.arange(b, device=dev), logits.clone()
+            live, feed = live[keep], feed[keep]
+        new = dec.step(feed)
+        logits = new if live is None else logits.index_copy_(0, live, new)
     return out[:, :steps]
 
 
@@ -301,6 +337,79 @@ def completion_logits(lm: Forward, ro: Rollout, device: torch.device,
     if shared is not None:
         return shared_prefix_logits(lm, ids, attn, pos, tc, tuple(x.to(device) for x in shared))
     return lm.logits(ids[:, :-1], attn[:, :-1], pos[:, :-1], keep=tc)
+
+
+# Answers of unequal length are scored in a few forwards, each cut to its longest answer; each
+# forward costs about this many answer positions on top of its own (per-op overhead; measured
+# on a 2-core CPU). On accelerators a forward's launch overhead is worth far more positions:
+# BUCKET_COST_ACCEL there, a guess (no GPU measurement yet).
+BUCKET_COST = 16
+BUCKET_COST_ACCEL = 256
+# False: one forward over every row, padded to the longest answer (for benchmarks).
+LENGTH_BUCKETS = True
+
+
+def answer_lengths(mask: Tensor) -> list[int]:
+    """Each row's scored length: up to its last real position (0 for a row with none)."""
+    tc = mask.shape[1]
+    last = torch.arange(1, tc + 1).mul(mask.cpu().bool()).amax(dim=1)
+    return [int(x) for x in last]
+
+
+def length_buckets(lengths: list[int], cost: float | None = None) -> list[list[int]]:
+    """Rows with answers (length > 0) in buckets of similar length, longest first: the split of
+    the rows sorted by length that minimises the positions scored, sum of (rows x longest +
+    ``cost``, default ``BUCKET_COST``) over buckets (exact, by dynamic programming over the
+    sorted rows)."""
+    cost = BUCKET_COST if cost is None else cost
+    order = sorted((r for r, n in enumerate(lengths) if n > 0), key=lambda r: -lengths[r])
+    ln = [lengths[r] for r in order]
+    n = len(ln)
+    best, cut = [0.0] + [math.inf] * n, [0] * (n + 1)
+    for i in range(1, n + 1):  # best[i]: the first i rows; a bucket j..i-1 is l[j] long
+        for j in range(i):
+            c = best[j] + (i - j) * ln[j] + cost
+            if c < best[i]:
+                best[i], cut[i] = c, j
+    out, i = [], n
+    while i:
+        out.append(order[cut[i]:i])
+        i = cut[i]
+    return out[::-1]
+
+
+def bucketed_hidden(lm: Forward, ro: Rollout, device: torch.device, share: bool,
+                    buckets: list[list[int]], lengths: list[int]) -> tuple[Tensor, Tensor]:
+    """``completion_logits`` of ``lm`` (a trunk: hidden states) at the real answer positions
+    only, bucket by bucket: ([N, D] for the N positions where ``ro.completion_mask`` is 1, their
+    flat indices row * Tc + column [N]). The prompts are run once for all buckets when shared.
+    """
+    ids = torch.cat([ro.prompt_ids, ro.completion_ids], dim=1).to(device)
+    attn = torch.cat([ro.prompt_mask, torch.ones_like(ro.completion_ids)], dim=1).to(device)
+    pos = pos_ids(attn)
+    tp = ro.prompt_ids.shape[1]
+    shared = shared_prompts(ro.prompt_ids, ro.prompt_mask) if share else None
+    if shared is not None:
+        u_ids, u_mask, inv = (x.to(device) for x in shared)
+        first, state = lm.prefill(u_ids, u_mask)
+    mask = ro.completion_mask.to(device).bool()
+    flat = torch.arange(mask.numel(), device=device).view_as(mask)
+    hs, where = [], []
+    for rows in buckets:
+        n = lengths[rows[0]]
+        r = torch.tensor(rows, device=device)
+        if shared is not None:
+            h = first[inv[r]]
+            if n > 1:
+                rest = lm.extend(state, inv[r], ids[r, tp:tp + n - 1], attn[r, :tp + n],
+                                 pos[r, tp:tp + n - 1])
+                h = torch.cat([h, rest], dim=1)
+        else:
+            h = lm.logits(ids[r, :tp + n - 1], attn[r, :tp + n - 1], pos[r, :tp + n - 1], keep=n)
+        m = mask[r, :n]
+        hs.append(h[m])
+        where.append(flat[r, :n][m])
+    return torch.cat(hs), torch.cat(where)
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -385,20 +494,41 @@ class LMBackend:
         share = self.share_prompts and getattr(lm, "shares", True)
         head = lm.linear_head() if self.logit_chunk and hasattr(lm, "linear_head") else None
         if head is not None and not entropy:  # (an entropy bonus needs the full logits)
-            hidden = completion_logits(lm.trunk(), ro, self.device, share)
             linear = packed_linear(*head, self.logit_chunk) if self.cpu_pack else None
-            lp, ent = head_logprobs(hidden, *head, ro.completion_ids.to(hidden.device), 1.0 / t,
-                                    self.logit_chunk, entropy=entropy is not None,
-                                    linear=linear)
-            return lp.cpu() if entropy is None else (lp.cpu(), ent.cpu())
-        logits = completion_logits(lm, ro, self.device, share)
-        if t != 1.0:  # x / 1 == x: skip a [B, Tc, V] copy
-            logits = logits / t
-        targets = ro.completion_ids.to(logits.device)
-        if entropy is None:
-            return token_logprobs(logits, targets).cpu()
-        lp, ent = token_logprobs_and_entropy(logits, targets, entropy)
-        return lp.cpu(), ent.cpu()
+            lengths = answer_lengths(ro.completion_mask)
+            cost = BUCKET_COST if self.device.type == "cpu" else BUCKET_COST_ACCEL
+            buckets = (length_buckets(lengths, cost) if getattr(lm, "rescores", False)
+                       and LENGTH_BUCKETS else [])
+            if len(buckets) > 1 or (buckets and sum(lengths) < len(lengths) * tc):
+                # answers of unequal length: only their real positions, in a few forwards
+                hidden, where = bucketed_hidden(lm.trunk(), ro, self.device, share, buckets,
+                                                lengths)
+                targets = ro.completion_ids.to(hidden.device).reshape(-1)[where]
+                lp, ent = head_logprobs(hidden, *head, targets, 1.0 / t, self.logit_chunk,
+                                        entropy=entropy is not None, linear=linear)
+                n = ro.completion_ids.numel()
+                lp, ent = (x.new_zeros(n).index_copy(0, where, x).view(ro.completion_ids.shape)
+                           for x in (lp, ent))
+            else:
+                hidden = completion_logits(lm.trunk(), ro, self.device, share)
+                lp, ent = head_logprobs(hidden, *head, ro.completion_ids.to(hidden.device),
+                                        1.0 / t, self.logit_chunk,
+                                        entropy=entropy is not None, linear=linear)
+        else:
+            logits = completion_logits(lm, ro, self.device, share)
+            if t != 1.0:  # x / 1 == x: skip a [B, Tc, V] copy
+                logits = logits / t
+            targets = ro.completion_ids.to(logits.device)
+            if entropy is None:
+                lp, ent = token_logprobs(logits, targets), None
+            else:
+                lp, ent = token_logprobs_and_entropy(logits, targets, entropy)
+        # Every path scores 0 where the mask is 0 (after an answer's end), so log-probs from
+        # different paths (the policy's with an entropy bonus, the reference's) never meet
+        # there: exp of their difference could overflow, and inf x mask 0 is NaN.
+        real = ro.completion_mask.to(lp.device).bool()
+        lp = torch.where(real, lp, 0.0).cpu()
+        return lp if entropy is None else (lp, torch.where(real, ent, 0.0).cpu())
 
     # -- what a subclass provides --
     def encode_prompts(self, prompts: list[Any]) -> tuple[Tensor, Tensor]:

@@ -119,11 +119,13 @@ def test_real_model_bench_ab_alternates_levers_in_one_process(tiny_chat_model: s
                                                              tmp_path: Path) -> None:
     """--ab: after a warm-up, each round runs one step as shipped and one per lever switched
     off, all in one process; the table averages them against the shipped steps."""
-    out = run_real(tiny_chat_model, tmp_path, "--ab", "no-pack,no-chunk", "--rounds", "2",
+    levers = ("no-pack", "no-chunk", "no-early-exit", "no-buckets")
+    out = run_real(tiny_chat_model, tmp_path, "--ab", ",".join(levers), "--rounds", "2",
                    "--fixed-length")
     full = row(out, "full: as shipped")
     assert full[0] == "2" and full[-1] == "1.00x"
-    for lever in ("no-pack", "no-chunk"):
+    assert full[5] == "48" and float(full[6]) > 0  # tokens/step, generation ms per token
+    for lever in levers:
         assert len(re.findall(rf"round \d {lever}", out)) == 2
         m = re.search(rf"^\| {lever}: [^|]+\| 2 \| ([0-9.]+) \|", out, re.MULTILINE)
         assert m and float(m.group(1)) > 0, out
