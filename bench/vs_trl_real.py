@@ -683,6 +683,9 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + (args.time_limit or 1e9)
     machine = (f"machine: {info['cpu']}, {info['nproc']} CPUs visible, torch threads "
                f"{args.threads}")
+    malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    if malloc:  # glibc's allocator settings change peak RSS (freed memory kept or returned)
+        machine += "; " + ", ".join(f"{k}={v}" for k, v in sorted(malloc.items()))
     if args.ab_list:
         report = ab_main(args) + "\n" + machine
     elif args.length_list:
