@@ -262,20 +262,18 @@ class Decoder:
         idx = keep.nonzero().squeeze(1)
         c = self.cache
         if isinstance(c, SharedKV):  # rows are the caller's own rows: the first drop
-            where = self.back[idx]  # each kept row's place in group-by-group order
-            self.cache = c.unshared(self.rows[idx], where)
-            self.pos = self.pos[where]
-            if self.cos_sin is not None:
-                self.cos_sin = tuple(x[where] for x in self.cos_sin)
+            sel = self.back[idx]  # each kept row's place in group-by-group order
+            self.cache = c.unshared(self.rows[idx], sel)
             self.key_mask = self._key_mask(self.mask[idx], self.pos.shape[1])
             self.order = self.back = None
         else:
+            sel = idx
             c.select(idx)
-            self.pos = self.pos[idx]
-            if self.cos_sin is not None:
-                self.cos_sin = tuple(x[idx] for x in self.cos_sin)
             if self.key_mask is not None:
                 self.key_mask = self.key_mask[idx]
+        self.pos = self.pos[sel]  # (pos and rotations are in the cache's row order)
+        if self.cos_sin is not None:
+            self.cos_sin = tuple(x[sel] for x in self.cos_sin)
         self._rotations()
         return keep
 

@@ -329,14 +329,24 @@ def completion_logits(lm: Forward, ro: Rollout, device: torch.device,
     [left-padded prompt | completion] with position ids counting real tokens only (as sampling
     does), or with ``share_prompts`` each distinct prompt run once."""
     tc = ro.completion_ids.shape[1]
+    ids, attn, pos, shared = _scoring_inputs(ro, device, share_prompts)
+    if shared is not None:
+        return shared_prefix_logits(lm, ids, attn, pos, tc, shared)
+    return lm.logits(ids[:, :-1], attn[:, :-1], pos[:, :-1], keep=tc)
+
+
+def _scoring_inputs(ro: Rollout, device: torch.device, share_prompts: bool
+                    ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+    """[prompt | completion] ids, attention mask and position ids (counting real tokens only,
+    as sampling does) on ``device``, and ``shared_prompts`` of the prompts (with
+    ``share_prompts``, else None)."""
     ids = torch.cat([ro.prompt_ids, ro.completion_ids], dim=1)
     attn = torch.cat([ro.prompt_mask, torch.ones_like(ro.completion_ids)], dim=1)
     pos = pos_ids(attn)
     shared = shared_prompts(ro.prompt_ids, ro.prompt_mask) if share_prompts else None
-    ids, attn, pos = ids.to(device), attn.to(device), pos.to(device)
     if shared is not None:
-        return shared_prefix_logits(lm, ids, attn, pos, tc, tuple(x.to(device) for x in shared))
-    return lm.logits(ids[:, :-1], attn[:, :-1], pos[:, :-1], keep=tc)
+        shared = tuple(x.to(device) for x in shared)
+    return ids.to(device), attn.to(device), pos.to(device), shared
 
 
 # Answers of unequal length are scored in a few forwards, each cut to its longest answer; each
@@ -384,13 +394,10 @@ def bucketed_hidden(lm: Forward, ro: Rollout, device: torch.device, share: bool,
     only, bucket by bucket: ([N, D] for the N positions where ``ro.completion_mask`` is 1, their
     flat indices row * Tc + column [N]). The prompts are run once for all buckets when shared.
     """
-    ids = torch.cat([ro.prompt_ids, ro.completion_ids], dim=1).to(device)
-    attn = torch.cat([ro.prompt_mask, torch.ones_like(ro.completion_ids)], dim=1).to(device)
-    pos = pos_ids(attn)
+    ids, attn, pos, shared = _scoring_inputs(ro, device, share)
     tp = ro.prompt_ids.shape[1]
-    shared = shared_prompts(ro.prompt_ids, ro.prompt_mask) if share else None
     if shared is not None:
-        u_ids, u_mask, inv = (x.to(device) for x in shared)
+        u_ids, u_mask, inv = shared
         first, state = lm.prefill(u_ids, u_mask)
     mask = ro.completion_mask.to(device).bool()
     flat = torch.arange(mask.numel(), device=device).view_as(mask)
