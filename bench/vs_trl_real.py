@@ -13,7 +13,9 @@ settings:
 * B completions per optimizer step (B / G prompts x G answers), one generation per step, one
   optimisation pass, no gradient accumulation, at most L new tokens, temperature 1, no
   top-k/top-p, beta (KL to the reference), Adam(W) at a constant lr, no weight decay, gradient
-  clipping at 1, float32, no gradient checkpointing;
+  clipping at 1, float32 (``--dtype bfloat16``: both in bfloat16, TRL with ``bf16=True``,
+  grpolab with ``dtype: bfloat16``; the LoRA adapters stay float32 in both), no gradient
+  checkpointing;
 * LoRA r=8, alpha 16, dropout 0 on q_proj, k_proj, v_proj, o_proj for both (peft); the reference
   is the model with the adapters off in both (no copy);
 * per-reply mean loss (TRL ``loss_type='grpo'`` == grpolab ``seq_mean_token_mean``), group std
@@ -39,7 +41,8 @@ per step and generated tokens per second are printed next to steps/s.
 
 With ``--flops`` (default on) the children of the last round run one more step under
 ``torch.utils.flop_counter.FlopCounterMode`` after their timed steps and after reading their
-peak memory; the parent measures the machine's float32 matmul rate at the same thread count.
+peak memory; the parent measures the machine's matmul rate (in ``--dtype``) at the same thread
+count.
 Counted work / rate is the floor for that trainer's step on this machine.
 """
 
@@ -169,10 +172,11 @@ def child_trl(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
         temperature=1.0, top_k=0, top_p=1.0, beta=args.beta, epsilon=0.2,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, loss_type="grpo", scale_rewards="group", disable_dropout=True,
-        gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, report_to="none",
+        gradient_checkpointing=False, bf16=args.dtype == "bfloat16", fp16=False, use_cpu=True,
+        report_to="none",
         logging_steps=10**6, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         max_steps=args.warmup + args.steps, seed=args.seed,
-        model_init_kwargs={"dtype": torch.float32},
+        model_init_kwargs={"dtype": getattr(torch, args.dtype)},
         # --fixed-length: no EOS before max_new_tokens, so both trainers do the same work
         generation_kwargs=({"min_new_tokens": args.max_new_tokens} if args.fixed_length else {}),
     )
@@ -223,7 +227,13 @@ LAB_VARIANTS = {  # --levers: grpolab with one lever changed (in its own process
     "micro8": "micro_batch 8: the update in 8-row forward/backward passes",
     "micro4": "micro_batch 4",
     "ckpt": "gradient checkpointing: each layer recomputed in backward",
+    "bf16": "dtype bfloat16: the frozen weights and matmuls in bfloat16 (LoRA adapters, "
+            "optimizer and log-softmax in float32)",
 }
+
+
+def lab_dtype(args: argparse.Namespace) -> str:
+    return "bfloat16" if args.variant == "bf16" else args.dtype
 
 
 def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) -> Any:
@@ -240,7 +250,7 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
         baseline="mean", scale="std", std="sample", std_eps=1e-4, eval_every=10**6,
         checkpoint_every=0, progress=False, model_path=model_dir, use_chat_template=True,
         lora=True, lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=TARGETS,
-        dtype="float32", logit_chunk=0 if args.variant == "no-chunk" else 256,
+        dtype=lab_dtype(args), logit_chunk=0 if args.variant == "no-chunk" else 256,
         cpu_pack=args.variant != "no-pack",
         micro_batch={"micro8": 8, "micro4": 4}.get(args.variant, 0),
         gradient_checkpointing=args.variant == "ckpt",
@@ -252,7 +262,7 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
 
         hb.shared_prompts = lambda ids, mask: None  # sampling: one prefill per row
         hb.HFBackend.share_prompts = property(lambda self: False)  # scoring: one pass per row
-    model, tok = load_model(model_dir, device="cpu", dtype="float32")
+    model, tok = load_model(model_dir, device="cpu", dtype=lab_dtype(args))
     backend = make_backend(cfg, model, tok)
     if args.variant in AB_SWITCHES:
         AB_SWITCHES[args.variant](backend, False)
@@ -348,14 +358,17 @@ def child_main(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- parent
 
 
-def matmul_rate(threads: int, tokens: int, hidden: int, inter: int, vocab: int) -> float:
-    """FLOP/s of the fastest of a few float32 matmuls (the model's shapes and a square one)."""
+def matmul_rate(threads: int, tokens: int, hidden: int, inter: int, vocab: int,
+                dtype: str = "float32") -> float:
+    """FLOP/s of the fastest of a few matmuls in ``dtype`` (the model's shapes and a square
+    one)."""
     import torch
 
     torch.set_num_threads(threads)
     best = 0.0
     for m, k, n in [(tokens, hidden, vocab), (tokens, hidden, inter), (1024, 1024, 1024)]:
-        a, w = torch.randn(m, k), torch.randn(n, k)
+        a, w = torch.randn(m, k, dtype=getattr(torch, dtype)), torch.randn(
+            n, k, dtype=getattr(torch, dtype))
         torch.nn.functional.linear(a, w)
         reps = 3
         t0 = time.perf_counter()
@@ -391,7 +404,7 @@ def run_child(args: argparse.Namespace, who: str, rnd: int, flops: bool,
            "--batch", str(args.batch), "--group-size", str(args.group_size),
            "--max-new-tokens", str(max_new or args.max_new_tokens), "--threads", str(threads),
            "--lr", str(args.lr), "--beta", str(args.beta), "--seed", str(args.seed),
-           "--variant", variant]
+           "--variant", variant, "--dtype", args.dtype]
     if flops:
         cmd.append("--flops")
     if args.fixed_length:
@@ -485,7 +498,7 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
     ]
     if "floor" in lab and "floor" in trl:
         lines.append(f"floor: matmul+attention FLOPs of one step (torch.utils.flop_counter) / "
-                     f"{rate / 1e9:.0f} GFLOP/s (best float32 matmul here at {args.threads} "
+                     f"{rate / 1e9:.0f} GFLOP/s (best {args.dtype} matmul here at {args.threads} "
                      f"threads); TRL does {trl['gflop'] / lab['gflop']:.2f}x grpolab's counted "
                      f"work (sampled lengths differ); TRL's measured time / grpolab's floor = "
                      f"{trl['t'] / trl['steps'] / lab['floor']:.2f}x (the most any trainer "
@@ -512,6 +525,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="completions per optimizer step")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="torch threads in every child")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and matmuls of both trainers (bfloat16: TRL with bf16=True, "
+                        "grpolab with dtype bfloat16; LoRA adapters stay float32 in both)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--seed", type=int, default=0)
@@ -677,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {"cpu": cpu_name(), "nproc": os.cpu_count()}
     print(f"model {args.model}\nGRPO: G={args.group_size}, {args.batch} completions/step, max "
           f"{args.max_new_tokens} new tokens{' (no EOS)' if args.fixed_length else ''}, T=1, "
-          f"beta={args.beta}, LoRA r=8 alpha 16 on {','.join(TARGETS)}, float32, "
+          f"beta={args.beta}, LoRA r=8 alpha 16 on {','.join(TARGETS)}, {args.dtype}, "
           f"{args.threads} threads; {args.rounds} rounds x {args.steps} timed steps "
           f"(+{args.warmup} warm-up) per trainer, one process each; {info['cpu']}", flush=True)
     deadline = time.monotonic() + (args.time_limit or 1e9)
@@ -730,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
         rate = None
         if args.flops:
             rate = matmul_rate(args.threads, args.batch * args.max_new_tokens,
-                               cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"])
+                               cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"],
+                               args.dtype)
         report = print_report(args, res, rate, info)
     print("\n" + report)
     if args.out:

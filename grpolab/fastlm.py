@@ -247,7 +247,9 @@ class FastLM:
         # the model's gradient checkpointing: forwards with autograd keep each layer's input
         # only and recompute the layer in backward
         self.checkpoint = checkpointing(hf)
-        self.pack = True  # the decode loop on merged, prepacked weights (decode_weights)
+        # the decode loop on merged, prepacked weights (decode_weights) and, for bfloat16
+        # models on CPU, a float32 cache (kvcache.decode_kv_dtype); off: HF's operations
+        self.pack = True
         self.rescores = True  # one prefill's state serves several extends (length buckets)
 
     @property
@@ -327,10 +329,11 @@ class FastLM:
             return kv.attend(i, q, k, v, scale)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         k, v = kv.update(i, k, v)
+        dt = q.dtype  # a float32 decode cache under a bfloat16 model (kvcache.decode_kv_dtype)
         causal = mask is None and t > 1 and k.shape[2] == t
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, is_causal=causal,
                                            scale=scale, enable_gqa=self.kv_heads != self.heads)
-        return o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        return o.to(dt).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
 
     def _llama_layer(self, i: int, r: _Layer, x: Tensor, cos: Tensor, sin: Tensor,
                      mask: Tensor | None, kv: Any) -> Tensor:

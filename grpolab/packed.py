@@ -4,18 +4,22 @@ Sampling feeds one token per row through every projection, 64-512 times per step
 same weights each time. Two things make that cheaper than the training forward's matmuls:
 
 * a peft LoRA layer becomes one matmul on W + scale * B @ A (built once per sampling call)
-  instead of three matmuls, an add and peft's Python per token;
-* on CPU, a float32 weight of at least ``PACK_MIN`` elements is reordered once for oneDNN
-  (``torch.ops.mkldnn``), whose small-batch matmul beats MKL's on such shapes (measured on a
-  2-core EPYC at 32 rows: SmolLM2's 49152 x 576 head 2.4x, its MLP 1.1-1.3x; smaller weights
-  lose to the call overhead, so they stay on ``F.linear``).
+  instead of three matmuls, an add and peft's Python per token; float32 adapters on a
+  bfloat16 base stay apart (their sum rounded to bfloat16 would lose the adapters' small
+  updates) and run as peft runs them, on the prepacked base;
+* on CPU, a float32 weight of at least ``PACK_MIN`` elements (bfloat16: ``PACK_MIN_BF16``, on
+  CPUs with bfloat16 instructions) is reordered once for oneDNN (``torch.ops.mkldnn``), whose
+  small-batch matmul beats MKL's on such shapes (measured on a 2-core EPYC at 32 rows:
+  SmolLM2's 49152 x 576 head 2.4x in float32, 1.5x in bfloat16; its MLP 1.1-1.3x; smaller
+  float32 weights lose to the call overhead, so they stay on ``F.linear``).
 
-Both compute the same maths with another rounding order (float32, relative ~1e-6). The sampled
-tokens are scored afterwards by the training forward, so the loss never mixes the two.
+Both compute the same maths with another rounding order. The sampled tokens are scored
+afterwards by the training forward, so the loss never mixes the two.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 
@@ -26,22 +30,24 @@ from torch import Tensor, nn
 Fn = Callable[[Tensor], Tensor]
 
 PACK_MIN = 1 << 19  # elements; below it oneDNN's per-call overhead outweighs its gain
+PACK_MIN_BF16 = 1 << 16  # bfloat16 (Zen 4, 32 rows: even SmolLM2's 576 x 192 gains 1.15x)
 
 
-def merged_weight(m: nn.Module) -> tuple[Tensor, Tensor | None] | None:
-    """(weight [out, in], bias) of the map ``m`` computes, LoRA adapters folded in; None for
-    anything but a plain ``nn.Linear`` or a peft LoRA layer around one (DoRA, dropout that is
-    on, quantised bases: the module itself runs)."""
+def lora_parts(m: nn.Module) -> tuple[Tensor, Tensor | None, list[tuple[str, float]]] | None:
+    """(base weight [out, in], bias, [(adapter, scaling)] active) of ``m``: a plain
+    ``nn.Linear`` (no adapters) or a peft LoRA layer around one whose active adapters are plain
+    LoRA; None for anything else (DoRA, dropout that is on, quantised bases, adapters merged
+    in place: the module itself runs)."""
     if type(m) is nn.Linear:
-        return m.weight, m.bias
+        return m.weight, m.bias, []
     base = getattr(m, "base_layer", None)
     if type(base) is not nn.Linear or not hasattr(m, "get_delta_weight"):
         return None
     if getattr(m, "merged", False):
         return None  # adapters folded into the base in place: peft's own forward knows how
     if getattr(m, "disable_adapters", False):
-        return base.weight, base.bias  # adapters off: the reference
-    w = base.weight
+        return base.weight, base.bias, []  # adapters off: the reference
+    names = []
     for name in m.active_adapters:
         if name not in m.lora_A:
             continue
@@ -50,18 +56,63 @@ def merged_weight(m: nn.Module) -> tuple[Tensor, Tensor | None] | None:
                 or getattr(m, "use_dora", {}).get(name) or getattr(m, "lora_bias", {}).get(name)
                 or (drop.training and isinstance(drop, nn.Dropout) and drop.p > 0)):
             return None
+        names.append((name, float(m.scaling[name])))
+    return base.weight, base.bias, names
+
+
+def merged_weight(m: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """(weight [out, in], bias) of the map ``m`` computes, LoRA adapters folded in; None where
+    ``lora_parts`` is None or an adapter's dtype is not the base's (float32 adapters on a
+    bfloat16 base: rounding the sum to bfloat16 would drop the adapters' small updates)."""
+    parts = lora_parts(m)
+    if parts is None:
+        return None
+    w, b, names = parts
+    for name, _ in names:
         delta = m.get_delta_weight(name)
-        if delta.dtype != w.dtype:  # e.g. float32 adapters on a bfloat16 base: rounding the
-            return None             # sum to the base's dtype would change the maths
+        if delta.dtype != w.dtype:
+            return None
         w = w + delta
-    return w, base.bias
+    return w, b
+
+
+def lowrank_linear(m: nn.Module, base: Fn) -> Fn | None:
+    """``m``'s map as ``base`` (its base layer's, e.g. prepacked) plus each adapter's
+    B(A(x)) * scaling in the adapters' dtype, the sum rounded to the base's output dtype:
+    peft's own sequence of operations, for adapters that cannot be merged (``merged_weight``);
+    None where ``lora_parts`` is None."""
+    parts = lora_parts(m)
+    if parts is None:
+        return None
+    terms = [(m.lora_A[n].weight, m.lora_B[n].weight, s) for n, s in parts[2]]
+    if not terms:
+        return base
+
+    def f(x: Tensor) -> Tensor:
+        out = base(x)
+        dt = out.dtype
+        for a, bw, s in terms:
+            out = out + F.linear(F.linear(x.to(a.dtype), a), bw) * s
+        return out.to(dt)
+
+    return f
 
 
 def can_pack(w: Tensor) -> bool:
-    """Whether ``w`` goes through oneDNN: a big float32 CPU weight, oneDNN built in."""
-    return (w.device.type == "cpu" and w.dtype == torch.float32 and w.numel() >= PACK_MIN
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether ``w`` goes through oneDNN: a big float32 CPU weight, or a bfloat16 one of at
+    least ``PACK_MIN_BF16`` elements on a CPU with bfloat16 instructions; oneDNN built in."""
+    if (w.device.type != "cpu" or not torch.backends.mkldnn.is_available()
+            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if w.dtype == torch.float32:
+        return w.numel() >= PACK_MIN
+    return w.dtype == torch.bfloat16 and w.numel() >= PACK_MIN_BF16 and _bf16_cpu()
+
+
+@functools.cache
+def _bf16_cpu() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check is not None and check())
 
 
 # id(frozen weight) -> (weak reference to it, (version counter, address), its oneDNN copy);
@@ -113,10 +164,13 @@ def decode_proj(m: nn.Module, rows: int, fallback: Callable[[nn.Module], Fn]) ->
     """The decode loop's function for projection ``m`` at ``rows`` rows a call (see module
     docstring); ``fallback(m)`` where ``m`` is neither a linear nor a plain LoRA linear."""
     wb = merged_weight(m)
-    if wb is None:
+    if wb is not None:
+        return packed_linear(*wb, rows)
+    parts = lora_parts(m)
+    if parts is None:
         return fallback(m)
-    return packed_linear(*wb, rows)
+    return lowrank_linear(m, packed_linear(parts[0], parts[1], rows)) or fallback(m)
 
 
-__all__ = ["PACK_MIN", "can_pack", "clear_packed", "decode_proj", "merged_weight", "packed_linear",
-           "packed_weight"]
+__all__ = ["PACK_MIN", "PACK_MIN_BF16", "can_pack", "clear_packed", "decode_proj", "lora_parts",
+           "lowrank_linear", "merged_weight", "packed_linear", "packed_weight"]

@@ -87,11 +87,14 @@ def row(out: str, name: str) -> list[str]:
     return [c.strip() for c in m.group(1).split("|")]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_real_model_bench_side_by_side_at_fixed_length(tiny_chat_model: str,
-                                                       tmp_path: Path) -> None:
+                                                       tmp_path: Path, dtype: str) -> None:
     """Both trainers in their own processes on one HF folder; with --fixed-length every
-    completion runs to --max-new-tokens in both, so the work is equal: 8 x 6 tokens."""
-    out = run_real(tiny_chat_model, tmp_path, "--fixed-length")
+    completion runs to --max-new-tokens in both, so the work is equal: 8 x 6 tokens; --dtype
+    bfloat16 runs both in bfloat16 (TRL bf16=True, grpolab dtype bfloat16)."""
+    out = run_real(tiny_chat_model, tmp_path, "--fixed-length", "--dtype", dtype)
+    assert f"q_proj,k_proj,v_proj,o_proj, {dtype}, 1 threads" in out
     for name in ("TRL GRPOTrainer", "grpolab"):
         cells = row(out, name)
         assert float(cells[0]) > 0  # steps/s
@@ -103,9 +106,11 @@ def test_real_model_bench_side_by_side_at_fixed_length(tiny_chat_model: str,
 def test_real_model_bench_levers_and_lengths(tiny_chat_model: str, tmp_path: Path) -> None:
     """--levers runs grpolab variants against the build as shipped; --lengths measures both
     trainers (and the variants) at each completion length."""
-    out = run_real(tiny_chat_model, tmp_path, "--levers", "full,no-chunk", "--fixed-length")
+    out = run_real(tiny_chat_model, tmp_path, "--levers", "full,no-chunk,bf16",
+                   "--fixed-length")
     assert row(out, "full")[-2:] == ["1.00x", "1.00x"]
-    assert float(row(out, "no-chunk")[5]) == 48  # the same work in every variant
+    for lever in ("no-chunk", "bf16"):
+        assert float(row(out, lever)[5]) == 48  # the same work in every variant
     out = run_real(tiny_chat_model, tmp_path, "--lengths", "5", "--levers", "micro4")
     for n in (5,):
         for name in ("TRL GRPOTrainer", "grpolab full", "grpolab micro4"):

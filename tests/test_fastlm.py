@@ -531,8 +531,19 @@ def test_bfloat16_model_matches_hf(paths: dict[str, str], name: str, cache_kind:
                 p.fill_(0.02)
     prompts = [p for p in PROMPTS for _ in range(3)]
     ids, mask = be.encode_prompts(prompts)
+    be._fast.pack = False  # HF's operations in HF's dtypes: greedy decoding is HF's
     greedy = be._sample(ids, mask, 0.0, 10, seed=0)
     assert torch.equal(greedy, be._hf_generate(ids, mask, 0.0, 10, seed=0))
+    shared = shared_prompts(ids, mask)
+    with torch.inference_mode():  # as shipped: float32 keys/values, fed HF's greedy tokens
+        runs = []
+        for pack in (False, True):
+            be._fast.pack = pack
+            dec = kvcache.Decoder(be._fast, ids, mask, 11, shared)
+            assert dec.kv_dtype == (torch.float32 if pack else torch.bfloat16)
+            runs.append([dec.logits] + [dec.step(greedy[:, t]) for t in range(9)])
+    for a, b in zip(*runs, strict=True):  # bf16 rounding apart (its resolution is 2^-8)
+        torch.testing.assert_close(b.float(), a.float(), atol=3e-2, rtol=2e-2)
     ro = be.generate(prompts, 1.0, 10, torch.Generator().manual_seed(1))
     m = ro.completion_mask.bool()
     fast = be.logprobs(ro, 0.7)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from grpolab import packed, rollout
 from grpolab.hf_backend import HFBackend
@@ -72,12 +72,37 @@ def test_merged_weight_refuses_what_it_would_change(lora_backend: HFBackend) -> 
         m.lora_dropout[name] = nn.Identity()
 
 
+def test_float32_adapters_on_a_bfloat16_base_run_as_peft_runs_them(
+        lora_backend: HFBackend) -> None:
+    """The decode loop's map of a LoRA layer whose float32 adapters cannot be merged into its
+    bfloat16 base: peft's operations in peft's dtypes (bit-identical on the same base matmul),
+    the adapters' small updates kept (a merged bfloat16 weight would round them away)."""
+    m = _lora_layers(lora_backend)[0]
+    m.base_layer.to(torch.bfloat16)
+    try:
+        x = torch.randn(6, m.base_layer.in_features).bfloat16()
+        base = m.base_layer
+        with torch.no_grad():
+            want = m(x)
+            f = packed.lowrank_linear(m, lambda x: F.linear(x, base.weight, base.bias))
+            got = f(x)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+            assert not torch.equal(want, base(x))  # the adapters count
+            dec = packed.decode_proj(m, 6, lambda _: pytest.fail("fell back to the module"))
+            torch.testing.assert_close(dec(x), want, atol=2e-2, rtol=2e-2)  # packed: bf16 rounding
+            with lora_backend.model.disable_adapter():  # the reference: the base alone
+                assert torch.equal(packed.lowrank_linear(m, base)(x), base(x))
+        assert packed.lowrank_linear(nn.Conv1d(3, 4, 1), base) is None
+    finally:
+        m.base_layer.to(torch.float32)
+
+
 @pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")
 def test_packed_weight_is_kept_while_frozen_and_redone_when_changed() -> None:
     w = torch.randn(16, 8)
     x = torch.randn(3, 8)
-    old = packed.PACK_MIN
-    packed.PACK_MIN = 0
+    old = packed.PACK_MIN, packed.PACK_MIN_BF16
+    packed.PACK_MIN = packed.PACK_MIN_BF16 = 0
     try:
         first = packed.packed_weight(w, 3)
         assert first is not None and packed.packed_weight(w, 3) is first  # kept
@@ -94,9 +119,16 @@ def test_packed_weight_is_kept_while_frozen_and_redone_when_changed() -> None:
                                    atol=1e-6, rtol=1e-5)
         trained = torch.randn(16, 8, requires_grad=True)  # trained weights keep no copy
         assert packed.packed_weight(trained, 3) is not packed.packed_weight(trained, 3)
-        assert packed.packed_weight(w.double(), 3) is None  # float32 only
+        assert packed.packed_weight(w.double(), 3) is None  # float32 and bfloat16 only
+        wb = w.bfloat16()
+        if packed._bf16_cpu():  # bfloat16 weights pack where the CPU has bf16 instructions
+            torch.testing.assert_close(packed.packed_linear(wb, None, 3)(x.bfloat16()),
+                                       F.linear(x.bfloat16(), wb), atol=0.1, rtol=1e-2)
+            assert packed.packed_weight(wb, 3) is not None
+        else:
+            assert packed.packed_weight(wb, 3) is None
     finally:
-        packed.PACK_MIN = old
+        packed.PACK_MIN, packed.PACK_MIN_BF16 = old
 
 
 @pytest.mark.parametrize("pack_all", [False, True])
@@ -124,6 +156,40 @@ def test_decoder_on_decode_weights_matches_the_training_forward(
     fast.pack = True
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-5)
+
+
+def test_bfloat16_decoder_keeps_the_adapters(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 model with float32 adapters: the decode loop runs the adapters beside the
+    (packed, where the CPU has bfloat16 instructions) base, so its logits follow peft's
+    forward step by step, and differ from the base's (the adapters are not rounded away)."""
+    monkeypatch.setattr(packed, "PACK_MIN_BF16", 0)
+    path = make_tiny_model(tmp_path, hidden=32, heads=4, arch="llama")
+    be = HFBackend(*load_model(path, device="cpu", dtype="bfloat16"), reference=False, lora=True,
+                   lora_target_modules=["q_proj", "v_proj", "up_proj"])
+    with torch.no_grad():
+        for n, p in be.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    ids, mask = be.encode_prompts([p for p in ("2 + 3 =", "Compute 12 * 7.") for _ in range(3)])
+    shared = rollout.shared_prompts(ids, mask)
+    fast, steps = be._fast, 12
+    tokens = torch.randint(3, 60, (ids.shape[0], steps), generator=torch.Generator().manual_seed(0))
+
+    def run(pack: bool) -> list[Tensor]:
+        fast.pack = pack
+        dec = Decoder(fast, ids, mask, steps + 1, shared)
+        assert isinstance(dec.ws.layers[0].q, nn.Module) != pack  # peft's layer, or ours
+        return [dec.logits] + [dec.step(tokens[:, t]) for t in range(steps)]
+
+    with torch.inference_mode():
+        peft_run, ours = run(False), run(True)
+        with be.model.disable_adapter():
+            base = run(True)
+    fast.pack = True
+    for a, b, c in zip(peft_run, ours, base, strict=True):
+        assert b.dtype == torch.bfloat16
+        torch.testing.assert_close(b.float(), a.float(), atol=0.1, rtol=0.05)
+    assert max((a.float() - c.float()).abs().max() for a, c in zip(peft_run, base)) > 0.2
 
 
 @pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")
