@@ -214,6 +214,8 @@ LAB_VARIANTS = {  # --levers: grpolab with one lever changed (in its own process
     "full": "as shipped",
     "no-pack": "cpu_pack off: sampling through peft's LoRA layers and MKL matmuls, the "
                "scoring head on F.linear",
+    "no-score-pack": "the scoring passes' frozen linears on MKL (F.linear) instead of "
+                     "oneDNN copies (forward and input gradient)",
     "no-chunk": "logit_chunk 0: the [tokens, vocab] logits held whole when scoring",
     "no-eager-head": "the chunked head's backward recomputes each chunk's logits (instead of "
                      "forward finishing the hidden states' gradient under a frozen head)",
@@ -612,6 +614,12 @@ def _switch_pack(be: Any, on: bool) -> None:
         be._fast.pack = on
 
 
+def _switch_score_pack(be: Any, on: bool) -> None:
+    from grpolab import fastlm
+
+    fastlm.SCORE_PACK = on
+
+
 def _switch_chunk(be: Any, on: bool) -> None:
     from grpolab.config import Config
 
@@ -637,7 +645,8 @@ def _switch_buckets(be: Any, on: bool) -> None:
 
 
 # --ab: levers that switch at run time (backend, lever on?), so one process can alternate them
-AB_SWITCHES = {"no-pack": _switch_pack, "no-chunk": _switch_chunk,
+AB_SWITCHES = {"no-pack": _switch_pack, "no-score-pack": _switch_score_pack,
+               "no-chunk": _switch_chunk,
                "no-eager-head": _switch_eager_head, "no-early-exit": _switch_early_exit,
                "no-buckets": _switch_buckets}
 

@@ -135,8 +135,8 @@ class Config:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of the model's weights
     gradient_checkpointing: bool = False  # recompute each layer in backward: memory for time
     logit_chunk: int = 256  # answer tokens scored through the LM head at a time (0 = all at once)
-    cpu_pack: bool = True  # CPU float32: sample on LoRA-merged, oneDNN-prepacked weights, and
-    #                        score through a prepacked head (same maths, other rounding ~1e-6)
+    cpu_pack: bool = True  # CPU: sample on LoRA-merged, oneDNN-prepacked weights, score frozen
+    #                        linears and the head on oneDNN copies (same maths, other rounding)
     max_prompt_tokens: int = 1024  # longer prompts lose their first tokens (0 = model's limit)
     dataset: str = ""  # local jsonl/parquet/csv file or folder, or reasoning_gym:<task>
     eval_dataset: str = ""  # held-out prompts (same forms); reasoning_gym: uses another seed

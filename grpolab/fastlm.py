@@ -52,7 +52,7 @@ from .kvcache import (
     chunk_mask4d,
     prompt_mask4d,
 )
-from .packed import decode_proj
+from .packed import decode_proj, frozen_linear, lora_parts, lowrank_linear
 from .rollout import pos_ids, shared_prefix_logits
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
@@ -157,6 +157,25 @@ def _proj(m: nn.Module) -> Fn:
     return m
 
 
+# Scoring forwards (reference, policy with autograd) run frozen linears of at least
+# packed.PACK_MIN elements on oneDNN copies, forward and input gradient (packed.frozen_linear),
+# with ``FastLM.pack`` on: 1.11x the float32 step on a 2-core Zen 4 (MKL's float32 matmuls are
+# 1.2-1.4x slower than oneDNN's there), at one more copy of each such weight (W.T's layout).
+SCORE_PACK = True
+SCORE_ROWS = 256  # the row count oneDNN lays the copies out for (any serves every count)
+
+
+def _frozen_proj(m: nn.Module) -> Fn:
+    """Scoring's function for projection ``m``: a frozen plain linear, or a LoRA layer's frozen
+    base with its adapters beside it as peft runs them, on oneDNN copies; else ``_proj(m)``."""
+    parts = lora_parts(m)
+    if parts is not None:
+        f = frozen_linear(parts[0], parts[1], SCORE_ROWS)
+        if f is not None:
+            return lowrank_linear(m, f) if parts[2] else f
+    return _proj(m)
+
+
 def _identity(x: Tensor) -> Tensor:
     return x
 
@@ -248,7 +267,8 @@ class FastLM:
         # only and recompute the layer in backward
         self.checkpoint = checkpointing(hf)
         # the decode loop on merged, prepacked weights (decode_weights) and, for bfloat16
-        # models on CPU, a float32 cache (kvcache.decode_kv_dtype); off: HF's operations
+        # models on CPU, a float32 cache (kvcache.decode_kv_dtype); scoring's frozen linears
+        # on oneDNN copies (SCORE_PACK); off: HF's operations
         self.pack = True
         self.rescores = True  # one prefill's state serves several extends (length buckets)
 
@@ -276,7 +296,7 @@ class FastLM:
         """``weights()`` for the decode loop at ``rows`` rows a step: LoRA merged, big CPU
         weights prepacked (``grpolab.packed``; ``pack`` False: ``weights()``)."""
         if not self.pack:
-            return self.weights()
+            return self.weights(_proj)
         return self.weights(lambda m: decode_proj(m, rows, _proj))
 
     # ------------------------------------------------------------------ pieces --
@@ -291,12 +311,15 @@ class FastLM:
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         return cos.to(like.dtype), sin.to(like.dtype)
 
-    def weights(self, proj: Callable[[nn.Module], Fn] = _proj) -> _Weights:
+    def weights(self, proj: Callable[[nn.Module], Fn] | None = None) -> _Weights:
         """The functions a forward calls, resolved from the model's current modules, each
-        projection through ``proj``.
+        projection through ``proj`` (default: ``_frozen_proj`` with ``pack`` on and
+        ``SCORE_PACK``, else ``_proj``).
 
         Prepared once per scoring or sampling call (module lookups are slow in a decode loop).
         """
+        if proj is None:
+            proj = _frozen_proj if self.pack and SCORE_PACK else _proj
         layers = []
         for lay in self.layers:
             r = _Layer()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -115,12 +116,13 @@ def _bf16_cpu() -> bool:
     return bool(check is not None and check())
 
 
-# id(frozen weight) -> (weak reference to it, (version counter, address), its oneDNN copy);
+# (id(frozen weight), transposed?) -> (weak reference to it, (version counter, address), its
+# oneDNN copy);
 # an entry goes when its weight does (a tensor's == is elementwise: no WeakKeyDictionary)
 _PACKED: dict[int, tuple[weakref.ref, tuple[int, int], Tensor]] = {}
 
 
-def packed_weight(w: Tensor, rows: int) -> Tensor | None:
+def packed_weight(w: Tensor, rows: int, transposed: bool = False) -> Tensor | None:
     """A oneDNN copy of ``w`` laid out for about ``rows`` rows a call, or None (``can_pack``
     false, or oneDNN refused it). A frozen weight keeps its copy, checked against its version
     counter and address, so the head and base weights under LoRA are reordered once a run;
@@ -131,17 +133,18 @@ def packed_weight(w: Tensor, rows: int) -> Tensor | None:
         return None
     keep = not w.requires_grad and not w.is_inference()
     key = (w._version, w.data_ptr()) if keep else None
+    slot = (id(w), transposed)
     if keep:
-        hit = _PACKED.get(id(w))
+        hit = _PACKED.get(slot)
         if hit is not None and hit[0]() is w and hit[1] == key:
             return hit[2]
     try:
-        wp = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+        src = w.detach().t().contiguous() if transposed else w.detach()
+        wp = torch.ops.mkldnn._reorder_linear_weight(src, rows)
     except RuntimeError:
         return None
     if keep:
-        i = id(w)
-        _PACKED[i] = (weakref.ref(w, lambda _, i=i: _PACKED.pop(i, None)), key, wp)
+        _PACKED[slot] = (weakref.ref(w, lambda _, s=slot: _PACKED.pop(s, None)), key, wp)
     return wp
 
 
@@ -160,6 +163,36 @@ def packed_linear(w: Tensor, b: Tensor | None, rows: int) -> Fn:
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, wp, bp, "none", [], "")
 
 
+class _FrozenLinear(torch.autograd.Function):
+    """x @ W.T + b on oneDNN copies of a frozen W: forward on W's, backward (the input's
+    gradient only, g @ W) on W.T's, made at the first backward (inference needs none)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, wp: Tensor, b: Tensor | None,
+                rows: int) -> Tensor:
+        ctx.w, ctx.rows = w, rows
+        return torch.ops.mkldnn._linear_pointwise(x, wp, b, "none", [], "")
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        wtp = packed_weight(ctx.w, ctx.rows, transposed=True)
+        gx = (g @ ctx.w if wtp is None
+              else torch.ops.mkldnn._linear_pointwise(g.contiguous(), wtp, None, "none", [], ""))
+        return gx, None, None, None, None
+
+
+def frozen_linear(w: Tensor, b: Tensor | None, rows: int) -> Fn | None:
+    """x [..., in] -> x @ w.T + b with autograd to x, on oneDNN copies of a frozen ``w`` (and
+    ``b``) kept for the run; None where ``w`` trains, or cannot be packed."""
+    if w.requires_grad or (b is not None and b.requires_grad):
+        return None
+    wp = packed_weight(w, rows)
+    if wp is None:
+        return None
+    bd = None if b is None else b.detach()
+    return lambda x: _FrozenLinear.apply(x, w, wp, bd, rows)  # w: its kept W.T copy
+
+
 def decode_proj(m: nn.Module, rows: int, fallback: Callable[[nn.Module], Fn]) -> Fn:
     """The decode loop's function for projection ``m`` at ``rows`` rows a call (see module
     docstring); ``fallback(m)`` where ``m`` is neither a linear nor a plain LoRA linear."""
@@ -172,5 +205,6 @@ def decode_proj(m: nn.Module, rows: int, fallback: Callable[[nn.Module], Fn]) ->
     return lowrank_linear(m, packed_linear(parts[0], parts[1], rows)) or fallback(m)
 
 
-__all__ = ["PACK_MIN", "PACK_MIN_BF16", "can_pack", "clear_packed", "decode_proj", "lora_parts",
-           "lowrank_linear", "merged_weight", "packed_linear", "packed_weight"]
+__all__ = ["PACK_MIN", "PACK_MIN_BF16", "can_pack", "clear_packed", "decode_proj",
+           "frozen_linear", "lora_parts", "lowrank_linear", "merged_weight", "packed_linear",
+           "packed_weight"]

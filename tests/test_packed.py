@@ -255,3 +255,53 @@ def test_two_level_sampler_draws_the_full_search_token(vocab: int) -> None:
     u = torch.rand((256, 1), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     assert torch.equal(got, rollout._inverse_cdf(probs, u))
     assert bool((probs.gather(1, got[:, None]) > 0).all())
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")
+def test_frozen_linear_gives_f_linears_values_and_input_gradient(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scoring's frozen linear on oneDNN copies: F.linear's output and input gradient (other
+    rounding), no gradient for the frozen weight, and the W.T copy made at the first backward
+    only (inference needs none) and kept after it."""
+    monkeypatch.setattr(packed, "PACK_MIN", 0)
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(12, 7, generator=g), torch.randn(12, generator=g)
+    x = torch.randn(2, 5, 7, generator=g, requires_grad=True)
+    f = packed.frozen_linear(w, b, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    assert (id(w), True) not in packed._PACKED and (id(w), False) in packed._PACKED
+    up = torch.randn(2, 5, 12, generator=g)
+    (f(x) * up).sum().backward()
+    got, x.grad = x.grad, None
+    (F.linear(x, w, b) * up).sum().backward()
+    torch.testing.assert_close(got, x.grad, atol=1e-5, rtol=1e-5)
+    assert (id(w), True) in packed._PACKED
+    assert packed.frozen_linear(w.clone().requires_grad_(True), b, 10) is None  # trains
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")
+def test_scoring_on_onednn_copies_matches_the_plain_forward(
+        lora_backend: HFBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FastLM's scoring with every frozen linear on oneDNN copies (fastlm.SCORE_PACK): the
+    plain forward's log-probs and the LoRA adapters' gradients, up to rounding."""
+    from grpolab import fastlm
+
+    monkeypatch.setattr(packed, "PACK_MIN", 0)
+    be = lora_backend
+    ro = be.generate(["2 + 3 =", "Compute 12 * 7."], 1.0, 6, torch.Generator().manual_seed(0))
+    out = []
+    for on in (False, True):
+        monkeypatch.setattr(fastlm, "SCORE_PACK", on)
+        be.model.zero_grad()
+        lp = be.logprobs(ro, 1.0)
+        (lp * ro.completion_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in be.model.named_parameters() if p.grad is not None}
+        w = be._fast.weights()
+        assert isinstance(w.layers[0].q, nn.Module) != on  # peft's module, or ours
+        out.append((lp.detach(), grads))
+    (lp0, g0), (lp1, g1) = out
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=1e-5)
+    assert g0.keys() == g1.keys() and any("lora_A" in n for n in g0)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-4)
