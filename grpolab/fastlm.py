@@ -159,7 +159,7 @@ def _proj(m: nn.Module) -> Fn:
 
 # Scoring forwards (reference, policy with autograd) run frozen linears of at least
 # packed.PACK_MIN elements on oneDNN copies, forward and input gradient (packed.frozen_linear),
-# with ``FastLM.pack`` on: 1.11x the float32 step on a 2-core Zen 4 (MKL's float32 matmuls are
+# with ``FastLM.pack`` on: 1.09x the float32 step on a 2-core Zen 4 (MKL's float32 matmuls are
 # 1.2-1.4x slower than oneDNN's there), at one more copy of each such weight (W.T's layout).
 SCORE_PACK = True
 SCORE_ROWS = 256  # the row count oneDNN lays the copies out for (any serves every count)
