@@ -252,7 +252,7 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
         baseline="mean", scale="std", std="sample", std_eps=1e-4, eval_every=10**6,
         checkpoint_every=0, progress=False, model_path=model_dir, use_chat_template=True,
         lora=True, lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=TARGETS,
-        dtype=lab_dtype(args), logit_chunk=0 if args.variant == "no-chunk" else 256,
+        dtype=lab_dtype(args), logit_chunk=0 if args.variant == "no-chunk" else Config.logit_chunk,
         cpu_pack=args.variant != "no-pack",
         micro_batch={"micro8": 8, "micro4": 4}.get(args.variant, 0),
         gradient_checkpointing=args.variant == "ckpt",
