@@ -367,10 +367,10 @@ def matmul_rate(threads: int, tokens: int, hidden: int, inter: int, vocab: int,
     import torch
 
     torch.set_num_threads(threads)
+    dt = getattr(torch, dtype)
     best = 0.0
     for m, k, n in [(tokens, hidden, vocab), (tokens, hidden, inter), (1024, 1024, 1024)]:
-        a, w = torch.randn(m, k, dtype=getattr(torch, dtype)), torch.randn(
-            n, k, dtype=getattr(torch, dtype))
+        a, w = torch.randn(m, k, dtype=dt), torch.randn(n, k, dtype=dt)
         torch.nn.functional.linear(a, w)
         reps = 3
         t0 = time.perf_counter()

@@ -77,6 +77,7 @@ class StaticKV:
 # 2-core CPU: 0.7 MB slower, 1.3 MB even, 1.7 MB and up faster, 30% faster at 100-token prompts).
 SHARED_MIN_BYTES = 1 << 20
 
+
 def decode_kv_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The decode cache's dtype for a model in ``dtype``: float32 for bfloat16/float16 models on
     CPU, whose fused attention runs one-token queries in those dtypes 7-9x slower than in
