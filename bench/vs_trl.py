@@ -2,7 +2,7 @@
 
     python bench/vs_trl.py [--steps N --group-size G --batch B --max-new-tokens L --arch llama]
 
-Builds a randomly initialised tiny model with ``grpolab.tinyhf.make_tiny_model`` in a temporary
+Builds a randomly initialised tiny model with ``grpolab.rollout.tinyhf.make_tiny_model`` in a temporary
 directory (nothing is downloaded), a local set of arithmetic prompts and one reward function,
 then runs TRL's ``GRPOTrainer`` and grpolab's ``GRPOTrainer`` (``HFBackend``) with matched
 settings:
@@ -23,7 +23,7 @@ loading and trainer construction are not timed. Wall-clock steps/s is the headli
 CPU-second (process time) is printed too, as it is far less disturbed by other jobs on a shared
 machine. ``--old-path`` adds grpolab with HF ``generate`` and one-pass scoring (the code before
 the lean sampler), and ``--hf-forward`` grpolab with the lean sampler and shared-prompt scoring
-over the HF model's forward (the code before ``grpolab.fastlm``), interleaved the same way.
+over the HF model's forward (the code before ``grpolab.rollout.fastlm``), interleaved the same way.
 
 Both trainers run in one process with the same torch thread count, 1 by default: on a small,
 shared CPU, OpenMP threads that wait for each other make tiny-model steps many times slower.
@@ -63,12 +63,12 @@ from typing import Any
 
 import torch
 
-from grpolab.config import Config
-from grpolab.fastlm import pos_ids
-from grpolab.hf_backend import HFBackend
-from grpolab.models import load_model
-from grpolab.tinyhf import make_tiny_model
-from grpolab.trainer import GRPOTrainer as LabTrainer
+from grpolab.config import Config, resolve
+from grpolab.rollout.fastlm import pos_ids
+from grpolab.rollout.hf import HFBackend
+from grpolab.rollout.models import load_model
+from grpolab.rollout.tinyhf import make_tiny_model
+from grpolab.run.trainer import GRPOTrainer as LabTrainer
 
 # transformers, datasets and trl are imported lazily, after main() has set these.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -207,13 +207,13 @@ class CountingBackend(HFBackend):
 
 
 def build_lab(args: argparse.Namespace, model_dir: str, rows: list[dict], out: str) -> Any:
-    cfg = Config(
+    cfg = resolve(Config(
         out_dir=out, seed=args.seed, steps=10**6, budget=args.batch, group_size=args.group_size,
         temperature=1.0, max_new_tokens=args.max_new_tokens, lr=args.lr, grad_clip=1.0,
         epochs=1, beta=args.beta, eps_low=0.2, eps_high=0.2, loss_agg="seq_mean_token_mean",
         baseline="mean", scale="std", std="sample", std_eps=1e-4, eval_every=10**6,
         checkpoint_every=0, progress=False, model_path=model_dir, use_chat_template=False,
-    ).resolved()
+    ))
     model, tok = load_model(model_dir, device="cpu")
     backend = CountingBackend(model, tok, use_chat_template=False, reference=cfg.beta > 0,
                               seed=cfg.seed)
@@ -243,8 +243,9 @@ def _sample(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 @torch.inference_mode()
 def world_sampling(args: argparse.Namespace) -> list[tuple[str, float, int]]:
     """TinyGPT (TinyConfig defaults, random init): KV cache vs no cache vs forward bound."""
-    from grpolab.world import TinyConfig, TinyGPT, make_splits
-    from grpolab.world_backend import TinyBackend
+    from grpolab.world.backend import TinyBackend
+    from grpolab.world.model import TinyConfig, TinyGPT
+    from grpolab.world.task import make_splits
 
     torch.manual_seed(args.seed)
     model = TinyGPT(TinyConfig()).eval()
@@ -356,7 +357,7 @@ def _cpu_sdpa_backward_flops(grad: Any, q: Any, k: Any, v: Any, *_: Any, **__: A
 
 
 def _onednn_linear_flops(x: Any, w: Any, *_: Any, **__: Any) -> int:
-    """grpolab.packed's oneDNN linear: x [..., K] against a prepacked weight [N, K]."""
+    """grpolab.rollout.packed's oneDNN linear: x [..., K] against a prepacked weight [N, K]."""
     rows = 1
     for d in x[:-1]:
         rows *= d
@@ -504,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
-    for name in ("transformers", "trl", "accelerate", "grpolab", "grpolab.rewards", "httpx"):
+    for name in ("transformers", "trl", "accelerate", "grpolab", "grpolab.rewards.builtin", "httpx"):
         logging.getLogger(name).setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 

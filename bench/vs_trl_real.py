@@ -49,6 +49,7 @@ Counted work / rate is the floor for that trainer's step on this machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -224,7 +225,7 @@ LAB_VARIANTS = {  # --levers: grpolab with one lever changed (in its own process
     "no-buckets": "answers scored in one forward padded to the longest (instead of only their "
                   "real positions, in length buckets)",
     "no-share": "no shared prompts: each of a group's G rows prefills and scores its prompt",
-    "hf-forward": "GRPOLAB_FASTLM=0: the HF forward for sampling and scoring",
+    "hf-forward": "speed lean_forward off: the HF forward for sampling and scoring",
     "threads1": "1 torch thread instead of --threads",
     "micro8": "micro_batch 8: the update in 8-row forward/backward passes",
     "micro4": "micro_batch 4",
@@ -239,13 +240,13 @@ def lab_dtype(args: argparse.Namespace) -> str:
 
 
 def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) -> Any:
-    from grpolab.commands import make_backend
-    from grpolab.config import Config
-    from grpolab.models import load_model
-    from grpolab.trainer import GRPOTrainer
+    from grpolab.app.commands import make_backend
+    from grpolab.config import Config, Speed, resolve
+    from grpolab.rollout.models import load_model
+    from grpolab.run.trainer import GRPOTrainer
 
     rows = [{"prompt": r["question"], "answer": r["answer"]} for r in make_rows(512, args.seed)]
-    cfg = Config(
+    cfg = resolve(Config(
         out_dir=out, seed=args.seed, steps=10**6, budget=args.batch, group_size=args.group_size,
         temperature=1.0, max_new_tokens=args.max_new_tokens, lr=args.lr, grad_clip=1.0,
         epochs=1, beta=args.beta, eps_low=0.2, eps_high=0.2, loss_agg="seq_mean_token_mean",
@@ -253,14 +254,12 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
         checkpoint_every=0, progress=False, model_path=model_dir, use_chat_template=True,
         lora=True, lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=TARGETS,
         dtype=lab_dtype(args), logit_chunk=0 if args.variant == "no-chunk" else Config.logit_chunk,
-        cpu_pack=args.variant != "no-pack",
+        speed=Speed(**{SPEED_LEVERS[args.variant]: False} if args.variant in SPEED_LEVERS else {}),
         micro_batch={"micro8": 8, "micro4": 4}.get(args.variant, 0),
         gradient_checkpointing=args.variant == "ckpt",
-    ).resolved()
-    if args.variant == "hf-forward":
-        os.environ["GRPOLAB_FASTLM"] = "0"
+    ))
     if args.variant == "no-share":
-        import grpolab.hf_backend as hb
+        import grpolab.rollout.hf as hb
 
         hb.shared_prompts = lambda ids, mask: None  # sampling: one prefill per row
         hb.HFBackend.share_prompts = property(lambda self: False)  # scoring: one pass per row
@@ -608,16 +607,19 @@ def length_report(res: dict[tuple[str, str, int], dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _switch_pack(be: Any, on: bool) -> None:
-    be.cpu_pack = on
-    if be._fast is not None:
-        be._fast.pack = on
+# The levers that are speed options: --levers builds the config with the option off, --ab
+# switches it on the running backend (its fast forward reads pack and score_pack itself).
+SPEED_LEVERS = {"no-pack": "cpu_pack", "no-score-pack": "score_pack",
+                "no-eager-head": "head_grad_in_forward", "no-early-exit": "early_exit",
+                "no-buckets": "length_buckets", "hf-forward": "lean_forward"}
 
 
-def _switch_score_pack(be: Any, on: bool) -> None:
-    from grpolab import fastlm
-
-    fastlm.SCORE_PACK = on
+def _switch_speed(option: str) -> Any:
+    def switch(be: Any, on: bool) -> None:
+        be.speed = dataclasses.replace(be.speed, **{option: on})
+        if be._fast is not None:
+            be._fast.pack, be._fast.score_pack = be.speed.cpu_pack, be.speed.score_pack
+    return switch
 
 
 def _switch_chunk(be: Any, on: bool) -> None:
@@ -626,29 +628,9 @@ def _switch_chunk(be: Any, on: bool) -> None:
     be.logit_chunk = Config.logit_chunk if on else 0
 
 
-def _switch_eager_head(be: Any, on: bool) -> None:
-    from grpolab import losses
-
-    losses.HEAD_GRAD_IN_FORWARD = on
-
-
-def _switch_early_exit(be: Any, on: bool) -> None:
-    from grpolab import rollout
-
-    rollout.EARLY_EXIT = on
-
-
-def _switch_buckets(be: Any, on: bool) -> None:
-    from grpolab import rollout
-
-    rollout.LENGTH_BUCKETS = on
-
-
 # --ab: levers that switch at run time (backend, lever on?), so one process can alternate them
-AB_SWITCHES = {"no-pack": _switch_pack, "no-score-pack": _switch_score_pack,
-               "no-chunk": _switch_chunk,
-               "no-eager-head": _switch_eager_head, "no-early-exit": _switch_early_exit,
-               "no-buckets": _switch_buckets}
+AB_SWITCHES = {"no-chunk": _switch_chunk,
+               **{k: _switch_speed(v) for k, v in SPEED_LEVERS.items() if v != "lean_forward"}}
 
 
 def ab_main(args: argparse.Namespace) -> str:
@@ -695,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.child:
         return child_main(args)
-    from grpolab.models import resolve_model
+    from grpolab.rollout.models import resolve_model
 
     args.model = resolve_model(args.model)
     cfg = json.loads((Path(args.model) / "config.json").read_text())

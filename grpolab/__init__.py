@@ -1,8 +1,8 @@
 """grpolab: GRPO and its fixes (DAPO, Dr. GRPO, RLOO) for RL with verifiable rewards."""
 
-from .advantages import dead_stats, group_advantages, predicted_dead_share
-from .config import Config, make_config
-from .losses import grpo_loss
+from grpolab.config import Config, make_config
+from grpolab.core.advantages import dead_stats, group_advantages, predicted_dead_share
+from grpolab.core.losses import grpo_loss
 
 __all__ = [
     "Config",
@@ -17,17 +17,10 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):  # the Python API (grpolab.api), loaded on first use
-    """``grpolab.train`` is ``grpolab.api.train``; ``grpolab.workshop`` is the workshop module,
-    which called is ``grpolab.api.workshop`` (the import system sets the package's
-    ``workshop`` attribute to that module whenever it is imported, so the module itself must
-    be the callable: see the end of ``grpolab/workshop.py``)."""
-    if name == "train":
-        from .api import train
+def __getattr__(name: str):  # the Python API (grpolab.app.api), loaded on first use
+    """``grpolab.train`` and ``grpolab.workshop`` are ``grpolab.app.api``'s functions."""
+    if name in ("train", "workshop"):
+        from grpolab.app import api
 
-        return train
-    if name == "workshop":
-        import importlib
-
-        return importlib.import_module(".workshop", __name__)
+        return getattr(api, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpolab.advantages import (
+from grpolab.core.advantages import (
     dead_mask,
     dead_stats,
     group_advantages,

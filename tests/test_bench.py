@@ -65,7 +65,7 @@ REAL = BENCH.parent / "vs_trl_real.py"
 
 @pytest.fixture(scope="module")
 def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from grpolab.tinyhf import make_tiny_model
+    from grpolab.rollout.tinyhf import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-chat"), hidden=32, heads=4,
                            chat_template=True)

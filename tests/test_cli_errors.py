@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpolab.cli import main
+from grpolab.app.cli import main
 from grpolab.config import Config
-from grpolab.losses import LossOut
-from grpolab.trainer import GRPOTrainer
-from grpolab.world import CharTokenizer, TinyConfig, TinyGPT, make_splits, sft_model
-from grpolab.world_backend import TinyBackend
+from grpolab.core.losses import LossOut
+from grpolab.run.trainer import GRPOTrainer
+from grpolab.world.backend import TinyBackend
+from grpolab.world.model import CharTokenizer, TinyConfig, TinyGPT
+from grpolab.world.sft import sft_model
+from grpolab.world.task import make_splits
 
 
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
@@ -124,9 +126,9 @@ def test_nan_loss_stops_with_one_line_and_keeps_files(
     tmp_path: Path, world_args: list[str], capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from grpolab import trainer
+    from grpolab.run import update
 
-    real = trainer.grpo_loss
+    real = update.grpo_loss
     calls = {"n": 0}
 
     def nan_at_step_3(*args: object, **kwargs: object) -> LossOut:
@@ -136,7 +138,7 @@ def test_nan_loss_stops_with_one_line_and_keeps_files(
             out.loss = out.loss * float("nan")
         return out
 
-    monkeypatch.setattr(trainer, "grpo_loss", nan_at_step_3)
+    monkeypatch.setattr(update, "grpo_loss", nan_at_step_3)
     out = tmp_path / "run"
     code, err = _cli(["workshop", "--steps", "5", "--checkpoint-every", "2", "--out-dir",
                       str(out), *world_args], capsys)
@@ -148,7 +150,7 @@ def test_nan_loss_stops_with_one_line_and_keeps_files(
     assert torch.load(out / "checkpoints" / "last.pt", weights_only=False)["step"] == 2
 
     # ... and the run resumes from there once the cause is gone.
-    monkeypatch.setattr(trainer, "grpo_loss", real)
+    monkeypatch.setattr(update, "grpo_loss", real)
     code, err = _cli(["workshop", "--steps", "3", "--resume", "--out-dir", str(out),
                       *world_args], capsys)
     assert code == 0, err

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from grpolab.data import load_rows
+from grpolab.data.files import load_rows
 
 ROWS = [
     {"question": "What is 2 + 2?", "solution": "4", "level": 1},

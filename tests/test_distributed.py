@@ -21,11 +21,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from grpolab import dist
 from grpolab.config import Config, ConfigError
-from grpolab.trainer import Batch, GRPOTrainer
-from grpolab.world import CharTokenizer, TinyConfig, TinyGPT, make_splits, sft_model
-from grpolab.world_backend import TinyBackend
+from grpolab.run import dist
+from grpolab.run.trainer import Batch, GRPOTrainer
+from grpolab.world.backend import TinyBackend
+from grpolab.world.model import CharTokenizer, TinyConfig, TinyGPT
+from grpolab.world.sft import sft_model
+from grpolab.world.task import make_splits
 
 G = 4
 GROUPS = 8
@@ -216,8 +218,8 @@ def test_torchrun_workshop_smoke(tmp_path: Path) -> None:
     assert st["world_size"] == 2 and len(st["rank_rng"]) == 2
     assert not torch.equal(st["rank_rng"][0]["gen"], st["rank_rng"][1]["gen"])
     assert sorted(x.name for x in out.iterdir()) == [
-        "calibration.png", "checkpoints", "metrics.jsonl", "samples.jsonl", "summary.json",
-        "workshop.png"]
+        "calibration.png", "checkpoints", "config.json", "metrics.jsonl", "samples.jsonl",
+        "summary.json", "workshop.png"]
 
 
 @pytest.mark.parametrize("micro_batch", [5, 12])

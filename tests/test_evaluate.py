@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from grpolab import cli
-from grpolab.evaluate import ks_up_to, pass_at_k
-from grpolab.tinyhf import make_tiny_model
+from grpolab.app import cli
+from grpolab.core.passk import ks_up_to, pass_at_k
+from grpolab.rollout.tinyhf import make_tiny_model
 
 
 def test_pass_at_k_hand_values() -> None:
@@ -67,7 +67,7 @@ def test_eval_needs_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 def test_compare_gives_paired_gains_and_standard_errors() -> None:
     """Hand values: per-prompt differences (1, 0, 1, 0) have mean 0.5 and sample sd 0.5774,
     so s.e. 0.2887; pass@k gains come from the per-prompt estimates."""
-    from grpolab.evaluate import compare
+    from grpolab.core.passk import compare
 
     before = {"prompts": 4, "dataset": "d", "greedy_correct": [0, 1, 0, 0],
               "samples_per_prompt": 2, "sampled_correct": [0, 1, 0, 2]}

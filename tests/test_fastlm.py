@@ -1,4 +1,4 @@
-"""grpolab.fastlm: the lean forward computes what the HF forward computes, and is used by HFBackend.
+"""grpolab.rollout.fastlm: the lean forward computes what the HF forward computes, and is used by HFBackend.
 
 Logits (left padding, position ids, shared prompts), greedy and sampled decoding, gradients of a
 scoring loss and LoRA all match the HF model; unsupported models fall back to the HF forward.
@@ -6,18 +6,21 @@ scoring loss and LoRA all match the HF model; unsupported models fall back to th
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from grpolab import fastlm, kvcache, rollout
-from grpolab.fastlm import FastLM, pos_ids, unsupported
-from grpolab.hf_backend import HFBackend, HFDecoder
-from grpolab.models import load_model
-from grpolab.rollout import Rollout, shared_prompts
-from grpolab.tinyhf import make_tiny_model
+from grpolab.config import Speed
+from grpolab.rollout import backend as rollout
+from grpolab.rollout import fastlm, kvcache, logprobs
+from grpolab.rollout.batch import Rollout, shared_prompts
+from grpolab.rollout.fastlm import FastLM, pos_ids, unsupported
+from grpolab.rollout.hf import HFBackend, HFDecoder
+from grpolab.rollout.models import load_model
+from grpolab.rollout.tinyhf import make_tiny_model
 
 PROMPTS = ["What is 2 + 3?", "Compute 12 * 7. So the answer is", "1", "<think> 40 - 8 ="]
 
@@ -208,7 +211,7 @@ def test_early_exit_draws_the_same_answers(paths: dict[str, str], name: str, cac
     for lean in (True, False):
         be._fast = fast if lean else None
         for early in (True, False):
-            monkeypatch.setattr(rollout, "EARLY_EXIT", early)
+            be.speed = dataclasses.replace(be.speed, early_exit=early)
             rows.append([])
             got[lean, early] = be._sample(ids, mask, 1.0, 20, seed=5)
             assert bool(rows[-1]) == early
@@ -331,10 +334,11 @@ def test_length_buckets_score_what_one_pass_scores(paths: dict[str, str], name: 
         return spy(*a)
 
     monkeypatch.setattr(rollout, "bucketed_hidden", counted)
-    monkeypatch.setattr(rollout, "BUCKET_COST", 0)  # tiny answers: cut wherever it saves
+    for where in (rollout, logprobs):  # tiny answers: cut wherever it saves
+        monkeypatch.setattr(where, "BUCKET_COST", 0)
     got = {}
     for on in (True, False):
-        monkeypatch.setattr(rollout, "LENGTH_BUCKETS", on)
+        be.speed = dataclasses.replace(be.speed, length_buckets=on)
         got[on] = scores_and_grads(be, ro, be._fast)
     assert buckets and buckets[0] > 1  # bucketed once (on), not at all (off)
     m = ro.completion_mask.bool()
@@ -378,12 +382,13 @@ def test_length_buckets_with_hand_masks(paths: dict[str, str], name: str, groupe
         cm[1, :3] = torch.tensor([1, 0, 1])  # an interior zero
     cids = torch.randint(3, 100, (b, tc), generator=g).masked_fill(cm == 0, be.pad_id)
     ro = Rollout(prompts, ids, mask, cids, cm, [""] * b)
-    monkeypatch.setattr(rollout, "BUCKET_COST", 0)
+    for where in (rollout, logprobs):
+        monkeypatch.setattr(where, "BUCKET_COST", 0)
     if tc > 1:
         assert len(rollout.length_buckets(rollout.answer_lengths(cm))) > 2
     got = {}
     for on in (True, False):
-        monkeypatch.setattr(rollout, "LENGTH_BUCKETS", on)
+        be.speed = dataclasses.replace(be.speed, length_buckets=on)
         lp, grads = scores_and_grads(be, ro, be._fast)
         _, ent = be.logprobs_and_entropy(ro, 0.8)
         full_lp, _ = be.logprobs_and_entropy(ro, 0.8, entropy_grad=True)  # full logits
@@ -490,11 +495,10 @@ def test_sliding_window_beyond_the_sequence_uses_hf(paths: dict[str, str]) -> No
         FastLM.decoder = real  # type: ignore[method-assign]
 
 
-def test_env_escape_hatch(paths: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GRPOLAB_FASTLM", "0")
-    be = backend(paths, "llama", reference=True)
+def test_lean_forward_switch(paths: dict[str, str]) -> None:
+    """speed.lean_forward off: the HF forward for sampling and scoring, policy and reference."""
+    be = backend(paths, "llama", reference=True, speed=Speed(lean_forward=False))
     assert be._fast is None and be._fast_ref is None
-    monkeypatch.setenv("GRPOLAB_FASTLM", "1")
     assert backend(paths, "llama")._fast is not None
 
 
@@ -621,7 +625,7 @@ def test_checkpointed_scoring_keeps_layer_inputs_only(paths: dict[str, str], nam
 def test_concat_kv_keeps_first_keys_and_takes_prompt_rows() -> None:
     """A checkpointed layer calls ``update`` again in backward: the first keys stay and no
     duplicates pile up; a shared prompt's keys are taken per row inside ``update``."""
-    from grpolab.kvcache import ConcatKV
+    from grpolab.rollout.kvcache import ConcatKV
 
     k0, k1 = torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4)
     kv = ConcatKV()

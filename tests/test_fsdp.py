@@ -12,13 +12,28 @@ import torch
 import torch.multiprocessing as mp
 from test_distributed import GROUPS, G, _free_port, digit_reward, rank_env
 
-from grpolab import dist, shard
-from grpolab.config import Config, ConfigError
-from grpolab.trainer import Batch, GRPOTrainer
-from grpolab.world import CharTokenizer, TinyConfig, TinyGPT, make_splits
-from grpolab.world_backend import TinyBackend
+from grpolab.config import Config, ConfigError, validate
+from grpolab.run import dist, shard
+from grpolab.run.trainer import Batch, GRPOTrainer
+from grpolab.world.backend import TinyBackend
+from grpolab.world.model import CharTokenizer, TinyConfig, TinyGPT
+from grpolab.world.task import make_splits
 
 CASES = [("seq_mean_token_mean", 1, 0), ("token_mean", 2, 5)]  # (loss_agg, epochs, micro_batch)
+
+
+def local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> int:
+    """Bytes of trainable parameters and optimizer state held by this rank (its shards)."""
+
+    def nbytes(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    total = sum(nbytes(p) for p in model.parameters() if p.requires_grad)
+    if opt is not None:
+        total += sum(nbytes(v) for st in opt.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return total
 
 
 def _trainer(out: Path, loss_agg: str = "token_mean", epochs: int = 1, micro_batch: int = 0,
@@ -57,7 +72,7 @@ def _update(out: Path, loss_agg: str, epochs: int, micro_batch: int) -> dict:
     before = _flat(tr)
     metrics = tr.update(Batch(ro.select(idx), [rows[i] for i in idx], rewards[idx]))
     return {"before": before, "params": _flat(tr), "grads": _flat(tr, grad=True),
-            "metrics": metrics, "bytes": shard.local_bytes(tr.backend.model, tr.opt),
+            "metrics": metrics, "bytes": local_bytes(tr.backend.model, tr.opt),
             "sharded": tr.sharded}
 
 
@@ -118,7 +133,7 @@ def test_fsdp_two_ranks_equal_one_and_resume(tmp_path: Path) -> None:
 
 def test_fsdp_is_for_full_fine_tuning() -> None:
     with pytest.raises(ConfigError, match="no-lora"):
-        Config(shard="fsdp", lora=True).validate()
+        validate(Config(shard="fsdp", lora=True))
 
 
 def test_sharded_checkpoint_refuses_code_and_tampering(tmp_path: Path) -> None:

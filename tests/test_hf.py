@@ -1,4 +1,4 @@
-"""grpolab.hf_backend: GRPO on tiny local Hugging Face models, end to end through the CLI."""
+"""grpolab.rollout.hf: GRPO on tiny local Hugging Face models, end to end through the CLI."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from grpolab import cli, commands, rollout, vllm_backend
-from grpolab.fastlm import base_model
-from grpolab.hf_backend import HFBackend
-from grpolab.models import load_model
-from grpolab.rollout import first_eos_mask
-from grpolab.tinyhf import CHAT_TEMPLATE, make_tiny_model
+from grpolab.app import cli, commands
+from grpolab.rollout import sampling
+from grpolab.rollout import vllm as vllm_backend
+from grpolab.rollout.batch import first_eos_mask, shared_prompts
+from grpolab.rollout.fastlm import base_model
+from grpolab.rollout.hf import HFBackend
+from grpolab.rollout.models import load_model
+from grpolab.rollout.tinyhf import CHAT_TEMPLATE, make_tiny_model
 
 # A random tiny model hits this on roughly a third of its 16-token answers, so most groups are
 # mixed and GRPO has a gradient from step 1 (an all-zero reward would train nothing).
@@ -264,7 +266,7 @@ def test_failing_reward_is_reported_not_fatal(
         tmp_path, llama, dataset=data, eval_dataset="", steps=2,
         rewards=["math", "format", f"{rf}:flaky", f"{rf}:nan_on_bad"],
     )
-    with caplog.at_level(logging.WARNING, logger="grpolab.rewards"):
+    with caplog.at_level(logging.WARNING, logger="grpolab.rewards.builtin"):
         run_cli(monkeypatch, ["train", "--config", yaml_path])
     steps = read_metrics(out)[1:]
     assert len(steps) == 2
@@ -499,12 +501,12 @@ def test_sample_next_draws_from_softmax() -> None:
     logits = torch.tensor([[2.0, 0.0, -1.0, float("-inf"), 1.0]]).repeat(200_000, 1)
     gen = torch.Generator().manual_seed(0)
     for t in (1.0, 0.7):
-        draws = rollout.sample_next(logits, t, gen)
+        draws = sampling.sample_next(logits, t, gen)
         freq = torch.bincount(draws, minlength=5).double() / len(draws)
         want = torch.softmax(logits[0].double() / t, -1)
         assert freq[3] == 0  # probability 0 is never drawn
         torch.testing.assert_close(freq, want, atol=5e-3, rtol=0)
-    assert rollout.sample_next(logits[:2], 0.0).tolist() == [0, 0]
+    assert sampling.sample_next(logits[:2], 0.0).tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -513,7 +515,7 @@ def test_shared_prompt_scoring_equals_one_pass(request: pytest.FixtureRequest, a
     backend = HFBackend(*load_model(request.getfixturevalue(arch)), reference=False)
     prompts = [p for p in PROMPTS for _ in range(3)]
     ro = backend.generate(prompts, 1.0, 10, torch.Generator().manual_seed(3))
-    assert rollout.shared_prompts(ro.prompt_ids, ro.prompt_mask) is not None
+    assert shared_prompts(ro.prompt_ids, ro.prompt_mask) is not None
     backend.model.train()
     results = []
     for lean in (True, False):

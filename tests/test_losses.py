@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from grpolab.advantages import group_advantages
-from grpolab.losses import aggregate, clipped_surrogate, grpo_loss, k3_kl
+from grpolab.core.advantages import group_advantages
+from grpolab.core.losses import aggregate, grpo_loss, k3_kl, ppo_clip_loss
 
 
 def toy() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,6 +86,13 @@ def test_length_bias_of_per_reply_mean() -> None:
     assert logp.grad[0, 0].item() == pytest.approx(logp.grad[1, 0].item())
 
 
+def clipped_surrogate(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, eps_low: float,
+                      eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    terms = ppo_clip_loss(logp, old, adv, torch.ones_like(logp), eps_low=eps_low,
+                          eps_high=eps_high)
+    return terms.loss, terms.clipped
+
+
 def test_clipping_and_clip_higher() -> None:
     old = torch.zeros(1, 1)
     up = torch.log(torch.tensor([[1.25]]))
@@ -153,7 +160,7 @@ def test_parts_with_global_denominators_sum_to_the_whole_batch(agg: str) -> None
 def test_head_logprobs_equal_full_logits_and_pass_gradcheck() -> None:
     """``head_logprobs`` (chunked through the head, backward recomputing each chunk) is
     log_softmax(scale * (h W^T + b)) gathered at the targets, with exact gradients."""
-    from grpolab.losses import head_logprobs
+    from grpolab.rollout.head import head_logprobs
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(2, 3, 6, dtype=torch.float64, generator=g, requires_grad=True)
@@ -176,7 +183,7 @@ def test_head_logprobs_equal_full_logits_and_pass_gradcheck() -> None:
 def test_head_logprobs_with_a_frozen_head_finish_the_gradient_in_forward() -> None:
     """With only the hidden states trainable (LoRA), forward computes d lp / d hidden and
     backward only scales it: the same values, entropies and gradients as the full logits."""
-    from grpolab.losses import head_logprobs
+    from grpolab.rollout.head import head_logprobs
 
     g = torch.Generator().manual_seed(1)
     w = torch.randn(12, 6, dtype=torch.float64, generator=g)

@@ -17,11 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpolab import advantages as A
-from grpolab import losses as L
-from grpolab.config import Config, ConfigError, literal_fields, make_config
-from grpolab.losses import grpo_loss
-from grpolab.trl_names import TRL_ALIASES, TRL_VALUES
+from grpolab.config import Config, ConfigError, literal_fields, make_config, resolve
+from grpolab.config.trl import TRL_ALIASES, TRL_VALUES
+from grpolab.core import advantages as A
+from grpolab.core import losses as L
+from grpolab.core.losses import grpo_loss
+from grpolab.rollout import head as H
+from grpolab.run import update
 
 trl = pytest.importorskip("trl")
 from test_trainer import first_digit_odd, trainer  # the tiny-world trainer the tests share
@@ -145,12 +147,12 @@ def test_config_choices_are_the_registries() -> None:
 
 
 def test_cli_lists_every_option_with_one_line_of_help(capsys) -> None:
-    from grpolab.cli import build_parser, command_fields, field_help
-    from grpolab.workshop import PRESETS, VARIANTS
+    from grpolab.app.cli import build_parser, command_fields
+    from grpolab.world.workshop import PRESETS, VARIANTS
 
-    helps = field_help()
+    helps = {f.name: f.metadata.get("help") for f in dataclasses.fields(Config)}
     missing = [k for k in Config.__dataclass_fields__ if not helps.get(k)]
-    assert not missing, f"config fields without a trailing comment (their --help): {missing}"
+    assert not missing, f"config fields without help (their --help): {missing}"
     assert all("\n" not in h for h in helps.values())
     parser = build_parser()
     # every config field is a flag of some command; each command's --help has each of its
@@ -178,14 +180,14 @@ def test_cli_lists_every_option_with_one_line_of_help(capsys) -> None:
 
 
 def test_workshop_presets_derive_from_the_registries() -> None:
-    from grpolab.workshop import PRESETS, REGISTRIES, VARIANTS, variant_settings
+    from grpolab.world.workshop import PRESETS, REGISTRIES, VARIANTS, variant_settings
 
     for key, reg in REGISTRIES.items():
         for name in reg:
             if name != getattr(Config, key):
                 assert VARIANTS[f"{key}={name}"] == {key: name}
     for name, settings in VARIANTS.items():  # every preset is a valid configuration
-        dataclasses.replace(Config(), **settings).resolved()
+        resolve(dataclasses.replace(Config(), **settings))
     assert set(PRESETS) <= set(VARIANTS)
     assert variant_settings("policy_loss=gspo+epochs=2") == {"policy_loss": "gspo", "epochs": 2}
     with pytest.raises(ConfigError, match="unknown variant"):
@@ -362,7 +364,7 @@ def test_kl_in_reward(tmp_path) -> None:
     lp = tr.backend.logprobs(ro, 1.0).detach()
     ref = tr.backend.logprobs(ro, 1.0, reference=True).detach()
     want = 0.5 * ((lp - ref) * ro.completion_mask).sum(-1)
-    rewards, pen = tr._reward_with_kl(ro, batch.rewards)
+    rewards, pen = update.kl_rewards(tr.cfg, tr.backend, ro, batch.rewards)
     assert torch.allclose(pen, want, atol=1e-6)
     assert torch.allclose(rewards, batch.rewards - want, atol=1e-6)
     out = tr.update(batch)
@@ -378,17 +380,17 @@ def test_entropy_hand_values() -> None:
     logits = torch.log(torch.tensor([[[0.5, 0.5, 1e-30], [0.5, 0.25, 0.25]]]))
     logits[0, 0, 2] = float("-inf")  # a masked vocabulary entry adds 0, not NaN
     targets = torch.tensor([[0, 2]])
-    lp, ent = L.token_logprobs_and_entropy(logits, targets)
+    lp, ent = H.token_logprobs_and_entropy(logits, targets)
     assert ent.flatten().tolist() == pytest.approx([math.log(2), 1.5 * math.log(2)])
-    assert torch.equal(lp, L.token_logprobs(logits, targets))  # bit for bit
+    assert torch.equal(lp, H.token_logprobs(logits, targets))  # bit for bit
     assert lp.flatten().tolist() == pytest.approx([math.log(0.5), math.log(0.25)])
 
 
 def test_entropy_matches_trl() -> None:
     logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(6)) * 3
-    _, ent = L.token_logprobs_and_entropy(logits, torch.zeros(3, 4, dtype=torch.long))
+    _, ent = H.token_logprobs_and_entropy(logits, torch.zeros(3, 4, dtype=torch.long))
     assert torch.allclose(ent, entropy_from_logits(logits), atol=1e-5)
-    _, ent_g = L.token_logprobs_and_entropy(logits, torch.zeros(3, 4, dtype=torch.long), True)
+    _, ent_g = H.token_logprobs_and_entropy(logits, torch.zeros(3, 4, dtype=torch.long), True)
     assert torch.allclose(ent, ent_g)
 
 
@@ -396,14 +398,14 @@ def test_entropy_matches_trl() -> None:
 def test_hf_backend_scores_entropy_in_the_same_pass(tmp_path, monkeypatch, fast: str) -> None:
     """Hugging Face models (lean forward and plain HF forward): the same log-probs as
     ``logprobs``, bit for bit, and the entropy of the model's own next-token distribution."""
-    from grpolab.commands import make_backend
-    from grpolab.models import load_model
-    from grpolab.tinyhf import make_tiny_model
+    from grpolab.app.commands import make_backend
+    from grpolab.rollout.models import load_model
+    from grpolab.rollout.tinyhf import make_tiny_model
 
-    monkeypatch.setenv("GRPOLAB_FASTLM", fast)
     path = make_tiny_model(tmp_path / "m", hidden=32, heads=4)
     model, tok = load_model(path, device="cpu")
-    backend = make_backend(make_config(None, {"model_path": path, "lora": False}), model, tok)
+    backend = make_backend(make_config(None, {"model_path": path, "lora": False,
+                                                "speed": f"lean_forward={fast}"}), model, tok)
     ro = backend.generate(["What is 2 + 2?", "What is 2 + 2?", "Compute 3 * 4."], 1.0, 6,
                           torch.Generator().manual_seed(0))
     lp, ent = backend.logprobs_and_entropy(ro, 0.7)
@@ -576,7 +578,7 @@ def test_trainer_keeps_each_reward_for_gdpo(tmp_path) -> None:
         assert batch.rewards_per_fn.shape == (len(batch.rows), 2)
         assert torch.allclose(batch.rewards_per_fn @ torch.tensor([1.0, 0.5]), batch.rewards)
         want = A.normalize_then_sum(batch.rewards_per_fn, torch.tensor([1.0, 0.5]), 4)
-        assert torch.equal(tr._advantages(batch.rewards, batch.rewards_per_fn), want)
+        assert torch.equal(update.advantages(tr.cfg, batch.rewards, batch.rewards_per_fn), want)
         assert math.isfinite(tr.update(batch)["loss"])
 
 
@@ -586,7 +588,7 @@ def test_trainer_keeps_each_reward_for_gdpo(tmp_path) -> None:
 def _reward_model(tmp_path, chat: bool = False) -> str:
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from grpolab.tinyhf import train_tokenizer
+    from grpolab.rollout.tinyhf import train_tokenizer
 
     out = tmp_path / "rm"
     tok = train_tokenizer(None, out, 256, chat_template=chat)
@@ -607,8 +609,8 @@ def trl_model_rewards(fn, prompts, completions) -> list[float]:
 
 
 def test_reward_model_matches_trl(tmp_path) -> None:
-    from grpolab.rewards import load_reward
-    from grpolab.scoring import runs_in_process, score
+    from grpolab.rewards.builtin import load_reward
+    from grpolab.rewards.scorer import runs_in_process, score
 
     path = _reward_model(tmp_path, chat=True)
     fn = load_reward(f"rm:{path}")
@@ -628,7 +630,7 @@ def test_reward_model_matches_trl(tmp_path) -> None:
 
 
 def test_reward_model_errors_are_one_line(tmp_path) -> None:
-    from grpolab.rewards import load_reward
+    from grpolab.rewards.builtin import load_reward
 
     with pytest.raises(ValueError, match="no config.json"):
         load_reward(f"rm:{tmp_path}")
@@ -752,16 +754,17 @@ DIST_CASES = [{"scale": "batch"}, {"reward_aggregation": "normalize_then_sum"},
 def _dist_update(over: dict, out_dir) -> dict:
     """One update on a fixed batch of 8 groups of 4 with two rewards; under two ranks each
     holds 3 and 5 groups. Returns the gradients."""
-    from grpolab import dist
-    from grpolab.trainer import Batch, GRPOTrainer
-    from grpolab.world import TinyConfig, TinyGPT, make_splits
-    from grpolab.world_backend import TinyBackend
+    from grpolab.run import dist
+    from grpolab.run.trainer import Batch, GRPOTrainer
+    from grpolab.world.backend import TinyBackend
+    from grpolab.world.model import TinyConfig, TinyGPT
+    from grpolab.world.task import make_splits
 
     torch.manual_seed(0)
     model = TinyGPT(TinyConfig(d_model=32, n_layers=2))
     splits = make_splits(0, 64, 8)
-    cfg = Config(budget=32, group_size=4, progress=False, out_dir=str(out_dir),
-                 rewards=["a", "b"], reward_weights=[1.0, 0.5], **over).resolved()
+    cfg = resolve(Config(budget=32, group_size=4, progress=False, out_dir=str(out_dir),
+                         rewards=["a", "b"], reward_weights=[1.0, 0.5], **over))
     backend = TinyBackend(model)  # full weights: the reference is a frozen copy
     tr = GRPOTrainer(cfg, backend, splits.train, [first_digit_odd], out_dir=out_dir)
     with torch.no_grad():  # policy != reference, so the KL penalty is not 0
@@ -786,7 +789,7 @@ def _dist_update(over: dict, out_dir) -> dict:
 def _dist_worker(rank: int, world: int, port: int, tmp: str) -> None:
     import os
 
-    from grpolab import dist
+    from grpolab.run import dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,4 +1,4 @@
-"""grpolab.packed and the fast paths built on it: LoRA merged for sampling, oneDNN-prepacked
+"""grpolab.rollout.packed and the fast paths built on it: LoRA merged for sampling, oneDNN-prepacked
 weights, the chunked head through a packed weight, and the two-level sampler.
 
 Each is checked against the plain computation it replaces (same maths, other rounding).
@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grpolab import packed, rollout
-from grpolab.hf_backend import HFBackend
-from grpolab.kvcache import Decoder
-from grpolab.losses import entropy_from_logp, head_logprobs
-from grpolab.models import load_model
-from grpolab.tinyhf import make_tiny_model
+from grpolab.rollout import packed, sampling
+from grpolab.rollout.batch import shared_prompts
+from grpolab.rollout.head import entropy_from_logp, head_logprobs
+from grpolab.rollout.hf import HFBackend
+from grpolab.rollout.kvcache import Decoder
+from grpolab.rollout.models import load_model
+from grpolab.rollout.tinyhf import make_tiny_model
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
                                                           "_reorder_linear_weight")
@@ -141,7 +142,7 @@ def test_decoder_on_decode_weights_matches_the_training_forward(
     monkeypatch.setattr(packed, "PACK_MIN", 0 if pack_all else packed.PACK_MIN)
     be = lora_backend
     ids, mask = be.encode_prompts([p for p in ("2 + 3 =", "Compute 12 * 7.") for _ in range(3)])
-    shared = rollout.shared_prompts(ids, mask)
+    shared = shared_prompts(ids, mask)
     fast = be._fast
     steps = 12
     g = torch.Generator().manual_seed(0)
@@ -171,7 +172,7 @@ def test_bfloat16_decoder_keeps_the_adapters(tmp_path, monkeypatch: pytest.Monke
             if "lora_B" in n:
                 p.normal_(0, 0.2)
     ids, mask = be.encode_prompts([p for p in ("2 + 3 =", "Compute 12 * 7.") for _ in range(3)])
-    shared = rollout.shared_prompts(ids, mask)
+    shared = shared_prompts(ids, mask)
     fast, steps = be._fast, 12
     tokens = torch.randint(3, 60, (ids.shape[0], steps), generator=torch.Generator().manual_seed(0))
 
@@ -250,10 +251,10 @@ def test_two_level_sampler_draws_the_full_search_token(vocab: int) -> None:
     logits = torch.randn(256, vocab, generator=g) * 3
     logits[:, ::7] = float("-inf")
     logits[:, -300:] = float("-inf")
-    got = rollout.sample_next(logits, 0.8, torch.Generator().manual_seed(5))
+    got = sampling.sample_next(logits, 0.8, torch.Generator().manual_seed(5))
     probs = torch.softmax(logits / 0.8, -1)
     u = torch.rand((256, 1), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    assert torch.equal(got, rollout._inverse_cdf(probs, u))
+    assert torch.equal(got, sampling._inverse_cdf(probs, u))
     assert bool((probs.gather(1, got[:, None]) > 0).all())
 
 
@@ -283,16 +284,15 @@ def test_frozen_linear_gives_f_linears_values_and_input_gradient(
 @pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")
 def test_scoring_on_onednn_copies_matches_the_plain_forward(
         lora_backend: HFBackend, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FastLM's scoring with every frozen linear on oneDNN copies (fastlm.SCORE_PACK): the
+    """FastLM's scoring with every frozen linear on oneDNN copies (speed.score_pack): the
     plain forward's log-probs and the LoRA adapters' gradients, up to rounding."""
-    from grpolab import fastlm
 
     monkeypatch.setattr(packed, "PACK_MIN", 0)
     be = lora_backend
     ro = be.generate(["2 + 3 =", "Compute 12 * 7."], 1.0, 6, torch.Generator().manual_seed(0))
     out = []
     for on in (False, True):
-        monkeypatch.setattr(fastlm, "SCORE_PACK", on)
+        monkeypatch.setattr(be._fast, "score_pack", on)
         be.model.zero_grad()
         lp = be.logprobs(ro, 1.0)
         (lp * ro.completion_mask).sum().backward()

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from grpolab import cli
-from grpolab.models import KNOWN_MODELS, known_gguf, resolve_model
+from grpolab.app import cli
+from grpolab.rollout.models import KNOWN_MODELS, known_gguf, resolve_model
 
 NAME = "smollm2-135m-instruct"
 

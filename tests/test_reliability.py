@@ -28,22 +28,24 @@ from typing import Any
 import pytest
 import torch
 
-from grpolab import checkpoint
-from grpolab.cli import main
+from grpolab.app.cli import main
 from grpolab.config import Config, ConfigError, make_config
-from grpolab.data import load_rows
-from grpolab.report import read_metrics
-from grpolab.reward_pool import RewardPool
-from grpolab.rewards import (
+from grpolab.data.files import load_rows
+from grpolab.rewards.builtin import (
     THINK_ANSWER_PATTERN,
     format_reward,
     load_reward,
     math_answer,
 )
-from grpolab.scoring import RewardError, score
-from grpolab.trainer import GRPOTrainer, RunStopped
-from grpolab.world import CharTokenizer, TinyConfig, TinyGPT, make_splits, sft_model
-from grpolab.world_backend import TinyBackend
+from grpolab.rewards.pool import RewardPool
+from grpolab.rewards.scorer import RewardError, score
+from grpolab.run import checkpoint
+from grpolab.run.report import read_metrics
+from grpolab.run.trainer import GRPOTrainer, RunStopped
+from grpolab.world.backend import TinyBackend
+from grpolab.world.model import CharTokenizer, TinyConfig, TinyGPT
+from grpolab.world.sft import sft_model
+from grpolab.world.task import make_splits
 
 # ------------------------------------------------------------------------------- helpers
 
@@ -317,7 +319,7 @@ def test_a_reward_failing_on_every_answer_stops_training(tmp_path: Path) -> None
 
 def test_a_reward_failing_on_every_answer_is_one_line_from_the_cli(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from grpolab.tinyhf import make_tiny_model
+    from grpolab.rollout.tinyhf import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", arch="llama", hidden=32, heads=4)
     data = tmp_path / "d.jsonl"
@@ -340,7 +342,7 @@ def test_a_reward_failing_on_every_answer_is_one_line_from_the_cli(
 
 def test_eval_with_a_broken_reward_is_an_error(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from grpolab.tinyhf import make_tiny_model
+    from grpolab.rollout.tinyhf import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", arch="llama", hidden=32, heads=4)
     data = tmp_path / "d.jsonl"
@@ -371,7 +373,7 @@ def test_format_reward_is_linear_and_equals_the_regex() -> None:
 def test_math_reward_is_bounded_off_the_main_thread() -> None:
     code = textwrap.dedent("""
         import threading, time
-        from grpolab.rewards import math_answer
+        from grpolab.rewards.builtin import math_answer
         out = []
         t = threading.Thread(target=lambda: out.append(
             math_answer(['q'], ['\\\\boxed{9^{9^{9}}}'], answer=['3'])))
@@ -470,7 +472,7 @@ def test_a_second_signal_abandons_the_step_and_keeps_what_was_written(tmp_path: 
 def test_sigterm_from_the_cli_exits_143_with_one_line(
         tmp_path: Path, world: list[str], capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from grpolab import trainer
+    from grpolab.run import trainer
 
     real = trainer.GRPOTrainer.step
 
@@ -507,7 +509,7 @@ def test_a_new_run_never_wipes_or_mixes_with_an_old_one(tmp_path: Path, world: l
 
     # --overwrite replaces it; killed before its first checkpoint, --resume does not pick up
     # the old run's weights
-    from grpolab import trainer
+    from grpolab.run import trainer
 
     def interrupted(self):
         raise KeyboardInterrupt
@@ -559,16 +561,16 @@ def test_the_readme_command_works_twice(tmp_path: Path, world: list[str],
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from grpolab.tinyhf import make_tiny_model
+    from grpolab.rollout.tinyhf import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("gpt2"), arch="gpt2", hidden=32, heads=4)
 
 
 def test_a_100k_character_row_is_cut_to_the_prompt_limit(
         gpt2: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from grpolab.hf_backend import HFBackend
-    from grpolab.models import load_model
-    from grpolab.tinyhf import make_tiny_model
+    from grpolab.rollout.hf import HFBackend
+    from grpolab.rollout.models import load_model
+    from grpolab.rollout.tinyhf import make_tiny_model
 
     row = "word " * 20_000 + "What is 2 + 3?"
     limit = Config().max_prompt_tokens  # the default: 1024
@@ -598,8 +600,8 @@ def test_a_row_no_model_can_take_is_a_one_line_dataset_error(tmp_path: Path) -> 
 
 def test_max_new_tokens_beyond_gpt2_positions_fails_up_front(
         gpt2: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from grpolab.hf_backend import HFBackend
-    from grpolab.models import load_model
+    from grpolab.rollout.hf import HFBackend
+    from grpolab.rollout.models import load_model
 
     with pytest.raises(ConfigError, match="max_new_tokens 1100 does not fit the model's 1024"):
         HFBackend(*load_model(gpt2), reference=False, max_new_tokens=1100)
@@ -705,7 +707,7 @@ def test_header_only_csv_and_dataset_folder_splits(tmp_path: Path) -> None:
 
 
 def test_eval_dataset_folder_uses_its_test_split(tmp_path: Path) -> None:
-    from grpolab.data import run_rows
+    from grpolab.data.files import run_rows
 
     folder = tmp_path / "d"
     folder.mkdir()

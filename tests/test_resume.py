@@ -22,17 +22,19 @@ import pytest
 import torch
 
 from grpolab.config import Config
-from grpolab.trainer import CheckpointError, GRPOTrainer
-from grpolab.world import CharTokenizer, TinyConfig, TinyGPT, make_splits, sft_model
-from grpolab.world_backend import TinyBackend
+from grpolab.run.trainer import CheckpointError, GRPOTrainer
+from grpolab.world.backend import TinyBackend
+from grpolab.world.model import CharTokenizer, TinyConfig, TinyGPT
+from grpolab.world.sft import sft_model
+from grpolab.world.task import make_splits
 
 LAUNCHER = '''
 import os
 import sys
 import time
 
-from grpolab import trainer
-from grpolab.cli import main
+from grpolab.run import trainer
+from grpolab.app.cli import main
 
 
 slow = float(os.environ.get("SLOW_REWARD", "0"))
@@ -256,7 +258,7 @@ def test_crash_while_writing_keeps_both_checkpoints(tmp_path: Path,
     def crash(fd: int) -> None:
         raise OSError("simulated crash during the write")
 
-    monkeypatch.setattr("grpolab.checkpoint.os.fsync", crash)
+    monkeypatch.setattr("grpolab.run.checkpoint.os.fsync", crash)
     tr.step_num = 3
     with pytest.raises(OSError, match="simulated"):
         tr.save_checkpoint()

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpolab.rewards import (
+from grpolab.rewards.builtin import (
     THINK_ANSWER_PATTERN,
     exact_answer,
     format_reward,
     load_reward,
     math_answer,
 )
-from grpolab.scoring import ScoreResult, score
+from grpolab.rewards.scorer import ScoreResult, score
 
 
 def test_exact_answer_strips_whitespace_and_stringifies_gold() -> None:
@@ -86,8 +86,8 @@ def test_load_builtins() -> None:
 
 
 def test_load_dotted_module_paths() -> None:
-    assert load_reward("grpolab.rewards:exact_answer") is exact_answer
-    assert load_reward("grpolab.rewards.math_answer") is math_answer
+    assert load_reward("grpolab.rewards.builtin:exact_answer") is exact_answer
+    assert load_reward("grpolab.rewards.builtin.math_answer") is math_answer
 
 
 def test_load_from_file(tmp_path: Path) -> None:
@@ -115,8 +115,8 @@ def test_load_from_file(tmp_path: Path) -> None:
     [
         ("nonsense", "unknown reward 'nonsense'"),
         ("no_such_module_xyz:fn", "module 'no_such_module_xyz' not found"),
-        ("grpolab.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
-        ("grpolab.rewards:THINK_ANSWER_PATTERN", "is a str, not callable"),
+        ("grpolab.rewards.builtin:no_such_fn", "has no attribute 'no_such_fn'"),
+        ("grpolab.rewards.builtin:THINK_ANSWER_PATTERN", "is a str, not callable"),
         ("/no/such/file.py:fn", "file '/no/such/file.py' not found"),
         ("my_rewards.py", "name the function too"),
     ],
@@ -156,7 +156,7 @@ def test_score_weighted_total_and_columns() -> None:
 
 def test_raising_sample_only_penalises_that_sample(caplog: pytest.LogCaptureFixture) -> None:
     completions = ["fine", "boom", "also fine", "x" * 200]
-    with caplog.at_level(logging.WARNING, logger="grpolab.rewards"):
+    with caplog.at_level(logging.WARNING, logger="grpolab.rewards.builtin"):
         res = score([_explodes_on_boom], ["a", "b", "c", "d"], completions, {}, on_error=-1.0)
     assert res.total.tolist() == [1.0, -1.0, 1.0, 1.0]
     assert len(res.problems) == 1

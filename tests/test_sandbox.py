@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from grpolab.rewards import load_reward
-from grpolab.sandbox import Limits, code_reward, extract_code, parse_tests, run_tests
-from grpolab.scoring import score
+from grpolab.rewards.builtin import load_reward
+from grpolab.rewards.sandbox import Limits, code_reward, extract_code, parse_tests, run_tests
+from grpolab.rewards.scorer import score
 
 ADD_TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]
 QUICK = Limits(cpu_seconds=2, wall_seconds=5)

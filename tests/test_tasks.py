@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import reasoning_gym
 
-from grpolab import cli
+from grpolab.app import cli
 from grpolab.config import make_config
-from grpolab.data import run_rows
-from grpolab.rewards import load_reward
-from grpolab.tasks import task_reward, task_rows
+from grpolab.data.files import run_rows
+from grpolab.data.tasks import task_reward, task_rows
+from grpolab.rewards.builtin import load_reward
 
 ARITH = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
          "operators": ["+", "-", "*"], "allow_parentheses": False, "allow_negation": False}

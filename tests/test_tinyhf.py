@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpolab.tinyhf import default_texts, make_tiny_model, train_tokenizer
+from grpolab.rollout.tinyhf import default_texts, make_tiny_model, train_tokenizer
 
 SAMPLE = "Q: 12 + 7?\n<think> 12 + 7 = 19 </think>\n<answer>19</answer> \\boxed{19} é→日本"
 

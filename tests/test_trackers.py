@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 import pytest
 
 import grpolab
-from grpolab import report
 from grpolab.config import ConfigError, make_config
-from grpolab.report import read_metrics
-from grpolab.trackers import TRACKERS, Reporter, Tracker
+from grpolab.run import plots
+from grpolab.run.report import read_metrics
+from grpolab.run.trackers import TRACKERS, Reporter, Tracker
 
 INSTALLED = [n for n in TRACKERS if importlib.util.find_spec(n) is not None]
 STEPS = 3
@@ -42,7 +42,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
            "MLFLOW_EXPERIMENT_NAME": "grpolab-test", "MLFLOW_DISABLE_TELEMETRY": "true",
            "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
     drawn: list[list[int]] = []
-    real_plot = report.plot_run
+    real_plot = plots.plot_run
 
     def spy(rows: list[dict], *a: Any, **k: Any) -> None:
         drawn.append([r["step"] for r in rows])
@@ -55,7 +55,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             for name, mod in list(sys.modules.items()):
                 if name.startswith("trackio") and hasattr(mod, "TRACKIO_DIR"):
                     mp.setattr(mod, "TRACKIO_DIR", tmp / "trackio")
-        mp.setattr(report, "plot_run", spy)
+        mp.setattr(plots, "plot_run", spy)
         mp.setattr(Reporter, "draw_share", 1e9)  # redraw at every evaluation, however fast
         mp.setattr(Reporter, "first_draw_s", 0.0)  # ... from the first
         out = io.StringIO()
@@ -272,16 +272,16 @@ def test_trackio_local_database(run: dict, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.parametrize("first", ["module", "function"])
-def test_grpolab_workshop_is_both_the_module_and_the_function(first: str) -> None:
-    # The import system sets the package's ``workshop`` attribute to the submodule whenever it
-    # is imported, so grpolab.workshop must stay callable in whichever order things happen.
+def test_grpolab_workshop_and_train_are_the_api(first: str) -> None:
+    # grpolab.workshop and grpolab.train are the Python API's functions, whichever of the
+    # package's modules were imported first.
     import subprocess
 
-    head = ("from grpolab.workshop import PRESETS\n" if first == "module"
+    head = ("from grpolab.world.workshop import PRESETS\n" if first == "module"
             else "f = grpolab.workshop\nassert callable(f)\n")
     code = ("import grpolab\n" + head
-            + "import grpolab.workshop as w\nimport grpolab.commands, grpolab.api\n"
-              "assert w is grpolab.workshop and callable(grpolab.workshop)\n"
-              "assert 'grpo' in grpolab.workshop.PRESETS\n"
-              "assert grpolab.train is grpolab.api.train\n")
+            + "import grpolab.world.workshop as w\nimport grpolab.app.commands, grpolab.app.api\n"
+              "assert grpolab.workshop is grpolab.app.api.workshop\n"
+              "assert 'grpo' in w.PRESETS\n"
+              "assert grpolab.train is grpolab.app.api.train\n")
     subprocess.run([sys.executable, "-c", code], check=True)

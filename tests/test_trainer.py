@@ -7,12 +7,14 @@ import math
 import pytest
 import torch
 
-from grpolab.advantages import dead_mask
 from grpolab.config import make_config
-from grpolab.curriculum import PromptSampler, curriculum_weights
-from grpolab.trainer import GRPOTrainer, lr_factor
-from grpolab.world import TinyConfig, TinyGPT, make_splits
-from grpolab.world_backend import TinyBackend
+from grpolab.core.advantages import dead_mask
+from grpolab.predict.curriculum import PromptSampler, curriculum_weights
+from grpolab.run.report import sample_record
+from grpolab.run.trainer import GRPOTrainer, lr_factor
+from grpolab.world.backend import TinyBackend
+from grpolab.world.model import TinyConfig, TinyGPT
+from grpolab.world.task import make_splits
 
 
 def first_digit_odd(prompts, completions, **_):
@@ -236,17 +238,16 @@ def test_truncated_share_is_logged(tmp_path) -> None:
 def test_samples_log_the_advantages_the_update_trained_with(tmp_path) -> None:
     """With a batch-level statistic (scale: batch) a group's advantages depend on the whole
     step; samples.jsonl must show the trained ones, not its own group's recomputation."""
-    from grpolab import advantages as A
+    from grpolab.core import advantages as A
 
     tr = trainer(tmp_path, scale="batch", log_samples=8)
     batch = tr.collect()
-    tr.update(batch)
+    adv = tr.advantages(batch, tr.score(batch))
     whole = A.group_advantages(batch.rewards.float(), 4, scale="batch")
-    assert torch.equal(batch.advantages, whole)
+    assert torch.equal(adv, whole)
     g = 4
     live = next(i for i in range(0, len(batch.rewards), g) if batch.rewards[i : i + g].std() > 0)
-    tr.cfg.log_samples = live // g + 1  # log up to and including the first live group
-    logged = tr._sample_record(batch)[-1]["advantages"]
+    logged = sample_record(batch, g, live // g + 1, adv)[-1]["advantages"]  # to the first live
     assert logged == whole[live : live + g].tolist()
     own = A.group_advantages(batch.rewards[: live + g].float(), g, scale="batch")[live:]
     assert logged != own.tolist()  # what the old recomputation over the logged groups gave

@@ -12,11 +12,11 @@ import pytest
 import yaml
 
 import grpolab
-from grpolab import cli
-from grpolab.reward_compat import TRLReward
-from grpolab.rewards import load_reward
-from grpolab.scoring import score
-from grpolab.tinyhf import make_tiny_model
+from grpolab.app import cli
+from grpolab.rewards.builtin import load_reward
+from grpolab.rewards.scorer import score
+from grpolab.rewards.trl_compat import TRLReward
+from grpolab.rollout.tinyhf import make_tiny_model
 
 trl_rewards = pytest.importorskip("trl.rewards")
 

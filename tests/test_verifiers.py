@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from grpolab.rewards import load_reward, math_answer, math_lenient
-from grpolab.verifiers import final_answer, judge
+from grpolab.rewards.builtin import load_reward, math_answer, math_lenient
+from grpolab.rewards.verifiers import final_answer, judge
 
 Q = "What is 62 + 82?"
 

@@ -1,4 +1,4 @@
-"""grpolab.vllm_backend.VLLMBackend against a stand-in vLLM engine (there is no GPU here).
+"""grpolab.rollout.vllm.VLLMBackend against a stand-in vLLM engine (there is no GPU here).
 
 What is ours is checked: the weights pushed to the engine (names and values, LoRA merged), the
 prefix-cache reset after each push, one sampling seed per answer (a group's answers differ, and
@@ -18,10 +18,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from grpolab import vllm_backend
-from grpolab.models import load_model
-from grpolab.tinyhf import make_tiny_model
-from grpolab.vllm_backend import VLLMBackend
+from grpolab.rollout import vllm as vllm_backend
+from grpolab.rollout.models import load_model
+from grpolab.rollout.tinyhf import make_tiny_model
+from grpolab.rollout.vllm import VLLMBackend
 
 
 class FakeSamplingParams:
@@ -111,7 +111,7 @@ def test_weights_seeds_and_rollouts(fake_vllm: None, llama: str) -> None:
 def test_train_runs_on_the_engine(fake_vllm: None, llama: str, tmp_path: Path) -> None:
     import json
 
-    from grpolab import cli
+    from grpolab.app import cli
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a} + {a} =", "answer": str(2 * a)}) + "\n"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from grpolab.watch import hacking_suspected, reward_rise
+from grpolab.run.watch import hacking_suspected, reward_rise
 
 
 def test_reward_rise_compares_the_last_window_with_the_first() -> None:
@@ -29,8 +29,8 @@ def test_the_watch_fires_when_training_reward_climbs_alone(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A reward that pays more every step (whatever the model writes) against a strict check
     that never passes: the run must flag it, in the metrics and with one warning line."""
-    from grpolab import cli
-    from grpolab.tinyhf import make_tiny_model
+    from grpolab.app import cli
+    from grpolab.rollout.tinyhf import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m", arch="llama", hidden=32, heads=4)
     data = tmp_path / "d.jsonl"

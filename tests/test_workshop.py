@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from grpolab.cli import main
-from grpolab.report import read_metrics
+from grpolab.app.cli import main
+from grpolab.run.report import read_metrics
 
 TINY = ["--sft-steps", "20", "--steps", "3", "--world-train-size", "64",
         "--world-heldout-size", "32", "--eval-size", "32", "--no-progress"]
@@ -78,7 +78,7 @@ def test_seed_sweep_reports_mean_and_spread(tmp_path) -> None:
 
 
 def test_mean_summary_hand_values() -> None:
-    from grpolab.workshop import SUMMARY_KEYS, mean_summary
+    from grpolab.world.workshop import SUMMARY_KEYS, mean_summary
 
     a = dict.fromkeys(SUMMARY_KEYS, 0.2)
     b = dict.fromkeys(SUMMARY_KEYS, 0.4)
@@ -107,7 +107,7 @@ def test_short_run_is_deterministic_per_seed(tmp_path) -> None:
 def test_waste_vs_success_summary() -> None:
     """First/last-ten dead shares and the correlation of the all-right dead share with
     held-out accuracy, from hand-made steps where both rise together."""
-    from grpolab.report import summarize
+    from grpolab.run.report import summarize
 
     rows = [{"step": 0, "heldout_acc": 0.5, "heldout_pass_prob": 0.5}]
     for s in range(1, 21):

@@ -5,26 +5,23 @@ import random
 
 import torch
 
-from grpolab.rollout import cat_rollouts
-from grpolab.world import (
+from grpolab.rollout.batch import cat_rollouts
+from grpolab.world.backend import TinyBackend
+from grpolab.world.model import CharTokenizer, TinyConfig, TinyGPT, encode_batch
+from grpolab.world.sft import sft_model
+from grpolab.world.task import (
     CARRY_SHARE,
     SLIP,
     SLIP_TOP,
     TOP_SHARE,
-    CharTokenizer,
-    TinyConfig,
-    TinyGPT,
     carries,
     check,
-    encode_batch,
     make_problem,
     make_splits,
-    sft_model,
     sloppy_answer,
     teacher_answers,
     teacher_pass_rate,
 )
-from grpolab.world_backend import TinyBackend
 
 
 def backend(seed: int = 0) -> TinyBackend:
@@ -131,7 +128,7 @@ def test_the_fine_tuned_start_has_the_calibrated_bands(tmp_path) -> None:
 def test_a_start_that_misses_the_bands_is_trained_again(tmp_path, monkeypatch) -> None:
     """sft_model checks the start against the teacher's bands and, when it misses, trains a
     fresh model from the next stream; the cache holds the one that landed."""
-    from grpolab import world
+    from grpolab.world import sft as world
 
     splits = make_splits(0, 64, 32)
     verdicts = iter([False, True])
@@ -153,7 +150,7 @@ def test_a_start_that_misses_the_bands_is_trained_again(tmp_path, monkeypatch) -
 def test_lands_on_teacher_reads_each_band(monkeypatch) -> None:
     """The check compares each band's mean exact pass rate with the teacher's: a model whose
     answer probabilities are set by hand passes at the teacher's rates and fails off them."""
-    from grpolab import world
+    from grpolab.world import sft as world
 
     rows = [{"prompt": "12+34=", "answer": "046"}, {"prompt": "15+27=", "answer": "042"},
             {"prompt": "55+66=", "answer": "121"}]  # carry-free, ones carry, sum >= 100
@@ -165,7 +162,7 @@ def test_lands_on_teacher_reads_each_band(monkeypatch) -> None:
 
 
 def test_answer_probability_is_the_backends_pass_probability() -> None:
-    from grpolab.world import answer_probability
+    from grpolab.world.sft import answer_probability
 
     be = backend()
     rows = make_splits(0, 32, 0).train
@@ -190,8 +187,9 @@ def test_sft_and_rl_prompts_are_disjoint_halves_and_the_start_ignores_the_mix(
     """The SFT draws only from its half of the problems (``sft_side``), the splits and the
     landing check only from the other, so the fine-tuned start of a seed is one model (one
     cache entry) for every RL prompt mix."""
-    from grpolab import world
-    from grpolab.world import sft_check_rows, sft_side
+    from grpolab.world import sft as world
+    from grpolab.world.sft import sft_check_rows
+    from grpolab.world.task import sft_side
 
     rng = random.Random(0)
     drawn = [make_problem(rng)["prompt"] for _ in range(2000)]

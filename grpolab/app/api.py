@@ -1,0 +1,121 @@
+"""The Python API, as small as the CLI: ``grpolab.train(config)`` and ``grpolab.workshop()``.
+
+```python
+import grpolab
+
+records = grpolab.train("run.yaml", steps=20, report_to=["tensorboard"])
+records = grpolab.train({"model_path": "smollm2-135m-instruct", "dataset": "train.jsonl",
+                         "rewards": [my_reward, "format"]})
+records[-1]["heldout_acc"], records.out_dir, records.summary
+```
+
+The config is a YAML path, a dict of config keys (TRL's names too) or a ``Config``; keyword
+arguments override it, as flags do on the command line. A reward may be a Python callable
+(TRL's signature ``prompts, completions, **kwargs`` works unchanged). Both return the run's
+metrics records (one dict per step, step 0 first; what metrics.jsonl holds) as a list that
+also carries ``out_dir`` and ``summary``. The out_dir rules, errors and files are the CLI's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import types
+from pathlib import Path
+from typing import Any
+
+from grpolab.config import Config, ConfigError, make_config, to_dict
+
+# Python callables given as rewards: load_reward finds them here by a spec string
+# ("grpolab.app.api:rewards.<name>"), so the trainer sees them as it sees any user reward.
+rewards = types.SimpleNamespace()
+
+
+class Records(list):
+    """The run's metrics records, plus where it wrote them (``out_dir``) and its summary."""
+
+    out_dir: Path
+    summary: dict[str, Any]
+
+
+def _spec(fn: Any) -> str:
+    name = re.sub(r"\W", "_", getattr(fn, "__name__", "") or type(fn).__name__)
+    key, n = name, 2
+    while getattr(rewards, key, fn) is not fn:
+        key, n = f"{name}_{n}", n + 1
+    setattr(rewards, key, fn)
+    return f"grpolab.app.api:rewards.{key}"
+
+
+def _config(config: Config | dict | str | Path | None, overrides: dict[str, Any],
+            command: str) -> Config:
+    """Defaults, then the config (YAML path, dict or Config), then keyword overrides."""
+    yaml_path = None
+    given: dict[str, Any] = {}
+    if isinstance(config, Config):
+        given = to_dict(config)
+    elif isinstance(config, dict):
+        given = dict(config)
+    elif config is not None:
+        yaml_path = str(config)
+    given.update(overrides)
+    specs = given.get("rewards")
+    if specs is not None:
+        specs = [specs] if callable(specs) or isinstance(specs, str) else list(specs)
+        given["rewards"] = [_spec(r) if callable(r) else r for r in specs]
+    watch = given.get("watch_reward")
+    if callable(watch):
+        given["watch_reward"] = _spec(watch)
+    return make_config(yaml_path, given, command)
+
+
+def _out_dir(cfg: Config, command: str, resume: bool) -> Config:
+    from grpolab.app.commands import choose_out_dir
+
+    return choose_out_dir(cfg, command, resume)
+
+
+def _records(out_dir: Path, summary: dict[str, Any]) -> Records:
+    from grpolab.run.report import read_metrics
+
+    out = Records(read_metrics(Path(out_dir) / "metrics.jsonl"))
+    out.out_dir, out.summary = Path(out_dir), summary
+    return out
+
+
+def train(config: Config | dict | str | Path | None = None, *, resume: bool = False,
+          **overrides: Any) -> Records:
+    """``grpolab train`` in Python: GRPO on a Hugging Face model; returns the records."""
+    from grpolab.app.commands import run_train
+
+    cfg = _out_dir(_config(config, overrides, "train"), "train", resume)
+    trainer = run_train(cfg, resume=resume)
+    summary_file = Path(trainer.out_dir) / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    return _records(trainer.out_dir, summary)
+
+
+def workshop(config: Config | dict | str | Path | None = None, *, resume: bool = False,
+             sweep: list[int] | None = None, variants: list[str] | None = None,
+             seeds: list[int] | None = None, **overrides: Any) -> Records | dict[str, Records]:
+    """``grpolab workshop`` in Python: the built-in experiment; returns its records.
+
+    With ``sweep`` (group sizes), ``variants`` or ``seeds`` it runs the sweep and returns
+    ``{run folder name: records}`` (sweep.md and sweep.png are written as by the CLI).
+    """
+    from grpolab.world.workshop import run_sweep, run_workshop
+
+    cfg = _out_dir(_config(config, overrides, "workshop"), "workshop", resume)
+    if not (sweep or variants or seeds):
+        summary = run_workshop(cfg, resume=resume)
+        return _records(Path(cfg.out_dir), summary)
+    if resume:
+        raise ConfigError("resume continues one run, not a sweep")
+    run_sweep(cfg, list(sweep or [cfg.group_size]), list(variants or ["grpo"]),
+              list(seeds) if seeds else None)
+    root = Path(cfg.out_dir)
+    return {d.name: _records(d, json.loads((d / "summary.json").read_text()))
+            for d in sorted(root.iterdir()) if (d / "summary.json").is_file()}
+
+
+__all__ = ["Records", "train", "workshop"]

@@ -1,0 +1,143 @@
+"""Command line: ``grpolab workshop`` (the built-in experiment), ``grpolab train`` and
+``grpolab eval`` (real models); what they do is ``grpolab.app.commands``.
+
+Each command offers the config fields that apply to it as flags (``--group-size 8``,
+``--dynamic-sampling``), each with the help its field carries (``grpolab.config.schema``);
+``--config run.yaml`` loads a file of any config keys first. User mistakes end with one line on
+stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import typing
+from typing import Any, NoReturn
+
+from grpolab.app import commands
+from grpolab.app.commands import choose_out_dir
+from grpolab.config import Config, ConfigError, literal_fields, make_config
+from grpolab.config.schema import command_defaults
+from grpolab.run import dist
+
+
+def command_fields(command: str) -> list[str]:
+    """The config fields ``command`` offers as flags, in the config's order."""
+    return [f.name for f in dataclasses.fields(Config) if command in f.metadata["commands"]]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse errors on one line too: the usage of ~60 flags would bury the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_config_flags(p: argparse.ArgumentParser, command: str) -> None:
+    hints = typing.get_type_hints(Config)
+    choices = literal_fields()
+    meta = {f.name: f.metadata for f in dataclasses.fields(Config)}
+    defaults = dataclasses.replace(Config(), **command_defaults(command))
+    for name in command_fields(command):
+        flag = "--" + name.replace("_", "-")
+        tp = hints[name]
+        value = getattr(defaults, name)
+        if isinstance(value, list):
+            shown = ",".join(map(str, value))
+        elif dataclasses.is_dataclass(value):
+            shown = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(value).items())
+        else:
+            shown = value
+        text = meta[name]["help"]
+        text = f"{text} (default: {shown!r})" if shown != "" else f'{text} (default: "")'
+        text = text.replace("%", "%%")
+        if tp is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                           help=text)
+        elif name in choices:
+            p.add_argument(flag, dest=name, choices=choices[name], default=None, help=text)
+        else:
+            p.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=text)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in Config.__dataclass_fields__ if hasattr(args, k)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="grpolab", description=" ".join(__doc__.split("\n\n")[0].split()))
+    sub = parser.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("workshop", help="GRPO on the built-in world at a fixed answer budget")
+    w.add_argument("--config", help="YAML file of config keys")
+    w.add_argument("--sweep", help="comma-separated group sizes, e.g. 2,4,8,16,32")
+    w.add_argument("--seeds", help="comma-separated seeds for a sweep (mean ± sd over them)")
+    from grpolab.world.workshop import variants_help
+
+    w.add_argument("--variants", default=None, help=variants_help())
+    w.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
+    _add_config_flags(w, "workshop")
+    t = sub.add_parser("train", help="GRPO on a Hugging Face model and a local dataset")
+    t.add_argument("--config", help="YAML file of config keys")
+    t.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
+    _add_config_flags(t, "train")
+    e = sub.add_parser("eval", help="greedy accuracy and pass@k of a Hugging Face model")
+    e.add_argument("--config", help="YAML file of config keys")
+    e.add_argument("--compare", metavar="EVAL_JSON",
+                   help="an earlier eval.json of the same prompts: print the gain per measure "
+                        "with its paired standard error")
+    _add_config_flags(e, "eval")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="grpolab: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = make_config(args.config, _overrides(args), args.command)
+        dist.init()  # joins torchrun's process group; nothing in a single process
+        cfg = choose_out_dir(cfg, args.command, getattr(args, "resume", False))
+        if args.command == "workshop":
+            return commands.workshop(cfg, args.sweep, args.variants, args.seeds, args.resume)
+        if args.command == "eval":
+            return commands.evaluate(cfg, args.compare)
+        return commands.train(cfg, args.resume)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        return _fail(e, 2)
+    except KeyboardInterrupt:
+        print("grpolab: interrupted; the last checkpoint and metrics are kept", file=sys.stderr)
+        return 130
+    except OSError as e:  # a full disk, a folder made read-only mid-run: one line, exit 1
+        where = f" ({e.filename})" if e.filename else ""
+        return _fail(f"{e.strerror or e}{where}; files written before it are intact", 1)
+    except Exception as e:
+        from grpolab.run.checkpoint import CheckpointError
+        from grpolab.run.trainer import TrainingError
+
+        if isinstance(e, (TrainingError, CheckpointError)):
+            return _fail(e, 1)
+        raise
+    except BaseException as e:
+        from grpolab.run.stopping import RunStopped
+
+        if not isinstance(e, RunStopped):
+            raise
+        # SIGTERM/SIGUSR1 (preemption): checkpoint written; 128 + signal, as a shell reports
+        if dist.is_main():
+            print(f"grpolab: {e}", file=sys.stderr)
+        return e.exit_code
+    finally:
+        dist.cleanup()
+
+
+def _fail(e: BaseException, code: int) -> int:
+    """One line on stderr (tagged with the rank under torchrun), then the exit code."""
+    where = f" (rank {dist.rank()})" if dist.is_dist() else ""
+    msg = " ".join(str(e).split("\n")).strip() or type(e).__name__
+    print(f"grpolab: error{where}: {msg}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""The commands: ``grpolab workshop``, ``grpolab train`` and ``grpolab eval``, in one place.
+
+Each builds a backend and a scorer (``scoring.make_scorer``, the one factory), runs, and ends
+with the same finishing step (``finish_run``: the plot and ``summary.json``); held-out accuracy
+is ``scoring.score_answers`` for all of them. ``cli.py`` parses the flags and calls
+``workshop``, ``train`` or ``evaluate`` here; the Python API is ``run_workshop``,
+``run_train`` and ``run_eval``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpolab.config import Config, ConfigError
+from grpolab.config.schema import command_defaults
+from grpolab.rewards.scorer import load_rewards, make_scorer, score_answers
+from grpolab.run import dist, shard
+from grpolab.run.checkpoint import holds_run
+from grpolab.run.report import finish_run, read_metrics
+from grpolab.run.trackers import Reporter
+from grpolab.run.trainer import GRPOTrainer
+from grpolab.world.workshop import run_sweep, run_workshop, world_trainer
+
+log = logging.getLogger("grpolab")
+
+
+# ----------------------------------------------------------------------------- workshop
+
+
+def workshop(cfg: Config, sweep: str | None, variants: str | None, seeds: str | None,
+             resume: bool) -> int:
+    """``grpolab workshop``: one run, or with --sweep/--variants/--seeds a table of runs."""
+
+    if sweep or variants or seeds:
+        if dist.is_dist():
+            raise ConfigError("--sweep/--variants run one after another; under torchrun "
+                              "launch one configuration at a time")
+        sizes = _int_list(sweep, "--sweep") if sweep else [cfg.group_size]
+        names = [v.strip() for v in (variants or "grpo").split(",") if v.strip()]
+        print(run_sweep(cfg, sizes, names, _int_list(seeds, "--seeds") if seeds else None))
+        print(f"\nwrote {cfg.out_dir}/sweep.md and {cfg.out_dir}/sweep.png")
+        return 0
+    if not dist.is_main():  # the other ranks train alongside rank 0, which writes everything
+        world_trainer(cfg).train(resume=resume)
+        return 0
+    s = run_workshop(cfg, resume=resume)
+    print(f"G={s['group_size']} ({s['prompts_per_step']} prompts/step): mean dead share "
+          f"{s['mean_dead_share']:.3f} (predicted {s['mean_predicted_dead_share']:.3f}), "
+          f"held-out accuracy {s['start_heldout_pass_prob']:.3f} -> "
+          f"{s['final_heldout_pass_prob']:.3f} (T={cfg.temperature}, exact; greedy "
+          f"{s['start_heldout_acc']:.3f} -> {s['final_heldout_acc']:.3f}); "
+          f"{s['all_right_share_of_dead']:.0%} of dead groups all right")
+    print(f"wrote {cfg.out_dir}/metrics.jsonl and {cfg.out_dir}/workshop.png")
+    return 0
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated integers (got {text!r})") from None
+    if not vals:
+        raise ConfigError(f"{what} is empty")
+    return vals
+
+
+# ----------------------------------------------------------------------------- real models
+
+
+def check_paths(cfg: Config, command: str = "train") -> None:
+    """One-line errors for a missing model, dataset or reward, before anything loads."""
+    from grpolab.data.tasks import is_task
+    from grpolab.rollout.models import is_model_source
+
+    if not cfg.model_path:
+        raise ConfigError(f"grpolab {command} needs model_path (a local Hugging Face model "
+                          "folder, a .gguf file or smollm2-135m-instruct)")
+    mp = Path(cfg.model_path).expanduser()
+    if is_model_source(cfg.model_path):
+        pass  # a GGUF file or a known name: models.resolve_model checks and converts it
+    elif not mp.exists():
+        raise FileNotFoundError(f"model_path {str(mp)!r} does not exist")
+    elif not (mp / "config.json").is_file():
+        raise FileNotFoundError(f"model_path {str(mp)!r} is not a Hugging Face model directory "
+                                "(no config.json)")
+    if not (cfg.dataset or (command == "eval" and cfg.eval_dataset)):
+        raise ConfigError(f"grpolab {command} needs dataset (a local .jsonl/.parquet/.csv file "
+                          "or reasoning_gym:<task>)")
+    for name in ("dataset", "eval_dataset"):
+        value = getattr(cfg, name)
+        if value and not is_task(value) and not Path(value).expanduser().exists():
+            raise FileNotFoundError(f"{name} {value!r} does not exist")
+    if not cfg.rewards:
+        raise ConfigError("rewards is empty; name at least one reward (e.g. math, format)")
+
+
+def make_backend(cfg: Config, model: Any, tokenizer: Any) -> Any:
+    """The HF backend (or the vLLM one) the config describes, around a loaded model."""
+    from grpolab.rollout.hf import HFBackend
+
+    kwargs: dict[str, Any] = {
+        "lora": cfg.lora, "lora_r": cfg.lora_r, "lora_alpha": cfg.lora_alpha,
+        "lora_dropout": cfg.lora_dropout,
+        "lora_target_modules": list(cfg.lora_target_modules) or None,
+        "use_chat_template": cfg.use_chat_template, "reference": cfg.beta > 0, "seed": cfg.seed,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "max_prompt_tokens": cfg.max_prompt_tokens, "max_new_tokens": cfg.max_new_tokens,
+        "logit_chunk": cfg.logit_chunk, "speed": cfg.speed,
+    }
+    if cfg.rollout_backend == "vllm":
+        from grpolab.rollout.vllm import VLLMBackend
+
+        return VLLMBackend(model, tokenizer, str(Path(cfg.model_path).expanduser()), **kwargs)
+    return HFBackend(model, tokenizer, **kwargs)
+
+
+def _load(cfg: Config) -> tuple[Any, Any]:
+    from grpolab.rollout.models import load_model
+
+    return load_model(str(Path(cfg.model_path).expanduser()), dtype=cfg.dtype,
+                      cache_dir=cfg.cache_dir)
+
+
+def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
+    """``grpolab train``: GRPO on a local HF model and dataset; returns the ``GRPOTrainer``.
+
+    Writes ``metrics.jsonl``, ``checkpoints/last.pt``, ``train.png``, ``summary.json`` and the
+    final model (LoRA merged) plus tokenizer in ``<out_dir>/final``.
+    """
+    from grpolab.data.files import run_rows
+
+    check_paths(cfg)
+    if cfg.rollout_backend == "vllm":
+        from grpolab.rollout.vllm import check_vllm
+
+        check_vllm()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not cfg.progress:  # --no-progress also quiets the weight loading/saving bars
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    rows, heldout = run_rows(cfg)
+    reward_fns, watch = load_rewards(cfg)
+    model, tok = _load(cfg)
+    if cfg.dtype != "float32" and not cfg.lora and dist.is_main():
+        log.warning("full fine-tuning in %s: weights and Adam states stay in %s, and updates "
+                    "below its resolution are lost; LoRA adapters train in float32", cfg.dtype,
+                    cfg.dtype)
+    backend = make_backend(cfg, model, tok)
+    backend.render(rows[0]["prompt"])  # chat prompts without a chat template fail here, early
+    trainer = GRPOTrainer(cfg, backend, rows, reward_fns, heldout, out_dir=cfg.out_dir,
+                          watch_fn=watch)
+    title = (f"GRPO on {Path(cfg.model_path).name}: G={cfg.group_size}, {cfg.prompts_per_step} "
+             f"prompts per step{' (LoRA)' if cfg.lora else ''}")
+    # report_to, and the plot redrawn with a status line at each evaluation
+    trainer.reporter = Reporter(trainer.out_dir / "train.png", title, lengths=True)
+    trainer.train(resume=resume)
+    # sharded weights are gathered to rank 0 (collective) for the final model
+    full = shard.full_state_dict(backend.model) if trainer.sharded else None
+    if not dist.is_main():  # under torchrun rank 0 alone writes the model, plot and summary
+        return trainer
+    out = trainer.out_dir
+    backend.save_pretrained(str(out / "final"), state_dict=full)
+    summary = finish_run(out, "train.png", title, lengths=True, model_path=cfg.model_path,
+                         lora=cfg.lora, calibration_title="Dead-group prediction: "
+                         f"{Path(cfg.model_path).name}")
+    from grpolab.run.model_card import write_model_card
+
+    write_model_card(out / "final", cfg, summary, read_metrics(out / "metrics.jsonl"))
+    acc = (f", held-out accuracy {summary['start_heldout_acc']:.3f} -> "
+           f"{summary['final_heldout_acc']:.3f}" if heldout else " (no eval_dataset)")
+    if "start_heldout_check_acc" in summary:
+        acc += (f"; strict check ({cfg.watch_reward}) {summary['start_heldout_check_acc']:.3f} -> "
+                f"{summary['final_heldout_check_acc']:.3f}")
+        if summary["hacking_suspected_steps"]:
+            acc += f"; REWARD HACKING SUSPECTED at steps {summary['hacking_suspected_steps']}"
+    if "posterior_dead_brier" in summary:
+        print(f"dead groups: predicted {summary['mean_posterior_dead_share']:.3f}, measured "
+              f"{summary['mean_dead_share']:.3f}; Brier {summary['posterior_dead_brier']:.3f} "
+              f"(base rate {summary['posterior_dead_brier_base_rate']:.3f}), "
+              f"see {out}/calibration.png")
+    print(f"trained {summary['steps']} steps: mean reward {summary['mean_reward']:.3f}{acc}")
+    print(f"wrote {out}/metrics.jsonl, {out}/train.png and the model in {out}/final")
+    return trainer
+
+
+def train(cfg: Config, resume: bool) -> int:
+    """``grpolab train``."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"grpolab train needs the Hugging Face extras ({e})") from None
+    run_train(cfg, resume=resume)
+    return 0
+
+
+# ----------------------------------------------------------------------------- eval
+
+
+def run_eval(cfg: Config) -> dict[str, Any]:
+    """Greedy accuracy and per-reward means on the first ``eval_size`` rows of eval_dataset (or
+    dataset); with ``eval_samples`` n > 0 also pass@k for k = 1, 2, 4, ... n at ``temperature``.
+    Writes ``<out_dir>/eval.json`` and returns it."""
+    from grpolab.core.passk import ks_up_to, pass_at_k, standard_error
+    from grpolab.data.files import run_rows
+
+    check_paths(cfg, "eval")
+    train_rows, held = run_rows(cfg)
+    rows = (held or train_rows)[: cfg.eval_size]
+    scorer = make_scorer(cfg)
+    model, tok = _load(cfg)
+    # The training backend's settings (chat template, prompt limit, seed), minus what only
+    # training needs: adapters, the reference copy, checkpointing.
+    backend = make_backend(dataclasses.replace(cfg, lora=False, beta=0.0, rollout_backend="hf",
+                                               gradient_checkpointing=False), model, tok)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    n = cfg.eval_samples
+    try:  # in chunks of ``budget`` answers (bounded memory)
+        greedy = score_answers(backend, rows, scorer, cfg.max_new_tokens, cfg.success_threshold,
+                               0.0, gen, chunk=cfg.budget)
+        if n:
+            sampled = score_answers(backend, [r for r in rows for _ in range(n)], scorer,
+                                    cfg.max_new_tokens, cfg.success_threshold, cfg.temperature,
+                                    gen, chunk=cfg.budget)
+    finally:
+        scorer.close()
+    ok, per_fn = greedy.ok, greedy.per_fn
+    out: dict[str, Any] = {
+        "model_path": cfg.model_path, "dataset": cfg.eval_dataset or cfg.dataset,
+        "prompts": len(rows), "greedy_accuracy": float(ok.float().mean()),
+        "greedy_accuracy_se": standard_error(ok.double()),
+        **{f"rewards/{name}": float(per_fn[:, j].mean()) for j, name in enumerate(greedy.names)},
+        "reward_problems": greedy.problems,
+        "greedy_correct": ok.int().tolist(),  # per prompt, for paired comparisons
+    }
+    if n:
+        correct = sampled.ok.view(len(rows), n).sum(1)
+        out.update({"samples_per_prompt": n, "temperature": cfg.temperature,
+                    "sampled_accuracy": float(sampled.ok.float().mean()),  # == pass@1
+                    "sampled_accuracy_se": standard_error(correct.double() / n),
+                    "sampled_reward_problems": sampled.problems,
+                    "sampled_correct": correct.tolist()})
+        out.update({f"pass@{k}": float(pass_at_k(n, correct, k).mean()) for k in ks_up_to(n)})
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "eval.json").write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def evaluate(cfg: Config, compare_to: str | None = None) -> int:
+    """``grpolab eval``: print the measures (and, with --compare, the paired gains)."""
+    if dist.is_dist():
+        raise ConfigError("grpolab eval runs in one process; launch it without torchrun")
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"grpolab eval needs the Hugging Face extras ({e})") from None
+    from grpolab.core.passk import compare
+
+    before = None
+    if compare_to:
+        try:
+            before = json.loads(Path(compare_to).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--compare {compare_to}: cannot read it ({e})") from None
+    res = run_eval(cfg)
+    line = f"{res['prompts']} prompts: greedy accuracy {res['greedy_accuracy']:.3f}"
+    ks = [k for k in res if k.startswith("pass@")]
+    if ks:
+        line += f"; at T={res['temperature']}, " + ", ".join(f"{k} {res[k]:.3f}" for k in ks)
+    print(line)
+    if before is not None:
+        for name, (gain, se) in compare(before, res).items():
+            print(f"  {name}: {gain:+.3f} ± {se:.3f} (paired standard error) against {compare_to}")
+    print(f"wrote {cfg.out_dir}/eval.json")
+    return 0
+
+
+# ----------------------------------------------------------------------------- out_dir
+
+
+def _in_use(d: Path) -> bool:
+    """Whether a folder holds a run, or a sweep's runs one level down."""
+    if not d.is_dir():
+        return False
+    if holds_run(d) or (d / "sweep.md").exists():
+        return True
+    return any(holds_run(c) for c in d.iterdir() if c.is_dir())
+
+
+def choose_out_dir(cfg: Config, command: str, resume: bool = False) -> Config:
+    """out_dir checked before anything runs: a file or an unwritable place is a one-line
+    error, and two runs never share a folder. A folder holding a run is refused unless
+    --resume or --overwrite, except the default out_dir: there the new run gets the next free
+    ``runs/workshop-N`` (so the README's first command works when run twice)."""
+    out = Path(cfg.out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out_dir {cfg.out_dir} is a file, not a folder")
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"out_dir {cfg.out_dir} is not writable ({probe} is read-only)")
+    if command == "eval" or resume or cfg.overwrite:
+        return cfg
+    if _in_use(out):
+        if cfg.out_dir != command_defaults(command).get("out_dir", Config.out_dir):
+            raise ConfigError(f"out_dir {cfg.out_dir} already holds a run; continue it with "
+                              "--resume, replace it with --overwrite, or choose another "
+                              "--out-dir")
+        n = 2
+        while Path(f"{out}-{n}").exists():
+            n += 1
+        new = f"{cfg.out_dir}-{n}"
+        new = dist.all_gather_object(new)[0] if dist.is_dist() else new  # rank 0 decides
+        if dist.is_main():
+            print(f"grpolab: {cfg.out_dir} holds an earlier run; this one writes to {new} "
+                  "(--out-dir chooses the folder, --overwrite replaces the run)", flush=True)
+        cfg = dataclasses.replace(cfg, out_dir=new)
+    return cfg

@@ -1,0 +1,62 @@
+"""Reading a config: defaults (the command's), then a YAML file, then overrides (flags or
+keyword arguments), each TRL name translated (``grpolab.config.trl``); resolved and validated."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpolab.config import trl
+from grpolab.config.schema import Config, ConfigError, coerce, command_defaults
+from grpolab.config.validate import resolve
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise ConfigError(f"broken YAML in {p}{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of keys to values")
+    return data
+
+
+def make_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                command: str = "workshop") -> Config:
+    """The command's defaults, then the YAML file, then overrides; resolved and validated.
+
+    TRL's names for the same settings (``TRL_ALIASES``, ``num_generations: 8``,
+    ``loss_type: dapo``...) are accepted in either and translated first (``from_trl``).
+    """
+    kwargs: dict[str, Any] = dict(command_defaults(command))
+    if yaml_path:
+        try:  # name the file: the user has to find the bad line
+            kwargs.update(_read(load_yaml(yaml_path)))
+        except ConfigError as e:
+            raise ConfigError(f"{yaml_path}: {e}") from None
+    kwargs.update(_read({k: v for k, v in (overrides or {}).items() if v is not None}))
+    return resolve(Config(**kwargs))
+
+
+def _read(given: dict[str, Any]) -> dict[str, Any]:
+    """Keys in grpolab's names (dashes as underscores, TRL's translated), values coerced."""
+    given = trl.from_trl({str(k).replace("-", "_"): v for k, v in given.items()})
+    if "cpu_pack" in given:  # its earlier place, before the speed options
+        speed = dataclasses.asdict(coerce("speed", given.get("speed", {})))
+        given["speed"] = {**speed, "cpu_pack": given.pop("cpu_pack")}
+    return {k: coerce(k, v) for k, v in given.items()}
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,405 @@
+"""One typed config for every run: the fields, their help and the commands they belong to.
+
+A single flat dataclass keeps the mapping YAML key == CLI flag == attribute obvious. Each field
+carries its help and the commands that offer it as metadata (``opt``); ``train`` and ``eval``
+take a real model's defaults where the workshop's would not do (``train=`` in ``opt``). Reading
+a config is ``grpolab.config.load``; checking one is ``grpolab.config.validate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from grpolab.core.advantages import (
+    ADVANTAGE_BASELINES,
+    ADVANTAGE_SCALES,
+    REWARD_AGGREGATIONS,
+    STD_KINDS,
+)
+from grpolab.core.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from grpolab.predict.allocate import ALLOCATION_OBJECTIVES
+from grpolab.predict.posterior import PASS_RATE_PRIORS
+
+# The allowed values of the objective's settings are the keys of the maths modules' registries:
+# a new variant there is a new choice here, on the command line and in the workshop's presets.
+LossAgg = Literal[tuple(LOSS_AGGREGATIONS)]  # type: ignore[valid-type]
+PolicyLoss = Literal[tuple(POLICY_LOSSES)]  # type: ignore[valid-type]
+KLEstimator = Literal[tuple(KL_ESTIMATORS)]  # type: ignore[valid-type]
+Baseline = Literal[tuple(ADVANTAGE_BASELINES)]  # type: ignore[valid-type]
+Scale = Literal[tuple(ADVANTAGE_SCALES)]  # type: ignore[valid-type]
+StdKind = Literal[tuple(STD_KINDS)]  # type: ignore[valid-type]
+RewardAggregation = Literal[tuple(REWARD_AGGREGATIONS)]  # type: ignore[valid-type]
+AllocationObjective = Literal[tuple(ALLOCATION_OBJECTIVES)]  # type: ignore[valid-type]
+PassRatePrior = Literal[tuple(PASS_RATE_PRIORS)]  # type: ignore[valid-type]
+
+COMMANDS = ("workshop", "train", "eval")
+# Which commands offer a field as a flag.
+ALL = COMMANDS
+RUN = ("workshop", "train")  # the training commands
+MODEL = ("train",)  # a real model's training only
+MODEL_EVAL = ("train", "eval")
+WORLD = ("workshop",)  # the built-in world only
+EVAL = ("eval",)
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the CLI prints it on one line and exits with 2."""
+
+
+def opt(default: Any, commands: tuple[str, ...], help: str, **per_command: Any) -> Any:
+    """A config field: its default (the workshop's), the commands that offer it, its help, and
+    other commands' defaults (``train=256``; ``eval`` takes train's)."""
+    meta = {"help": help, "commands": commands, "defaults": per_command}
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: _copy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _copy(value: Any) -> Any:
+    return dataclasses.replace(value) if dataclasses.is_dataclass(value) else type(value)(value)
+
+
+@dataclass
+class Speed:
+    """The speed paths: each computes the same maths as the plain path (up to float rounding)
+    and is on by default; switching one off measures what it buys. Recorded with the run."""
+
+    lean_forward: bool = True  # Llama-family and GPT-2 models on grpolab's forward (fastlm)
+    cpu_pack: bool = True  # CPU: sample on LoRA-merged, oneDNN-prepacked weights
+    score_pack: bool = True  # CPU: scoring's frozen linears on oneDNN copies (with cpu_pack)
+    early_exit: bool = True  # finished answers leave the decode batch
+    length_buckets: bool = True  # answers of unequal length scored in length buckets
+    head_grad_in_forward: bool = True  # a frozen LM head's input gradient made in forward
+
+
+@dataclass
+class Config:
+    """Everything a run needs. Defaults reproduce the workshop (G=8, 64 answers a step)."""
+
+    # --- run ---
+    out_dir: str = opt(
+        "runs/workshop", ALL,
+        "where metrics, samples, checkpoints and the model go", train="runs/train",
+        eval="runs/eval")
+    seed: int = opt(0, ALL, "seeds sampling, prompt order, LoRA init and the world")
+    steps: int = opt(40, RUN, "GRPO steps (optimiser updates of one sampled batch each)")
+    budget: int = opt(64, ALL, "answers generated per step (before dynamic-sampling top-ups)")
+    group_size: int = opt(8, RUN, "G: answers per prompt")
+    temperature: float = opt(1.0, ALL, "sampling temperature; log-probs are scored at the same one")
+    max_new_tokens: int = opt(
+        8, ALL,
+        "longest answer (TRL max_completion_length); the Dr. GRPO length constant", train=256)
+    lr: float = opt(1e-3, RUN, "Adam's learning rate (TRL learning_rate)", train=1e-5)
+    lr_schedule: Literal["constant", "linear", "cosine"] = opt(
+        "constant", RUN,
+        "decay to 0 at `steps`")
+    warmup_steps: int = opt(0, RUN, "linear ramp from lr / warmup_steps up to lr")
+    grad_clip: float = opt(1.0, RUN, "largest gradient norm kept (TRL max_grad_norm)")
+    epochs: int = opt(1, RUN, "mu: optimisation passes over one batch (old-policy ratio when > 1)")
+    micro_batch: int = opt(0, RUN, "rows per forward/backward in the update (0 = all); same step")
+    shard: Literal["none", "fsdp"] = opt(
+        "none", RUN,
+        "torchrun: fsdp shards weights, grads, Adam (full FT)")
+    eval_every: int = opt(1, RUN, "steps between held-out evaluations", train=10)
+    eval_size: int = opt(256, ALL, "held-out prompts evaluated (first rows of the split)")
+    eval_samples: int = opt(0, EVAL, "grpolab eval: answers per prompt at `temperature` for pass@k")
+    checkpoint_every: int = opt(10, RUN, "steps between checkpoints (0 = none)")
+    log_samples: int = opt(
+        1, RUN,
+        "groups a step written to samples.jsonl (answers, rewards); 0 = none")
+    progress: bool = opt(True, ALL, "show a progress bar")
+    report_to: list[str] = opt(
+        [], RUN,
+        "trackers fed every step: tensorboard, wandb, trackio, mlflow, all or none ([] = none)")
+    # --- GRPO maths ---
+    beta: float = opt(0.04, RUN, "KL weight to the frozen reference (TRL beta, verl kl_loss_coef)")
+    kl_estimator: KLEstimator = opt(
+        "k3", RUN,
+        "per-token KL: k1 log-ratio, k2 squared/2, k3 Schulman's")
+    kl_is_correction: bool = opt(
+        False, RUN,
+        "KL times the policy ratio (TRL use_bias_correction_kl): the same value, another "
+        "gradient")
+    kl_in: Literal["loss", "reward"] = opt(
+        "loss", RUN,
+        "reward: beta x the answer's summed KL comes off its reward instead (verl "
+        "use_kl_in_reward)")
+    policy_loss: PolicyLoss = opt(
+        "clip", RUN,
+        "clip: PPO per-token ratio; gspo: one ratio per answer; cispo: clipped importance "
+        "weight, REINFORCE")
+    eps_low: float = opt(0.2, RUN, "the ratio's lower clip is 1 - eps_low (TRL epsilon)")
+    eps_high: float = opt(
+        0.2, RUN,
+        "upper clip 1 + eps_high; DAPO clip-higher: 0.28 (TRL epsilon_high)")
+    dual_clip: float = opt(
+        0.0, RUN,
+        "cap the ratio of negative-advantage tokens at this (verl clip_ratio_c, TRL delta); 0 = "
+        "off")
+    cispo_max: float = opt(5.0, RUN, "cispo clips the importance weight at this (TRL epsilon_high)")
+    loss_agg: LossAgg = opt(
+        "seq_mean_token_mean", RUN,
+        "how token losses become one number (TRL loss_type)")
+    baseline: Baseline = opt(
+        "mean", RUN,
+        "mean: r - group mean (GRPO); rloo: r - mean of the others")
+    scale: Scale = opt("std", RUN, "divide by the group's std, the batch's std, or none (Dr. GRPO)")
+    std: StdKind = opt("population", RUN, "population (/G) or sample (/(G-1)) standard deviation")
+    std_eps: float = opt(0.0, RUN, "added to the std before dividing (verl uses 1e-6, TRL 1e-4)")
+    min_std: float = opt(0.0, RUN, "tiny-difference guard: divide by max(std, min_std)")
+    reward_aggregation: RewardAggregation = opt(
+        "sum_then_normalize", RUN,
+        "several rewards: normalize_then_sum = GDPO (each reward, then the sum)")
+    entropy_coef: float = opt(0.0, RUN, "entropy bonus: the loss minus this x the tokens' entropy")
+    top_entropy_quantile: float = opt(
+        1.0, RUN,
+        "the policy loss keeps this top share of tokens by entropy (0.2 in the 80/20 paper; 1 = "
+        "every token)")
+    success_threshold: float = opt(
+        1.0, ALL,
+        "an answer is right when the first reward reaches this")
+    # --- one-switch fixes ---
+    dr_grpo: bool = opt(False, RUN, "scale=\"none\" and loss_agg=\"seq_mean_token_sum_norm\"")
+    clip_higher: bool = opt(False, RUN, "eps_high = 0.28 (DAPO)")
+    token_level_loss: bool = opt(False, RUN, "loss_agg=\"token_mean\" (DAPO)")
+    rloo: bool = opt(False, RUN, "baseline=\"rloo\", scale=\"none\"")
+    dynamic_sampling: bool = opt(False, RUN, "DAPO: refill the batch with mixed-reward groups")
+    mask_truncated: bool = opt(
+        False, RUN,
+        "DAPO overlong filtering: answers cut off by max_new_tokens (no EOS) add nothing to the "
+        "loss")
+    max_sampling_rounds: int = opt(8, RUN, "extra sampling rounds allowed per step")
+    curriculum: bool = opt(False, RUN, "weight prompts by recent pass rate strictly in (0, 1)")
+    curriculum_floor: float = opt(
+        0.05, RUN,
+        "weight of prompts with pass rate 0 or 1 (keeps exploring)")
+    curriculum_decay: float = opt(0.5, RUN, "EMA weight of the newest observation")
+    # --- dead-group prediction and answer allocation (grpolab.predict) ---
+    allocate: bool = opt(
+        False, RUN,
+        "choose each step's prompts and group sizes from the pass-rate posteriors to spend "
+        "`budget` answers on predicted-live groups")
+    allocate_objective: AllocationObjective = opt(
+        "live_groups", RUN,
+        "what allocate maximises: expected live groups, or expected answers in live groups")
+    allocate_min_group: int = opt(4, RUN, "smallest group allocate makes")
+    allocate_max_group: int = opt(16, RUN, "largest group allocate makes")
+    allocate_explore: float = opt(
+        0.1, RUN,
+        "share of the budget allocate gives random prompts (revisits prompts predicted dead)")
+    predict_decay: float = opt(
+        0.97, RUN,
+        "each step, past answers keep this weight in a prompt's posterior")
+    predict_prior_strength: float = opt(
+        0.0, RUN,
+        "a0 + b0 of the pass-rate prior; 0 = fitted (moments)")
+    predict_prior: PassRatePrior = opt(
+        "beta", RUN,
+        "the pass-rate prior: one Beta (moments) or a grid of rates with EM-fitted weights "
+        "(several bands)")
+    alarm_truncated_share: float = opt(
+        0.9, RUN,
+        "warn NO LEARNING SIGNAL when this share of a step's answers hit max_new_tokens (above "
+        "1 = off)")
+    # --- built-in world (used when model_path is empty) ---
+    world_train_size: int = opt(1024, WORLD, "training prompts the built-in world generates")
+    world_heldout_size: int = opt(256, WORLD, "held-out prompts the built-in world generates")
+    world_top_share: float = opt(0.24, WORLD, "share of world prompts whose sum reaches 100")
+    world_carry_share: float = opt(
+        0.68, WORLD,
+        "share of the world's sums below 100 with a ones carry")
+    sft_steps: int = opt(700, WORLD, "SFT steps that make the built-in start (cached)")
+    sft_slip: float = opt(
+        0.25, WORLD,
+        "the SFT teacher forgets the ones carry with this probability")
+    sft_slip_top: float = opt(1.0, WORLD, "... and the carry into the hundreds with this one")
+    world_lora_alpha: float = opt(
+        2.0, WORLD,
+        "LoRA scale numerator of the world's policy (scale alpha/r; lora_alpha is the real "
+        "models'): sets how fast RL moves it")
+    cache_dir: str = opt("", ALL, "where the fine-tuned start is cached; \"\" = ~/.cache/grpolab")
+    # --- real models ---
+    model_path: str = opt(
+        "", MODEL_EVAL,
+        "HF model folder, a .gguf file or smollm2-135m-instruct; \"\" = world")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt(
+        "float32", MODEL_EVAL,
+        "of the model's weights")
+    gradient_checkpointing: bool = opt(
+        False, MODEL,
+        "recompute each layer in backward: memory for time")
+    speed: Speed = opt(
+        Speed(), RUN,
+        "speed paths, each on by default, recorded with the run: lean_forward, cpu_pack, "
+        "score_pack, early_exit, length_buckets, head_grad_in_forward (--speed "
+        "early_exit=false,cpu_pack=false)")
+    logit_chunk: int = opt(
+        256, RUN,
+        "answer tokens scored through the LM head at a time (0 = all at once)")
+    max_prompt_tokens: int = opt(
+        1024, MODEL_EVAL,
+        "longer prompts lose their first tokens (0 = model's limit)")
+    dataset: str = opt(
+        "", MODEL_EVAL,
+        "local jsonl/parquet/csv file or folder, or reasoning_gym:<task>")
+    eval_dataset: str = opt(
+        "", MODEL_EVAL,
+        "held-out prompts (same forms); reasoning_gym: uses another seed")
+    dataset_size: int = opt(
+        1000, MODEL_EVAL,
+        "questions a reasoning_gym: dataset generates for training")
+    task_config: dict[str, Any] = opt({}, MODEL_EVAL, "reasoning_gym task options")
+    prompt_column: str = opt("prompt", MODEL_EVAL, "dataset column holding the prompts")
+    answer_column: str = opt("answer", MODEL_EVAL, "dataset column passed to rewards as answer=")
+    prompt_template: str = opt(
+        "", MODEL_EVAL,
+        "text prompts become this with {prompt} filled in; \"\" = as is")
+    rewards: list[str] = opt(["exact"], MODEL_EVAL, "built-in, rm:DIR, file.py:fn")
+    answer_sources: list[str] = opt(
+        ["boxed", "answer_tag", "answer_line", "bare"], MODEL_EVAL,
+        "where math/reasoning_gym look for the final answer")
+    watch_reward: str = opt(
+        "", MODEL,
+        "strict held-out check for the reward-hacking watch (\"\" = off)")
+    watch_margin: float = opt(
+        0.2, MODEL,
+        "flag when training reward rose this much more than the check")
+    watch_window: int = opt(
+        5, MODEL,
+        "steps averaged for the training reward's start and recent level")
+    reward_weights: list[float] = opt([], ALL, "one per reward; [] = all 1")
+    format_pattern: str = opt(
+        "", MODEL_EVAL,
+        "regex of the format reward (\"\" = think/answer tags)")
+    reward_on_error: float = opt(0.0, ALL, "score of an answer whose reward raised or gave NaN")
+    lora: bool = opt(True, RUN, "train rank-lora_r adapters; reference = adapters off (no copy)")
+    lora_r: int = opt(8, RUN, "LoRA rank")
+    lora_alpha: int = opt(16, RUN, "LoRA scale numerator (scale = alpha / r)")
+    lora_dropout: float = opt(0.0, MODEL, "LoRA dropout")
+    lora_target_modules: list[str] = opt(
+        [], MODEL,
+        "modules given LoRA adapters ([] = peft's default for the architecture)")
+    use_chat_template: bool = opt(True, MODEL_EVAL, "wrap prompts in the tokenizer's chat template")
+    rollout_backend: Literal["hf", "vllm"] = opt("hf", MODEL, "vllm: in-process engine on a GPU")
+    # --- reliability ---
+    overwrite: bool = opt(
+        False, RUN,
+        "start afresh in an out_dir holding a run (deletes its metrics, ckpts)")
+    reward_timeout: float = opt(
+        10.0, ALL,
+        "seconds per call of a user reward (in a worker); 0 = no limit")
+    reward_workers: int = opt(
+        0, ALL,
+        "worker processes for user rewards; 0 = one per core (2 to 8)")
+    fail_on_reward_errors: bool = opt(
+        True, ALL,
+        "stop when a reward fails on every answer of a batch")
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.budget // self.group_size
+
+
+def field_types() -> dict[str, Any]:
+    return typing.get_type_hints(Config)
+
+
+def literal_fields() -> dict[str, tuple]:
+    """Allowed values of every Literal-typed field (shared by validation and the CLI)."""
+    return {name: typing.get_args(tp) for name, tp in field_types().items()
+            if typing.get_origin(tp) is Literal}
+
+
+def command_defaults(command: str) -> dict[str, Any]:
+    """The fields whose default differs for ``command`` from the workshop's, with its value
+    (``eval`` takes train's where it has none of its own)."""
+    out = {}
+    for f in dataclasses.fields(Config):
+        given = f.metadata["defaults"]
+        if command in given or (command == "eval" and "train" in given):
+            out[f.name] = given.get(command, given.get("train"))
+    return out
+
+
+def coerce(name: str, value: Any) -> Any:
+    """Convert a YAML or command-line value to the field's declared type, or raise ConfigError."""
+    types_ = field_types()
+    if name not in types_:
+        close = difflib.get_close_matches(name, list(types_), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "grpolab workshop --help lists them"
+        raise ConfigError(f"unknown config key {name!r} ({hint})")
+    tp = types_[name]
+    try:
+        return _as(tp, value)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError):
+        raise ConfigError(f"config key {name!r}: cannot read {value!r} as {_type_name(tp)}") from None
+
+
+def _as(tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        s = str(value).strip().lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(value)
+    if tp in (int, float, str):
+        if tp is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        if tp is not str and isinstance(value, bool):
+            raise ValueError(value)
+        return tp(value)
+    if tp is Speed:
+        return _speed(value)
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(value)
+        return [inner(v.strip() if isinstance(v, str) else v) for v in value]
+    if origin is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip() else {}
+        if not isinstance(value, dict):
+            raise ValueError(value)
+        return {str(k): v for k, v in value.items()}
+    if origin is Literal:
+        return str(value)
+    if origin in (types.UnionType, typing.Union):
+        return value
+    return value
+
+
+def _speed(value: Any) -> Speed:
+    """A Speed from itself, a mapping, or ``key=value,key=value`` (the command line)."""
+    if isinstance(value, Speed):
+        return dataclasses.replace(value)
+    if isinstance(value, str):
+        pairs = [p.partition("=") for p in value.split(",") if p.strip()]
+        if any(not sep for _, sep, _ in pairs):
+            raise ValueError(value)
+        value = {k.strip(): v.strip() for k, _, v in pairs}
+    if not isinstance(value, dict):
+        raise TypeError(value)
+    known = {f.name for f in dataclasses.fields(Speed)}
+    bad = [k for k in value if k not in known]
+    if bad:
+        raise ConfigError(f"speed: unknown option {bad[0]!r}; known: {', '.join(sorted(known))}")
+    return Speed(**{k: _as(bool, v) for k, v in value.items()})
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")

@@ -1,0 +1,173 @@
+"""Checks of a config: each setting in the range where it means something, and combinations
+that mean nothing refused, each with a one-line ConfigError. ``resolve`` applies the one-switch
+fixes (``dr_grpo``, ``rloo``, ...) to the low-level fields first."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+
+from grpolab.config.schema import Config, ConfigError, field_types, literal_fields
+
+# report_to's trackers and the package each needs (grpolab.run.trackers drives them).
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio",
+            "mlflow": "mlflow"}
+
+
+def resolve(cfg: Config) -> Config:
+    """A copy with the one-switch shortcuts applied to the low-level fields, validated."""
+    c = dataclasses.replace(cfg)
+    if c.dr_grpo and (c.token_level_loss or c.rloo):
+        raise ConfigError("dr_grpo cannot be combined with token_level_loss or rloo")
+    if c.dr_grpo:
+        c.scale, c.loss_agg = "none", "seq_mean_token_sum_norm"
+    if c.token_level_loss:
+        c.loss_agg = "token_mean"
+    if c.clip_higher:
+        c.eps_high = max(c.eps_high, 0.28)
+    if c.rloo:
+        c.baseline, c.scale = "rloo", "none"
+    validate(c)
+    _validate_objective(c)
+    return c
+
+def _validate_objective(cfg: Config) -> None:
+    """Combinations of the objective's settings that mean nothing, named in one line."""
+    if cfg.dual_clip and not cfg.dual_clip > 1 + cfg.eps_high:
+        raise ConfigError(f"dual_clip must be 0 (off) or > 1 + eps_high = {1 + cfg.eps_high:g}"
+                          f" (got {cfg.dual_clip}): it caps ratios above the upper clip")
+    if not cfg.cispo_max > 0:
+        raise ConfigError(f"cispo_max must be > 0 (got {cfg.cispo_max})")
+    if not 0.0 <= cfg.top_entropy_quantile <= 1.0:
+        raise ConfigError("top_entropy_quantile must be in [0, 1] (got "
+                          f"{cfg.top_entropy_quantile}): the share of tokens kept")
+    if cfg.kl_in == "reward" and cfg.kl_is_correction:
+        raise ConfigError("kl_is_correction weights the KL term of the loss; with kl_in: "
+                          "reward there is none (set kl_in: loss, or drop the correction)")
+    if cfg.kl_in == "reward" and cfg.reward_aggregation != "sum_then_normalize":
+        raise ConfigError(f"kl_in: reward needs reward_aggregation: sum_then_normalize (got "
+                          f"{cfg.reward_aggregation}): the penalty comes off the total")
+
+def validate(cfg: Config) -> None:
+    """Every setting in the range where it means something, with a one-line ConfigError."""
+    if cfg.group_size < 2:
+        raise ConfigError(f"group_size must be >= 2 (got {cfg.group_size})")
+    if cfg.budget % cfg.group_size:
+        raise ConfigError(
+            f"group_size {cfg.group_size} does not divide the budget {cfg.budget}"
+        )
+    for name in ("steps", "budget", "epochs", "max_new_tokens", "eval_every"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be >= 1 (got {getattr(cfg, name)})")
+    for name in ("temperature", "lr"):
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"{name} must be > 0 (got {getattr(cfg, name)})")
+    if cfg.beta < 0 or cfg.eps_low < 0 or cfg.eps_high < 0:
+        raise ConfigError("beta, eps_low and eps_high must be >= 0")
+    _validate_allocation(cfg)
+    if cfg.max_sampling_rounds < 0:
+        raise ConfigError("max_sampling_rounds must be >= 0")
+    if cfg.max_prompt_tokens < 0:
+        raise ConfigError(f"max_prompt_tokens must be >= 0 (got {cfg.max_prompt_tokens})")
+    if cfg.eval_samples < 0:
+        raise ConfigError(f"eval_samples must be >= 0 (got {cfg.eval_samples})")
+    if cfg.warmup_steps < 0:
+        raise ConfigError(f"warmup_steps must be >= 0 (got {cfg.warmup_steps})")
+    if cfg.log_samples < 0:
+        raise ConfigError(f"log_samples must be >= 0 (got {cfg.log_samples})")
+    if cfg.shard == "fsdp" and cfg.lora:
+        raise ConfigError("shard fsdp shards a full fine-tune: add --no-lora (LoRA's "
+                          "adapters are small; run it data-parallel with shard none)")
+    if cfg.micro_batch < 0:
+        raise ConfigError(f"micro_batch must be >= 0 (got {cfg.micro_batch})")
+    if cfg.prompt_template and "{prompt}" not in cfg.prompt_template:
+        raise ConfigError("prompt_template must contain {prompt} (where the question goes)")
+    bad = [s for s in cfg.answer_sources
+           if s not in ("boxed", "answer_tag", "answer_line", "bare")]
+    if bad or not cfg.answer_sources:
+        raise ConfigError(f"answer_sources {cfg.answer_sources}: choose from boxed, "
+                          "answer_tag, answer_line, bare")
+    if cfg.dataset_size < 1 or cfg.watch_window < 1:
+        raise ConfigError("dataset_size and watch_window must be >= 1")
+    if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.rewards):
+        raise ConfigError(
+            f"reward_weights has {len(cfg.reward_weights)} entries for "
+            f"{len(cfg.rewards)} rewards"
+        )
+    for name, allowed in literal_fields().items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{name} must be one of {list(allowed)} (got {getattr(cfg, name)!r})")
+    _validate_ranges(cfg)
+    check_report_to(cfg.report_to)
+
+
+def _validate_ranges(cfg: Config) -> None:
+    """Every float finite (NaN passes every `<` test) and every setting in the range where
+    it means something: each of these was once accepted and wrecked a run."""
+    hints = field_types()
+    for f in dataclasses.fields(cfg):
+        if hints[f.name] in (float, list[float]):
+            value = getattr(cfg, f.name)
+            for v in value if isinstance(value, list) else [value]:
+                if not math.isfinite(v):
+                    raise ConfigError(f"{f.name} must be a finite number (got {v})")
+    if not cfg.grad_clip > 0:
+        raise ConfigError(f"grad_clip must be > 0 (got {cfg.grad_clip}): it is the largest "
+                          "gradient norm kept; <= 0 freezes or reverses the update")
+    if not cfg.eps_low < 1:
+        raise ConfigError(f"eps_low must be < 1 (got {cfg.eps_low}): the ratio's lower clip "
+                          "is 1 - eps_low")
+    for name in ("std_eps", "min_std", "reward_timeout"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name} must be >= 0 (got {getattr(cfg, name)})")
+    for name in ("eval_size", "checkpoint_every", "sft_steps", "reward_workers",
+                 "world_heldout_size", "logit_chunk"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name} must be >= 0 (got {getattr(cfg, name)})")
+    for name in ("lora_r", "lora_alpha", "world_train_size", "watch_window"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be >= 1 (got {getattr(cfg, name)})")
+    for name, lo, hi in (("lora_dropout", 0.0, 0.999), ("sft_slip", 0.0, 1.0),
+                         ("sft_slip_top", 0.0, 1.0), ("world_top_share", 0.0, 1.0),
+                         ("world_carry_share", 0.0, 1.0),
+                         ("curriculum_floor", 1e-9, 1.0), ("curriculum_decay", 1e-9, 1.0)):
+        if not lo <= getattr(cfg, name) <= hi:
+            raise ConfigError(f"{name} must be in [{lo:g}, {hi:g}] (got {getattr(cfg, name)})")
+    for name in ("reward_on_error", "success_threshold"):
+        if abs(getattr(cfg, name)) > 1e9:
+            raise ConfigError(f"{name} must be within +-1e9 (got {getattr(cfg, name)})")
+
+
+def _validate_allocation(cfg: Config) -> None:
+    """The prediction and allocation keys (grpolab.predict)."""
+    if not 0.0 < cfg.predict_decay <= 1.0:
+        raise ConfigError(f"predict_decay must be in (0, 1] (got {cfg.predict_decay})")
+    if cfg.predict_prior_strength < 0 or cfg.alarm_truncated_share < 0:
+        raise ConfigError("predict_prior_strength and alarm_truncated_share must be >= 0")
+    if not 0.0 <= cfg.allocate_explore < 1.0:
+        raise ConfigError(f"allocate_explore must be in [0, 1) (got {cfg.allocate_explore})")
+    if not 2 <= cfg.allocate_min_group <= cfg.allocate_max_group:
+        raise ConfigError("need 2 <= allocate_min_group <= allocate_max_group (got "
+                          f"{cfg.allocate_min_group}, {cfg.allocate_max_group})")
+    if not cfg.allocate:
+        return
+    if cfg.allocate_min_group > cfg.budget:
+        raise ConfigError(f"allocate_min_group {cfg.allocate_min_group} exceeds the budget "
+                          f"{cfg.budget}")
+    if cfg.curriculum:
+        raise ConfigError("allocate chooses the prompts itself; it cannot be combined with "
+                          "curriculum")
+
+
+def check_report_to(names: list[str]) -> None:
+    """One-line ConfigError for an unknown tracker or one whose package is not installed."""
+    for name in names:
+        if name in ("none", "all"):
+            continue
+        if name not in TRACKER_PACKAGES:
+            raise ConfigError(f"report_to: unknown tracker {name!r}; choose from "
+                              f"{', '.join(TRACKER_PACKAGES)} (or none, all)")
+        if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+            raise ConfigError(f"report_to {name} needs the {TRACKER_PACKAGES[name]} package: "
+                              "pip install 'grpolab[trackers]'")

@@ -1,0 +1,195 @@
+"""Load local prompt datasets into plain dicts, with errors a user can act on."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Hugging Face `datasets` builder name for each supported file extension.
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# File-name prefixes that name a split (train.jsonl, test-00000-of-00002.parquet, ...).
+SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")
+# No model takes a prompt this long whole (a 128k-token context is about 500k characters): such a
+# row is a data error, and rendering or tokenizing it is where memory would go.
+MAX_PROMPT_CHARS = 1_000_000
+
+
+def _split_of(name: str) -> str | None:
+    """The split a file's name starts with (longest match: 'validation' before 'val')."""
+    low = name.lower()
+    for s in sorted(SPLITS, key=len, reverse=True):
+        if low.startswith(s) and (len(low) == len(s) or not low[len(s)].isalpha()):
+            return s
+    return None
+
+
+def _data_files(path: Path, split: str) -> tuple[str, list[str]]:
+    """Pick the builder and files for a file or a directory of same-format files.
+
+    In a directory, the files named for ``split`` (``train.jsonl``, ``train-00000.parquet``)
+    are used. A folder whose files are named for other splits only is an error, not a silent
+    mix of them; a folder with no split names is one split of several files.
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"dataset {str(path)!r} does not exist")
+    if path.is_file():
+        builder = FORMATS.get(path.suffix.lower())
+        if builder is None:
+            raise ValueError(
+                f"dataset {str(path)!r}: unsupported extension {path.suffix!r} "
+                f"(expected one of {', '.join(FORMATS)})"
+            )
+        return builder, [str(path)]
+
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in FORMATS)
+    if not files:
+        raise FileNotFoundError(f"dataset directory {str(path)!r} has no {'/'.join(FORMATS)} files")
+    named = {p: _split_of(p.name) for p in files}
+    for_split = [p for p in files if named[p] == split or p.name.startswith(split)]
+    if not for_split and any(named.values()):
+        have = sorted({s for s in named.values() if s})
+        raise ValueError(f"dataset directory {str(path)!r} has no {split!r} files (it has "
+                         f"{', '.join(have)}); name the file itself")
+    files = for_split or files
+    builders = {FORMATS[p.suffix.lower()] for p in files}
+    if len(builders) > 1:
+        raise ValueError(
+            f"dataset directory {str(path)!r} mixes formats ({', '.join(sorted(builders))}); "
+            "keep one format per directory"
+        )
+    return builders.pop(), [str(p) for p in files]
+
+
+def _load(builder: str, files: list[str], split: str, where: str) -> list[dict[str, Any]]:
+    # Local files never need the network; set before `datasets` is imported so it sticks.
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import datasets
+
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        # A throwaway cache dir keeps converted Arrow copies out of the user's HF cache.
+        with tempfile.TemporaryDirectory(prefix="grpolab-data-") as cache_dir:
+            ds = datasets.load_dataset(
+                builder,
+                data_files={split: files},
+                split=split,
+                cache_dir=cache_dir,
+                keep_in_memory=True,
+            )
+            return ds.to_list()
+    except StopIteration:  # what `datasets` raises for an empty JSON file
+        return []
+    except Exception as e:
+        cause = e.__cause__ or e
+        detail = " ".join(str(cause).split())[:300]
+        raise ValueError(f"dataset {where!r}: could not read {builder} data: {detail}") from e
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
+
+
+def _header_only(file: str) -> bool:
+    """A CSV file with at most one non-blank line."""
+    with open(file, encoding="utf-8", errors="replace") as f:
+        lines = 0
+        for line in f:
+            lines += bool(line.strip())
+            if lines > 1:
+                return False
+    return True
+
+
+def _check_prompt(prompt: Any, index: int, column: str, where: str) -> None:
+    """Prompts are strings or chat messages; anything else would fail much later in the trainer."""
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+    ):
+        return
+    raise ValueError(
+        f"dataset {where!r}: row {index} column {column!r} is {type(prompt).__name__} "
+        f"{str(prompt)[:60]!r}; expected a string or a list of {{'role', 'content'}} messages"
+    )
+
+
+def load_rows(
+    path: str,
+    prompt_column: str = "prompt",
+    answer_column: str | None = "answer",
+    split: str = "train",
+) -> list[dict[str, Any]]:
+    """Load a local .jsonl/.json/.parquet/.csv file (or a directory of them) as a list of dicts.
+
+    Each row keeps all original columns and gains ``prompt`` (from ``prompt_column``) and, if
+    ``answer_column`` is set, ``answer``. Chat-style prompts (lists of messages) are kept as-is.
+    """
+    where = str(path)
+    builder, files = _data_files(Path(path).expanduser(), split)
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise ValueError(f"dataset {where!r} is empty")
+    if builder == "csv" and all(_header_only(f) for f in files):
+        raise ValueError(f"dataset {where!r} has a header line but no rows")
+    rows = _load(builder, files, split, where)
+    if not rows:
+        raise ValueError(f"dataset {where!r} is empty")
+
+    columns = list(rows[0])
+    for wanted, role in ((prompt_column, "prompt"), (answer_column, "answer")):
+        if wanted is not None and wanted not in columns:
+            raise ValueError(
+                f"dataset {where!r} has no {role} column {wanted!r}; "
+                f"columns are: {', '.join(columns)}"
+            )
+
+    out = []
+    for i, row in enumerate(rows):
+        prompt = row[prompt_column]
+        _check_prompt(prompt, i, prompt_column, where)
+        size = len(prompt) if isinstance(prompt, str) else sum(len(str(m["content"]))
+                                                               for m in prompt)
+        if size > MAX_PROMPT_CHARS:
+            raise ValueError(f"dataset {where!r}: row {i} has a prompt of {size:,} characters "
+                             f"(over {MAX_PROMPT_CHARS:,}); remove or shorten it")
+        if isinstance(prompt, list):
+            # Arrow unifies message structs, padding absent keys (e.g. `name`) with None;
+            # drop those so chat templates do not render "None".
+            prompt = [{k: v for k, v in m.items() if v is not None} for m in prompt]
+        new = dict(row)
+        new["prompt"] = prompt
+        if answer_column is not None:
+            new["answer"] = row[answer_column]
+        out.append(new)
+    return out
+
+
+def run_rows(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training and held-out rows a run's config names, with ``prompt_template`` applied.
+
+    ``dataset``/``eval_dataset`` are local files or folders, or ``reasoning_gym:<task>``; a task
+    library's held-out split comes from another seed and never repeats a training question.
+    """
+    from grpolab.data.tasks import HELDOUT_SEED_OFFSET, is_task, task_rows
+
+    def load(spec: str, size: int, seed: int, exclude: list[str],
+             split: str) -> list[dict[str, Any]]:
+        if is_task(spec):
+            return task_rows(spec, size, seed, cfg.task_config, exclude)
+        return load_rows(spec, cfg.prompt_column, cfg.answer_column or None, split=split)
+
+    train = load(cfg.dataset, cfg.dataset_size, cfg.seed, [], "train") if cfg.dataset else []
+    held = []
+    if cfg.eval_dataset:
+        asked = [r["prompt"] for r in train if isinstance(r["prompt"], str)]
+        # a folder's held-out files are the ones named for the test split (test.jsonl, ...)
+        held = load(cfg.eval_dataset, cfg.eval_size, cfg.seed + HELDOUT_SEED_OFFSET, asked,
+                    "test")
+    if cfg.prompt_template:
+        for row in (*train, *held):
+            if isinstance(row["prompt"], str):
+                row["prompt"] = cfg.prompt_template.replace("{prompt}", row["prompt"])
+    return train, held

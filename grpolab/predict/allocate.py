@@ -1,0 +1,110 @@
+"""Spend a step's answer budget where it teaches: which prompts, and how many answers each.
+
+Given each prompt's posterior over its pass rate (``predict.PassRateTracker``), a budget of
+answers per step and a group size range [min_size, max_size], ``allocate`` chooses prompts i
+and group sizes n_i (sum n_i <= budget) to maximise an objective over the chosen prompts:
+
+- ``live_groups`` (default): sum_i (1 - D_i(n_i)), the expected number of live (mixed) groups,
+  where D_i(n) = E[p^n + (1-p)^n] is the chance a group of n answers to prompt i is dead. A
+  prompt predicted near p = 1/2 gets min_size answers (it is live almost surely); a hard or
+  easy one gets a larger group only when that buys more live-group chance per answer than
+  opening another prompt would; a prompt predicted dead with high confidence gets nothing.
+- ``live_answers``: sum_i n_i (1 - D_i(n_i)), the expected answers in live groups (the
+  gradient's mass under std-scaled advantages). It favours few large groups.
+
+Greedy on the marginal gain per answer: at each move either open a prompt at min_size answers
+(gain (value at min_size) / min_size per answer) or add one answer to an open group (gain
+value(n+1) - value(n)), whichever is larger, until the budget is spent or no move fits. Ties
+(e.g. the many prompts not seen yet, which share the prior) are broken at random.
+
+Exploration, so a prompt that became learnable is found again: a share ``explore`` of the
+budget goes to groups of min_size answers on prompts drawn uniformly at random, whatever their
+posterior; and since old evidence decays toward the prior (``PassRateTracker.decay``), a
+prompt's "dead" verdict weakens with the steps since it was last seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from grpolab.predict.posterior import dead_probability
+
+# (group sizes [S] float64, P(dead) [N, S]) -> value of a group of each size [N, S]
+ALLOCATION_OBJECTIVES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "live_groups": lambda n, dead: 1.0 - dead,
+    "live_answers": lambda n, dead: n * (1.0 - dead),
+}
+
+
+def size_axis(min_size: int, max_size: int) -> Tensor:
+    """The group sizes [S] an allocation may use: min_size .. max_size, float64."""
+    return torch.arange(min_size, max_size + 1, dtype=torch.float64)
+
+
+def allocate(a: Tensor, b: Tensor, budget: int, min_size: int, max_size: int, *,
+             objective: str = "live_groups", explore: float = 0.0,
+             generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+    """Prompts and group sizes for one step: (indices [K], sizes [K]), sum(sizes) <= budget.
+
+    ``a``, ``b`` [N]: each prompt's Beta posterior (``allocate_table`` takes any predictor's
+    P(dead) table instead). Every size is in [min_size, max_size]; a prompt is chosen at most
+    once. ``explore`` in [0, 1): share of the budget given first to random prompts at min_size.
+    The result is exactly ``budget`` answers whenever the prompts and max_size allow it (the
+    remainder of budget / min_size is added to open groups).
+    """
+    a = torch.as_tensor(a, dtype=torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float64)
+    dead = dead_probability(a[:, None], b[:, None], size_axis(min_size, max_size)[None, :])
+    return allocate_table(dead, budget, min_size, max_size, objective=objective,
+                          explore=explore, generator=generator)
+
+
+def allocate_table(dead: Tensor, budget: int, min_size: int, max_size: int, *,
+                   objective: str = "live_groups", explore: float = 0.0,
+                   generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+    """``allocate`` from ``dead`` [N, S]: P(a group of size_axis(min_size, max_size)[s] answers
+    to prompt i is dead)."""
+    if not 2 <= min_size <= max_size:
+        raise ValueError(f"need 2 <= min_size <= max_size (got {min_size}, {max_size})")
+    value_fn = ALLOCATION_OBJECTIVES.get(objective)
+    if value_fn is None:
+        raise ValueError(f"unknown allocation objective {objective!r}")
+    sizes_axis = size_axis(min_size, max_size)  # [S]
+    if dead.dim() != 2 or dead.shape[1] != sizes_axis.numel():
+        raise ValueError(f"dead must be [prompts, {sizes_axis.numel()}] (one column per size "
+                         f"{min_size}..{max_size}), got {list(dead.shape)}")
+    n_prompts = dead.shape[0]
+    order = torch.randperm(n_prompts, generator=generator)  # random tie-breaking
+    value = value_fn(sizes_axis[None, :], dead.to(torch.float64)[order])  # [N, S]
+    size = torch.zeros(n_prompts, dtype=torch.long)  # 0 = not chosen
+    left = budget
+    # exploration: random prompts at min_size, whatever their posterior
+    n_explore = min(int(explore * budget) // min_size, n_prompts)
+    if n_explore:
+        size[:n_explore] = min_size  # the order is already a random permutation
+        left -= n_explore * min_size
+    neg = torch.tensor(-float("inf"), dtype=torch.float64)
+    while left > 0:
+        closed = size == 0
+        open_gain = torch.where(closed, value[:, 0] / min_size, neg) if left >= min_size else (
+            torch.full_like(value[:, 0], -float("inf")))
+        growable = (size > 0) & (size < max_size)
+        col = (size - min_size).clamp(min=0, max=max(max_size - min_size - 1, 0))
+        nxt = value.gather(1, (col + 1).clamp(max=value.shape[1] - 1)[:, None]).squeeze(1)
+        cur = value.gather(1, col[:, None]).squeeze(1)
+        grow_gain = torch.where(growable, nxt - cur, neg)
+        best_open, i_open = open_gain.max(0)
+        best_grow, i_grow = grow_gain.max(0)
+        if not (torch.isfinite(best_open) or torch.isfinite(best_grow)):
+            break  # every prompt chosen at max_size, or the remainder fits nowhere
+        if torch.isfinite(best_open) and best_open >= best_grow:
+            size[i_open] = min_size
+            left -= min_size
+        else:
+            size[i_grow] += 1
+            left -= 1
+    chosen = torch.nonzero(size).flatten()
+    return order[chosen].tolist(), size[chosen].tolist()

@@ -1,0 +1,149 @@
+"""TRL reward functions, used unchanged.
+
+TRL calls a reward as ``fn(prompts=..., completions=..., **columns)`` (keywords, so
+``accuracy_reward(completions, solution, **kwargs)`` works with its parameters in any order), a
+``None`` in the returned list means "cannot score this one" (TRL sums the rewards with NaN
+skipped, so it counts 0), and for conversational data each completion is a list of one message,
+``[{"role": "assistant", "content": text}]`` (TRL's built-ins, ``accuracy_reward`` and
+``think_format_reward``, read ``completion[0]["content"]`` whatever the data).
+
+``adapt(fn)`` wraps a user reward so grpolab's scorer, which calls ``fn(prompts, completions,
+**columns)`` with text completions, gives it all three:
+
+* keywords when the function names ``completions`` (or takes only ``**kwargs``); else
+  positionally, as before (``def r(p, c, **kw)`` keeps working);
+* conversational completions when its ``completions`` annotation says messages (``list[list[
+  dict]]``, as TRL's built-ins), when the function sets ``completion_format =
+  "conversational"``, or when a call with text fails (TypeError, KeyError, IndexError,
+  AttributeError) and the same call with messages succeeds; the format found is kept;
+* ``None`` counted 0 (TRL's nan-sum), not as a failure; logged once per function.
+
+Not provided: ``completion_ids`` (token ids), ``trainer_state``, ``log_extra`` and
+``log_metric``; a TRL reward that requires one of them fails with a one-line reward error.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Any
+
+log = logging.getLogger("grpolab.rewards.builtin")
+
+TEXT, CONVERSATIONAL = "text", "conversational"
+_RETRY_ERRORS = (TypeError, KeyError, IndexError, AttributeError)
+
+
+def _signature(fn: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def wants_keywords(fn: Any) -> bool:
+    """Whether ``fn`` is called as TRL calls it (``prompts=``, ``completions=``, keywords)."""
+    sig = _signature(fn)
+    if sig is None:
+        return False
+    params = sig.parameters
+    if "completions" in params:
+        return params["completions"].kind is not inspect.Parameter.POSITIONAL_ONLY
+    named = [p for p in params.values()
+             if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
+    return not named and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def declared_format(fn: Any) -> str | None:
+    """``conversational``/``text`` when the function says which completions it reads, else
+    None (found on the first call)."""
+    flag = getattr(fn, "completion_format", None)
+    if flag in (TEXT, CONVERSATIONAL):
+        return flag
+    sig = _signature(fn)
+    if sig is None or "completions" not in sig.parameters:
+        return None
+    ann = sig.parameters["completions"].annotation
+    if ann is inspect.Parameter.empty:
+        return None
+    return CONVERSATIONAL if "dict" in str(ann) else None
+
+
+def as_messages(completions: list[Any]) -> list[Any]:
+    """Text completions as TRL's conversational ones: a list of one assistant message each."""
+    return [c if isinstance(c, list) else [{"role": "assistant", "content": c}]
+            for c in completions]
+
+
+class TRLReward:
+    """A user reward behind grpolab's calling convention (see the module docstring).
+
+    Keeps the wrapped function's name (metrics say ``rewards/accuracy_reward``) and its
+    ``in_process`` flag; picklable (a reward worker may receive it).
+    """
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.keywords = wants_keywords(fn)
+        self.format = declared_format(fn)
+        self._warned_none = False
+        functools.update_wrapper(self, fn, assigned=("__module__", "__qualname__", "__doc__"),
+                                 updated=())
+        inner = fn
+        while isinstance(inner, functools.partial):
+            inner = inner.func
+        self.__name__ = getattr(inner, "__name__", None) or type(inner).__name__
+        if hasattr(fn, "in_process"):
+            self.in_process = fn.in_process
+
+    def _call(self, prompts: list[Any], completions: list[Any], columns: dict[str, Any],
+              fmt: str) -> Any:
+        comps = as_messages(completions) if fmt == CONVERSATIONAL else completions
+        if self.keywords:
+            return self.fn(prompts=prompts, completions=comps, **columns)
+        return self.fn(prompts, comps, **columns)
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> Any:
+        from grpolab.rewards.pool import await_if_needed
+
+        if self.format is not None:
+            out = await_if_needed(self._call(prompts, completions, columns, self.format))
+        else:
+            try:
+                out = await_if_needed(self._call(prompts, completions, columns, TEXT))
+            except _RETRY_ERRORS as text_error:
+                try:
+                    out = await_if_needed(self._call(prompts, completions, columns,
+                                                     CONVERSATIONAL))
+                except Exception:  # noqa: BLE001 - the text call's error is the one to show
+                    raise text_error from None
+                self.format = CONVERSATIONAL
+                log.info("reward %s reads conversational completions (TRL's format): it gets "
+                         "[{'role': 'assistant', 'content': ...}] from now on", self.__name__)
+            else:
+                self.format = TEXT
+        return self._nones_to_zero(out)
+
+    def _nones_to_zero(self, out: Any) -> Any:
+        if not isinstance(out, (list, tuple)) or not any(v is None for v in out):
+            return out
+        if not self._warned_none:
+            log.info("reward %s returned None (cannot score) for some answers: they count 0, "
+                     "as in TRL", self.__name__)
+            self._warned_none = True
+        return [0.0 if v is None else v for v in out]
+
+    def __repr__(self) -> str:
+        return f"TRLReward({self.fn!r})"
+
+
+def adapt(fn: Any) -> Any:
+    """``fn`` behind TRLReward (grpolab's own rewards and reward models are returned as is)."""
+    inner = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    module = getattr(inner, "__module__", None) or type(inner).__module__ or ""
+    if isinstance(fn, TRLReward) or module == "grpolab" or module.startswith("grpolab."):
+        return fn
+    return TRLReward(fn)

@@ -1,0 +1,279 @@
+"""Rollout collection: which prompts a step samples, their groups, scores, and dynamic sampling.
+
+``Collector.collect`` is one step's sampling: draw ``prompts_per_step`` prompts
+(``choose_prompts``: uniform, or the curriculum's weights), sample G answers to each through the
+backend, score them, and with dynamic sampling (DAPO) sample further rounds until the batch
+holds that many mixed-reward groups (or the round cap is hit). Under torchrun every rank draws
+the same prompts and samples its own contiguous shard of whole groups.
+
+Every group's P(dead) is predicted from per-prompt Beta pass-rate posteriors before it is
+scored (``grpolab.predict.posterior``), for any backend; with ``allocate`` the posteriors also choose the
+prompts and their group sizes (``grpolab.predict.allocate``: ragged groups). ``outcomes`` measures a
+step's groups against those predictions, and ``end_step`` raises the no-signal alarm
+(``grpolab.predict.alarm``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from grpolab.config import Config
+from grpolab.core import advantages as adv_mod
+from grpolab.predict.alarm import NoSignalAlarm
+from grpolab.predict.allocate import allocate_table, size_axis
+from grpolab.predict.curriculum import PromptSampler
+from grpolab.predict.posterior import PASS_RATE_PRIORS
+from grpolab.rewards.scorer import Scorer, ScoreResult
+from grpolab.rollout.backend import Backend
+from grpolab.rollout.batch import Rollout, cat_rollouts
+from grpolab.run import dist
+
+log = logging.getLogger("grpolab")
+
+
+@dataclass
+class Batch:
+    """The groups one optimisation step trains on, plus what sampling them cost."""
+
+    rollout: Rollout
+    rows: list[dict]
+    rewards: torch.Tensor
+    answers_generated: int = 0
+    rounds: int = 1
+    cap_hit: bool = False
+    sampled_rewards: list[torch.Tensor] = field(default_factory=list)
+    sampled_success: list[torch.Tensor] = field(default_factory=list)  # bool, as sampled_rewards
+    sampled_rows: list[dict] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    trained_groups: int = 0
+    reward_sums: dict[str, float] = field(default_factory=dict)  # per function, sampled answers
+    rewards_per_fn: torch.Tensor | None = None  # [B, K] each reward function's, as rewards
+    group_sizes: list[int] | None = None  # trained groups' sizes (this rank's); None = group_size
+
+    # Under torchrun, rollout/rows/rewards/sampled_rows/problems/reward_sums are this rank's;
+    # sampled_rewards and sampled_success (every rank's, in prompt order), answers_generated
+    # and trained_groups are global.
+
+    def add_scores(self, res: ScoreResult) -> None:
+        for j, name in enumerate(res.names):
+            self.reward_sums[name] = self.reward_sums.get(name, 0.0) + float(res.per_fn[:, j].sum())
+
+
+class Collector:
+    """Samples and scores each step's groups. Of its state only the pass-rate posteriors
+    (``tracker``) go into a checkpoint (the prompt sampler and the sampling generator are the
+    trainer's)."""
+
+    def __init__(self, cfg: Config, backend: Backend, rows: list[dict], scorer: Scorer,
+                 generator: torch.Generator, sampler: PromptSampler) -> None:
+        self.cfg, self.backend, self.rows, self.scorer = cfg, backend, rows, scorer
+        self.gen, self.sampler = generator, sampler
+        self.tracker = PASS_RATE_PRIORS[cfg.predict_prior](len(rows), cfg.predict_decay,
+                                                           cfg.predict_prior_strength)
+        self.alarm = NoSignalAlarm(cfg.alarm_truncated_share)
+        # this step's sampled groups, per round: (global sizes [N], P(dead) predicted before
+        # scoring [N], truncated answers [B] or None)
+        self.rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self.local_sizes: list[list[int]] = []  # this rank's group sizes, per round
+
+    def choose_prompts(self, n: int) -> tuple[list[int], list[int]]:
+        """A round's prompts (indices into the training rows) and group sizes, the same on
+        every rank: n distinct prompts from the sampler at group_size each, or with
+        ``allocate`` what the allocator buys with ``budget`` answers from the posteriors."""
+        cfg = self.cfg
+        if not cfg.allocate:
+            return self.sampler.draw(n), [cfg.group_size] * n
+        lo, hi = cfg.allocate_min_group, cfg.allocate_max_group
+        return allocate_table(self.tracker.dead_table(size_axis(lo, hi)), cfg.budget, lo, hi,
+                              objective=cfg.allocate_objective, explore=cfg.allocate_explore,
+                              generator=self.sampler.generator)
+
+    def observe(self, idx: list[int], ok: torch.Tensor, sizes: list[int]) -> None:
+        """Each drawn prompt's group pass rate, for the curriculum's running statistics; each
+        group's P(dead) predicted from the posteriors, then its outcome added to them."""
+        g = self.cfg.group_size
+        right = adv_mod.group_successes(ok, sizes)
+        rate = (ok.float().reshape(-1, g).mean(1) if all(n == g for n in sizes)
+                else right / torch.as_tensor(sizes, dtype=torch.float64))
+        self.sampler.update(idx, rate.tolist())
+        self.rounds.append((torch.as_tensor(sizes), self.tracker.dead_probability(idx, sizes),
+                            None))
+        self.tracker.observe(idx, right, sizes)
+
+    def sample_groups(self, idx: list[int], sizes: list[int] | None = None,
+                      ) -> tuple[Rollout, list[dict], ScoreResult]:
+        """G answers (or ``sizes[k]``) to each prompt in ``idx``, scored (user rewards see
+        whole groups; ragged groups are scored as one)."""
+        cfg, g = self.cfg, self.cfg.group_size
+        sizes = sizes or [g] * len(idx)
+        rows = [self.rows[i] for i, n in zip(idx, sizes) for _ in range(n)]
+        ro = self.backend.generate([r["prompt"] for r in rows], cfg.temperature,
+                                   cfg.max_new_tokens, self.gen)
+        ragged = any(n != g for n in sizes)
+        return ro, rows, self.scorer(ro.prompts, ro.completions, rows,
+                                     len(rows) if ragged else g)
+
+    def sample_round(
+        self, n: int
+    ) -> tuple[Rollout, list[dict], ScoreResult, torch.Tensor, torch.Tensor, int]:
+        """Every rank draws the same n prompts and samples its contiguous shard of whole groups.
+
+        Returns this rank's rollout, rows and scores, every rank's rewards and successes in
+        prompt order (for statistics and group selection), and where this rank's groups start.
+        """
+        idx, sizes = self.choose_prompts(n)
+        lo, hi = dist.shard(len(idx))
+        self.local_sizes.append(sizes[lo:hi])
+        ro, rows, res = self.sample_groups(idx[lo:hi], sizes[lo:hi])
+        everyone = dist.gather_cat(res.total)
+        ok = dist.gather_cat(res.success(self.cfg.success_threshold).float()).bool()
+        self.observe(idx, ok, sizes)  # identical on every rank: samplers stay in step
+        cut = dist.gather_cat(ro.truncated.float()) if ro.truncated is not None else None
+        self.rounds[-1] = (*self.rounds[-1][:2], cut)  # for the no-signal alarm
+        return ro, rows, res, everyone, ok, lo
+
+    def collect(self, step: int = 0) -> Batch:
+        """Sample step ``step + 1``'s groups; with dynamic sampling, refill until every group is
+        mixed: ``prompts_per_step`` groups, or with ``allocate`` (ragged groups) until live
+        groups fill the budget of answers (a group that would overflow it is left out)."""
+        cfg, g = self.cfg, self.cfg.group_size
+        n = cfg.prompts_per_step
+        self.rounds, self.local_sizes = [], []
+        ro, rows, res, everyone, ok, lo = self.sample_round(n)
+        rewards = res.total
+        batch = Batch(ro, rows, rewards, answers_generated=everyone.numel(),
+                      sampled_rewards=[everyone], sampled_success=[ok], sampled_rows=list(rows),
+                      problems=list(res.problems), trained_groups=everyone.numel() // g,
+                      rewards_per_fn=res.per_fn)
+        batch.add_scores(res)
+        ragged = cfg.allocate
+        if ragged:
+            batch.trained_groups = len(self.rounds[-1][0])
+            batch.group_sizes = list(self.local_sizes[-1])
+        if not cfg.dynamic_sampling:
+            return batch
+        keep_ro: list[Rollout] = []
+        keep_rows: list[dict] = []
+        keep_r: list[torch.Tensor] = []
+        keep_pf: list[torch.Tensor] = []
+        keep_sizes: list[int] = []
+        kept = kept_answers = 0
+
+        def full() -> bool:
+            if ragged:
+                return cfg.budget - kept_answers < cfg.allocate_min_group
+            return kept == n
+
+        while True:
+            # The choice is made on every rank's rewards, so all ranks agree on it.
+            sizes = self.rounds[-1][0].tolist()  # this round's groups, every rank's
+            live = ~adv_mod.dead_mask_ragged(everyone, adv_mod.group_ids_from_sizes(sizes))
+            starts = [0, *itertools.accumulate(sizes)]
+            hi = lo + len(self.local_sizes[-1])
+            for j in torch.nonzero(live).flatten().tolist():
+                if full():
+                    break
+                if ragged and kept_answers + sizes[j] > cfg.budget:
+                    continue
+                kept += 1
+                kept_answers += sizes[j]
+                if not lo <= j < hi:
+                    continue
+                a = starts[j] - starts[lo]
+                sl = list(range(a, a + sizes[j]))
+                keep_ro.append(ro.select(sl))
+                keep_rows += [rows[i] for i in sl]
+                keep_r.append(rewards[a : a + sizes[j]])
+                keep_pf.append(res.per_fn[a : a + sizes[j]])
+                keep_sizes.append(sizes[j])
+            if full() or batch.rounds > cfg.max_sampling_rounds:
+                break
+            ro, rows, res, everyone, ok, lo = self.sample_round(n)
+            rewards = res.total
+            batch.rounds += 1
+            batch.answers_generated += everyone.numel()
+            batch.sampled_rewards.append(everyone)
+            batch.sampled_success.append(ok)
+            batch.sampled_rows += rows
+            batch.problems += res.problems
+            batch.add_scores(res)
+        batch.trained_groups = kept
+        batch.cap_hit = not full()
+        if ragged:
+            batch.group_sizes = keep_sizes
+        if batch.cap_hit and dist.is_main():
+            what = (f"{kept_answers} of {cfg.budget} answers in mixed groups" if ragged
+                    else f"{kept} of {n} mixed groups")
+            log.warning("dynamic sampling: cap of %d extra rounds hit at step %d; training on %s",
+                        cfg.max_sampling_rounds, step + 1, what)
+        if keep_ro:
+            batch.rollout = cat_rollouts(keep_ro, self.backend.pad_id)
+            batch.rows = keep_rows
+            batch.rewards = torch.cat(keep_r)
+            batch.rewards_per_fn = torch.cat(keep_pf)
+        else:
+            batch.rollout, batch.rows, batch.rewards = ro.select([]), [], rewards[:0]
+            batch.rewards_per_fn = res.per_fn[:0]
+        return batch
+
+    # ------------------------------------------------------------ measuring the groups --
+    def outcomes(self, batch: Batch, sampled: torch.Tensor, sampled_ok: torch.Tensor,
+                 ) -> tuple[adv_mod.DeadStats, float | None, dict[str, Any]]:
+        """The step's sampled groups (every round, every rank): dead counts, the exact
+        predicted dead share (backends with exact pass rates: the world) from the same, not yet
+        updated, policy, and the metrics of the posterior prediction, per group (P(dead), dead,
+        size when ragged) and for the step."""
+        cfg, g = self.cfg, self.cfg.group_size
+        sizes = torch.cat([r[0] for r in self.rounds])
+        dead_prob = torch.cat([r[1] for r in self.rounds])
+        cuts = [r[2] for r in self.rounds]
+        if cfg.allocate:
+            ids = adv_mod.group_ids_from_sizes(sizes)
+            ds = adv_mod.dead_stats_ragged(sampled, ids, sampled_ok)
+            dead = adv_mod.dead_mask_ragged(sampled, ids)
+            mine = [n for r in self.local_sizes for n in r]  # this rank's sampled groups
+            firsts, at = [], 0  # the first answer of each
+            for n in mine:
+                firsts.append(batch.sampled_rows[at])
+                at += n
+            predicted = self.predicted_dead(firsts, mine)
+        else:
+            ds = adv_mod.dead_stats(sampled, g, sampled_ok)
+            dead = adv_mod.dead_mask(sampled, g)
+            predicted = self.predicted_dead(batch.sampled_rows[::g])
+        cut = (float(torch.cat(cuts).mean()) if cuts and all(c is not None for c in cuts)
+               and sum(c.numel() for c in cuts) else None)
+        rec = {
+            "posterior_dead_share": float(dead_prob.mean()) if dead_prob.numel() else None,
+            "posterior_prior": self.tracker.prior_summary(),
+            "group_dead_prob": [round(float(x), 4) for x in dead_prob],
+            "group_dead": dead.int().tolist(),
+            "sampled_truncated_share": cut,
+            **({"group_sizes": sizes.tolist()} if cfg.allocate else {}),
+        }
+        return ds, predicted, rec
+
+    def predicted_dead(self, rows: list[dict], sizes: torch.Tensor | None = None,
+                       ) -> float | None:
+        """Mean exact P(dead) of the groups whose prompts are ``rows`` (this rank's), from
+        backends that know each answer's pass probability; None from the others."""
+        p = self.backend.pass_probability(rows, self.cfg.temperature)
+        if p is None:
+            return None
+        if sizes is not None:  # ragged groups: this rank's, so each rank's P(dead), then all
+            dead = dist.gather_cat(adv_mod.group_dead_probability(p, sizes))
+            return float(dead.mean()) if dead.numel() else 0.0
+        return adv_mod.predicted_dead_share(dist.gather_cat(p), self.cfg.group_size)
+
+    def end_step(self, step: int, rec: dict[str, Any], ds: adv_mod.DeadStats) -> None:
+        """After the step's record: the loud no-signal alarm (``rec["no_signal"]``), then the
+        posteriors' evidence fades."""
+        rec["no_signal"] = self.alarm.check(step, ds.groups, ds.dead, ds.all_right,
+                                            ds.all_wrong, rec["sampled_truncated_share"],
+                                            self.cfg.max_new_tokens, warn=dist.is_main())
+        self.tracker.end_step()

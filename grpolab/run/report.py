@@ -1,0 +1,278 @@
+"""What a run reports: each step's metrics record, the JSONL it goes to, plots and tables.
+
+``step_record`` builds the line ``metrics.jsonl`` gets for every GRPO step (the place to add a
+metric); ``sample_record`` the groups ``samples.jsonl`` shows; ``MetricsWriter`` writes them
+(flushed and fsynced, one run per file); ``plot_run``, ``summarize`` and ``plot_sweep`` read
+them back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from grpolab.run import dist
+from grpolab.run.plots import plot_run
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from grpolab.config import Config
+    from grpolab.core.advantages import DeadStats
+    from grpolab.run.collect import Batch
+
+
+def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_ok: Tensor,
+                ds: DeadStats, predicted: float | None, heldout_acc: float | None,
+                heldout_pass_prob: float | None, update: dict[str, float], t0: float,
+                t_sample: float, posterior: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The metrics line of GRPO step ``step``: rewards and accuracy of every answer sampled,
+    held-out accuracy, dead groups (measured and predicted; ``posterior``: the pass-rate
+    posteriors' P(dead) per group, ``Collector.outcomes``), what sampling cost, the update's
+    numbers (``update``) and timings. Collective under torchrun (every rank gets the global
+    record)."""
+    g = cfg.group_size
+    posterior = posterior or {}
+    # The answers of the live groups trained on: with dynamic sampling the kept groups,
+    # without it the one sampled round's live groups (every rank's).
+    if cfg.dynamic_sampling and batch.group_sizes is not None:  # ragged groups kept
+        useful = int(dist.all_reduce_sum([float(sum(batch.group_sizes))])[0])
+    elif cfg.dynamic_sampling:
+        useful = batch.trained_groups * g
+    elif "group_sizes" in posterior:  # ragged groups: the live groups' answers
+        useful = sum(n for n, d in zip(posterior["group_sizes"], posterior["group_dead"]) if not d)
+    else:
+        useful = (ds.groups - ds.dead) * g
+    lens = dist.gather_cat(batch.rollout.completion_mask.sum(1))
+    cut = batch.rollout.truncated
+    cut_all = dist.gather_cat(cut.float()) if cut is not None else None
+    problems = int(dist.all_reduce_sum([len(batch.problems)])[0])
+    names = list(batch.reward_sums)
+    fn_sums = dist.all_reduce_sum([batch.reward_sums[k] for k in names]) if names else []
+    return {
+        "step": step,
+        "reward_mean": float(sampled.float().mean()),
+        "reward_std": float(sampled.float().std()) if sampled.numel() > 1 else 0.0,
+        "accuracy_train": float(sampled_ok.float().mean()),
+        "heldout_acc": heldout_acc,
+        "heldout_pass_prob": heldout_pass_prob,
+        "groups": ds.groups,
+        "dead_share": ds.dead_share,
+        "dead_all_right_share": ds.all_right_share,
+        "dead_all_wrong_share": ds.all_wrong_share,
+        "predicted_dead_share": predicted,
+        "trained_groups": batch.trained_groups,
+        "answers_generated": batch.answers_generated,
+        "useful_answers": useful,
+        "answers_per_useful": (batch.answers_generated / useful) if useful else None,
+        "sampling_rounds": batch.rounds,
+        "sampling_cap_hit": batch.cap_hit,
+        "completion_len": float(lens.float().mean()) if lens.numel() else 0.0,
+        # trained answers cut off by max_new_tokens (no EOS)
+        "truncated_share": (float(cut_all.mean()) if cut_all is not None and cut_all.numel()
+                            else None),
+        "reward_problems": problems,
+        **posterior,  # P(dead) from the pass-rate posteriors vs dead, per group
+        # each reward function's mean over every answer sampled (before weighting)
+        **{f"rewards/{k}": v / batch.answers_generated for k, v in zip(names, fn_sums)},
+        **update,
+        "time_sample_s": t_sample,
+        "time_step_s": time.perf_counter() - t0,
+    }
+
+
+def sample_record(batch: Batch, group_size: int, groups: int,
+                  advantages: Tensor | None) -> list[dict[str, Any]]:
+    """The first ``groups`` groups trained on (this rank's): what the policy wrote, its rewards
+    and the ``advantages`` [B] they gave, for reading a run, not just its averages. Groups may
+    differ in size (``batch.group_sizes``)."""
+    from grpolab.core.advantages import dead_mask
+
+    sizes = (batch.group_sizes or [group_size] * (len(batch.rows) // group_size))[:groups]
+    n = sum(sizes)
+    if not n:
+        return []
+    rewards = batch.rewards[:n].float()
+    adv = advantages[:n]
+    out = []
+    lo = 0
+    for k in sizes:
+        row, hi = batch.rows[lo], lo + k
+        out.append({
+            "prompt": row["prompt"],
+            **({"answer": str(row["answer"])} if row.get("answer") is not None else {}),
+            "completions": batch.rollout.completions[lo:hi],
+            "rewards": rewards[lo:hi].tolist(),
+            "advantages": adv[lo:hi].tolist(),
+            "dead": bool(dead_mask(rewards[lo:hi], k)[0]),
+        })
+        lo = hi
+    return out
+
+
+class RunMismatchError(ValueError):
+    """A metrics file holds lines of another run: writing here would mix two runs."""
+
+
+class MetricsWriter:
+    """Append-only JSONL of one run; each line is flushed and fsynced so a killed run loses
+    nothing, and carries ``run_id`` so lines of two runs can never pass for one.
+
+    A new run (``resume_after_step`` None) starts an empty file and refuses to wipe one that
+    holds lines (the caller clears the folder first when the user asked to overwrite). A
+    resumed run keeps its own lines up to the checkpoint's step and refuses a file with lines
+    of another run.
+    """
+
+    def __init__(self, path: str | os.PathLike, resume_after_step: int | None = None,
+                 run_id: str | None = None) -> None:
+        self.path = Path(path)
+        self.run_id = run_id
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        old = read_metrics(self.path)
+        if resume_after_step is None:
+            if old:
+                raise RunMismatchError(f"{self.path} already holds {len(old)} lines of another "
+                                       "run; not overwriting them")
+            self.path.write_text("")
+            return
+        others = sorted({str(r["run_id"]) for r in old if r.get("run_id") not in (None, run_id)})
+        if run_id is not None and others:
+            raise RunMismatchError(f"{self.path} holds lines of run {', '.join(others)}, the "
+                                   f"checkpoint is of run {run_id}: they are not one run")
+        keep = [r for r in old if r.get("step", -1) <= resume_after_step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        os.replace(tmp, self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.run_id is not None:
+            record = {**record, "run_id": self.run_id}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, default=float) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every complete line of a metrics file (a torn last line from a kill is skipped)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def summarize(rows: list[dict]) -> dict[str, Any]:
+    """The numbers a sweep table shows for one run."""
+    from grpolab.predict.posterior import calibration_summary
+    steps = [r for r in rows if r.get("step", 0) >= 1]
+    dead = [r["dead_share"] for r in steps if "dead_share" in r]
+    pred = [r["predicted_dead_share"] for r in steps if r.get("predicted_dead_share") is not None]
+    acc0, acc1 = _first_last(rows, "heldout_acc")
+    p0, p1 = _first_last(rows, "heldout_pass_prob")
+    t0, t1 = _first_last(rows, "train_pass_prob")
+    watch = {}
+    if any(r.get("heldout_check_acc") is not None for r in rows):
+        c0, c1 = _first_last(rows, "heldout_check_acc")
+        watch = {"start_heldout_check_acc": c0, "final_heldout_check_acc": c1,
+                 "hacking_suspected_steps": [r["step"] for r in steps
+                                             if r.get("hacking_suspected")]}
+    useful = sum(r.get("useful_answers") or 0 for r in steps)
+    generated = sum(r.get("answers_generated", 0) for r in steps)
+    return {
+        **watch,
+        **_waste_vs_success(steps),
+        "useful_answers": useful,
+        "answers_per_useful": generated / useful if useful else float("nan"),
+        "steps": len(steps),
+        "mean_dead_share": sum(dead) / len(dead) if dead else float("nan"),
+        # of all dead groups over the run, the share that was all right
+        "all_right_share_of_dead": _all_right_of_dead(steps),
+        "mean_predicted_dead_share": sum(pred) / len(pred) if pred else float("nan"),
+        "start_heldout_acc": acc0,
+        "final_heldout_acc": acc1,
+        "start_heldout_pass_prob": p0,
+        "final_heldout_pass_prob": p1,
+        "answers_generated": sum(r.get("answers_generated", 0) for r in steps),
+        "heldout_acc_gain": acc1 - acc0,
+        "heldout_pass_prob_gain": p1 - p0,
+        "start_train_pass_prob": t0,
+        "final_train_pass_prob": t1,
+        "mean_reward": (sum(r["reward_mean"] for r in steps) / len(steps)) if steps else float("nan"),
+        **calibration_summary(steps),  # the posteriors' Brier score and reliability table
+    }
+
+
+def _all_right_of_dead(steps: list[dict]) -> float:
+    right = sum(r.get("dead_all_right_share", 0.0) * r.get("groups", 0) for r in steps)
+    dead = sum(r.get("dead_share", 0.0) * r.get("groups", 0) for r in steps)
+    return right / dead if dead else float("nan")
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _corr(xs: list[float], ys: list[float]) -> float | None:
+    """Pearson correlation (None, written as JSON null, when a series is constant or too short)."""
+    n = len(xs)
+    if n < 3:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+
+
+def _waste_vs_success(steps: list[dict], k: int = 10) -> dict[str, float]:
+    """Does the waste grow as training succeeds? Dead share, its all-right part and training
+    reward over the first and last ``k`` steps, and the per-step correlation of the all-right
+    dead share with held-out accuracy (T=1 exact where the world reports it, else greedy)."""
+    rows = [r for r in steps if "dead_share" in r]
+    first, last = rows[:k], rows[-k:]
+    out = {}
+    for key, name in (("dead_share", "dead_share"), ("dead_all_right_share", "dead_all_right"),
+                      ("reward_mean", "reward")):
+        out[f"{name}_first{k}"] = _mean([r[key] for r in first if key in r])
+        out[f"{name}_last{k}"] = _mean([r[key] for r in last if key in r])
+    acc_key = ("heldout_pass_prob" if any(r.get("heldout_pass_prob") is not None for r in rows)
+               else "heldout_acc")
+    pairs = [(r["dead_all_right_share"], r[acc_key]) for r in rows
+             if r.get(acc_key) is not None and "dead_all_right_share" in r]
+    out["corr_all_right_dead_vs_acc"] = _corr([a for a, _ in pairs], [b for _, b in pairs])
+    pairs = [(r["dead_share"], r[acc_key]) for r in rows if r.get(acc_key) is not None]
+    out["corr_dead_vs_acc"] = _corr([a for a, _ in pairs], [b for _, b in pairs])
+    return out
+
+
+def _first_last(rows: list[dict], key: str) -> tuple[float, float]:
+    """The first and last recorded value of ``key`` (NaN, NaN when it was never recorded)."""
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return (vals[0], vals[-1]) if vals else (float("nan"), float("nan"))
+
+
+def finish_run(out: Path, plot_name: str, title: str, lengths: bool = False,
+               calibration_title: str = "", **fields: Any) -> dict[str, Any]:
+    """The end of every run: its plot (``plot_name``), ``calibration.png`` (the pass-rate
+    posteriors' P(dead) against the groups' outcomes, ``plots.plot_calibration``) and
+    ``summary.json`` (``fields`` then the numbers of ``report.summarize``), from the metrics on
+    disk; returns the summary."""
+    from grpolab.run.plots import plot_calibration
+
+    rows = read_metrics(out / "metrics.jsonl")
+    plot_run(rows, out / plot_name, title, lengths=lengths)
+    plot_calibration(rows, out / "calibration.png", calibration_title or title)
+    summary = {**fields, **summarize(rows)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

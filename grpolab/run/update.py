@@ -1,0 +1,257 @@
+"""One GRPO update, in the order the algorithm states it: the scoring pass, then the advantages,
+then the optimisation loop.
+
+* ``score`` takes a batch as collected and gives what the loss needs (``Scored``): the answers
+  (DAPO's overlong ones masked out), the rewards (minus beta x KL with ``kl_in: reward``) and,
+  per micro-batch, the reference's and the old policy's log-probs, all before the first
+  optimizer step.
+* ``advantages`` is each answer's advantage within its group (``grpolab.core.advantages``).
+* ``optimize`` runs ``epochs`` passes of micro-batches with ``grpo_loss``; each micro-batch on
+  each rank gets its exact share of the global loss (the global reply and token counts), its
+  gradients accumulate and are summed over ranks, so any split takes the one-pass step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpolab.config import Config
+from grpolab.core import advantages as adv_mod
+from grpolab.core.losses import LossOut, grpo_loss, sequence_kl
+from grpolab.rollout.backend import Backend
+from grpolab.rollout.batch import Rollout, micro_batches
+from grpolab.run import dist, shard
+from grpolab.run.collect import Batch
+
+
+class TrainingError(RuntimeError):
+    """A run cannot go on (for example a non-finite loss); checkpoints and metrics are intact."""
+
+
+def lr_factor(step: int, steps: int, schedule: str, warmup: int) -> float:
+    """Multiplier of the base lr for GRPO step ``step`` (0-based) of ``steps``: a linear
+    warm-up over ``warmup`` steps, then constant, linear to 0 or half a cosine to 0 at
+    ``steps`` (as transformers' schedulers do). A function of the step alone, so a resumed run
+    continues the schedule exactly."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Part:
+    """One micro-batch of a scored batch: its rows, and the frozen log-probs the loss compares
+    against ([rows, Tc]; None where the objective needs none)."""
+
+    rows: slice
+    rollout: Rollout
+    ref_logprobs: Tensor | None
+    old_logprobs: Tensor | None
+
+
+@dataclass
+class Scored:
+    """A batch as the loss sees it (this rank's rows; counts over every rank)."""
+
+    rollout: Rollout  # the answers, overlong ones masked out with mask_truncated
+    rewards: Tensor  # [B] the weighted reward, minus beta x KL with kl_in: reward
+    kl_penalty: Tensor | None  # [B] what kl_in: reward took off
+    rows: int  # answers trained on, over every rank
+    tokens: int  # their tokens, over every rank
+    parts: list[Part] = field(default_factory=list)
+
+
+@dataclass
+class UpdateStats:
+    """The numbers of one optimisation pass, summed over micro-batches (then over ranks)."""
+
+    loss: float = 0.0
+    policy_loss: float = 0.0
+    kl: float = 0.0
+    clip_frac: float = 0.0
+    nonfinite: float = 0.0  # 1 where any micro-batch's loss was not finite
+    entropy: float = 0.0
+    entropy_share: float = 0.0
+
+    def add(self, res: LossOut, finite: bool) -> None:
+        self.loss += float(res.loss.detach())
+        self.policy_loss += res.policy_loss
+        self.kl += res.kl
+        self.clip_frac += res.clip_frac
+        self.nonfinite = max(self.nonfinite, float(not finite))
+        self.entropy += res.entropy or 0.0
+        self.entropy_share += res.entropy_share
+
+    def summed_over_ranks(self) -> UpdateStats:
+        return UpdateStats(*dist.all_reduce_sum(list(dataclasses.astuple(self))))
+
+
+def score(cfg: Config, backend: Backend, batch: Batch) -> Scored:
+    """The scoring pass: every frozen number the loss needs, before the first optimizer step
+    (so the old policy is the one that sampled). Collective under torchrun (the counts)."""
+    ro = batch.rollout
+    if cfg.mask_truncated and ro.truncated is not None and bool(ro.truncated.any()):
+        # DAPO's overlong filtering: a cut-off answer is no evidence either way. Its reward
+        # still enters its group's statistics; its tokens leave the loss and its counts.
+        ro = dataclasses.replace(ro, completion_mask=ro.completion_mask
+                                 * (~ro.truncated)[:, None].to(ro.completion_mask.dtype))
+    n_loc = len(batch.rows)
+    t_loc = int(ro.completion_mask.sum()) if n_loc else 0
+    rewards, kl_pen = batch.rewards, None
+    if cfg.kl_in == "reward" and cfg.beta > 0 and n_loc:
+        rewards, kl_pen = kl_rewards(cfg, backend, ro, batch.rewards)
+    n_all, t_all = (int(v) for v in dist.all_reduce_sum([n_loc, t_loc]))
+    scored = Scored(ro, rewards, kl_pen, n_all, t_all)
+    if not n_loc:
+        return scored
+    with torch.no_grad():
+        lo = 0
+        for part, _ in micro_batches(ro, torch.empty(n_loc), cfg.micro_batch):
+            rows = slice(lo, lo + len(part.prompts))
+            lo = rows.stop
+            ref_lp = (backend.logprobs(part, cfg.temperature, reference=True)
+                      if cfg.beta > 0 and cfg.kl_in == "loss" else None)
+            old_lp = backend.logprobs(part, cfg.temperature) if cfg.epochs > 1 else None
+            scored.parts.append(Part(rows, part, ref_lp, old_lp))
+    return scored
+
+
+@torch.no_grad()
+def kl_rewards(cfg: Config, backend: Backend, ro: Rollout, rewards: Tensor
+               ) -> tuple[Tensor, Tensor]:
+    """kl_in: reward (verl's use_kl_in_reward): each answer's reward minus beta x its summed
+    per-token KL estimate to the reference. Returns the new rewards and the penalties [B]."""
+    pens = []
+    for part, _ in micro_batches(ro, rewards, cfg.micro_batch):
+        lp = backend.logprobs(part, cfg.temperature)
+        ref = backend.logprobs(part, cfg.temperature, reference=True)
+        pens.append(sequence_kl(lp, ref, part.completion_mask, cfg.kl_estimator))
+    pen = cfg.beta * torch.cat(pens)
+    return rewards.float() - pen.float(), pen
+
+
+def advantages(cfg: Config, rewards: Tensor, per_fn: Tensor | None = None,
+               reduce: Callable[[list[float]], list[float]] | None = None,
+               sizes: list[int] | None = None) -> Tensor:
+    """Each answer's advantage within its group, as the config's baseline and scaling say.
+
+    ``rewards`` is the weighted total; with ``per_fn`` (each reward function's [B, K]) a
+    reward_aggregation other than sum_then_normalize (GDPO) combines the functions itself.
+    ``reduce`` sums over ranks, for batch-level statistics (scale: batch, GDPO).
+    ``sizes``: the groups' sizes when they differ (``allocate``: ragged groups).
+    """
+    opts: dict[str, Any] = {"baseline": cfg.baseline, "scale": cfg.scale, "std": cfg.std,
+                            "std_eps": cfg.std_eps, "min_std": cfg.min_std, "reduce": reduce}
+    combine = per_fn is not None and cfg.reward_aggregation != "sum_then_normalize"
+    weights = (torch.tensor(cfg.reward_weights or [1.0] * per_fn.shape[1]) if combine
+               else None)
+    if sizes is not None and any(n != cfg.group_size for n in sizes):
+        ids = adv_mod.group_ids_from_sizes(sizes)
+        if not combine:
+            return adv_mod.group_advantages_ragged(rewards.float(), ids, **opts)
+        return adv_mod.RAGGED_REWARD_AGGREGATIONS[cfg.reward_aggregation](
+            per_fn, weights, ids, **opts)
+    if not combine:
+        return adv_mod.group_advantages(rewards.float(), cfg.group_size, **opts)
+    return adv_mod.REWARD_AGGREGATIONS[cfg.reward_aggregation](
+        per_fn, weights, cfg.group_size, **opts)
+
+
+def batch_advantages(cfg: Config, batch: Batch, scored: Scored, step: int) -> Tensor | None:
+    """The batch's advantages (None when this rank holds no answers), checked finite on every
+    rank together. Batch-level statistics (scale: batch, GDPO) are over every rank."""
+    n_loc = len(batch.rows)
+    reduce = dist.all_reduce_sum if dist.is_dist() else None
+    adv = (advantages(cfg, scored.rewards, batch.rewards_per_fn, reduce, batch.group_sizes)
+           if n_loc or reduce is not None else None)
+    adv = adv if n_loc else None
+    bad = float(adv is not None and not bool(torch.isfinite(adv).all()))
+    if dist.all_reduce_sum([bad])[0]:  # (score() lets no non-finite reward in; checked again)
+        raise TrainingError(f"non-finite advantages at step {step + 1}")
+    return adv
+
+
+def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: list[Tensor],
+             scored: Scored, adv: Tensor | None, step: int, sharded: bool = False
+             ) -> dict[str, float]:
+    """``epochs`` optimisation passes over the scored batch; the update's metrics."""
+    lr = cfg.lr * lr_factor(step, cfg.steps, cfg.lr_schedule, cfg.warmup_steps)
+    if not scored.rows:
+        return {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
+                "grad_norm": 0.0, "lr": lr}
+    extra: dict[str, float] = {}
+    if cfg.kl_in == "reward" and cfg.beta > 0:  # mean penalty per trained answer
+        pen = scored.kl_penalty
+        pen_sum = dist.all_reduce_sum([float(pen.sum()) if pen is not None else 0.0])
+        extra["kl_reward"] = pen_sum[0] / scored.rows
+    for group in opt.param_groups:
+        group["lr"] = lr
+    with_entropy = hasattr(backend, "logprobs_and_entropy")
+    parts = scored.parts
+    backend.model.train()
+    out: dict[str, float] = {}
+    for _ in range(cfg.epochs):
+        opt.zero_grad(set_to_none=True)
+        stats = UpdateStats()
+        if sharded and dist.all_reduce_sum([float(not parts)])[0]:
+            raise TrainingError("a rank has no answers to train on this step; fsdp needs "
+                                "every rank in every backward")
+        for k, part in enumerate(parts):
+            if sharded:  # FSDP reduces once, in the last micro-batch's backward
+                shard.set_sync(backend.model, k == len(parts) - 1)
+            res = _part_loss(cfg, backend, part, adv[part.rows], scored, with_entropy)
+            finite = bool(torch.isfinite(res.loss))
+            if finite or sharded:  # (fsdp: every rank takes part in the reduction)
+                res.loss.backward()
+            stats.add(res, finite)
+        stats = stats.summed_over_ranks()  # all ranks raise together, none hangs
+        if stats.nonfinite:
+            raise TrainingError(f"non-finite loss ({stats.loss}) at step {step + 1}")
+        if not sharded:
+            dist.sum_grads(params)
+        gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+        if not math.isfinite(gn):
+            raise TrainingError(f"non-finite gradient norm ({gn}) at step {step + 1}; the "
+                                "update was skipped")
+        opt.step()
+        out = {"loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
+               "clip_frac": stats.clip_frac, "grad_norm": gn, "lr": lr, **extra}
+        if with_entropy:  # mean over the completion tokens, of the policy being trained
+            out["entropy"] = stats.entropy
+        if cfg.top_entropy_quantile < 1.0:  # share of tokens the policy loss trained on
+            out["entropy_token_share"] = stats.entropy_share
+    backend.model.eval()
+    return out
+
+
+def _part_loss(cfg: Config, backend: Backend, part: Part, adv: Tensor, scored: Scored,
+               with_entropy: bool) -> LossOut:
+    """This micro-batch's share of the global GRPO loss, with autograd."""
+    ro = part.rollout
+    if with_entropy:  # the same log-probs, plus each position's entropy
+        lp, ent = backend.logprobs_and_entropy(ro, cfg.temperature,
+                                               entropy_grad=bool(cfg.entropy_coef))
+    else:
+        lp, ent = backend.logprobs(ro, cfg.temperature), None
+    old = lp.detach() if part.old_logprobs is None else part.old_logprobs
+    return grpo_loss(
+        lp, old, part.ref_logprobs, adv, ro.completion_mask, beta=cfg.beta,
+        eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg,
+        norm_len=cfg.max_new_tokens, policy_loss=cfg.policy_loss,
+        kl_estimator=cfg.kl_estimator, kl_is_correction=cfg.kl_is_correction,
+        dual_clip=cfg.dual_clip, cispo_max=cfg.cispo_max, entropy=ent,
+        entropy_coef=cfg.entropy_coef, top_entropy_quantile=cfg.top_entropy_quantile,
+        global_rows=scored.rows, global_tokens=scored.tokens)
