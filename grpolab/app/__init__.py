@@ -1,0 +1,1 @@
+"""The command line, the commands behind it and the Python API."""

@@ -1,8 +1,8 @@
 """The commands: ``grpolab workshop``, ``grpolab train`` and ``grpolab eval``, in one place.
 
-Each builds a backend and a scorer (``scoring.make_scorer``, the one factory), runs, and ends
+Each builds a backend and a scorer (``rewards.scorer.make_scorer``, the one factory), runs, and ends
 with the same finishing step (``finish_run``: the plot and ``summary.json``); held-out accuracy
-is ``scoring.score_answers`` for all of them. ``cli.py`` parses the flags and calls
+is ``rewards.scorer.score_answers`` for all of them. ``cli.py`` parses the flags and calls
 ``workshop``, ``train`` or ``evaluate`` here; the Python API is ``run_workshop``,
 ``run_train`` and ``run_eval``.
 """

@@ -1,0 +1,1 @@
+"""Prompts and gold answers: local files and folders, and task libraries (reasoning-gym)."""

@@ -1,6 +1,6 @@
 """Spend a step's answer budget where it teaches: which prompts, and how many answers each.
 
-Given each prompt's posterior over its pass rate (``predict.PassRateTracker``), a budget of
+Given each prompt's posterior over its pass rate (``posterior.PassRateTracker``), a budget of
 answers per step and a group size range [min_size, max_size], ``allocate`` chooses prompts i
 and group sizes n_i (sum n_i <= budget) to maximise an objective over the chosen prompts:
 

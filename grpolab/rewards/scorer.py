@@ -287,7 +287,7 @@ def score(
     In-process, a function that raises (``sys.exit`` included) is re-run one sample at a time;
     samples that still raise, and values that are None/NaN/inf/beyond +-1e9/non-numeric, get
     ``on_error`` and a problem message. ``async def`` rewards are awaited. With a ``pool``
-    (``reward_pool.RewardPool``), its functions that are not grpolab's own run there: the batch
+    (``pool.RewardPool``), its functions that are not grpolab's own run there: the batch
     in parts of whole groups (``group_size`` answers each), in parallel, each call limited to
     the pool's timeout (see ``_score_in_pool``). With
     ``fail_on_all_errors``, a function whose calls failed on every sample raises RewardError

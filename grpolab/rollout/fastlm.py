@@ -282,7 +282,7 @@ class FastLM:
 
     def trunk(self) -> FastLM:
         """This forward without the LM head: ``logits``, ``prefill`` and ``extend`` return the
-        final normed hidden states [..., hidden] (for ``losses.head_logprobs``)."""
+        final normed hidden states [..., hidden] (for ``head.head_logprobs``)."""
         view = copy.copy(self)
         view.head_off = True
         return view

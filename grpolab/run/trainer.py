@@ -10,7 +10,7 @@
 5. ``evaluate`` and ``record``: held-out accuracy and the metrics line
    (``grpolab.run.report.step_record``).
 
-The trainer is backend-agnostic (``rollout.Backend``): the built-in world and Hugging Face
+The trainer is backend-agnostic (``rollout.backend.Backend``): the built-in world and Hugging Face
 models run the same code, so every switch measured in the workshop means the same for a real
 model. Its state (``state_dict``) is made of each component's own; ``grpolab.run.checkpoint``
 writes and reads the files. Stopping on a signal is ``grpolab.run.stopping``.

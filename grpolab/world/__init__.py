@@ -1,0 +1,1 @@
+"""The workshop: the built-in task world, its tiny model and fine-tuned start, and the sweeps."""

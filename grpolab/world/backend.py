@@ -1,7 +1,7 @@
 """The built-in world's policy backend: TinyGPT and the character tokenizer behind ``LMBackend``.
 
-TinyGPT (``grpolab.world.task``) keeps its own KV cache; ``TinyForward`` and ``TinyDecoder`` give it
-the ``rollout.Forward`` interface, so the world samples with the same decode loop and is scored
+TinyGPT (``grpolab.world.model``) keeps its own KV cache; ``TinyForward`` and ``TinyDecoder`` give it
+the ``sampling.Forward`` interface, so the world samples with the same decode loop and is scored
 by the same pass as a Hugging Face model. Its prompts all have one length (no padding).
 """
 
@@ -36,7 +36,7 @@ class TinyDecoder:
 
 
 class TinyForward:
-    """TinyGPT as a ``rollout.Forward`` (unpadded prompts: masks and positions are implied)."""
+    """TinyGPT as a ``sampling.Forward`` (unpadded prompts: masks and positions are implied)."""
 
     def __init__(self, model: TinyGPT) -> None:
         self.model = model

@@ -56,7 +56,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # Every entry of the maths registries is a preset too, named "<config key>=<entry>", so a new
-# function in advantages.py or losses.py can be swept without touching this file.
+# function in core/advantages.py or core/losses.py can be swept without touching this file.
 REGISTRIES: dict[str, dict[str, Any]] = {
     "policy_loss": losses.POLICY_LOSSES,
     "kl_estimator": losses.KL_ESTIMATORS,
