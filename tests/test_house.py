@@ -147,3 +147,24 @@ def test_speed_options_reach_the_backend_and_are_recorded(tmp_path: Path) -> Non
     assert saved["speed"] == {**dataclasses.asdict(Speed()), "lean_forward": False,
                               "early_exit": False}
     assert saved["max_new_tokens"] == 4
+
+
+def test_readme_layout_names_every_module_that_exists() -> None:
+    """The README's "Where is X" table matches the layout: each file it names exists, and each
+    of the package's modules is named there."""
+    text = (PKG.parent / "README.md").read_text()
+    table = text[text.index("## Where is X"):]
+    named = set()
+    for cell in re.findall(r"\| ([^|]*`grpolab/[^|]*)\|\s*$", table, re.M):
+        folder = ""
+        for path in re.findall(r"`([\w/]+\.py)`", cell):
+            if "/" in path:
+                folder = path.rsplit("/", 1)[0]
+            else:  # a file of the folder named just before it in the same cell
+                path = f"{folder}/{path}"
+            named.add(path)
+    missing = sorted(p for p in named if not (PKG.parent / p).is_file())
+    assert not missing, f"README names files that do not exist: {missing}"
+    modules = {str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py")
+               if p.name not in ("__init__.py", "__main__.py")}
+    assert modules <= named, f"modules the README's table leaves out: {sorted(modules - named)}"
