@@ -18,26 +18,16 @@ from grpolab.app import cli, commands
 from grpolab.rollout import sampling
 from grpolab.rollout import vllm as vllm_backend
 from grpolab.rollout.batch import first_eos_mask, shared_prompts
-from grpolab.rollout.fastlm import base_model
+from grpolab.rollout.fastlm import base_model, checkpointing
 from grpolab.rollout.hf import HFBackend
 from grpolab.rollout.models import load_model
-from grpolab.rollout.tinyhf import CHAT_TEMPLATE, make_tiny_model
+from grpolab.rollout.tinyhf import CHAT_TEMPLATE
 
 # A random tiny model hits this on roughly a third of its 16-token answers, so most groups are
 # mixed and GRPO has a gradient from step 1 (an all-zero reward would train nothing).
 PATTERN = r".*7.*"
 
 QUESTIONS = [(3, 4), (12, 7), (25, 17), (8, 9), (40, 2), (6, 6)]
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", hidden=32, heads=4)
-
-
-@pytest.fixture(scope="module")
-def gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_model(tmp_path_factory.mktemp("gpt2"), arch="gpt2", hidden=32, heads=4)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> str:
@@ -238,7 +228,8 @@ def test_gradient_checkpointing_takes_the_same_step(
     ckpt_yaml, ckpt = write_config(tmp_path / "b", llama, lora=lora, steps=1, eval_dataset="")
     trainer = run_cli(monkeypatch, ["train", "--config", ckpt_yaml, "--gradient-checkpointing"])
     be = trainer.backend
-    assert be._fast.checkpoint and base_model(be.model).is_activation_checkpointing
+    # (transformers 5.17 has no is_activation_checkpointing; fastlm.checkpointing reads either)
+    assert be._fast.checkpoint and checkpointing(base_model(be.model))
     a, b = read_metrics(plain)[1], read_metrics(ckpt)[1]
     assert a["dead_share"] < 1, "the step should carry a gradient"
     for key in ("reward_mean", "loss", "policy_loss", "kl", "grad_norm"):
