@@ -112,6 +112,8 @@ def exact_answer_reward(prompts: list[Any], completions: list[Any], answer: list
 class Split:
     """Wall-clock time per phase, accumulated until ``close_step`` files it under one step."""
 
+    sync: Any = None  # on a GPU: torch.cuda.synchronize, so each phase owns its kernels
+
     def __init__(self) -> None:
         self.cur: dict[str, float] = {}
         self.steps: list[dict[str, float]] = []
@@ -126,10 +128,14 @@ class Split:
         def timed(*a: Any, **kw: Any) -> Any:
             if when is not None and not when(*a, **kw):
                 return fn(*a, **kw)
+            if self.sync:
+                self.sync()
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
+                if self.sync:
+                    self.sync()
                 self.add(key, time.perf_counter() - t0)
 
         setattr(obj, name, timed)
@@ -173,7 +179,8 @@ def child_trl(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
         temperature=1.0, top_k=0, top_p=1.0, beta=args.beta, epsilon=0.2,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, loss_type="grpo", scale_rewards="group", disable_dropout=True,
-        gradient_checkpointing=False, bf16=args.dtype == "bfloat16", fp16=False, use_cpu=True,
+        gradient_checkpointing=False, bf16=args.dtype == "bfloat16", fp16=False,
+        use_cpu=args.device == "cpu",
         report_to="none",
         logging_steps=10**6, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         max_steps=args.warmup + args.steps, seed=args.seed,
@@ -263,7 +270,7 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
 
         hb.shared_prompts = lambda ids, mask: None  # sampling: one prefill per row
         hb.HFBackend.share_prompts = property(lambda self: False)  # scoring: one pass per row
-    model, tok = load_model(model_dir, device="cpu", dtype=lab_dtype(args))
+    model, tok = load_model(model_dir, device=args.device, dtype=lab_dtype(args))
     backend = make_backend(cfg, model, tok)
     if args.variant in AB_SWITCHES:
         AB_SWITCHES[args.variant](backend, False)
@@ -277,23 +284,25 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
     def counted(prompts: Any, temperature: float, max_new_tokens: int, generator: Any = None
                 ) -> Any:
         ro = gen(prompts, temperature, max_new_tokens, generator)
-        tokens.append((int(ro.completion_mask.sum()), int(ro.completion_ids.shape[1])))
+        tokens.append((int(ro.completion_mask.sum()), int(ro.completion_ids.shape[1]),
+                       int(ro.prompt_ids.shape[1])))
         split.add("tokens", tokens[-1][0])
         return ro
 
     backend.generate = counted
     split.wrap(backend, "generate", "gen")
     split.wrap(backend, "logprobs", "ref", when=lambda *a, **k: bool(k.get("reference")))
-    split.wrap(trainer, "update", "update")
+    for part in ("score", "advantages", "optimize"):  # the update, as step() calls it
+        split.wrap(trainer, part, "update")
     n_train = sum(p.numel() for p in backend.model.parameters() if p.requires_grad)
 
     def run() -> None:
         for _ in range(args.warmup + args.steps):
             split.begin.append((time.perf_counter(), time.process_time()))
             trainer.step()
-            tok_n, width = tokens[-1]
+            tok_n, width, prompt = tokens[-1]
             split.close_step(end=time.perf_counter(), cpu=time.process_time(), tokens=tok_n,
-                             width=width)
+                             width=width, prompt=prompt)
 
     return run, trainer.step, n_train
 
@@ -323,15 +332,21 @@ def child_main(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()
 
     split = Split()
+    cuda = args.device == "cuda"
+    if cuda:
+        split.sync = torch.cuda.synchronize
     t_load = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"vs-trl-real-{args.child}-") as out:
         build = child_trl if args.child == "trl" else child_lab
         run, one_step, n_train = build(args, args.model, out, split)
-        rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rss_built = (torch.cuda.max_memory_allocated() / 2**20 if cuda
+                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         t_built = time.perf_counter()
         split.cur = {}
         run()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+        # peak memory: the GPU's allocated peak on cuda (what limits a GPU run), else RSS
+        peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # MiB
         steps = split.steps
         w = args.warmup
         # From the previous step's end (warm-up), or from the first step's start (--warmup 0:
@@ -345,6 +360,8 @@ def child_main(args: argparse.Namespace) -> int:
                 s["width"] for s in timed),
             "peak_rss_mib": peak, "rss_after_build_mib": rss_built,
             "build_s": t_built - t_load, "trainable": n_train, "threads": torch.get_num_threads(),
+            "device": args.device,
+            "prompt_len": statistics.mean(s.get("prompt", 0) for s in timed),
         }
         res["split"] = {k: sum(phases(args.child, s)[k] for s in timed)
                         for k in ("gen", "ref", "pol")}
@@ -379,11 +396,60 @@ def matmul_rate(threads: int, tokens: int, hidden: int, inter: int, vocab: int,
     return best
 
 
+def gpu_rates(dtype: str, tokens: int, hidden: int, inter: int, vocab: int
+              ) -> tuple[float, float]:
+    """(FLOP/s of the fastest of a few matmuls in ``dtype``, bytes/s of a device-to-device
+    copy of 1 GiB) on the current CUDA device, each the best of a few timed runs."""
+    import torch
+
+    dt = getattr(torch, dtype)
+
+    def best(fn: Any, work: float) -> float:
+        fn()
+        torch.cuda.synchronize()
+        out = 0.0
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            out = max(out, work / (time.perf_counter() - t0))
+        return out
+
+    rate = 0.0
+    for m, k, n in [(tokens, hidden, vocab), (tokens, hidden, inter), (8192, 8192, 8192)]:
+        a = torch.randn(m, k, dtype=dt, device="cuda")
+        w = torch.randn(n, k, dtype=dt, device="cuda")
+        rate = max(rate, best(lambda a=a, w=w: torch.nn.functional.linear(a, w), 2 * m * k * n))
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    bw = best(lambda: dst.copy_(src), 2 * src.numel())  # each byte read once, written once
+    return rate, bw
+
+
+def decode_bytes(cfg: dict[str, Any], dtype: str, rows: int, prompt: int, new: int) -> float:
+    """Bytes a decode must read for one batch: every weight once per token step, and at step t
+    each row's keys and values so far (prompt + t positions, every layer)."""
+    size = 2 if dtype in ("bfloat16", "float16") else 4
+    h, layers, inter, vocab = (cfg["hidden_size"], cfg["num_hidden_layers"],
+                               cfg["intermediate_size"], cfg["vocab_size"])
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads) * h // heads
+    weights = (layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + vocab * h) * size
+    kv_bytes = sum(rows * layers * 2 * kv * (prompt + t) * size for t in range(new))
+    return new * weights + kv_bytes
+
+
 def loadavg() -> float:
     try:
         return float(Path("/proc/loadavg").read_text().split()[0])
     except OSError:
         return float("nan")
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
 
 
 def cpu_name() -> str:
@@ -405,7 +471,7 @@ def run_child(args: argparse.Namespace, who: str, rnd: int, flops: bool,
            "--batch", str(args.batch), "--group-size", str(args.group_size),
            "--max-new-tokens", str(max_new or args.max_new_tokens), "--threads", str(threads),
            "--lr", str(args.lr), "--beta", str(args.beta), "--seed", str(args.seed),
-           "--variant", variant, "--dtype", args.dtype]
+           "--variant", variant, "--dtype", args.dtype, "--device", args.device]
     if flops:
         cmd.append("--flops")
     if args.fixed_length:
@@ -457,7 +523,9 @@ def per_step(rs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
-                 rate: float | None, info: dict[str, Any]) -> str:
+                 rate: float | None, info: dict[str, Any], memory_s: float = 0.0) -> str:
+    """The side-by-side table. ``memory_s``: seconds a step needs at least to read what its
+    decode reads (GPU: bytes / measured bandwidth), added to each trainer's FLOP floor."""
     lines = []
     agg: dict[str, dict[str, float]] = {}
     for who in ("trl", "lab"):
@@ -473,12 +541,12 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
         fl = [r["flops"] for r in rs if "flops" in r]
         if fl and rate:
             a["gflop"] = fl[-1] / 1e9
-            a["floor"] = fl[-1] / rate
+            a["floor"] = fl[-1] / rate + memory_s
         agg[who] = a
     name = {"trl": "TRL GRPOTrainer", "lab": "grpolab"}
+    mem = "peak GPU MiB" if args.device == "cuda" else "peak RSS MiB"
     hdr = ("| trainer | steps/s | s/step | gen s | ref s | policy fwd+bwd s | other s | "
-           "tokens/step | gen tokens/s | peak RSS MiB | GFLOP/step | floor s/step | "
-           "x floor |")
+           f"tokens/step | gen tokens/s | {mem} | GFLOP/step | floor s/step | x floor |")
     lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for who in ("trl", "lab"):
         a = agg[who]
@@ -495,12 +563,14 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
         f"ratio grpolab / TRL: {lab['sps'] / trl['sps']:.2f}x steps/s (per round: "
         + ", ".join(f"{x:.2f}" for x in per) + f"); {lab['cpu_sps'] / trl['cpu_sps']:.2f}x "
         f"steps per CPU-second; {lab['tok_s'] / trl['tok_s']:.2f}x generated tokens/s; "
-        f"peak RSS {lab['peak'] / trl['peak']:.2f}x TRL's",
+        f"{mem[:-4]} {lab['peak'] / trl['peak']:.2f}x TRL's",
     ]
     if "floor" in lab and "floor" in trl:
+        where = (f"{args.device}" if args.device == "cuda" else f"here at {args.threads} threads")
+        plus = (f" + the decode's bytes / the measured bandwidth ({memory_s:.2f} s)"
+                if memory_s else "")
         lines.append(f"floor: matmul+attention FLOPs of one step (torch.utils.flop_counter) / "
-                     f"{rate / 1e9:.0f} GFLOP/s (best {args.dtype} matmul here at {args.threads} "
-                     f"threads); TRL does {trl['gflop'] / lab['gflop']:.2f}x grpolab's counted "
+                     f"{rate / 1e9:.0f} GFLOP/s (best {args.dtype} matmul {where}){plus}; TRL does {trl['gflop'] / lab['gflop']:.2f}x grpolab's counted "
                      f"work (sampled lengths differ); TRL's measured time / grpolab's floor = "
                      f"{trl['t'] / trl['steps'] / lab['floor']:.2f}x (the most any trainer "
                      f"doing grpolab's work could reach)")
@@ -529,6 +599,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights and matmuls of both trainers (bfloat16: TRL with bf16=True, "
                         "grpolab with dtype bfloat16; LoRA adapters stay float32 in both)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where both trainers run (cuda: TRL with its HF generation, no vLLM; "
+                        "peak memory is torch.cuda.max_memory_allocated)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--seed", type=int, default=0)
@@ -734,12 +807,18 @@ def main(argv: list[str] | None = None) -> int:
         if not res["trl"]:
             print("no complete round within --time-limit")
             return 1
-        rate = None
-        if args.flops:
-            rate = matmul_rate(args.threads, args.batch * args.max_new_tokens,
-                               cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"],
-                               args.dtype)
-        report = print_report(args, res, rate, info)
+        rate, memory_s = None, 0.0
+        shape = (args.batch * args.max_new_tokens, cfg["hidden_size"], cfg["intermediate_size"],
+                 cfg["vocab_size"])
+        if args.flops and args.device == "cuda":
+            rate, bw = gpu_rates(args.dtype, *shape)
+            prompt = statistics.mean(r.get("prompt_len", 40) for r in res["lab"])
+            memory_s = decode_bytes(cfg, args.dtype, args.batch, round(prompt),
+                                    args.max_new_tokens) / bw
+            info["cpu"] += f"; {gpu_name()}: {bw / 1e12:.2f} TB/s copy, {rate / 1e12:.0f} TFLOP/s"
+        elif args.flops:
+            rate = matmul_rate(args.threads, *shape, args.dtype)
+        report = print_report(args, res, rate, info, memory_s)
     print("\n" + report)
     if args.out:
         Path(args.out).write_text(report + "\n")

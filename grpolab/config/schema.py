@@ -77,6 +77,7 @@ class Speed:
     early_exit: bool = True  # finished answers leave the decode batch
     length_buckets: bool = True  # answers of unequal length scored in length buckets
     head_grad_in_forward: bool = True  # a frozen LM head's input gradient made in forward
+    graph_decode: bool = True  # CUDA: decoding at a fixed shape, each step a replayed CUDA graph
 
 
 @dataclass
@@ -238,7 +239,7 @@ class Config:
     speed: Speed = opt(
         Speed(), RUN,
         "speed paths, each on by default, recorded with the run: lean_forward, cpu_pack, "
-        "score_pack, early_exit, length_buckets, head_grad_in_forward (--speed "
+        "score_pack, early_exit, length_buckets, head_grad_in_forward, graph_decode (--speed "
         "early_exit=false,cpu_pack=false)")
     logit_chunk: int = opt(
         256, RUN,

@@ -49,6 +49,7 @@ from grpolab.config import ConfigError, Speed
 from grpolab.rollout.backend import LMBackend, frozen_copy
 from grpolab.rollout.batch import pos_ids, shared_prompts
 from grpolab.rollout.fastlm import FastLM, base_model
+from grpolab.rollout.graphdecode import GraphDecoder, cuda_graph, graph_decode, make_step
 from grpolab.rollout.models import disable_dropout, eos_ids, wrap_lora
 from grpolab.rollout.sampling import decode, draw_seed, drop_due
 
@@ -355,11 +356,17 @@ class HFBackend(LMBackend):
         if max_new <= 0:
             return ids.new_zeros((b, 0))
         gen = torch.Generator(device=dev).manual_seed(seed)
+        lm = self.forward_of(self.model, tp + max_new)
         with torch.inference_mode():
-            dec = self.forward_of(self.model, tp + max_new).decoder(ids, mask, max_new,
-                                                                    shared_prompts(ids, mask))
-            out = decode(dec, max_new, temperature, self.eos_ids, self.pad_id, gen,
-                         early_exit=self.speed.early_exit)
+            if dev.type == "cuda" and self.speed.graph_decode and isinstance(lm, FastLM):
+                dec = GraphDecoder(lm, ids, mask, max_new, shared_prompts(ids, mask))
+                step = cuda_graph(make_step(dec, temperature, self.eos_ids, self.pad_id))
+                out = graph_decode(dec, max_new, temperature, self.eos_ids, self.pad_id, gen,
+                                   step)
+            else:
+                dec = lm.decoder(ids, mask, max_new, shared_prompts(ids, mask))
+                out = decode(dec, max_new, temperature, self.eos_ids, self.pad_id, gen,
+                             early_exit=self.speed.early_exit)
         return out.clone()  # a normal tensor, usable outside inference mode
 
     def _hf_generate(self, prompt_ids: Tensor, prompt_mask: Tensor, temperature: float,

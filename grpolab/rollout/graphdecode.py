@@ -1,0 +1,168 @@
+"""Decoding at a fixed shape, for accelerators: the one-token step of ``fastlm`` over a
+preallocated KV cache, with the sampling on the device, so the whole step can be captured once
+(a CUDA graph, through ``torch.compile(mode="reduce-overhead")``) and replayed.
+
+The plain decode loop (``sampling.decode`` over ``kvcache.Decoder``) changes shapes as it goes
+(the cache's keys grow by one each step, finished rows leave the batch) and asks the host about
+every token, which on a GPU leaves the step's time to kernel launches and syncs. Here:
+
+* the cache is ``[B, kv heads, prompt + max_new, head_dim]`` per layer from the start; step t
+  writes position ``prompt + t`` (a device tensor) and attends over every position, a mask
+  hiding the ones not written yet;
+* finished answers are masked (PAD after their EOS), not removed, so B never changes;
+* each row's uniform for each step is drawn up front from the run's private generator (one per
+  row per step, as ``sample_next`` draws), and the token is found on the device by inverse CDF
+  in float64 over the softmax: exactly softmax(logits / T), argmax at T = 0;
+* the host checks whether every answer has ended only every ``SYNC_EVERY`` steps.
+
+Shared prompts (GRPO's groups) are prefilled once, as in the plain loop. ``GraphDecoder.step``
+is a pure function of tensors of fixed shape: ``torch.compile(fullgraph=True)`` traces it
+whole (the tests check this on the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpolab.rollout.batch import pos_ids
+from grpolab.rollout.kvcache import ConcatKV, StaticKV, additive, decode_kv_dtype, prompt_mask4d
+from grpolab.rollout.sampling import _inverse_cdf
+
+SYNC_EVERY = 16  # steps between the host's checks that every answer has ended
+
+
+class GraphKV:
+    """A StaticKV's buffers at a fixed shape: ``update`` writes position ``at`` (a [1] device
+    tensor) and returns every position's keys and values."""
+
+    def __init__(self, static: StaticKV) -> None:
+        self.k, self.v = static.k, static.v
+        # positions not written yet are attended with weight 0, but must be finite: 0 * NaN
+        # (left over in new memory) would poison the row
+        static.buf.narrow(4, static.len, static.buf.shape[4] - static.len).zero_()
+        self.at: Tensor | None = None
+
+    def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k[i].index_copy_(2, self.at, k.to(self.k[i].dtype))
+        self.v[i].index_copy_(2, self.at, v.to(self.v[i].dtype))
+        return self.k[i], self.v[i]
+
+
+class GraphDecoder:
+    """Prefill, then ``step(tokens, t)`` at one fixed shape for up to ``max_new`` tokens."""
+
+    def __init__(self, lm: Any, ids: Tensor, mask: Tensor, max_new: int,
+                 shared: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+        self.lm = lm
+        b, tp = ids.shape
+        p_ids, p_mask, rows = shared if shared is not None else (ids, mask, None)
+        x = ids.new_empty(0, dtype=lm.embed.weight.dtype)
+        tables = lm.rope_tables(tp + max_new, x) if lm.arch == "llama" else None
+        pre = ConcatKV()
+        p_pos = pos_ids(p_mask)
+        rot = lm.rotary(p_pos, x, tables) if tables is not None else None
+        logits = lm.forward(p_ids, p_pos, prompt_mask4d(p_mask, lm.dtype), pre, keep=1,
+                            rot=rot, w=lm.weights())[:, -1]
+        self.logits = logits if rows is None else logits[rows]
+        kv_dtype = decode_kv_dtype(lm.dtype, ids.device) if lm.pack else lm.dtype
+        self.cache = GraphKV(StaticKV(pre.kv, rows, tp + max_new, kv_dtype))
+        self.tp = tp
+        # step t's position for each row, and which keys it may see: the real prompt keys,
+        # then the new tokens up to its own (the rest are hidden by ``at`` in ``step``)
+        self.pos = mask.sum(dim=1, keepdim=True) + torch.arange(max_new, device=ids.device)
+        self.seen = torch.cat([mask.bool(), mask.new_ones((b, max_new), dtype=torch.bool)], 1)
+        self.keys = torch.arange(tp + max_new, device=ids.device)
+        self.kv_dtype = kv_dtype
+        self.cos_sin = None if tables is None else lm.rotary(self.pos, x, tables)
+        self.w = lm.decode_weights(b)
+
+    def step(self, tokens: Tensor, t: Tensor) -> Tensor:
+        """Feed ``tokens`` [B] at new position ``t`` (a [1] long tensor); logits [B, V]."""
+        at = t + self.tp
+        self.cache.at = at
+        allowed = self.seen & (self.keys <= at)
+        mask = additive(allowed[:, None, None, :], self.kv_dtype)
+        rot = (None if self.cos_sin is None
+               else tuple(c.index_select(1, t) for c in self.cos_sin))
+        pos = self.pos.index_select(1, t)
+        return self.lm.forward(tokens[:, None], pos, mask, self.cache, rot=rot, w=self.w)[:, -1]
+
+
+def draw(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
+    """One token per row from exactly softmax(logits / T) given uniforms ``u`` [B, 1] (float64);
+    argmax at T = 0. Device-side, no host sync: the full-vocabulary float64 search."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float()
+    probs = torch.softmax(logits / temperature if temperature != 1 else logits, dim=-1)
+    return _inverse_cdf(probs, u)
+
+
+def graph_decode(dec: GraphDecoder, max_new: int, temperature: float, eos_ids: list[int],
+                 pad_id: int, generator: torch.Generator | None = None,
+                 step: Any = None) -> Tensor:
+    """The decode loop at a fixed shape: completion ids [B, steps taken], PAD after each EOS.
+
+    ``step``: the function that advances one token, ``(tokens, t, u, done) -> next tokens``
+    (``make_step(dec, ...)``, or it captured: ``cuda_graph``); the host looks at ``done`` every
+    ``SYNC_EVERY`` steps only.
+    """
+    logits = dec.logits
+    b, dev = logits.shape[0], logits.device
+    u = torch.rand((max_new, b, 1), generator=generator, device=dev, dtype=torch.float64)
+    step = step or make_step(dec, temperature, eos_ids, pad_id)
+    out = torch.full((b, max_new), pad_id, dtype=torch.long, device=dev)
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    eos = torch.as_tensor(eos_ids, device=dev)
+    nxt = draw(logits, temperature, u[0])
+    steps = max_new
+    for t in range(max_new):
+        out[:, t] = nxt
+        done = done | torch.isin(nxt, eos)
+        if t == max_new - 1 or ((t + 1) % SYNC_EVERY == 0 and bool(done.all())):
+            steps = t + 1
+            break
+        nxt = step(nxt, torch.tensor([t], device=dev), u[t + 1], done)
+    return out[:, :steps]
+
+
+def make_step(dec: GraphDecoder, temperature: float, eos_ids: list[int],
+              pad_id: int) -> Any:
+    """The captured unit: feed the last tokens, draw the next ones, PAD for finished rows."""
+
+    def step(tokens: Tensor, t: Tensor, u: Tensor, done: Tensor) -> Tensor:
+        logits = dec.step(tokens, t)
+        return draw(logits, temperature, u).masked_fill(done, pad_id)
+
+    return step
+
+
+def cuda_graph(step: Any) -> Any:
+    """``step`` captured as a CUDA graph at its first call and replayed after: the inputs are
+    copied into the graph's own tensors, the output is the graph's (read it before the next
+    call). The first call runs the step three times on the same inputs (warm-up, capture,
+    replay), which is harmless: it writes the same keys at the same cache position."""
+    graph: list[Any] = []
+
+    def run(*args: Tensor) -> Tensor:
+        if not graph:
+            static = [a.clone() for a in args]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step(*static)  # warm-up: kernels chosen, workspaces allocated
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = step(*static)
+            graph.extend([g, static, out])
+        g, static, out = graph
+        for dst, src in zip(static, args):
+            dst.copy_(src)
+        g.replay()
+        return out
+
+    return run

@@ -1,0 +1,143 @@
+"""The fixed-shape decode path (``grpolab.rollout.graphdecode``), on the CPU: greedy output equal
+to HF ``generate``, the sampling stream equal to the plain loop's logits drawn with the same
+uniforms, draws from exactly softmax(logits / T), and a step that ``torch.compile`` traces
+whole (no host sync, no shape change: what a CUDA graph needs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from grpolab.rollout.batch import shared_prompts
+from grpolab.rollout.graphdecode import GraphDecoder, draw, graph_decode, make_step
+from grpolab.rollout.hf import HFBackend
+from grpolab.rollout.models import load_model
+from grpolab.rollout.tinyhf import make_tiny_model
+
+PROMPTS = ["What is 2 + 3?", "Compute 12 * 7. So the answer is", "1", "<think> 40 - 8 ="]
+TINY = {"llama": {"arch": "llama"}, "gpt2": {"arch": "gpt2"},
+        "gqa": {"arch": "llama", "kv_heads": 2, "tie_word_embeddings": False}}
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory: pytest.TempPathFactory) -> dict[str, HFBackend]:
+    out = {}
+    for name, kw in TINY.items():
+        path = make_tiny_model(tmp_path_factory.mktemp(name), hidden=32, heads=4, **kw)
+        out[name] = HFBackend(*load_model(path, device="cpu"), reference=False)
+    return out
+
+
+def graph_sample(be: HFBackend, prompts: list[str], temperature: float, max_new: int,
+                 seed: int, step: Any = None, eos: list[int] | None = None) -> torch.Tensor:
+    ids, mask = be.encode_prompts(prompts)
+    with torch.inference_mode():
+        dec = GraphDecoder(be._fast, ids, mask, max_new, shared_prompts(ids, mask))
+        gen = torch.Generator().manual_seed(seed)
+        return graph_decode(dec, max_new, temperature, eos or be.eos_ids, be.pad_id, gen,
+                            step(dec) if step else None)
+
+
+@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("group", [1, 3])
+def test_greedy_equals_hf_generate(backends: dict[str, HFBackend], name: str,
+                                   group: int) -> None:
+    be = backends[name]
+    prompts = [p for p in PROMPTS for _ in range(group)]  # left-padded; shared when grouped
+    ids, mask = be.encode_prompts(prompts)
+    assert bool((mask == 0).any())
+    got = graph_sample(be, prompts, 0.0, 12, seed=0)
+    want = be._hf_generate(ids, mask, 0.0, 12, seed=0)
+    assert torch.equal(got, want[:, : got.shape[1]])
+    # (the loop may stop at a sync point after every row ended; HF pads to its own end)
+    assert not (want[:, got.shape[1]:] != be.pad_id).any()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_sampling_stream_is_the_plain_loops_logits_with_the_same_uniforms(
+        backends: dict[str, HFBackend], name: str) -> None:
+    """One uniform per row per step, drawn up front: the fixed-shape step's tokens are what the
+    growing-cache decoder's logits give with those uniforms."""
+    be, max_new, temp = backends[name], 10, 1.0
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    ids, mask = be.encode_prompts(prompts)
+    # a random tiny model seldom says EOS: 40 of its 512 tokens end an answer here
+    stops = be.eos_ids + list(range(100, 140))
+    got = graph_sample(be, prompts, temp, max_new, seed=7, eos=stops)
+    u = torch.rand((max_new, len(prompts), 1), generator=torch.Generator().manual_seed(7),
+                   dtype=torch.float64)
+    eos = torch.as_tensor(stops)
+    with torch.inference_mode():
+        be._fast.pack = False  # the plain loop on the same unpacked weights
+        try:
+            dec = be._fast.decoder(ids, mask, max_new, shared_prompts(ids, mask))
+            logits, done, want = dec.logits, torch.zeros(len(prompts), dtype=torch.bool), []
+            for t in range(got.shape[1]):
+                nxt = draw(logits, temp, u[t]).masked_fill(done, be.pad_id)
+                want.append(nxt)
+                done |= torch.isin(nxt, eos)
+                if t < got.shape[1] - 1:
+                    logits = dec.step(nxt)
+        finally:
+            be._fast.pack = True
+    want = torch.stack(want, 1)
+    lengths = (want != be.pad_id).sum(1)
+    assert len(set(lengths.tolist())) > 1  # answers of several lengths: some ended early
+    assert torch.equal(got, want)
+    again = graph_sample(be, prompts, temp, max_new, seed=7, eos=stops)
+    assert torch.equal(again, got)  # reproducible
+    assert not torch.equal(graph_sample(be, prompts, temp, max_new, seed=8, eos=stops), got)
+
+
+def test_draw_follows_the_softmax() -> None:
+    logits = torch.tensor([[2.0, 0.0, -1.0, float("-inf"), 1.0]]).repeat(100_000, 1)
+    for t in (1.0, 0.7):
+        u = torch.rand((len(logits), 1), generator=torch.Generator().manual_seed(0),
+                       dtype=torch.float64)
+        freq = torch.bincount(draw(logits, t, u), minlength=5).double() / len(logits)
+        assert freq[3] == 0  # probability 0 is never drawn
+        torch.testing.assert_close(freq, torch.softmax(logits[0].double() / t, -1),
+                                   atol=5e-3, rtol=0)
+    assert draw(logits[:2], 0.0, u[:2]).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_the_step_traces_whole(backends: dict[str, HFBackend], name: str) -> None:
+    """torch.compile(fullgraph=True) fails on any host sync or data-dependent shape in the
+    step; compiled, it gives the eager step's tokens."""
+    import torch._dynamo
+
+    be = backends[name]
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    eager = graph_sample(be, prompts, 1.0, 8, seed=3)
+    torch._dynamo.reset()
+
+    def compiled(dec: GraphDecoder) -> Any:
+        return torch.compile(make_step(dec, 1.0, be.eos_ids, be.pad_id), fullgraph=True,
+                             backend="eager", dynamic=False)
+
+    try:
+        got = graph_sample(be, prompts, 1.0, 8, seed=3, step=compiled)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["llama", "gqa"])
+def test_cuda_graph_decoding_equals_hf_generate(tmp_path, name: str) -> None:
+    """On a GPU, ``HFBackend`` decodes with the captured step (speed.graph_decode): greedy
+    answers as HF generate's, and the same answers with graph_decode off."""
+    from grpolab.config import Speed
+
+    path = make_tiny_model(tmp_path / name, hidden=32, heads=4, **TINY[name])
+    be = HFBackend(*load_model(path, device="cuda"), reference=False)
+    ids, mask = be.encode_prompts([p for p in PROMPTS for _ in range(3)])
+    got = be._sample(ids, mask, 0.0, 12, seed=0)
+    want = be._hf_generate(ids, mask, 0.0, 12, seed=0)
+    assert torch.equal(got.cpu(), want.cpu()[:, : got.shape[1]])
+    be.speed = Speed(graph_decode=False)
+    plain = be._sample(ids, mask, 0.0, 12, seed=0)
+    assert torch.equal(plain.cpu()[:, : got.shape[1]], got.cpu())
