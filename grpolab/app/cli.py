@@ -94,10 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="grpolab: %(message)s")
     args = build_parser().parse_args(argv)
+    out_dir = None
     try:
         cfg = make_config(args.config, _overrides(args), args.command)
         dist.init()  # joins torchrun's process group; nothing in a single process
         cfg = choose_out_dir(cfg, args.command, getattr(args, "resume", False))
+        out_dir = cfg.out_dir
         if args.command == "workshop":
             return commands.workshop(cfg, args.sweep, args.variants, args.seeds, args.resume)
         if args.command == "eval":
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         return _fail(e, 2)
     except KeyboardInterrupt:
-        print("grpolab: interrupted; the last checkpoint and metrics are kept", file=sys.stderr)
+        print(f"grpolab: interrupted; {_kept(out_dir, args.command)}", file=sys.stderr)
         return 130
     except OSError as e:  # a full disk, a folder made read-only mid-run: one line, exit 1
         where = f" ({e.filename})" if e.filename else ""
@@ -129,6 +131,24 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     finally:
         dist.cleanup()
+
+
+def _kept(out_dir: str | None, command: str) -> str:
+    """What an interrupted run leaves, truthfully: SIGINT stops at once, without a checkpoint,
+    so --resume is offered only where an earlier one exists."""
+    from pathlib import Path
+
+    from grpolab.run.checkpoint import LAST, PREV
+
+    if out_dir is None or command == "eval":
+        return "nothing was written"
+    ckpt = Path(out_dir) / "checkpoints"
+    if any((ckpt / n).exists() for n in (LAST, PREV)):
+        return (f"the last checkpoint and metrics in {out_dir} are kept; continue with "
+                "--resume")
+    return (f"no checkpoint was written yet, so nothing can be resumed (metrics so far are in "
+            f"{out_dir}); start again with --overwrite or another --out-dir (SIGTERM, unlike "
+            "Ctrl-C, checkpoints before stopping)")
 
 
 def _fail(e: BaseException, code: int) -> int:

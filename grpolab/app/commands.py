@@ -21,8 +21,9 @@ import torch
 from grpolab.config import Config, ConfigError
 from grpolab.config.schema import command_defaults
 from grpolab.rewards.scorer import load_rewards, make_scorer, score_answers
+from grpolab.rollout.templates import check_render
 from grpolab.run import dist, shard
-from grpolab.run.checkpoint import holds_run
+from grpolab.run.checkpoint import busy_error, holds_run, lock_holder, out_dir_lock
 from grpolab.run.report import finish_run, read_metrics
 from grpolab.run.trackers import Reporter
 from grpolab.run.trainer import GRPOTrainer
@@ -48,7 +49,8 @@ def workshop(cfg: Config, sweep: str | None, variants: str | None, seeds: str | 
         print(f"\nwrote {cfg.out_dir}/sweep.md and {cfg.out_dir}/sweep.png")
         return 0
     if not dist.is_main():  # the other ranks train alongside rank 0, which writes everything
-        world_trainer(cfg).train(resume=resume)
+        with out_dir_lock(cfg.out_dir):  # (collective: where rank 0's run_workshop takes it)
+            world_trainer(cfg).train(resume=resume)
         return 0
     s = run_workshop(cfg, resume=resume)
     print(f"G={s['group_size']} ({s['prompts_per_step']} prompts/step): mean dead share "
@@ -134,13 +136,18 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
     Writes ``metrics.jsonl``, ``checkpoints/last.pt``, ``train.png``, ``summary.json`` and the
     final model (LoRA merged) plus tokenizer in ``<out_dir>/final``.
     """
-    from grpolab.data.files import run_rows
-
     check_paths(cfg)
     if cfg.rollout_backend == "vllm":
         from grpolab.rollout.vllm import check_vllm
 
         check_vllm()
+    with out_dir_lock(cfg.out_dir):  # held to the last file written (final/, summary)
+        return _run_train(cfg, resume)
+
+
+def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
+    from grpolab.data.files import run_rows
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not cfg.progress:  # --no-progress also quiets the weight loading/saving bars
         from transformers.utils import logging as hf_logging
@@ -154,7 +161,8 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
                     "below its resolution are lost; LoRA adapters train in float32", cfg.dtype,
                     cfg.dtype)
     backend = make_backend(cfg, model, tok)
-    backend.render(rows[0]["prompt"])  # chat prompts without a chat template fail here, early
+    # chat prompts without a chat template, or a template that fails or loops, stop here
+    check_render(backend.render, rows[0]["prompt"])
     trainer = GRPOTrainer(cfg, backend, rows, reward_fns, heldout, out_dir=cfg.out_dir,
                           watch_fn=watch)
     title = (f"GRPO on {Path(cfg.model_path).name}: G={cfg.group_size}, {cfg.prompts_per_step} "
@@ -212,6 +220,10 @@ def run_eval(cfg: Config) -> dict[str, Any]:
     from grpolab.data.files import run_rows
 
     check_paths(cfg, "eval")
+    if not cfg.progress:  # as in train: no weight-loading bars around a one-line error
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     train_rows, held = run_rows(cfg)
     rows = (held or train_rows)[: cfg.eval_size]
     scorer = make_scorer(cfg)
@@ -220,6 +232,7 @@ def run_eval(cfg: Config) -> dict[str, Any]:
     # training needs: adapters, the reference copy, checkpointing.
     backend = make_backend(dataclasses.replace(cfg, lora=False, beta=0.0, rollout_backend="hf",
                                                gradient_checkpointing=False), model, tok)
+    check_render(backend.render, rows[0]["prompt"])
     gen = torch.Generator().manual_seed(cfg.seed)
     n = cfg.eval_samples
     try:  # in chunks of ``budget`` answers (bounded memory)
@@ -287,10 +300,10 @@ def evaluate(cfg: Config, compare_to: str | None = None) -> int:
 
 
 def _in_use(d: Path) -> bool:
-    """Whether a folder holds a run, or a sweep's runs one level down."""
+    """Whether a folder holds a run (or a live run's lock), or a sweep's runs one level down."""
     if not d.is_dir():
         return False
-    if holds_run(d) or (d / "sweep.md").exists():
+    if holds_run(d) or (d / "sweep.md").exists() or lock_holder(d) is not None:
         return True
     return any(holds_run(c) for c in d.iterdir() if c.is_dir())
 
@@ -308,10 +321,16 @@ def choose_out_dir(cfg: Config, command: str, resume: bool = False) -> Config:
         probe = probe.parent
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"out_dir {cfg.out_dir} is not writable ({probe} is read-only)")
-    if command == "eval" or resume or cfg.overwrite:
+    if command == "eval":
+        return cfg
+    busy = lock_holder(out)
+    default = cfg.out_dir == command_defaults(command).get("out_dir", Config.out_dir)
+    if busy is not None and (resume or cfg.overwrite or not default):
+        raise busy_error(cfg.out_dir, busy)  # (the run's own lock decides; this is early)
+    if resume or cfg.overwrite:
         return cfg
     if _in_use(out):
-        if cfg.out_dir != command_defaults(command).get("out_dir", Config.out_dir):
+        if not default:
             raise ConfigError(f"out_dir {cfg.out_dir} already holds a run; continue it with "
                               "--resume, replace it with --overwrite, or choose another "
                               "--out-dir")

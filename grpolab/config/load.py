@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from grpolab.config import trl
+from grpolab.config import trl, yamlsafe
 from grpolab.config.schema import Config, ConfigError, coerce, command_defaults
 from grpolab.config.validate import resolve
 
@@ -19,12 +19,13 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yamlsafe.safe_load(p.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or "invalid YAML"
-        raise ConfigError(f"broken YAML in {p}{where}: {problem}") from None
+        what = "YAML refused" if isinstance(e, yamlsafe.YAMLTooLarge) else "broken YAML"
+        raise ConfigError(f"{what} in {p}{where}: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

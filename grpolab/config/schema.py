@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
+from grpolab.config import yamlsafe
 from grpolab.core.advantages import (
     ADVANTAGE_BASELINES,
     ADVANTAGE_SCALES,
@@ -341,6 +342,9 @@ def coerce(name: str, value: Any) -> Any:
         return _as(tp, value)
     except ConfigError:
         raise
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise ConfigError(f"config key {name!r}: YAML refused: {problem}") from None
     except (TypeError, ValueError):
         raise ConfigError(f"config key {name!r}: cannot read {value!r} as {_type_name(tp)}") from None
 
@@ -373,7 +377,8 @@ def _as(tp: Any, value: Any) -> Any:
         return [inner(v.strip() if isinstance(v, str) else v) for v in value]
     if origin is dict:
         if isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip() else {}
+            # (--task-config '{...}'): aliases bounded as in a config file
+            value = yamlsafe.safe_load(value) if value.strip() else {}
         if not isinstance(value, dict):
             raise ValueError(value)
         return {str(k): v for k, v in value.items()}

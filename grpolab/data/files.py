@@ -1,7 +1,18 @@
-"""Load local prompt datasets into plain dicts, with errors a user can act on."""
+"""Load local prompt datasets into plain dicts, with errors a user can act on.
+
+Gold answers are text: a CSV answer column is read as written (one empty cell must not make the
+column floats, gold ``4`` read back as ``4.0``), a number from JSON or parquet becomes its text
+(a whole float as an integer: Arrow turns 4 into 4.0 in a column that also holds 2.5), and a
+missing gold answer (an empty cell, null, NaN) is refused at load naming its row: it would
+otherwise be compared as the text "None". Lists and mappings (several accepted answers,
+structured gold) are passed to rewards as they are.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -9,28 +20,29 @@ from typing import Any
 
 # Hugging Face `datasets` builder name for each supported file extension.
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-# File-name prefixes that name a split (train.jsonl, test-00000-of-00002.parquet, ...).
+# Split names. A file is of a split when its stem is the name or the name and a dash
+# (train.jsonl, test-00000-of-00002.parquet); training_notes.jsonl is of none.
 SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")
 # No model takes a prompt this long whole (a 128k-token context is about 500k characters): such a
 # row is a data error, and rendering or tokenizing it is where memory would go.
 MAX_PROMPT_CHARS = 1_000_000
 
+log = logging.getLogger("grpolab")
+
 
 def _split_of(name: str) -> str | None:
-    """The split a file's name starts with (longest match: 'validation' before 'val')."""
-    low = name.lower()
-    for s in sorted(SPLITS, key=len, reverse=True):
-        if low.startswith(s) and (len(low) == len(s) or not low[len(s)].isalpha()):
-            return s
-    return None
+    """The split a file's stem names exactly (``train``, ``train-00000-of-00001``), or None."""
+    stem = Path(name).stem.lower()
+    return next((s for s in SPLITS if stem == s or stem.startswith(s + "-")), None)
 
 
 def _data_files(path: Path, split: str) -> tuple[str, list[str]]:
     """Pick the builder and files for a file or a directory of same-format files.
 
     In a directory, the files named for ``split`` (``train.jsonl``, ``train-00000.parquet``)
-    are used. A folder whose files are named for other splits only is an error, not a silent
-    mix of them; a folder with no split names is one split of several files.
+    are used, others left out with a warning when they are named for no split. A folder whose
+    files are named for other splits only is an error, not a silent mix of them; a folder with
+    no split names is one split of several files.
     """
     if not path.exists():
         raise FileNotFoundError(f"dataset {str(path)!r} does not exist")
@@ -47,11 +59,15 @@ def _data_files(path: Path, split: str) -> tuple[str, list[str]]:
     if not files:
         raise FileNotFoundError(f"dataset directory {str(path)!r} has no {'/'.join(FORMATS)} files")
     named = {p: _split_of(p.name) for p in files}
-    for_split = [p for p in files if named[p] == split or p.name.startswith(split)]
+    for_split = [p for p in files if named[p] == split]
     if not for_split and any(named.values()):
         have = sorted({s for s in named.values() if s})
         raise ValueError(f"dataset directory {str(path)!r} has no {split!r} files (it has "
                          f"{', '.join(have)}); name the file itself")
+    unnamed = [p.name for p in files if named[p] is None]
+    if for_split and unnamed:
+        log.warning("dataset directory %s: %s split from %s; left out %s (named for no split)",
+                    path, split, ", ".join(p.name for p in for_split), ", ".join(unnamed))
     files = for_split or files
     builders = {FORMATS[p.suffix.lower()] for p in files}
     if len(builders) > 1:
@@ -62,7 +78,8 @@ def _data_files(path: Path, split: str) -> tuple[str, list[str]]:
     return builders.pop(), [str(p) for p in files]
 
 
-def _load(builder: str, files: list[str], split: str, where: str) -> list[dict[str, Any]]:
+def _load(builder: str, files: list[str], split: str, where: str,
+          text_column: str | None = None) -> list[dict[str, Any]]:
     # Local files never need the network; set before `datasets` is imported so it sticks.
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -73,12 +90,15 @@ def _load(builder: str, files: list[str], split: str, where: str) -> list[dict[s
     try:
         # A throwaway cache dir keeps converted Arrow copies out of the user's HF cache.
         with tempfile.TemporaryDirectory(prefix="grpolab-data-") as cache_dir:
+            # a CSV answer column as written: pandas would turn "4" into 4.0 beside an empty cell
+            extra = {"converters": {text_column: str}} if builder == "csv" and text_column else {}
             ds = datasets.load_dataset(
                 builder,
                 data_files={split: files},
                 split=split,
                 cache_dir=cache_dir,
                 keep_in_memory=True,
+                **extra,
             )
             return ds.to_list()
     except StopIteration:  # what `datasets` raises for an empty JSON file
@@ -134,7 +154,7 @@ def load_rows(
         raise ValueError(f"dataset {where!r} is empty")
     if builder == "csv" and all(_header_only(f) for f in files):
         raise ValueError(f"dataset {where!r} has a header line but no rows")
-    rows = _load(builder, files, split, where)
+    rows = _load(builder, files, split, where, answer_column)
     if not rows:
         raise ValueError(f"dataset {where!r} is empty")
 
@@ -162,9 +182,21 @@ def load_rows(
         new = dict(row)
         new["prompt"] = prompt
         if answer_column is not None:
-            new["answer"] = row[answer_column]
+            new["answer"] = gold_text(row[answer_column], i, answer_column, where)
         out.append(new)
     return out
+
+
+def gold_text(value: Any, index: int, column: str, where: str) -> Any:
+    """A gold answer as text (lists and mappings as they are); a missing one is a ValueError."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        raise ValueError(f"dataset {where!r}: row {index} has no gold answer (column {column!r} "
+                         "is empty or null); fill it in or drop the row")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return str(value)
 
 
 def run_rows(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -188,8 +220,22 @@ def run_rows(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         # a folder's held-out files are the ones named for the test split (test.jsonl, ...)
         held = load(cfg.eval_dataset, cfg.eval_size, cfg.seed + HELDOUT_SEED_OFFSET, asked,
                     "test")
+        _warn_overlap(train, held)
     if cfg.prompt_template:
         for row in (*train, *held):
             if isinstance(row["prompt"], str):
                 row["prompt"] = cfg.prompt_template.replace("{prompt}", row["prompt"])
     return train, held
+
+
+def _warn_overlap(train: list[dict[str, Any]], held: list[dict[str, Any]]) -> None:
+    """Held-out accuracy on prompts the run trains on measures memory, not generalisation."""
+    def key(prompt: Any) -> str:
+        return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True,
+                                                                 default=str)
+
+    seen = {key(r["prompt"]) for r in train}
+    both = sum(key(r["prompt"]) in seen for r in held)
+    if both:
+        log.warning("%d of the %d eval_dataset prompts are also training prompts: held-out "
+                    "accuracy on them measures recall, not generalisation", both, len(held))

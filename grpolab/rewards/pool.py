@@ -10,7 +10,16 @@ alone; the worker is replaced and the run goes on. ``sys.exit`` in a reward is a
 failure (SystemExit is caught in the worker).
 
 What a reward does to global state in a worker is not seen by the trainer, and the workers
-ignore SIGINT/SIGTERM/SIGUSR1: the trainer decides when they stop, and they die with it.
+ignore SIGINT/SIGTERM/SIGUSR1: the trainer decides when they stop, and they die with it. The
+ignoring is a Python handler, not SIG_IGN, so a program a reward starts gets the default
+dispositions back (exec resets handlers, and forked children are reset at the fork); each
+worker leads its own process group, and stopping a worker kills that group, so nothing a
+reward started outlives the pool.
+
+Trust: a reward is user code with the trainer's rights. Its worker is a fork of the trainer:
+it sees the trainer's environment variables (tokens included), files and user, can signal the
+trainer and can delete its out_dir. Run only reward code you trust; untrusted answers are
+what the ``code`` verifier's sandbox is for.
 """
 
 from __future__ import annotations
@@ -85,10 +94,35 @@ def _die_with_parent() -> None:
         pass
 
 
+STOP_SIGNALS = tuple(getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGUSR1")
+                     if hasattr(signal, s))
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    """The workers' handler: ignored here, yet not inherited as SIG_IGN by what they start."""
+
+
+def _default_dispositions() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL a worker's process group: the worker, and what its rewards started."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left in it (or it was never made: then it is not ours)
+
+
 def _worker_loop(conn: Any, fns: Sequence[Callable], parent: int) -> None:
-    for sig in ("SIGINT", "SIGTERM", "SIGUSR1"):
-        if hasattr(signal, sig):
-            signal.signal(getattr(signal, sig), signal.SIG_IGN)
+    try:
+        os.setpgid(0, 0)  # its own group, killed whole on stop (the parent sets it too)
+    except OSError:
+        pass
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _ignore)
+    os.register_at_fork(after_in_child=_default_dispositions)  # a reward's forks: defaults
     _die_with_parent()
     if os.getppid() != parent:  # the trainer died before the line above took effect
         return
@@ -121,20 +155,23 @@ class _Worker:
         self.proc = ctx.Process(target=_worker_loop, args=(child, fns, os.getpid()), daemon=True,
                                 name="grpolab-reward-worker")
         self.proc.start()
+        try:  # (as the child does: whichever runs first, the group exists before a kill)
+            os.setpgid(self.proc.pid, self.proc.pid)
+        except OSError:
+            pass
         child.close()
         self.job: int | None = None
         self.deadline = 0.0
 
     def stop(self, kill: bool = False) -> None:
-        if not kill and self.proc.is_alive():
+        if not kill:
             try:
                 self.conn.send(None)
             except OSError:
-                kill = True
-            else:
-                self.proc.join(1.0)
-        if self.proc.is_alive():
-            self.proc.kill()
+                pass
+            else:  # waits without reaping: the group id cannot be reused before the kill
+                multiprocessing.connection.wait([self.proc.sentinel], 1.0)
+        _kill_group(self.proc.pid)
         self.proc.join()
         self.conn.close()
 

@@ -31,9 +31,12 @@ class SequenceClassifierReward:
         if not (folder / "config.json").is_file():
             raise ValueError(f"reward model rm:{path}: no config.json there (a local Hugging "
                              "Face sequence-classification model folder is expected)")
+        from grpolab.rollout.models import check_weight_files
+
+        check_weight_files(str(folder))  # safetensors only, as for the policy
         self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            folder, local_files_only=True).eval()
+            folder, local_files_only=True, use_safetensors=True).eval()
         if self.tokenizer.pad_token is None:  # batches need one; the model must know it
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if getattr(self.model.config, "pad_token_id", None) is None:

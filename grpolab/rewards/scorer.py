@@ -84,11 +84,11 @@ def _as_list(value: Any) -> list[Any] | None:
 
 
 _LOGGED: set[str] = set()
-_REPORTED = object()  # a bad value for one sample that already has a problem message
 
 
 class _Failed:
-    """The call failed for one sample (raised, timed out, ended its process)."""
+    """No usable score for one sample (the call raised, timed out, ended its process, or gave
+    no value for it); ``message`` is already in the problems."""
 
     def __init__(self, message: str) -> None:
         self.message = message
@@ -116,8 +116,8 @@ def _score_one_fn(
     pool: RewardPool | None = None,
     group: int = 1,
 ) -> tuple[list[float], int, str]:
-    """This function's score for every sample, how many samples its calls failed on, and the
-    first such failure's message."""
+    """This function's score for every sample, how many samples it gave no usable score for
+    (failed calls and unusable values alike), and the first such failure's message."""
     n = len(completions)
     if n == 0:
         return [], 0, ""
@@ -133,7 +133,7 @@ def _score_one_fn(
             raw = await_if_needed(fn(prompts, completions, **columns))
         except (Exception, SystemExit) as e:  # noqa: BLE001 - reward code is user code
             values = _score_singly(fn, name, prompts, completions, columns, problems, where)
-            if all(v is not _REPORTED and not isinstance(v, _Failed) for v in values):
+            if not any(isinstance(v, _Failed) for v in values):
                 problems.append(
                     f"reward {name!r} raised {error_text(e)} on the batch of {n} but on no single "
                     "sample; used per-sample scores"
@@ -147,16 +147,16 @@ def _score_one_fn(
                     f"reward {name!r} returned {got} for {n} samples (expected a list of {n} "
                     f"numbers); samples 0..{n - 1} get on_error={on_error}"
                 )
-                return [on_error] * n, 0, ""
+                return [on_error] * n, n, problems[-1]
 
-    failures = [v.message for v in values if isinstance(v, _Failed)]
+    failures = []
     out = []
     for i, value in enumerate(values):
-        bad = value is _REPORTED or isinstance(value, _Failed)
-        number = None if bad else _to_float(value)
+        number = None if isinstance(value, _Failed) else _to_float(value)
         if number is None:
-            if not bad:
+            if not isinstance(value, _Failed):
                 problems.append(f"reward {name!r} returned {_short(value, 40)} on {where(i)}")
+            failures.append(value.message if isinstance(value, _Failed) else problems[-1])
             out.append(on_error)
         else:
             out.append(number)
@@ -230,7 +230,7 @@ def _score_in_pool(
             problems.append(f"reward {name!r} returned {shown} for samples {lo}..{hi - 1} "
                             f"(expected a list of {hi - lo} numbers); they get on_error="
                             f"{on_error}")
-            values[lo:hi] = [_REPORTED] * (hi - lo)
+            values[lo:hi] = [_Failed(problems[-1])] * (hi - lo)
         elif stuck or hi - lo == 1:  # (a one-answer part is already isolated)
             for i in range(lo, hi):
                 problems.append(f"reward {name!r} {value} on {where(i)}")
@@ -245,18 +245,17 @@ def _score_in_pool(
             values[i] = _Failed(problems[-1])
         else:
             values[i] = _single(_as_list(value), name, where(i), problems)
-    if retry and not any(isinstance(values[i], _Failed) or values[i] is _REPORTED
-                         for i in retry):
+    if retry and not any(isinstance(values[i], _Failed) for i in retry):
         problems.append(f"reward {name!r} {first} but on no single one; used per-answer scores")
     return values
 
 
 def _single(values: list[Any] | None, name: str, where: str, problems: list[str]) -> Any:
-    """The one value of a one-sample call, or _REPORTED (with a problem) when it is not one."""
+    """The one value of a one-sample call, or _Failed (with a problem) when it is not one."""
     if values is None or len(values) != 1:
         got = "a non-list" if values is None else f"{len(values)} values"
         problems.append(f"reward {name!r} returned {got} for 1 sample on {where}")
-        return _REPORTED
+        return _Failed(problems[-1])
     return values[0]
 
 
@@ -290,8 +289,9 @@ def score(
     (``pool.RewardPool``), its functions that are not grpolab's own run there: the batch
     in parts of whole groups (``group_size`` answers each), in parallel, each call limited to
     the pool's timeout (see ``_score_in_pool``). With
-    ``fail_on_all_errors``, a function whose calls failed on every sample raises RewardError
-    (one line: the function and its first failure). Otherwise raises only for caller mistakes
+    ``fail_on_all_errors``, a function that gave no usable score for any sample (its calls
+    raised, or it returned the wrong length, a scalar, NaN or strings for all of them) raises
+    RewardError (one line: the function and its first failure). Otherwise raises only for caller mistakes
     (mismatched lengths or weights).
     """
     prompts, completions = list(prompts), list(completions)

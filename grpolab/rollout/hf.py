@@ -255,8 +255,14 @@ class HFBackend(LMBackend):
                    else "the tokenizer has no chat template")
             raise ValueError(f"prompts are chat messages but {why}; use plain-text prompts or a "
                              "tokenizer with a chat template")
-        text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                  add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as e:  # the template's own failure (a SecurityError, say): one line
+            if not type(e).__module__.startswith("jinja2"):
+                raise
+            raise ValueError(f"the tokenizer's chat template failed: {type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]}") from None
         return text, True
 
     def encode_prompts(self, prompts: list[Any]) -> tuple[Tensor, Tensor]:

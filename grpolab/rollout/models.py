@@ -148,11 +148,33 @@ def load_model(path: str, device: str | None = None, dtype: str = "float32",
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(str(path), cache_dir)
+    check_weight_files(path)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                 dtype=getattr(torch, dtype))
+    try:  # safetensors only: nothing in a model folder is unpickled
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                     dtype=getattr(torch, dtype),
+                                                     use_safetensors=True)
+    except (OSError, ValueError) as e:
+        first = (" ".join(str(e).split()) or type(e).__name__)[:200]
+        raise ValueError(f"model_path {path}: cannot load the model ({first})") from None
     return model.to(dev), tok
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_weight_files(path: str) -> None:
+    """A folder whose weights are pickles only (pytorch_model.bin, no .safetensors) is refused
+    in one line: unpickling a file can run code, so grpolab loads safetensors alone."""
+    folder = Path(path)
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickled:
+        raise ValueError(f"model_path {path}: its weights are pickle files ({', '.join(pickled[:3])}"
+                         ") and no .safetensors; grpolab loads safetensors only (a pickle can "
+                         "run code when read); convert them where you trust the file")
 
 
 # ----------------------------------------------------------------------------- preparing

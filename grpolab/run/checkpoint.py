@@ -10,12 +10,15 @@ to the metrics of the run that wrote it.
 The trainer's state (``GRPOTrainer.state_dict``: weights, optimiser, every RNG stream, the
 prompt sampler, the posteriors, the watch's history) is written by ``save`` and read back by
 ``load_newest``: a resumed run continues bitwise. ``claim_out_dir`` keeps two runs out of one
-folder. This module reads and writes files; it knows nothing of the trainer.
+folder, one after another; ``out_dir_lock`` (an exclusive ``flock`` on ``LOCK_FILE``, held for
+the run's life) keeps out a second run started at the same time. This module reads and writes
+files; it knows nothing of the trainer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -25,6 +28,7 @@ import pickle
 import shutil
 import struct
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,9 @@ log = logging.getLogger("grpolab")
 
 LAST, PREV = "last.pt", "prev.pt"
 RUN_FILES = ("metrics.jsonl", "samples.jsonl")  # what a run writes beside checkpoints/
+LOCK_FILE = ".grpolab.lock"  # flock'ed by the live run; never deleted (unlinking races)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used: unreadable, altered, or written for another model."""
 
@@ -229,6 +236,77 @@ def claim_out_dir(out_dir: Path, overwrite: bool) -> None:
     if dist.is_main():
         clear_run(out_dir)
     dist.all_reduce_sum([0.0])  # no rank starts before rank 0 has cleared the folder
+
+
+_HELD: dict[str, list[Any]] = {}  # folder -> [lock file (rank 0) or None, nesting depth]
+
+
+def lock_holder(out_dir: str | os.PathLike) -> int | None:
+    """The pid of the live run holding ``out_dir``'s lock (0 when unknown), or None when free."""
+    path = Path(out_dir) / LOCK_FILE
+    if str(Path(out_dir).resolve()) in _HELD:
+        return os.getpid()
+    try:
+        f = open(path)  # noqa: SIM115 - closed below (read-only: a look creates nothing)
+    except OSError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            text = f.read().strip()
+            return int(text) if text.isdigit() else 0
+        return None
+
+
+def busy_error(out_dir: str | os.PathLike, pid: int) -> ConfigError:
+    who = f"pid {pid}" if pid else "another process"
+    return ConfigError(f"out_dir {out_dir} is in use by another grpolab run ({who}); wait for "
+                       "it to end, or choose another --out-dir")
+
+
+@contextlib.contextmanager
+def out_dir_lock(out_dir: str | os.PathLike) -> Iterator[None]:
+    """Hold ``out_dir``'s exclusive lock for the block (collective under torchrun: rank 0 holds
+    it). Nested holds in one process are free; a folder another live process holds is a
+    ConfigError naming it and that pid. The kernel drops the lock when the process dies."""
+    d = Path(out_dir)
+    key = str(d.resolve())
+    if key in _HELD:  # (the same nesting on every rank: no collective here)
+        _HELD[key][1] += 1
+        try:
+            yield
+        finally:
+            _HELD[key][1] -= 1
+        return
+    f, pid = None, None
+    if dist.is_main():
+        d.mkdir(parents=True, exist_ok=True)
+        f = open(d / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the block
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            text = f.read().strip()
+            pid = int(text) if text.isdigit() else 0
+            f.close()
+            f = None
+        else:
+            f.truncate(0)
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+    if dist.is_dist():  # every rank refuses together
+        pid = dist.all_gather_object(pid)[0]
+    if pid is not None:
+        raise busy_error(out_dir, pid)
+    _HELD[key] = [f, 1]
+    try:
+        yield
+    finally:
+        del _HELD[key]
+        if f is not None:
+            f.close()  # (the lock goes with the descriptor; the file stays)
 
 
 # ---------------------------------------------------------------------- trainer files

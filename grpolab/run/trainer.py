@@ -56,6 +56,11 @@ RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_eve
                     "fail_on_reward_errors", "report_to", "shard", "speed"}
 # Config keys that change the trained weights' shapes: a checkpoint of another value cannot load.
 SHAPE_KEYS = ("lora", "lora_r", "lora_target_modules", "model_path")
+# Config keys that choose the prompts: the sampler's and posteriors' state is per prompt, so a
+# checkpoint of other data is refused (ConfigError, exit 2), not loaded into the wrong rows.
+DATA_KEYS = ("dataset", "eval_dataset", "dataset_size", "prompt_column", "answer_column",
+             "prompt_template", "task_config", "world_train_size", "world_heldout_size",
+             "world_top_share", "world_carry_share")
 
 __all__ = ["Batch", "CheckpointError", "GRPOTrainer", "RunStopped", "TrainingError", "lr_factor"]
 
@@ -109,12 +114,13 @@ class GRPOTrainer:
         """Run to ``cfg.steps``; with ``resume`` continue from the last checkpoint in out_dir.
 
         A new run refuses an out_dir that already holds a run unless ``cfg.overwrite`` (then
-        that run's metrics and checkpoints are deleted first), so two runs never mix.
+        that run's metrics and checkpoints are deleted first), and any run refuses one that a
+        live run holds (``checkpoint.out_dir_lock``), so two runs never mix.
         SIGTERM/SIGUSR1 let the current step finish, write a checkpoint and raise RunStopped;
         a second one abandons the step at once. The reward workers stop on the way out.
         """
-        with (self.stop.handlers(self.out_dir), contextlib.closing(self),
-              finishing(self.reporter)):  # the reporter's finish, told whether the run failed
+        with (checkpoint.out_dir_lock(self.out_dir), self.stop.handlers(self.out_dir),
+              contextlib.closing(self), finishing(self.reporter)):  # the reporter's finish, told whether the run failed
             return self._run(resume, on_step)
 
     def _run(self, resume: bool, on_step: Callable[[dict], None] | None) -> list:
@@ -344,6 +350,7 @@ class GRPOTrainer:
         saved, now = st.get("config") or {}, to_dict(self.cfg)
         free = RESUME_FREE_KEYS - ({"steps"} if self.cfg.lr_schedule != "constant" else set())
         changed = sorted(k for k in now if k in saved and k not in free and saved[k] != now[k])
+        self._check_same_data(st, saved, now, changed, path)
         try:
             if st.get("dcp"):
                 checkpoint.load_sharded(st, path or self.ckpt_dir / checkpoint.LAST,
@@ -380,6 +387,21 @@ class GRPOTrainer:
         self.step_num = int(st["step"])
         self.watch.load_state_dict(st.get("watch") or {})
         self.run_id = st.get("run_id") or checkpoint.new_run_id()  # (older files had none)
+
+    def _check_same_data(self, st: dict[str, Any], saved: dict[str, Any], now: dict[str, Any],
+                         changed: list[str], path: Path | None) -> None:
+        """A checkpoint of other prompts is refused before anything is loaded."""
+        where = f"checkpoint {path or 'given'}"
+        data = [k for k in DATA_KEYS if k in changed]
+        if data:
+            k = data[0]
+            raise ConfigError(f"{where} was written for {k}={saved[k]!r} (this run: {now[k]!r});"
+                              f" resume with the run's {', '.join(data)}, or start a new run")
+        rows = len(st.get("sampler", {}).get("pass_rate", ()))
+        if rows and rows != len(self.train_rows):
+            raise ConfigError(f"{where} was written for a dataset of {rows} prompts, this run's "
+                              f"has {len(self.train_rows)} (the dataset file changed?); resume "
+                              "with the run's data, or start a new run")
 
     def save_checkpoint(self) -> Path:
         """last.pt, atomically: the old one becomes prev.pt, so a kill at any point loses at

@@ -18,6 +18,7 @@ import torch
 from grpolab.config import Config, ConfigError, coerce, resolve
 from grpolab.core import advantages, losses
 from grpolab.rewards.builtin import exact_answer
+from grpolab.run.checkpoint import out_dir_lock
 from grpolab.run.plots import format_table, plot_sweep
 from grpolab.run.report import finish_run
 from grpolab.run.trackers import Reporter
@@ -151,7 +152,12 @@ def run_sweep(
                 resolve(dataclasses.replace(cfg, group_size=g, **settings[variant]))
         except (ConfigError, TypeError) as e:
             raise ConfigError(f"sweep: {e} (variant {variant})") from None
-    seeds = seeds or [cfg.seed]
+    with out_dir_lock(cfg.out_dir):
+        return _run_sweep(cfg, sizes, variants, settings, seeds or [cfg.seed])
+
+
+def _run_sweep(cfg: Config, sizes: list[int], variants: list[str], settings: dict,
+               seeds: list[int]) -> str:
     root = Path(cfg.out_dir)
     results: list[tuple[str, int, dict]] = []
     table = []
@@ -195,6 +201,11 @@ def world_trainer(cfg: Config, out_dir: str | Path | None = None) -> GRPOTrainer
 
 def run_workshop(cfg: Config, out_dir: str | Path | None = None, resume: bool = False) -> dict:
     """One workshop run: metrics.jsonl, workshop.png and summary.json in the run folder."""
+    with out_dir_lock(out_dir or cfg.out_dir):  # (before the SFT: a busy folder fails fast)
+        return _run_workshop(cfg, out_dir, resume)
+
+
+def _run_workshop(cfg: Config, out_dir: str | Path | None, resume: bool) -> dict:
     trainer = world_trainer(cfg, out_dir)
     title = (f"GRPO workshop: G={cfg.group_size}, {cfg.prompts_per_step} prompts x "
              f"{cfg.group_size} answers per step")
