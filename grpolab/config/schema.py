@@ -25,6 +25,7 @@ from grpolab.core.advantages import (
     STD_KINDS,
 )
 from grpolab.core.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from grpolab.core.returns import ESTIMATORS
 from grpolab.predict.allocate import ALLOCATION_OBJECTIVES
 from grpolab.predict.posterior import PASS_RATE_PRIORS
 
@@ -39,6 +40,7 @@ StdKind = Literal[tuple(STD_KINDS)]  # type: ignore[valid-type]
 RewardAggregation = Literal[tuple(REWARD_AGGREGATIONS)]  # type: ignore[valid-type]
 AllocationObjective = Literal[tuple(ALLOCATION_OBJECTIVES)]  # type: ignore[valid-type]
 PassRatePrior = Literal[tuple(PASS_RATE_PRIORS)]  # type: ignore[valid-type]
+Estimator = Literal[("grpo", *ESTIMATORS)]  # type: ignore[valid-type]
 
 COMMANDS = ("workshop", "train", "eval")
 # Which commands offer a field as a flag.
@@ -149,6 +151,11 @@ class Config:
     loss_agg: LossAgg = opt(
         "seq_mean_token_mean", RUN,
         "how token losses become one number (TRL loss_type)")
+    estimator: Estimator = opt(
+        "grpo", RUN,
+        "grpo: one advantage per answer (baseline, scale below); reinforce_pp, "
+        "reinforce_pp_baseline: REINFORCE++'s token-level returns, whitened over the batch")
+    gamma: float = opt(1.0, RUN, "discount of the token-level estimators' returns")
     baseline: Baseline = opt(
         "mean", RUN,
         "mean: r - group mean (GRPO); rloo: r - mean of the others")

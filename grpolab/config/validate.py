@@ -34,6 +34,11 @@ def resolve(cfg: Config) -> Config:
 
 def _validate_objective(cfg: Config) -> None:
     """Combinations of the objective's settings that mean nothing, named in one line."""
+    if not 0.0 <= cfg.gamma <= 1.0:
+        raise ConfigError(f"gamma must be in [0, 1] (got {cfg.gamma})")
+    if cfg.estimator != "grpo" and cfg.reward_aggregation != "sum_then_normalize":
+        raise ConfigError(f"estimator {cfg.estimator} whitens the summed reward over the batch: "
+                          "it takes reward_aggregation sum_then_normalize")
     if cfg.dual_clip and not cfg.dual_clip > 1 + cfg.eps_high:
         raise ConfigError(f"dual_clip must be 0 (off) or > 1 + eps_high = {1 + cfg.eps_high:g}"
                           f" (got {cfg.dual_clip}): it caps ratios above the upper clip")

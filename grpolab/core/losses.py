@@ -1,7 +1,8 @@
 """The GRPO objective as pure tensor functions, each variant one entry in a registry.
 
 Shapes: per-token tensors are [B, T] over completion tokens, ``mask`` is 1 on real completion
-tokens (EOS included) and 0 on padding; ``advantages`` is [B], one value per answer.
+tokens (EOS included) and 0 on padding; ``advantages`` is [B], one value per answer (or
+[B, T], one per token, from a token-level estimator).
 
 Registries (name -> function); the config's allowed values, the CLI's choices and the
 workshop's presets are read from them, so a new variant is one function and one entry:
@@ -68,6 +69,12 @@ class PolicyTerms(NamedTuple):
     ratio: Tensor  # [B, T] per-token or [B, 1] per-sequence importance ratio (differentiable)
 
 
+def _per_token(advantages: Tensor) -> Tensor:
+    """[B] (one per answer, shared by its tokens) or [B, T] (token-level) -> broadcastable
+    against [B, T]."""
+    return advantages if advantages.dim() == 2 else advantages[:, None]
+
+
 def _ppo_clip(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float,
               dual_clip: float) -> tuple[Tensor, Tensor]:
     """-min(rA, clip(r)A); with ``dual_clip`` c > 1 the loss of a negative advantage is also
@@ -89,7 +96,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
                   **_: float) -> PolicyTerms:
     """GRPO/PPO: per-token ratio r_t = pi/pi_old, clipped to [1 - eps_low, 1 + eps_high]."""
     ratio = torch.exp(logp - old_logp)
-    loss, hit = _ppo_clip(ratio, advantages[:, None], eps_low, eps_high, dual_clip)
+    loss, hit = _ppo_clip(ratio, _per_token(advantages), eps_low, eps_high, dual_clip)
     return PolicyTerms(loss, hit, ratio)
 
 
@@ -102,7 +109,7 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
     m = mask.to(logp.dtype)
     log_s = ((logp - old_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_s)  # [B, 1]
-    loss, hit = _ppo_clip(ratio, advantages[:, None], eps_low, eps_high, dual_clip)
+    loss, hit = _ppo_clip(ratio, _per_token(advantages), eps_low, eps_high, dual_clip)
     return PolicyTerms(loss.expand_as(logp), hit.expand_as(logp), ratio)
 
 
@@ -112,7 +119,7 @@ def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     held constant (stop-gradient), so no token's gradient is ever clipped away, only weighted."""
     ratio = torch.exp(logp - old_logp)
     w = torch.clamp(ratio, max=cispo_max).detach()
-    return PolicyTerms(-w * advantages[:, None] * logp, ratio > cispo_max, ratio)
+    return PolicyTerms(-w * _per_token(advantages) * logp, ratio > cispo_max, ratio)
 
 
 POLICY_LOSSES: dict[str, Callable[..., PolicyTerms]] = {

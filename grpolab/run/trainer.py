@@ -231,8 +231,9 @@ class GRPOTrainer:
         self.rollouts.end_step(self.step_num, rec, ds)
         if self.metrics:
             self.metrics.write(rec)
-        self.last_samples = (sample_record(batch, self.cfg.group_size, self.cfg.log_samples, adv)
-                             if self.samples else [])
+        per_answer = update.answer_advantages(adv, batch.rollout.completion_mask)
+        self.last_samples = (sample_record(batch, self.cfg.group_size, self.cfg.log_samples,
+                                           per_answer) if self.samples else [])
         if self.samples:
             self.samples.write({"step": self.step_num, "groups": self.last_samples})
 

@@ -5,7 +5,8 @@ then the optimisation loop.
   (DAPO's overlong ones masked out), the rewards (minus beta x KL with ``kl_in: reward``) and,
   per micro-batch, the reference's and the old policy's log-probs, all before the first
   optimizer step.
-* ``advantages`` is each answer's advantage within its group (``grpolab.core.advantages``).
+* ``advantages`` is each answer's advantage within its group (``grpolab.core.advantages``), or
+  with a token-level ``estimator`` (REINFORCE++) each token's (``grpolab.core.returns``).
 * ``optimize`` runs ``epochs`` passes of micro-batches with ``grpo_loss``; each micro-batch on
   each rank gets its exact share of the global loss (the global reply and token counts), its
   gradients accumulate and are summed over ranks, so any split takes the one-pass step.
@@ -24,7 +25,8 @@ from torch import Tensor
 
 from grpolab.config import Config
 from grpolab.core import advantages as adv_mod
-from grpolab.core.losses import LossOut, grpo_loss, sequence_kl
+from grpolab.core.losses import KL_ESTIMATORS, LossOut, grpo_loss, sequence_kl
+from grpolab.core.returns import ESTIMATORS, token_rewards
 from grpolab.rollout.backend import Backend
 from grpolab.rollout.batch import Rollout, micro_batches
 from grpolab.run import dist, shard
@@ -71,6 +73,7 @@ class Scored:
     rows: int  # answers trained on, over every rank
     tokens: int  # their tokens, over every rank
     parts: list[Part] = field(default_factory=list)
+    token_penalty: Tensor | None = None  # [B, Tc] beta x per-token KL (token-level estimators)
 
 
 @dataclass
@@ -109,11 +112,15 @@ def score(cfg: Config, backend: Backend, batch: Batch) -> Scored:
                                  * (~ro.truncated)[:, None].to(ro.completion_mask.dtype))
     n_loc = len(batch.rows)
     t_loc = int(ro.completion_mask.sum()) if n_loc else 0
-    rewards, kl_pen = batch.rewards, None
+    rewards, kl_pen, tok_pen = batch.rewards, None, None
     if cfg.kl_in == "reward" and cfg.beta > 0 and n_loc:
-        rewards, kl_pen = kl_rewards(cfg, backend, ro, batch.rewards)
+        if cfg.estimator == "grpo":  # the answer's summed KL off its one reward
+            rewards, kl_pen = kl_rewards(cfg, backend, ro, batch.rewards)
+        else:  # each token's KL off that token's reward (REINFORCE++)
+            tok_pen = cfg.beta * token_kl(cfg, backend, ro)
+            kl_pen = (tok_pen * ro.completion_mask).sum(-1)
     n_all, t_all = (int(v) for v in dist.all_reduce_sum([n_loc, t_loc]))
-    scored = Scored(ro, rewards, kl_pen, n_all, t_all)
+    scored = Scored(ro, rewards, kl_pen, n_all, t_all, token_penalty=tok_pen)
     if not n_loc:
         return scored
     with torch.no_grad():
@@ -126,6 +133,20 @@ def score(cfg: Config, backend: Backend, batch: Batch) -> Scored:
             old_lp = backend.logprobs(part, cfg.temperature) if cfg.epochs > 1 else None
             scored.parts.append(Part(rows, part, ref_lp, old_lp))
     return scored
+
+
+@torch.no_grad()
+def token_kl(cfg: Config, backend: Backend, ro: Rollout) -> Tensor:
+    """The per-token KL estimate of the policy to the reference, [B, Tc] (0 on padding)."""
+    out = torch.zeros(ro.completion_ids.shape)
+    lo = 0
+    for part, _ in micro_batches(ro, torch.empty(len(ro.prompts)), cfg.micro_batch):
+        lp = backend.logprobs(part, cfg.temperature)
+        ref = backend.logprobs(part, cfg.temperature, reference=True)
+        n, w = lp.shape
+        out[lo:lo + n, :w] = KL_ESTIMATORS[cfg.kl_estimator](lp, ref) * part.completion_mask
+        lo += n
+    return out
 
 
 @torch.no_grad()
@@ -170,17 +191,40 @@ def advantages(cfg: Config, rewards: Tensor, per_fn: Tensor | None = None,
 
 
 def batch_advantages(cfg: Config, batch: Batch, scored: Scored, step: int) -> Tensor | None:
-    """The batch's advantages (None when this rank holds no answers), checked finite on every
-    rank together. Batch-level statistics (scale: batch, GDPO) are over every rank."""
+    """The batch's advantages, [B] (one per answer: GRPO) or [B, Tc] (token-level estimators);
+    None when this rank holds no answers; checked finite on every rank together. Batch-level
+    statistics (scale: batch, GDPO, whitening) are over every rank."""
     n_loc = len(batch.rows)
     reduce = dist.all_reduce_sum if dist.is_dist() else None
-    adv = (advantages(cfg, scored.rewards, batch.rewards_per_fn, reduce, batch.group_sizes)
-           if n_loc or reduce is not None else None)
+    if cfg.estimator != "grpo":
+        adv = token_advantages(cfg, batch, scored, reduce)
+    else:
+        adv = (advantages(cfg, scored.rewards, batch.rewards_per_fn, reduce, batch.group_sizes)
+               if n_loc or reduce is not None else None)
     adv = adv if n_loc else None
     bad = float(adv is not None and not bool(torch.isfinite(adv).all()))
     if dist.all_reduce_sum([bad])[0]:  # (score() lets no non-finite reward in; checked again)
         raise TrainingError(f"non-finite advantages at step {step + 1}")
     return adv
+
+
+def token_advantages(cfg: Config, batch: Batch, scored: Scored,
+                     reduce: Callable[[list[float]], list[float]] | None) -> Tensor:
+    """``cfg.estimator``'s token-level advantages (``grpolab.core.returns``) [B, Tc]."""
+    mask = scored.rollout.completion_mask
+    sizes = batch.group_sizes or [cfg.group_size] * (len(batch.rows) // cfg.group_size)
+    rewards = token_rewards(scored.rewards, mask, scored.token_penalty)
+    return ESTIMATORS[cfg.estimator](rewards, mask, adv_mod.group_ids_from_sizes(sizes),
+                                     gamma=cfg.gamma, reduce=reduce)
+
+
+def answer_advantages(adv: Tensor | None, mask: Tensor) -> Tensor | None:
+    """One advantage per answer, for reading a run: token-level ones averaged over the answer's
+    tokens."""
+    if adv is None or adv.dim() == 1:
+        return adv
+    m = mask.to(adv.dtype)
+    return (adv * m).sum(-1) / m.sum(-1).clamp(min=1)
 
 
 def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: list[Tensor],
@@ -211,7 +255,10 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
         for k, part in enumerate(parts):
             if sharded:  # FSDP reduces once, in the last micro-batch's backward
                 shard.set_sync(backend.model, k == len(parts) - 1)
-            res = _part_loss(cfg, backend, part, adv[part.rows], scored, with_entropy)
+            a = adv[part.rows]
+            if a.dim() == 2:  # token-level: the micro-batch is cut to its longest answer
+                a = a[:, : part.rollout.completion_ids.shape[1]]
+            res = _part_loss(cfg, backend, part, a, scored, with_entropy)
             finite = bool(torch.isfinite(res.loss))
             if finite or sharded:  # (fsdp: every rank takes part in the reduction)
                 res.loss.backward()

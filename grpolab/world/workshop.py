@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from grpolab.config import Config, ConfigError, coerce, resolve
-from grpolab.core import advantages, losses
+from grpolab.core import advantages, losses, returns
 from grpolab.rewards.builtin import exact_answer
 from grpolab.run.checkpoint import out_dir_lock
 from grpolab.run.plots import format_table, plot_sweep
@@ -54,6 +54,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "no_kl": {"beta": 0.0},  # TRL's default beta
     "entropy_bonus": {"entropy_coef": 0.01},
     "high_entropy": {"top_entropy_quantile": 0.2},  # the 80/20 paper's rho
+    # REINFORCE++ (verl's reinforce_plus_plus[_baseline]): per-token k1 KL in the reward
+    "reinforce_pp": {"estimator": "reinforce_pp", "kl_in": "reward", "kl_estimator": "k1"},
+    "reinforce_pp_baseline": {"estimator": "reinforce_pp_baseline", "kl_in": "reward",
+                              "kl_estimator": "k1"},
 }
 
 # Every entry of the maths registries is a preset too, named "<config key>=<entry>", so a new
@@ -65,6 +69,7 @@ REGISTRIES: dict[str, dict[str, Any]] = {
     "baseline": advantages.ADVANTAGE_BASELINES,
     "scale": advantages.ADVANTAGE_SCALES,
     "reward_aggregation": advantages.REWARD_AGGREGATIONS,
+    "estimator": returns.ESTIMATORS,
 }
 VARIANTS: dict[str, dict[str, Any]] = {
     **PRESETS,

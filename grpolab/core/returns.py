@@ -1,0 +1,87 @@
+"""Token-level advantage estimators: an answer's tokens get advantages of their own, from the
+rewards placed on its tokens (the outcome reward on its last token, a per-token KL penalty on
+every token when the KL is in the reward).
+
+``ESTIMATORS`` maps the config's ``estimator`` to a function
+``(token_rewards [B, T], mask [B, T], group_ids [B], gamma, reduce) -> advantages [B, T]``:
+
+* ``reinforce_pp`` (REINFORCE++, Hu et al. 2025): discounted returns, whitened over every
+  answer token of the batch;
+* ``reinforce_pp_baseline``: each answer's summed reward minus its group's mean (a group of one
+  keeps its reward), broadcast to its tokens, whitened over the batch's tokens.
+
+``grpo`` (the default) is not here: it is ``grpolab.core.advantages``, one value per answer.
+Whitening is verl's ``masked_whiten``: the mean and the unbiased variance over the mask, then
+(x - mean) / sqrt(var + 1e-8). ``reduce`` sums over ranks, so the statistics are the global
+batch's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+Reduce = Callable[[list[float]], list[float]]
+WHITEN_EPS = 1e-8
+
+
+def token_rewards(rewards: Tensor, mask: Tensor, token_penalty: Tensor | None = None) -> Tensor:
+    """[B, T]: each answer's reward [B] on its last real token, minus ``token_penalty`` [B, T]
+    (beta x per-token KL) on every real token."""
+    m = mask.to(torch.float32)
+    last = (m.cumsum(1) == m.sum(1, keepdim=True)) & (m > 0)  # the last real token of a row
+    out = torch.where(last, rewards.float()[:, None], 0.0)
+    if token_penalty is not None:
+        out = out - token_penalty.float() * m
+    return out * m
+
+
+def masked_whiten(x: Tensor, mask: Tensor, reduce: Reduce | None = None) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the masked entries (unbiased variance); with
+    ``reduce``, the mean and variance of every rank's entries together."""
+    m = mask.to(x.dtype)
+    n, s = m.sum(), (x * m).sum()
+    if reduce is not None:
+        n, s = (torch.tensor(v, dtype=x.dtype) for v in reduce([float(n), float(s)]))
+    mean = s / n
+    ss = ((x - mean) ** 2 * m).sum()
+    if reduce is not None:
+        ss = torch.tensor(reduce([float(ss)])[0], dtype=x.dtype)
+    var = ss / (n - 1) if n > 1 else ss * 0
+    return (x - mean) * torch.rsqrt(var + WHITEN_EPS)
+
+
+def reinforce_pp(token_rewards: Tensor, mask: Tensor, group_ids: Tensor | None = None,
+                 gamma: float = 1.0, reduce: Reduce | None = None) -> Tensor:
+    """REINFORCE++: return_t = r_t + gamma * return_{t+1} over an answer's real tokens, whitened
+    over the batch's tokens; 0 on padding. [B, T] -> [B, T]."""
+    m = mask.to(token_rewards.dtype)
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        new = token_rewards[:, t] + gamma * running
+        returns[:, t] = new * m[:, t]
+        running = new * m[:, t] + running * (1 - m[:, t])  # padding carries the return through
+    return masked_whiten(returns, m, reduce) * m
+
+
+def reinforce_pp_baseline(token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
+                          gamma: float = 1.0, reduce: Reduce | None = None) -> Tensor:
+    """REINFORCE++-baseline: each answer's summed reward minus its group's mean (a group of one:
+    minus 0), on every token, whitened over the batch's tokens; 0 on padding."""
+    m = mask.to(token_rewards.dtype)
+    score = token_rewards.sum(-1)
+    k = int(group_ids.max()) + 1 if group_ids.numel() else 0
+    sums = torch.zeros(k, dtype=score.dtype).index_add_(0, group_ids, score)
+    counts = torch.zeros(k, dtype=score.dtype).index_add_(0, group_ids, torch.ones_like(score))
+    mean = torch.where(counts > 1, sums / counts.clamp(min=1), 0.0)
+    centred = (score - mean[group_ids])[:, None] * m
+    return masked_whiten(centred, m, reduce) * m
+
+
+ESTIMATORS: dict[str, Callable[..., Tensor]] = {
+    "reinforce_pp": reinforce_pp,
+    "reinforce_pp_baseline": reinforce_pp_baseline,
+}
