@@ -107,7 +107,8 @@ def test_train_has_a_real_models_defaults() -> None:
     assert make_config(None, {"max_new_tokens": 32}, "train").max_new_tokens == 32
     assert make_config(None, {}, "eval").max_new_tokens == 256
     assert make_config(None, {}, "eval").out_dir == "runs/eval"
-    assert set(command_defaults("train")) == {"out_dir", "max_new_tokens", "lr", "eval_every"}
+    assert set(command_defaults("train")) == {"out_dir", "max_new_tokens", "lr", "eval_every",
+                                              "critic_lr"}
 
 
 def test_speed_options_from_yaml_flags_and_the_old_key(tmp_path: Path) -> None:

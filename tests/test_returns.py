@@ -186,3 +186,122 @@ def test_trainer_takes_the_token_level_step(tmp_path: Path, estimator: str) -> N
     group = tr.last_samples[0]
     assert len(group["advantages"]) == 4 and all(isinstance(a, float)
                                                  for a in group["advantages"])
+
+
+# ------------------------------------------------------------------------------- PPO
+
+
+def unwhitened_gae(r: list[float], v: list[float], m: list[int], gamma: float,
+                   lam: float) -> list[float]:
+    """GAE's advantages before whitening, as returns - values (one row)."""
+    from grpolab.core.returns import gae
+
+    rr, vv = torch.tensor([r]), torch.tensor([v])
+    _, ret = gae(rr, vv, torch.tensor([m]), gamma, lam)
+    return ((ret - vv) * torch.tensor([m])).flatten().tolist()
+
+
+def test_gae_by_hand() -> None:
+    r, v, m = [0.0, 0.0, 1.0], [0.5, 0.5, 0.5], [1, 1, 1]
+    assert unwhitened_gae(r, v, m, 1.0, 1.0) == pytest.approx([0.5, 0.5, 0.5])  # R - V
+    assert unwhitened_gae(r, v, m, 1.0, 0.0) == pytest.approx([0.0, 0.0, 0.5])  # one-step TD
+    assert unwhitened_gae(r, v, m, 0.0, 1.0) == pytest.approx([-0.5, -0.5, 0.5])  # r_t - V_t
+    assert unwhitened_gae(r, v, m, 0.5, 0.5) == pytest.approx(
+        [0.25 * -0.25 + 0.0625 * 0.5 - 0.25, 0.25 * 0.5 - 0.25, 0.5])
+    # padding after the end changes nothing; a one-token answer is r - V
+    assert unwhitened_gae([0.0, 1.0, 0.0], [0.5, 0.5, 9.0], [1, 1, 0], 1.0, 1.0) == \
+        pytest.approx([0.5, 0.5, 0.0])
+    assert unwhitened_gae([1.0, 0.0, 0.0], [0.3, 9.0, 9.0], [1, 0, 0], 1.0, 0.95) == \
+        pytest.approx([0.7, 0.0, 0.0])
+
+
+def test_value_loss_clips_around_the_old_value() -> None:
+    from grpolab.core.returns import value_loss
+
+    old, ret, m = torch.tensor([[0.0, 0.0]]), torch.tensor([[1.0, 1.0]]), torch.ones(1, 2)
+    v = torch.tensor([[2.0, 0.4]], requires_grad=True)
+    loss, hit = value_loss(v, old, ret, m, 0.5, tokens=2)
+    # token 0: (2-1)^2 = 1 vs clipped (0.5-1)^2 = 0.25 -> 1; token 1: 0.36 vs (0.4-1)^2 -> 0.36
+    assert float(loss.detach()) == pytest.approx(0.5 * (1 + 0.36) / 2) and hit == 0.0
+    v2 = torch.tensor([[-1.0, 0.0]], requires_grad=True)  # moving away past the clip
+    loss2, hit2 = value_loss(v2, old, ret, m, 0.5, tokens=2)
+    # token 0: (-1-1)^2 = 4 vs clipped (-0.5-1)^2 = 2.25 -> 4 (the unclipped term decides)
+    assert float(loss2.detach()) == pytest.approx(0.5 * (4 + 1) / 2) and hit2 == 0.0
+    v3 = torch.tensor([[3.0, 1.0]], requires_grad=True)
+    loss3, hit3 = value_loss(v3, torch.tensor([[2.0, 1.0]]), ret, m, 0.5, tokens=2)
+    assert hit3 == 0.0
+    # token 0: (3-1)^2 = 4 vs clipped (2.5-1)^2 = 2.25 -> 4; nothing clipped decides
+    loss3.backward()
+    assert v3.grad.flatten().tolist() == pytest.approx([0.5 * 2 * 2 / 2, 0.0])
+    v4 = torch.tensor([[1.2, 1.0]], requires_grad=True)  # old 0 +- 0.5: both clipped to 0.5
+    loss4, hit4 = value_loss(v4, old, ret, m, 0.5, tokens=2)
+    # (0.5 - 1)^2 = 0.25 beats 0.04 and 0: the clipped term decides at both tokens
+    assert float(loss4.detach()) == pytest.approx(0.5 * (0.25 + 0.25) / 2) and hit4 == 1.0
+    loss4.backward()
+    assert not v4.grad.any()  # the clipped term has no gradient into v
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.0), (0.0, 1.0)])
+def test_gae_and_value_loss_equal_verl(gamma: float, lam: float) -> None:
+    from grpolab.core.returns import gae, value_loss
+
+    verl = verl_functions("compute_gae_advantage_return", "compute_value_loss", "agg_loss")
+    verl["verl_F"].clip_by_value = lambda x, lo, hi: torch.max(torch.min(x, hi), lo)
+    rewards, mask, pen, _ = batch(3, b=9)
+    tr = token_rewards(rewards, mask, pen)
+    values = torch.randn(mask.shape, generator=torch.Generator().manual_seed(4)) * mask
+    adv, ret = gae(tr, values, mask, gamma, lam)
+    want_adv, want_ret = verl["compute_gae_advantage_return"](tr, values, mask.float(), gamma, lam)
+    torch.testing.assert_close(adv * mask, want_adv * mask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret * mask, want_ret * mask, atol=1e-5, rtol=1e-5)
+    v = values + 0.8 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(5))
+    ours, frac = value_loss(v, values, ret, mask, 0.5, tokens=int(mask.sum()))
+    theirs, their_frac = verl["compute_value_loss"](v, ret, values, mask.float(), 0.5,
+                                                    loss_agg_mode="token-mean")
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-5)
+    assert frac == pytest.approx(float(their_frac), rel=1e-5)
+
+
+def ppo_trainer(out: Path, **over: Any) -> Any:
+    from grpolab.config import Config, resolve
+    from grpolab.run.trainer import GRPOTrainer
+    from grpolab.world.backend import TinyBackend
+    from grpolab.world.model import TinyConfig, TinyGPT
+    from grpolab.world.task import make_splits
+
+    torch.manual_seed(0)
+    kw = {"budget": 16, "group_size": 1, "progress": False, "out_dir": str(out),
+          "estimator": "ppo", "kl_in": "reward", "kl_estimator": "k1", "beta": 0.1, "lr": 1e-2,
+          "critic_lr": 1e-2, "checkpoint_every": 2, "steps": 4, "log_samples": 0, **over}
+    cfg = resolve(Config(**kw))
+    backend = TinyBackend(TinyGPT(TinyConfig(d_model=32, n_layers=2)), lora=True)
+    return GRPOTrainer(cfg, backend, make_splits(0, 64, 8).train, [first_digit_odd],
+                       out_dir=out)
+
+
+def test_ppo_trains_the_critic_and_resumes_bitwise(tmp_path: Path) -> None:
+    """One answer per prompt: the value model learns (its loss and explained variance are
+    reported), its warm-up leaves the policy alone, and a resumed run continues bitwise,
+    value model and its optimizer included."""
+    one = ppo_trainer(tmp_path / "one", critic_warmup=1)
+    before = [p.detach().clone() for p in one.params]
+    critic0 = [p.detach().clone() for p in one.critic.params]
+    rec = one.step()  # warm-up: only the critic moves
+    assert all(torch.equal(a, b) for a, b in zip(before, one.params))
+    assert not all(torch.equal(a, b) for a, b in zip(critic0, one.critic.params))
+    assert rec["value_loss"] > 0 and math.isfinite(rec["explained_variance"])
+    assert rec["no_signal"] is None  # groups of one: no dead-group alarm
+    whole = ppo_trainer(tmp_path / "whole", critic_warmup=1)
+    rows = whole.train()[1:]
+    assert rows[0]["loss"] == 0.0 and rows[1]["loss"] != 0.0  # the policy trains after it
+    first = ppo_trainer(tmp_path / "cut", critic_warmup=1, steps=2)
+    first.train()
+    second = ppo_trainer(tmp_path / "cut", critic_warmup=1)
+    resumed = second.train(resume=True)  # (no step-0 line on a resume)
+    assert len(resumed) == 2
+    for key in ("loss", "value_loss", "explained_variance", "reward_mean"):
+        assert [r[key] for r in resumed] == [r[key] for r in rows[2:]], key
+    for a, b in zip(second.critic.params, whole.critic.params):
+        assert torch.equal(a, b)
+    for a, b in zip(second.params, whole.params):
+        assert torch.equal(a, b)

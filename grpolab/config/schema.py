@@ -40,7 +40,7 @@ StdKind = Literal[tuple(STD_KINDS)]  # type: ignore[valid-type]
 RewardAggregation = Literal[tuple(REWARD_AGGREGATIONS)]  # type: ignore[valid-type]
 AllocationObjective = Literal[tuple(ALLOCATION_OBJECTIVES)]  # type: ignore[valid-type]
 PassRatePrior = Literal[tuple(PASS_RATE_PRIORS)]  # type: ignore[valid-type]
-Estimator = Literal[("grpo", *ESTIMATORS)]  # type: ignore[valid-type]
+Estimator = Literal[("grpo", *ESTIMATORS, "ppo")]  # type: ignore[valid-type]
 
 COMMANDS = ("workshop", "train", "eval")
 # Which commands offer a field as a flag.
@@ -154,8 +154,14 @@ class Config:
     estimator: Estimator = opt(
         "grpo", RUN,
         "grpo: one advantage per answer (baseline, scale below); reinforce_pp, "
-        "reinforce_pp_baseline: REINFORCE++'s token-level returns, whitened over the batch")
+        "reinforce_pp_baseline: REINFORCE++'s token-level returns, whitened over the batch; "
+        "ppo: GAE on a value model's estimates")
     gamma: float = opt(1.0, RUN, "discount of the token-level estimators' returns")
+    lam: float = opt(1.0, RUN, "ppo: GAE's lambda (1: returns minus values; 0: one-step TD)")
+    critic_lr: float = opt(1e-3, RUN, "ppo: the value model's Adam learning rate", train=1e-5)
+    critic_warmup: int = opt(0, RUN, "ppo: steps that train only the value model")
+    value_clip: float = opt(0.5, RUN, "ppo: a value may move this far from its old estimate "
+                            "in the loss (verl cliprange_value)")
     baseline: Baseline = opt(
         "mean", RUN,
         "mean: r - group mean (GRPO); rloo: r - mean of the others")

@@ -36,6 +36,11 @@ def _validate_objective(cfg: Config) -> None:
     """Combinations of the objective's settings that mean nothing, named in one line."""
     if not 0.0 <= cfg.gamma <= 1.0:
         raise ConfigError(f"gamma must be in [0, 1] (got {cfg.gamma})")
+    if cfg.estimator == "ppo" and (cfg.shard == "fsdp" or cfg.critic_warmup < 0
+                                   or not cfg.critic_lr > 0 or not cfg.value_clip > 0
+                                   or not 0.0 <= cfg.lam <= 1.0):
+        raise ConfigError("estimator ppo needs critic_lr > 0, value_clip > 0, critic_warmup >= "
+                          "0 and lam in [0, 1], and runs without shard fsdp")
     if cfg.estimator != "grpo" and cfg.reward_aggregation != "sum_then_normalize":
         raise ConfigError(f"estimator {cfg.estimator} whitens the summed reward over the batch: "
                           "it takes reward_aggregation sum_then_normalize")
@@ -56,7 +61,7 @@ def _validate_objective(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     """Every setting in the range where it means something, with a one-line ConfigError."""
-    if cfg.group_size < 2:
+    if cfg.group_size < (1 if cfg.estimator == "ppo" else 2):
         raise ConfigError(f"group_size must be >= 2 (got {cfg.group_size})")
     if cfg.budget % cfg.group_size:
         raise ConfigError(

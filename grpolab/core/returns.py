@@ -10,7 +10,9 @@ every token when the KL is in the reward).
 * ``reinforce_pp_baseline``: each answer's summed reward minus its group's mean (a group of one
   keeps its reward), broadcast to its tokens, whitened over the batch's tokens.
 
-``grpo`` (the default) is not here: it is ``grpolab.core.advantages``, one value per answer.
+``ppo`` needs the critic's values as well: ``gae`` gives its advantages and returns, and
+``value_loss`` trains the critic. ``grpo`` (the default) is not here: it is
+``grpolab.core.advantages``, one value per answer.
 Whitening is verl's ``masked_whiten``: the mean and the unbiased variance over the mask, then
 (x - mean) / sqrt(var + 1e-8). ``reduce`` sums over ranks, so the statistics are the global
 batch's.
@@ -85,3 +87,47 @@ ESTIMATORS: dict[str, Callable[..., Tensor]] = {
     "reinforce_pp": reinforce_pp,
     "reinforce_pp_baseline": reinforce_pp_baseline,
 }
+
+
+# ----------------------------------------------------------------------------- PPO
+
+
+def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0,
+        lam: float = 1.0, reduce: Reduce | None = None) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over each answer's real tokens: [B, T] rewards and the
+    critic's values -> (advantages whitened over the batch's tokens, returns = advantages before
+    whitening + values). Padding carries the next real token's value and estimate through."""
+    m = mask.to(token_rewards.dtype)
+    next_value = torch.zeros_like(token_rewards[:, 0])
+    last = torch.zeros_like(token_rewards[:, 0])
+    adv = torch.zeros_like(token_rewards)
+    for t in reversed(range(token_rewards.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        new = delta + gamma * lam * last
+        next_value = values[:, t] * m[:, t] + (1 - m[:, t]) * next_value
+        last = new * m[:, t] + (1 - m[:, t]) * last
+        adv[:, t] = last
+    returns = adv + values
+    return masked_whiten(adv, m, reduce), returns
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               clip: float, tokens: int) -> tuple[Tensor, float]:
+    """PPO's clipped value loss, 0.5 x max((v - R)^2, (clip(v, v_old +- clip) - R)^2) summed over
+    this part's real tokens and divided by ``tokens``, the global batch's count (so micro-batches
+    and ranks add up to the token mean); and the share of tokens the clipped term decided."""
+    m = mask.to(values.dtype)
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    worst = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    hit = ((clipped - returns) ** 2 > (values - returns) ** 2).to(values.dtype)
+    n = m.sum().clamp(min=1)
+    return 0.5 * (worst * m).sum() / tokens, float((hit * m).sum() / n)
+
+
+def explained_variance(returns: Tensor, values: Tensor, mask: Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the real tokens: how much of the returns'
+    spread the critic accounts for (1 perfect, 0 no better than their mean, below 0 worse)."""
+    m = mask.bool()
+    r, v = returns[m].double(), values[m].double()
+    var = r.var(unbiased=False) if r.numel() > 1 else r.new_zeros(())
+    return float("nan") if var == 0 else float(1 - (r - v).var(unbiased=False) / var)

@@ -326,9 +326,10 @@ class HFBackend(LMBackend):
         return self._lean
 
     def forward_of(self, model: nn.Module, length: int) -> Any:
-        """fastlm for the policy or the reference copy when it can run them, else the HF
-        forward (with LoRA the reference is the policy with adapters off, as fastlm is)."""
-        fast = self._fast_ref if model is self.ref else self._fast
+        """fastlm for the policy or the reference copy when it can run them, else (and for any
+        other model, such as PPO's critic) the HF forward (with LoRA the reference is the policy
+        with adapters off, as fastlm is)."""
+        fast = {id(self.model): self._fast, id(self.ref): self._fast_ref}.get(id(model))
         if fast is not None and fast.fits(length):  # (built only when self._lean)
             return fast
         return HFForward(self, model)

@@ -273,7 +273,8 @@ class Collector:
     def end_step(self, step: int, rec: dict[str, Any], ds: adv_mod.DeadStats) -> None:
         """After the step's record: the loud no-signal alarm (``rec["no_signal"]``), then the
         posteriors' evidence fades."""
-        rec["no_signal"] = self.alarm.check(step, ds.groups, ds.dead, ds.all_right,
-                                            ds.all_wrong, rec["sampled_truncated_share"],
-                                            self.cfg.max_new_tokens, warn=dist.is_main())
+        # (PPO's advantages come from its critic, not from groups: equal rewards are no alarm)
+        rec["no_signal"] = (None if self.cfg.estimator == "ppo" else self.alarm.check(
+            step, ds.groups, ds.dead, ds.all_right, ds.all_wrong,
+            rec["sampled_truncated_share"], self.cfg.max_new_tokens, warn=dist.is_main()))
         self.tracker.end_step()

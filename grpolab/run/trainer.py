@@ -35,6 +35,7 @@ from grpolab.core import advantages as adv_mod
 from grpolab.predict.curriculum import PromptSampler
 from grpolab.rewards.scorer import Scorer, make_scorer, score_answers
 from grpolab.rollout.backend import Backend
+from grpolab.rollout.critic import Critic
 from grpolab.run import checkpoint, dist, shard, update
 from grpolab.run.checkpoint import CheckpointError
 from grpolab.run.collect import Batch, Collector
@@ -104,6 +105,8 @@ class GRPOTrainer:
         self.sharded = shard.is_sharded(backend.model)
         self.params = [p for p in backend.model.parameters() if p.requires_grad]
         self.opt = torch.optim.Adam(self.params, lr=cfg.lr)
+        # PPO's value model: a copy of the policy as it starts, with a value head
+        self.critic = Critic(backend.model, cfg.critic_lr) if cfg.estimator == "ppo" else None
         self.step_num = 0
         self.metrics: MetricsWriter | None = None
         self.samples: MetricsWriter | None = None  # samples.jsonl (cfg.log_samples groups a step)
@@ -205,7 +208,7 @@ class GRPOTrainer:
     def score(self, batch: Batch) -> update.Scored:
         """The scoring pass (``grpolab.run.update.score``)."""
         with self._intact():
-            return update.score(self.cfg, self.backend, batch)
+            return update.score(self.cfg, self.backend, batch, self.critic)
 
     def advantages(self, batch: Batch, scored: update.Scored) -> Tensor | None:
         """Each answer's advantage within its group (None when this rank has no answers)."""
@@ -216,7 +219,7 @@ class GRPOTrainer:
         """``epochs`` passes of micro-batches over the scored batch; the update's metrics."""
         with self._intact():
             return update.optimize(self.cfg, self.backend, self.opt, self.params, scored, adv,
-                                   self.step_num, self.sharded)
+                                   self.step_num, self.sharded, self.critic)
 
     def update(self, batch: Batch) -> dict[str, float]:
         """``step`` without the sampling and the measuring: score, advantages, optimize."""
@@ -342,6 +345,7 @@ class GRPOTrainer:
             "rank_rng": rank_rng,  # each rank samples from its own stream
             "run_id": self.run_id,  # the run whose metrics.jsonl goes with this state
             "watch": self.watch.state_dict(),  # the reward-hacking watch's history
+            **({"critic": self.critic.state_dict()} if self.critic else {}),  # PPO's value model
         }
 
     def load_state_dict(self, st: dict[str, Any], path: Path | None = None) -> None:
@@ -387,6 +391,11 @@ class GRPOTrainer:
         torch.set_rng_state(torch_rng)
         self.step_num = int(st["step"])
         self.watch.load_state_dict(st.get("watch") or {})
+        if self.critic is not None:
+            if "critic" not in st:
+                raise CheckpointError(f"checkpoint {path or 'given'} has no value model: it was "
+                                      "not written by an estimator ppo run")
+            self.critic.load_state_dict(st["critic"])
         self.run_id = st.get("run_id") or checkpoint.new_run_id()  # (older files had none)
 
     def _check_same_data(self, st: dict[str, Any], saved: dict[str, Any], now: dict[str, Any],

@@ -26,9 +26,16 @@ from torch import Tensor
 from grpolab.config import Config
 from grpolab.core import advantages as adv_mod
 from grpolab.core.losses import KL_ESTIMATORS, LossOut, grpo_loss, sequence_kl
-from grpolab.core.returns import ESTIMATORS, token_rewards
+from grpolab.core.returns import (
+    ESTIMATORS,
+    explained_variance,
+    gae,
+    token_rewards,
+    value_loss,
+)
 from grpolab.rollout.backend import Backend
 from grpolab.rollout.batch import Rollout, micro_batches
+from grpolab.rollout.critic import Critic
 from grpolab.run import dist, shard
 from grpolab.run.collect import Batch
 
@@ -74,6 +81,8 @@ class Scored:
     tokens: int  # their tokens, over every rank
     parts: list[Part] = field(default_factory=list)
     token_penalty: Tensor | None = None  # [B, Tc] beta x per-token KL (token-level estimators)
+    old_values: Tensor | None = None  # [B, Tc] ppo: the critic's values before the update
+    returns: Tensor | None = None  # [B, Tc] ppo: what the critic learns (GAE + old values)
 
 
 @dataclass
@@ -101,9 +110,10 @@ class UpdateStats:
         return UpdateStats(*dist.all_reduce_sum(list(dataclasses.astuple(self))))
 
 
-def score(cfg: Config, backend: Backend, batch: Batch) -> Scored:
+def score(cfg: Config, backend: Backend, batch: Batch, critic: Critic | None = None) -> Scored:
     """The scoring pass: every frozen number the loss needs, before the first optimizer step
-    (so the old policy is the one that sampled). Collective under torchrun (the counts)."""
+    (so the old policy is the one that sampled; with ``critic``, PPO's old values). Collective
+    under torchrun (the counts)."""
     ro = batch.rollout
     if cfg.mask_truncated and ro.truncated is not None and bool(ro.truncated.any()):
         # DAPO's overlong filtering: a cut-off answer is no evidence either way. Its reward
@@ -132,6 +142,8 @@ def score(cfg: Config, backend: Backend, batch: Batch) -> Scored:
                       if cfg.beta > 0 and cfg.kl_in == "loss" else None)
             old_lp = backend.logprobs(part, cfg.temperature) if cfg.epochs > 1 else None
             scored.parts.append(Part(rows, part, ref_lp, old_lp))
+        if critic is not None:
+            scored.old_values = critic.values(backend, ro)
     return scored
 
 
@@ -214,6 +226,9 @@ def token_advantages(cfg: Config, batch: Batch, scored: Scored,
     mask = scored.rollout.completion_mask
     sizes = batch.group_sizes or [cfg.group_size] * (len(batch.rows) // cfg.group_size)
     rewards = token_rewards(scored.rewards, mask, scored.token_penalty)
+    if cfg.estimator == "ppo":  # (the returns are what the critic then learns)
+        adv, scored.returns = gae(rewards, scored.old_values, mask, cfg.gamma, cfg.lam, reduce)
+        return adv * mask
     return ESTIMATORS[cfg.estimator](rewards, mask, adv_mod.group_ids_from_sizes(sizes),
                                      gamma=cfg.gamma, reduce=reduce)
 
@@ -228,9 +243,11 @@ def answer_advantages(adv: Tensor | None, mask: Tensor) -> Tensor | None:
 
 
 def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: list[Tensor],
-             scored: Scored, adv: Tensor | None, step: int, sharded: bool = False
-             ) -> dict[str, float]:
-    """``epochs`` optimisation passes over the scored batch; the update's metrics."""
+             scored: Scored, adv: Tensor | None, step: int, sharded: bool = False,
+             critic: Critic | None = None) -> dict[str, float]:
+    """``epochs`` optimisation passes over the scored batch (with ``critic``, each followed by
+    one of the value model; the policy's skipped in the first ``critic_warmup`` steps); the
+    update's metrics."""
     lr = cfg.lr * lr_factor(step, cfg.steps, cfg.lr_schedule, cfg.warmup_steps)
     if not scored.rows:
         return {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
@@ -240,13 +257,27 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
         pen = scored.kl_penalty
         pen_sum = dist.all_reduce_sum([float(pen.sum()) if pen is not None else 0.0])
         extra["kl_reward"] = pen_sum[0] / scored.rows
+    if adv is not None and adv.dim() == 2:  # answers the estimator gives nothing to learn
+        m = scored.rollout.completion_mask.bool()
+        flat = (adv.abs() * m).amax(-1) <= 1e-6
+        extra["zero_advantage_share"] = float(flat.float().mean())
+    if critic is not None:
+        extra["explained_variance"] = explained_variance(scored.returns, scored.old_values,
+                                                         scored.rollout.completion_mask)
     for group in opt.param_groups:
         group["lr"] = lr
     with_entropy = hasattr(backend, "logprobs_and_entropy")
+    train_policy = critic is None or step >= cfg.critic_warmup
     parts = scored.parts
     backend.model.train()
     out: dict[str, float] = {}
     for _ in range(cfg.epochs):
+        if critic is not None:
+            extra.update(critic_pass(cfg, backend, critic, scored))
+        if not train_policy:
+            out = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
+                   "grad_norm": 0.0, "lr": lr, **extra}
+            continue
         opt.zero_grad(set_to_none=True)
         stats = UpdateStats()
         if sharded and dist.all_reduce_sum([float(not parts)])[0]:
@@ -282,6 +313,30 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
             out["entropy_token_share"] = stats.entropy_share
     backend.model.eval()
     return out
+
+
+def critic_pass(cfg: Config, backend: Backend, critic: Critic, scored: Scored
+                ) -> dict[str, float]:
+    """One pass of the value model over the scored batch's micro-batches: the clipped value
+    loss against the returns, its token mean over the global batch, one Adam step."""
+    critic.opt.zero_grad(set_to_none=True)
+    total, clip_hits = 0.0, 0.0
+    for part in scored.parts:
+        w = part.rollout.completion_ids.shape[1]
+        v = critic.values(backend, part.rollout)
+        loss, hit = value_loss(v, scored.old_values[part.rows, :w], scored.returns[part.rows, :w],
+                               part.rollout.completion_mask, cfg.value_clip, scored.tokens)
+        loss.backward()
+        total += float(loss.detach())
+        clip_hits += hit * float(part.rollout.completion_mask.sum())
+    total, clip_hits = dist.all_reduce_sum([total, clip_hits])
+    dist.sum_grads(critic.params)
+    gn = float(torch.nn.utils.clip_grad_norm_(critic.params, cfg.grad_clip))
+    if not math.isfinite(total) or not math.isfinite(gn):
+        raise TrainingError(f"non-finite value loss ({total}) or its gradient norm ({gn})")
+    critic.opt.step()
+    return {"value_loss": total, "value_clip_frac": clip_hits / max(scored.tokens, 1),
+            "critic_grad_norm": gn}
 
 
 def _part_loss(cfg: Config, backend: Backend, part: Part, adv: Tensor, scored: Scored,

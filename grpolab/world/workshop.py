@@ -58,6 +58,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "reinforce_pp": {"estimator": "reinforce_pp", "kl_in": "reward", "kl_estimator": "k1"},
     "reinforce_pp_baseline": {"estimator": "reinforce_pp_baseline", "kl_in": "reward",
                               "kl_estimator": "k1"},
+    # PPO with a value model and GAE (verl's gae estimator), the KL in the reward
+    "ppo": {"estimator": "ppo", "kl_in": "reward", "kl_estimator": "k1"},
 }
 
 # Every entry of the maths registries is a preset too, named "<config key>=<entry>", so a new
