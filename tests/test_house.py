@@ -156,7 +156,7 @@ def test_readme_layout_names_every_module_that_exists() -> None:
     text = (PKG.parent / "README.md").read_text()
     table = text[text.index("## Where is X"):]
     named = set()
-    for cell in re.findall(r"\| ([^|]*`grpolab/[^|]*)\|\s*$", table, re.M):
+    for cell in re.findall(r"\| ([^|]*`grpolab/[^|]*)\|\s*$", table, re.MULTILINE):
         folder = ""
         for path in re.findall(r"`([\w/]+\.py)`", cell):
             if "/" in path:
