@@ -1,33 +1,36 @@
 """The ``code`` verifier: run a completion's code against a question's tests, in a sandbox.
 
 A coding question carries its tests (a ``tests`` column: a list of snippets such as
-``"assert add(2, 3) == 5"``); the reward is the share of them that pass. The completion's code
-(its last fenced code block, or the whole text) runs in a fresh Python process (``-I -S``: the
-standard library only) that, before it runs anything of the answer's:
+``"assert add(2, 3) == 5"``); the reward is the share of them that pass. The verdict is
+reached here, never in the answer's process: each test is parsed into the expressions the
+answer must compute (``add(2, 3)``) and the checks on them (``== 5``, ``abs(_ - 2.5) < 1e-6``,
+``math.isclose``, ``in``, ``not``, ...); the sandbox runs the answer, evaluates only those
+expressions and sends back their values as plain JSON (numbers, strings, bools, None, lists,
+dicts, tuples, sets, bytes; anything else, a subclass included, fails); the checks run here on
+values decoded here, against expected values computed here from literals. The sandbox never
+sees an expected value, so no ``__eq__``, patched builtin or tampered harness can turn a wrong
+value into a pass. A test whose expected side is not a literal, or that has a loop, a ``def``
+or no ``assert``, cannot be judged this way and counts as not passed (see ``Verdict.note``).
 
-* on Linux drops into a new network namespace (as root, or in a new user namespace where the
-  kernel allows it): no network at all;
-* as root, switches to the ``nobody`` user, so the OS keeps it out of root's files and the
-  process limit below applies;
-* sets resource limits: CPU seconds, address space (memory), file size, open files, no core
-  dumps, no new processes;
-* installs a Python audit hook that refuses writes outside its scratch directory, reads
-  outside that directory and the standard library, sockets, new processes, signals to other
-  processes, ``ctypes`` and the garbage collector's object lists;
-
-and runs in its own session in a scratch directory that is deleted afterwards, with a minimal
-environment (no secrets of the trainer's), under a wall-clock timeout after which its whole
-process group is killed. Results come back over a private pipe, each line tagged with a random
-nonce, so printing or exit codes cannot fake a pass; code that deliberately tampers with the
-harness from inside its own process is reward hacking this does not prevent (see the
-reward-hacking watch). Without namespaces or root, the network and filesystem limits rest on
-the audit hook alone, which native code could bypass; ``ctypes`` is refused for that reason.
+The answer (its last fenced code block, or the whole text) runs in a fresh ``python -I -S``
+(grpolab/rewards/sandbox_child.py) in new mount, network and IPC namespaces (as root, or in a
+user namespace where the kernel allows): a read-only root with only the system libraries, the
+standard library, /dev/null, /dev/urandom and its own /proc, plus the scratch folder, a tmpfs of
+``disk_mb``. As root it becomes ``nobody``; resource limits (CPU, memory, file size, open files,
+no core dumps, no new processes) and an audit hook (paths resolved, no ``..``, links, directory
+descriptors, sockets, processes, signals to others, ``ctypes`` or frames) follow; a minimal
+environment, a wall-clock kill of its process group, death with its parent. Without a mount
+namespace the audit hook is the filesystem boundary (``Verdict.boundary``) and the quota is a
+cap on files created, each smaller. Scratch folders are named after the trainer's pid; those
+of dead processes (killed runs) are removed at the next start.
 """
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import json
+import math
 import os
 import re
 import secrets
@@ -36,13 +39,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 MAX_CODE_CHARS = 100_000
 MAX_TESTS = 1_000
 NOBODY = 65534  # uid and gid of `nobody` on Linux
+SCRATCH_PREFIX = "grpolab-sandbox-"  # then "<pid>-": a dead pid's folder is a killed run's
+RUNNER = (Path(__file__).with_name("sandbox_child.py")).read_text()
+USE_MOUNT_NAMESPACE = True  # False: the audit hook alone (tests check that fallback with it)
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,7 @@ class Limits:
     file_mb: int = 16  # largest file it may write (in its scratch directory)
     open_files: int = 64
     python_guard: bool = True  # the audit hook; off only to test the OS layers on their own
+    disk_mb: int = 64  # all of its scratch folder together
 
 
 @dataclass
@@ -60,6 +69,7 @@ class Verdict:
     passed: int
     total: int
     note: str = ""  # why it stopped early: "timed out", "the code failed to run", ...
+    boundary: str = ""  # the filesystem boundary that held: "mount" (namespace) or the hook's
 
     @property
     def share(self) -> float:
@@ -93,161 +103,199 @@ def parse_tests(value: Any) -> list[str]:
     return []
 
 
-# The program the sandboxed interpreter runs. It reads its job from stdin, fences itself in,
-# then runs the answer and one test at a time, writing "<nonce> <test> <1|0>" lines. Everything
-# it relies on after the answer has run is held in local variables captured beforehand: the
-# answer shares the interpreter and could replace module attributes (os.getcwd, builtins.exec).
-RUNNER = r"""
-import json, os, sys
-def _main(job):
-    import builtins, posix, resource
-    for name in ("math", "cmath", "random", "re", "string", "collections", "collections.abc",
-                 "itertools", "functools", "operator", "heapq", "bisect", "array", "copy",
-                 "statistics", "fractions", "decimal", "numbers", "typing", "dataclasses",
-                 "enum", "datetime", "_strptime", "time", "textwrap", "unicodedata", "hashlib",
-                 "struct", "io", "abc", "contextlib", "types", "weakref", "keyword", "base64",
-                 "binascii", "zlib", "calendar", "difflib", "pprint", "queue", "threading",
-                 "traceback", "secrets", "inspect", "ast", "tokenize", "pathlib", "json"):
-        try:  # as `nobody`, the standard library may not be readable any more
-            __import__(name)
-        except Exception:
-            pass
-    import pathlib
-    nonce, code, tests, lim = job["nonce"], job["code"], job["tests"], job["limits"]
-    write = os.fdopen(job["fd"], "w", buffering=1).write
-    scratch = job["scratch"]
-    if sys.platform.startswith("linux"):  # a network namespace of its own: no network at all
-        try:
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            if posix.geteuid() == 0:
-                libc.unshare(0x40000000)
-            elif libc.unshare(0x10000000 | 0x40000000) == 0:  # user + network namespace
-                uid, gid = posix.getuid(), posix.getgid()
-                for path, text in (("/proc/self/setgroups", "deny"),
-                                   ("/proc/self/uid_map", f"{uid} {uid} 1"),
-                                   ("/proc/self/gid_map", f"{gid} {gid} 1")):
-                    try:
-                        with open(path, "w") as f:
-                            f.write(text)
-                    except OSError:
-                        pass
-            del libc, ctypes
-        except Exception:
-            pass
-        for m in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
-            del sys.modules[m]
-    if posix.geteuid() == 0:
-        posix.setgroups([]); posix.setgid(job["nobody"]); posix.setuid(job["nobody"])
-    posix.chdir(scratch)
-    for what, soft, hard in ((resource.RLIMIT_CPU, lim["cpu_seconds"], lim["cpu_seconds"] + 1),
-                             (resource.RLIMIT_AS, lim["memory_mb"] << 20, lim["memory_mb"] << 20),
-                             (resource.RLIMIT_FSIZE, lim["file_mb"] << 20, lim["file_mb"] << 20),
-                             (resource.RLIMIT_NOFILE, lim["open_files"], lim["open_files"]),
-                             (resource.RLIMIT_CORE, 0, 0),
-                             (getattr(resource, "RLIMIT_NPROC", None), 0, 0)):
-        if what is not None:
-            try:
-                resource.setrlimit(what, (soft, hard))
-            except (ValueError, OSError):
-                pass
-    getcwd, stat, isinstance_, type_, str_, bytes_ = posix.getcwd, posix.stat, isinstance, type, str, bytes
-    plain_paths = (str, bytes, pathlib.PosixPath, pathlib.PurePosixPath)
-    S_IFDIR, S_IFMT = 0o040000, 0o170000
-    def norm(path):
-        if type_(path) not in plain_paths:
-            raise PermissionError("sandbox: only str, bytes and pathlib paths")
-        if isinstance_(path, pathlib.PurePath):
-            path = str_(path)
-        if isinstance_(path, bytes_):
-            path = path.decode("utf-8", "surrogateescape")
-        if not path.startswith("/"):
-            path = getcwd() + "/" + path
-        parts = []
-        for part in path.split("/"):
-            if part == "..":
-                if parts:
-                    parts.pop()
-            elif part and part != ".":
-                parts.append(part)
-        return "/" + "/".join(parts)
-    def under(p, roots):
-        return any(p == r or p.startswith(r + "/") for r in roots)
-    home = norm(os.path.realpath(scratch))
-    reads = (home, norm(os.path.realpath(os.path.dirname(os.__file__))), "/dev/null",
-             "/dev/urandom", "/dev/random")
-    denied = ("socket.", "ctypes.", "subprocess.", "os.exec", "os.spawn", "os.posix_spawn",
-              "os.fork", "os.forkpty", "os.system", "os.kill", "os.killpg", "os.startfile",
-              "signal.pthread_kill", "gc.get_", "pty.", "sys._getframe", "sys._current_frames",
-              "sys.settrace", "sys.setprofile", "object.__getattr__", "sys.remote_exec")
-    no_import = {"ctypes", "_ctypes", "_posixsubprocess", "subprocess", "socket", "_socket",
-                 "ssl", "_ssl", "multiprocessing", "_multiprocessing", "pty", "fcntl", "mmap"}
-    changes = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown",
-               "os.truncate", "os.utime", "os.link", "os.symlink", "shutil.")
-    looks = ("os.listdir", "os.scandir", "os.chdir", "glob.glob", "os.chroot")
-    W = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-    def paths(args):
-        return [a for a in args if not isinstance_(a, int) and a is not None
-                and type_(a) is not dict]
-    def hook(event, args):
-        if event == "open":
-            path, mode, flags = args
-            if path is None or isinstance_(path, int):
-                return
-            writing = bool(flags & W) if mode is None else any(c in mode for c in "wax+")
-            p = norm(path)
-            if under(p, (home,)):
-                return
-            if writing:
-                raise PermissionError(f"sandbox: no writing outside its folder ({p})")
-            if not under(p, reads):
-                raise PermissionError(f"sandbox: no reading {p}")
-            try:
-                if stat(p).st_mode & S_IFMT == S_IFDIR:  # a dir fd would anchor dir_fd= paths
-                    raise PermissionError(f"sandbox: no opening directory {p}")
-            except OSError:
-                pass
-        elif event.startswith(denied):
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        elif event == "import":
-            if args[0].split(".")[0] in no_import:
-                raise ImportError(f"sandbox: module {args[0]} is not available")
-        elif event.startswith(changes):
-            if not all(under(norm(p), (home,)) for p in paths(args)):
-                raise PermissionError(f"sandbox: {event} outside its folder")
-        elif event.startswith(looks):
-            if not all(under(norm(p), reads) for p in paths(args)):
-                raise PermissionError(f"sandbox: {event} outside its folder")
-    if lim["python_guard"]:
-        sys.addaudithook(hook)
-    exec_, compile_, dict_, enumerate_, base = exec, compile, dict, enumerate, BaseException
-    def say(text):
-        try:
-            write(nonce + " " + text + "\n")
-        except base:
-            pass
-    ns = {"__name__": "__solution__", "__builtins__": dict_(builtins.__dict__)}
-    del job
-    say("start")
+class _Unjudgeable(Exception):
+    """A test that cannot be judged outside the answer's process."""
+
+
+# Functions a check may apply here to a value from the sandbox (bounded work on plain values)
+_FUNCS = {"len": len, "sorted": sorted, "set": set, "frozenset": frozenset, "tuple": tuple,
+          "list": list, "abs": abs, "round": round, "sum": sum, "min": min, "max": max,
+          "bool": bool, "int": int, "float": float, "str": str, "any": any, "all": all,
+          "dict": dict}
+_CONSTS = {"inf": math.inf, "nan": math.nan, "pi": math.pi, "e": math.e, "tau": math.tau}
+_CMP = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
+        ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
+        ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
+        ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
+        ast.Is: lambda a, b: a is b, ast.IsNot: lambda a, b: a is not b}
+_ARITH = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+          ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b,
+          ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+          ast.Pow: lambda a, b: a ** _small(b)}
+_NUMBER = (int, float)
+
+
+@dataclass
+class _Plan:
+    steps: list[tuple[str, str]]  # ("exec", statement) / ("eval", expression), in order
+    checks: list[Any]  # one term per assert, over the values of the "eval" steps
+
+
+def _plan(test: str) -> _Plan | None:
+    """The test as steps for the sandbox and checks for here, or None if it cannot be
+    judged outside the answer's process."""
     try:
-        exec_(compile_(code, "<solution>", "exec"), ns)
-    except base as e:
-        say("failed " + type_(e).__name__)
-        return
-    for i, test in enumerate_(tests):
-        ok = "1"
-        try:
-            exec_(compile_(test, "<test>", "exec"), dict_(ns))
-        except base:
-            ok = "0"
-        say(str_(i) + " " + ok)
-    say("done")
-_main(json.loads(sys.stdin.buffer.read()))
-"""
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    plan = _Plan([], [])
+    try:
+        for node in tree.body:
+            if isinstance(node, ast.Assert):
+                plan.checks.append(_term(node.test, plan, top=True))
+            elif isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign,
+                                   ast.AugAssign, ast.Expr)):
+                plan.steps.append(("exec", ast.unparse(node)))  # sets up the calls' inputs
+            else:
+                return None
+    except (_Unjudgeable, RecursionError):
+        return None
+    return plan if plan.checks else None
+
+
+def _is_val(term: Any) -> bool:  # holds a value from the sandbox
+    return isinstance(term, tuple) and term[0] != "lit" and (
+        term[0] == "val" or any(_is_val(t) for t in term[1:]))
+
+
+def _term(node: ast.expr, plan: _Plan, top: bool = False) -> Any:
+    return _fold(_term_raw(node, plan, top))
+
+
+def _term_raw(node: ast.expr, plan: _Plan, top: bool = False) -> Any:
+    """A check over sandbox values; sub-expressions it cannot compute here are evaluated
+    by the sandbox (as long as the expected side stays here)."""
+    try:  # a literal, computed here
+        return ("lit", ast.literal_eval(node))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        pass
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+            and node.value.id == "math" and node.attr in _CONSTS:
+        return ("lit", _CONSTS[node.attr])
+    if isinstance(node, ast.Compare) and all(type(op) in _CMP for op in node.ops):
+        operands = [_term(n, plan) for n in (node.left, *node.comparators)]
+        if sum(_is_val(t) for t in operands) > 1:  # both sides the answer's: forgeable
+            raise _Unjudgeable
+        return ("cmp", tuple(type(op) for op in node.ops), *operands)
+    if isinstance(node, ast.BoolOp):
+        return ("and" if isinstance(node.op, ast.And) else "or",
+                *[_term(v, plan, top) for v in node.values])
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return ("not", _term(node.operand, plan, top))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        return ("neg" if isinstance(node.op, ast.USub) else "pos", _term(node.operand, plan))
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
+        return ("arith", type(node.op), _term(node.left, plan), _term(node.right, plan))
+    if isinstance(node, ast.Subscript) and not isinstance(node.slice, ast.Slice):
+        index = _term(node.slice, plan)
+        if index[0] == "lit":
+            return ("item", _term(node.value, plan), index)
+    if isinstance(node, ast.Call) and not any(k.arg is None for k in node.keywords):
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else (
+            func.attr if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+            and func.value.id == "math" else None)
+        kwargs = {k.arg: _term(k.value, plan) for k in node.keywords}
+        if name == "isclose" and len(node.args) == 2 and all(
+                k in ("rel_tol", "abs_tol") and v[0] == "lit" for k, v in kwargs.items()):
+            a, b = (_term(n, plan) for n in node.args)
+            if _is_val(a) and _is_val(b):
+                raise _Unjudgeable
+            return ("isclose", a, b, {k: v[1] for k, v in kwargs.items()})
+        if isinstance(func, ast.Name) and name in _FUNCS and not kwargs \
+                and not any(isinstance(a, ast.Starred) for a in node.args):
+            return ("call", name, *[_term(a, plan) for a in node.args])
+    if isinstance(node, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
+        raise _Unjudgeable
+    plan.steps.append(("eval", ast.unparse(node)))
+    return ("val", sum(kind == "eval" for kind, _ in plan.steps) - 1)
+
+
+def _fold(term: Any) -> Any:
+    """A term with no value of the sandbox's in it, computed now (``float('inf')``,
+    ``10**9 + 7``, ``set()``)."""
+    if term[0] in ("lit", "val") or _is_val(term):
+        return term
+    try:
+        return ("lit", _eval(term, {}))
+    except Exception as e:
+        raise _Unjudgeable from e
+
+
+def _eval(term: Any, values: dict[int, Any]) -> Any:
+    kind = term[0]
+    if kind == "lit":
+        return term[1]
+    if kind == "val":
+        return values[term[1]]  # a KeyError if it raised or sent nothing usable
+    if kind == "cmp":
+        operands = [_eval(t, values) for t in term[2:]]
+        return all(_CMP[op](a, b) for op, a, b in zip(term[1], operands, operands[1:]))
+    if kind in ("and", "or"):
+        results = [bool(_eval(t, values)) for t in term[1:]]  # every value must have come
+        return all(results) if kind == "and" else any(results)
+    if kind == "not":
+        return not _eval(term[1], values)
+    if kind in ("neg", "pos"):
+        x = _num(_eval(term[1], values))
+        return -x if kind == "neg" else x
+    if kind == "arith":  # numbers only: a list times a number could be made huge here
+        return _ARITH[term[1]](_num(_eval(term[2], values)), _num(_eval(term[3], values)))
+    if kind == "item":
+        return _eval(term[1], values)[_eval(term[2], values)]
+    if kind == "isclose":
+        a, b = _num(_eval(term[1], values)), _num(_eval(term[2], values))
+        return math.isclose(a, b, **term[3])
+    if kind == "call":
+        args = [_eval(t, values) for t in term[2:]]
+        if term[1] == "round" and len(args) == 2:
+            _small(args[1])
+        return _FUNCS[term[1]](*args)
+    raise ValueError(kind)
+
+
+def _small(x: Any) -> Any:
+    """An exponent or ndigits that keeps the work here bounded."""
+    if not isinstance(x, _NUMBER) or abs(x) > 4096:
+        raise ValueError("too large")
+    return x
+
+
+def _num(x: Any) -> int | float:
+    if not isinstance(x, _NUMBER):
+        raise TypeError("not a number")
+    return x
+
+
+def _decode(x: Any) -> Any:
+    """A value from the sandbox's JSON, back to plain Python (tuples, sets, dicts, bytes and
+    complex numbers come tagged)."""
+    if isinstance(x, list):
+        return [_decode(v) for v in x]
+    if isinstance(x, dict):
+        ((tag, body),) = x.items()
+        if tag == "d":
+            return {_decode(k): _decode(v) for k, v in body}
+        if tag == "b":
+            return bytes.fromhex(body)
+        if tag == "c":
+            return complex(_num(body[0]), _num(body[1]))
+        return {"t": tuple, "s": set, "f": frozenset}[tag](_decode(v) for v in body)
+    return x
+
+
+def _passes(plan: _Plan | None, values: dict[int, Any]) -> bool:
+    if plan is None:
+        return False
+    try:
+        return all(bool(_eval(check, values)) for check in plan.checks)
+    except Exception:  # noqa: BLE001 - a missing value, a type mismatch: not a pass
+        return False
 
 
 def run_tests(code: str, tests: Sequence[str], limits: Limits = Limits()) -> Verdict:
-    """Run ``code`` then each of ``tests`` in a sandboxed process; how many passed."""
+    """Run ``code`` in a sandboxed process, evaluate the tests' expressions there and check
+    their values here: how many tests passed."""
     tests = [str(t) for t in tests][:MAX_TESTS]
     if not tests:
         return Verdict(0, 0, "no tests")
@@ -255,17 +303,25 @@ def run_tests(code: str, tests: Sequence[str], limits: Limits = Limits()) -> Ver
         return Verdict(0, len(tests), f"code over {MAX_CODE_CHARS} characters")
     if os.name != "posix":
         raise RuntimeError("the code verifier needs a POSIX system (resource limits)")
-    scratch = tempfile.mkdtemp(prefix="grpolab-sandbox-")
+    plans = [_plan(t) for t in tests]
+    sweep_scratch()
+    scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
     nonce = secrets.token_hex(16)
     r, w = os.pipe()
-    note = ""
+    note, too_big = "", False
     try:
         if os.geteuid() == 0:
             os.chown(scratch, NOBODY, NOBODY)
+        program = [p.steps if p else [] for p in plans]
         job = json.dumps({"scratch": scratch, "nonce": nonce, "fd": w, "code": code,
-                          "tests": tests, "limits": asdict(limits), "nobody": NOBODY}).encode()
+                          "program": program, "limits": asdict(limits),
+                          "nobody": NOBODY, "mount": USE_MOUNT_NAMESPACE,
+                          "ppid": os.getpid()}).encode()
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
                "PYTHONDONTWRITEBYTECODE": "1"}
+        chunks: list[bytes] = []
+        reader = threading.Thread(target=_read_all, args=(r, chunks), daemon=True)
+        reader.start()  # read as it writes: a full pipe would stall it until the timeout
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", RUNNER], stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(w,),
@@ -283,52 +339,97 @@ def run_tests(code: str, tests: Sequence[str], limits: Limits = Limits()) -> Ver
             except (ProcessLookupError, PermissionError):
                 pass
             proc.wait()
-        text = _drain(r)
+        reader.join(5)  # every writer is gone: EOF
+        text = b"".join(chunks).decode("utf-8", "replace")
+        too_big = _size(scratch) > limits.disk_mb << 20
     finally:
         if w >= 0:
             os.close(w)
-        os.close(r)
         shutil.rmtree(scratch, ignore_errors=True)
-    return _verdict(text, nonce, len(tests), note)
+    verdict = _verdict(text, nonce, plans, note)
+    if too_big:  # only where the hook was the boundary; a tmpfs cannot grow past it
+        return Verdict(0, len(tests), f"over its disk quota ({limits.disk_mb} MB)",
+                       verdict.boundary)
+    return verdict
 
 
-def _drain(fd: int, cap: int = 1 << 20) -> str:
-    """What the pipe holds, without waiting for writers that may still hold it open."""
-    os.set_blocking(fd, False)
-    chunks, size = [], 0
-    while size < cap:
-        try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks).decode("utf-8", "replace")
+def _read_all(fd: int, chunks: list[bytes], cap: int = 4 << 20) -> None:
+    """What the pipe brings until every writer has closed it; past ``cap`` it is dropped."""
+    size = 0
+    try:
+        while chunk := os.read(fd, 65536):
+            if size < cap:
+                chunks.append(chunk)
+                size += len(chunk)
+    finally:
+        os.close(fd)
 
 
-def _verdict(text: str, nonce: str, total: int, note: str) -> Verdict:
-    passed, started, failed, done = set(), False, "", False
+def _size(folder: str) -> int:
+    total = 0
+    for top, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(top, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def sweep_scratch() -> None:
+    """Remove the scratch folders of runs whose process is gone (killed before cleaning up)."""
+    tmp = tempfile.gettempdir()
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for name in names:
+        m = re.fullmatch(re.escape(SCRATCH_PREFIX) + r"(\d+)-.+", name)
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # someone else's, or no pid at all
+        pass
+    return True
+
+
+def _verdict(text: str, nonce: str, plans: list[_Plan | None], note: str) -> Verdict:
+    values: dict[int, dict[int, Any]] = {}
+    started, failed, done, boundary = False, "", False, ""
     for line in text.splitlines():
-        parts = line.split()
+        parts = line.split(" ", 4)
         if len(parts) < 2 or parts[0] != nonce:  # anything the answer wrote itself
             continue
         if parts[1] == "start":
-            started = True
+            started, boundary = True, "mount" if parts[2:3] == ["mount"] else "hook"
         elif parts[1] == "failed":
             failed = " ".join(parts[2:3]) or "error"
         elif parts[1] == "done":
             done = True
-        elif len(parts) == 3 and parts[1].isdigit() and parts[2] == "1":
-            passed.add(int(parts[1]))
+        elif parts[1] == "v" and len(parts) == 5 and parts[2].isdigit() and parts[3].isdigit():
+            got = values.setdefault(int(parts[2]), {})
+            if int(parts[3]) not in got and parts[4] != "!":  # the first word stands
+                try:
+                    got[int(parts[3])] = _decode(json.loads(parts[4]))
+                except Exception:  # noqa: BLE001, S110 - malformed, too deep, unhashable
+                    pass
+    passed = sum(_passes(plan, values.get(i, {})) for i, plan in enumerate(plans))
+    unjudged = sum(plan is None for plan in plans)
     if failed:
         note = f"the code failed to run ({failed})"
     elif not started:
         note = note or "the sandbox did not start"
     elif not done and not note:
         note = "stopped early (a limit was hit)"
-    return Verdict(len({i for i in passed if i < total}), total, note)
+    if unjudged and not note:
+        note = f"{unjudged} test(s) not checkable outside the sandbox (counted as failed)"
+    return Verdict(passed if started and not failed else 0, len(plans), note, boundary)
 
 
 def code_reward(prompts: list[Any], completions: list[str], tests: list[Any] | None = None,

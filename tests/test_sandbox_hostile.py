@@ -1,0 +1,380 @@
+"""Hostile answers against the `code` verifier: none that does not solve the task scores > 0.
+
+Each answer below gets `add` wrong (or right only if its attack worked) and attacks the
+verifier: frames (reaching the harness to rewrite its results), signals, builtins (objects
+whose ``__eq__`` is always True, patched ``abs``/``math.isclose``/``AssertionError``), links
+and directory descriptors out of the scratch folder, device files, disk filling and forged
+output. Every one is run against both filesystem boundaries: the mount namespace (where this
+machine allows it) and the audit hook alone (the fallback). The right answer scores 1 in each.
+
+The ``test_defect*`` tests are the issue's defects 1 and 2 as they were on the starting
+commit: there, the verifier compared inside the answer's process and checked paths lexically.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from grpolab.rewards import sandbox
+from grpolab.rewards.sandbox import Limits, run_tests
+
+TESTS = ["assert add(2, 3) == 5", "assert add(-1, 4) == 3", "assert add(10, 5) == 15"]
+RIGHT = "def add(a, b):\n    return a + b\n"
+WRONG = "def add(a, b):\n    return a - b\n"
+QUICK = Limits(cpu_seconds=2, wall_seconds=4)
+NO_GUARD = Limits(cpu_seconds=2, wall_seconds=4, python_guard=False)
+NOBODY = 65534
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sandbox_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,user,args"], check=False, capture_output=True,
+                         text=True).stdout
+    return [line for line in out.splitlines() if "_main(json.loads" in line]
+
+
+@pytest.fixture(params=["mount", "hook"])
+def boundary(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "hook":
+        monkeypatch.setattr(sandbox, "USE_MOUNT_NAMESPACE", False, raising=False)
+    elif getattr(run_tests(RIGHT, TESTS, QUICK), "boundary", "") != "mount":
+        pytest.skip("no mount namespace here (not root, no user namespaces)")
+    return request.param
+
+
+@pytest.fixture
+def checkpoint() -> Iterator[Path]:
+    """The trainer's checkpoint, next to the scratch folders; owned by the sandbox's user, as
+    a trainer running under one account would own it, so only the verifier protects it."""
+    folder = Path(tempfile.mkdtemp(prefix="grpolab-ckpt-"))
+    ckpt = folder / "ckpt.pt"
+    ckpt.write_bytes(b"weights")
+    if os.geteuid() == 0:
+        for p in (folder, ckpt):
+            os.chown(p, NOBODY, NOBODY)
+    yield ckpt
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _intact(ckpt: Path) -> bool:
+    return ckpt.exists() and ckpt.read_bytes() == b"weights" and \
+        sorted(p.name for p in ckpt.parent.iterdir()) == ["ckpt.pt"]
+
+
+def _attack(body: str) -> str:
+    """An answer that is right only if ``body`` (which sets ``ok``) got through."""
+    return ("import os, sys\nok = False\ntry:\n"
+            + "".join(f"    {line}\n" for line in body.strip().splitlines())
+            + "except BaseException:\n    pass\n"
+            + "def add(a, b):\n    return a + b if ok else 0\n")
+
+
+# ---- the right answer ----
+
+def test_right_answer_scores_one(boundary: str) -> None:
+    v = run_tests(RIGHT, TESTS, QUICK)
+    assert v.share == 1.0 and v.boundary == boundary, v
+    assert run_tests(WRONG, TESTS, QUICK).passed == 0
+    assert run_tests("def add(a, b):\n    return 3", TESTS, QUICK).passed == 1
+    typed = ["assert pair(1) == (1, 2)", "assert pair(1) != [1, 2]",
+             "assert hist('aab') == {'a': 2, 'b': 1}", "assert set(pair(3)) == {3, 4}",
+             "assert abs(half(1) - 0.5) < 1e-9", "import math\nassert math.isclose(half(3), 1.5)",
+             "assert raw() == b'x'",
+             "assert sorted(pair(2), reverse=True) == [3, 2]", "assert len(pair(0)) == 2",
+             "assert pair(5)[1] == 6", "assert half(2) in (1, 1.0)", "assert not empty()",
+             "x = [3, 1, 2]\nx.sort()\nassert pair(x[0]) == (1, 2)"]
+    code = ("def pair(n): return (n, n + 1)\ndef hist(s): return {c: s.count(c) for c in s}\n"
+            "def half(x): return x / 2\ndef raw(): return b'x'\ndef empty(): return []\n")
+    v = run_tests(code, typed, QUICK)
+    assert (v.passed, v.note) == (len(typed), ""), v
+
+
+def test_tests_that_cannot_be_judged_outside_count_as_failed() -> None:
+    v = run_tests(RIGHT, ["assert False", "for i in range(3):\n    assert add(i, 0) == i",
+                          "assert add(1, 1) == add(2, 0)", "add(1, 2)", "assert add(1, 1) == 2"],
+                  QUICK)
+    assert (v.passed, v.total) == (1, 5) and "not checkable" in v.note
+
+
+# ---- frames: reaching the harness to rewrite its results ----
+
+FORGE = """
+def _forge(nonce, write):
+    for i in range(10):
+        write(nonce + " " + str(i) + " 1\\n")
+        for k in range(3):
+            write(nonce + " v " + str(i) + " " + str(k) + " true\\n")
+    write(nonce + " done\\n")
+    os._exit(0)
+def _from_frame(f):
+    while f is not None:
+        loc = f.f_locals
+        if "nonce" in loc and "write" in loc:
+            _forge(loc["nonce"], loc["write"])
+        f = f.f_back
+"""
+FRAMES = {
+    "sys._getframe": "_from_frame(sys._getframe())",
+    "inspect": "import inspect\n_from_frame(inspect.currentframe())",
+    "traceback": "try:\n    raise ValueError\nexcept ValueError as e:\n"
+                 "    _from_frame(e.__traceback__.tb_frame)",
+    "current_frames": "_from_frame(list(sys._current_frames().values())[0])",
+    "gc": ("import gc\nfound = {}\nfor o in gc.get_objects():\n"
+           "    if type(o).__name__ == 'cell':\n        try: c = o.cell_contents\n"
+           "        except ValueError: continue\n"
+           "        if isinstance(c, str) and len(c) == 32: found['n'] = c\n"
+           "        if getattr(c, '__name__', '') == 'write': found['w'] = c\n"
+           "if len(found) == 2: _forge(found['n'], found['w'])"),
+    "settrace": ("def tr(frame, event, arg):\n    _from_frame(frame)\n    return tr\n"
+                 "sys.settrace(tr)"),
+}
+
+
+@pytest.mark.parametrize("route", list(FRAMES))
+@pytest.mark.parametrize("guard", [QUICK, NO_GUARD], ids=["all-layers", "no-audit-hook"])
+def test_frames_cannot_forge_results(boundary: str, route: str, guard: Limits) -> None:
+    code = "import os, sys\n" + FORGE + FRAMES[route] + "\n" + WRONG
+    assert run_tests(code, TESTS, guard).passed == 0
+
+
+# ---- signals ----
+
+SIGNALS = {
+    "kill-parent": "import signal\nos.kill(os.getppid(), signal.SIGKILL)",
+    "pidfd-parent": "import signal\nsignal.pidfd_send_signal(os.pidfd_open(os.getppid()), 9)",
+    "kill-own-group": "import signal\nos.killpg(0, signal.SIGKILL)",
+    "stop-self": "import signal\nsignal.raise_signal(signal.SIGSTOP)",
+    "alarm": "import signal\nsignal.alarm(1)\nwhile True: pass",
+    "ignore-cpu-limit": "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+                        "while True: pass",
+    "ignore-all-then-stop": "import signal\nfor s in (1, 2, 3, 15, 24, 14):\n"
+                            "    signal.signal(s, signal.SIG_IGN)\nsignal.raise_signal(19)",
+}
+
+
+@pytest.mark.parametrize("name", list(SIGNALS))
+@pytest.mark.parametrize("guard", [QUICK, NO_GUARD], ids=["all-layers", "no-audit-hook"])
+def test_signals_reach_nothing(boundary: str, name: str, guard: Limits) -> None:
+    code = "import os\n" + WRONG + "try:\n" + "".join(
+        f"    {line}\n" for line in SIGNALS[name].splitlines()) + "except OSError:\n    pass\n"
+    t0 = time.monotonic()
+    v = run_tests(code, TESTS, Limits(cpu_seconds=1, wall_seconds=2,
+                                      python_guard=guard.python_guard))
+    assert v.passed == 0 and time.monotonic() - t0 < 6  # we are still here, on time
+    time.sleep(0.1)
+    assert _sandbox_processes() == []
+
+
+# ---- builtins: making `==` (or the test's own names) lie ----
+
+EQUAL = "class Yes:\n    def __eq__(self, other): return True\n    __hash__ = None\n"
+BUILTINS = {
+    "always-equal": EQUAL + "def add(a, b): return Yes()",
+    "int-subclass": "class I(int):\n    def __eq__(self, o): return True\n"
+                    "def add(a, b): return I(0)",
+    "list-subclass": "class L(list):\n    def __eq__(self, o): return True\n"
+                     "def add(a, b): return L()",
+    "patched-builtins": EQUAL + "import builtins\nbuiltins.abs = lambda x: 0\n"
+                        "__builtins__['abs'] = lambda x: 0\n"
+                        "def add(a, b): return Yes()",
+    "assertion-error": "import builtins\nclass E(Exception): pass\nbuiltins.AssertionError = E\n"
+                       "__builtins__['AssertionError'] = E\ndef add(a, b): return -a",
+    "patched-name-in-test": EQUAL + "import math\nmath.isclose = lambda *a, **k: True\n"
+                            "__builtins__['len'] = lambda x: 2\n"
+                            "__builtins__['sorted'] = lambda *a, **k: [2, 3]\n"
+                            "def add(a, b): return Yes()",
+    "exec-replaced": "import builtins\nbuiltins.exec = lambda *a, **k: None\n"
+                     "builtins.eval = lambda *a, **k: 5\n__builtins__['eval'] = builtins.eval\n"
+                     "def add(a, b): return 0",
+}
+TOLERANT = ["assert abs(add(0.1, 0.2) - 0.3) < 1e-9",
+            "import math\nassert math.isclose(add(1.5, 1.5), 3.0)", "assert len(add(1, 1)) == 2",
+            "assert sorted(add(2, 1)) == [2, 3]"]
+
+
+@pytest.mark.parametrize("name", list(BUILTINS))
+def test_builtins_cannot_make_a_wrong_answer_pass(boundary: str, name: str) -> None:
+    assert run_tests(BUILTINS[name], TESTS, QUICK).passed == 0, name
+    assert run_tests(BUILTINS[name], TESTS[:1] + TOLERANT, QUICK).passed == 0, name
+
+
+# ---- links, directory descriptors, device files: out of the scratch folder ----
+
+def _escapes(ckpt: Path) -> dict[str, str]:
+    folder, name = str(ckpt.parent), ckpt.parent.name
+    return {
+        "symlink-absolute": f"os.symlink({folder!r}, 'l')\nos.remove('l/ckpt.pt')\nok = True",
+        "symlink-write": f"os.symlink({str(ckpt)!r}, 'l')\nopen('l', 'w').write('x')\nok = True",
+        # a relative link made from deep inside looks inside to a lexical check
+        "symlink-relative": ("os.makedirs('a/b/c')\nos.chdir('a/b/c')\n"
+                             f"os.symlink('../{name}', '../../../l')\nos.chdir('../../..')\n"
+                             "os.remove('l/ckpt.pt')\nok = True"),
+        "hardlink": f"os.link({str(ckpt)!r}, 'h')\nopen('h', 'w').write('x')\nok = True",
+        "rename-over": f"open('x', 'w').write('x')\nos.replace('x', {str(ckpt)!r})\nok = True",
+        "dirfd-root": (f"fd = os.open('/', os.O_RDONLY)\nos.unlink({str(ckpt)[1:]!r}, "
+                       "dir_fd=fd)\nok = True"),
+        # the scratch folder's fd, then '..' judged from a deeper working directory
+        "dirfd-scratch": ("fd = os.open('.', os.O_RDONLY)\nos.makedirs('a/b')\nos.chdir('a/b')\n"
+                          f"os.remove('../{name}/ckpt.pt', dir_fd=fd)\nok = True"),
+        "dirfd-folder": (f"fd = os.open({folder!r}, os.O_RDONLY | os.O_DIRECTORY)\n"
+                         "os.unlink('ckpt.pt', dir_fd=fd)\nok = True"),
+        "fchdir": ("fd = os.open('.', os.O_RDONLY)\nos.makedirs('a/b')\nos.chdir('a/b')\n"
+                   f"os.fchdir(fd)\nos.remove('../{name}/ckpt.pt')\nok = True"),
+        "listdir-fd": f"fd = os.open({folder!r}, os.O_RDONLY)\nok = 'ckpt.pt' in os.listdir(fd)",
+        "dotdot": f"os.remove('../{name}/ckpt.pt')\nok = True",
+        "shutil": f"import shutil\nshutil.rmtree({folder!r})\nok = True",
+        "mkfifo": f"os.mkfifo({folder + '/fifo'!r})\nok = True",
+        "shm": "open('/dev/shm/grpolab-escape', 'w').write('x')\nok = True",
+        "tarfile": ("import tarfile, io\nt = tarfile.open('t.tar', 'w')\n"
+                    f"i = tarfile.TarInfo('l')\ni.type = tarfile.SYMTYPE\ni.linkname = {folder!r}"
+                    "\nt.addfile(i)\nt.close()\ntarfile.open('t.tar').extractall('.')\n"
+                    "os.remove('l/ckpt.pt')\nok = True"),
+    }
+
+
+@pytest.mark.parametrize("name", ["symlink-absolute", "symlink-write", "symlink-relative",
+                                  "hardlink", "rename-over", "dirfd-root", "dirfd-scratch",
+                                  "dirfd-folder", "fchdir", "listdir-fd", "dotdot", "shutil",
+                                  "mkfifo", "shm", "tarfile"])
+def test_nothing_outside_the_scratch_folder_is_touched(boundary: str, checkpoint: Path,
+                                                       name: str) -> None:
+    v = run_tests(_attack(_escapes(checkpoint)[name]), TESTS, QUICK)
+    assert v.passed == 0, (name, v)
+    assert _intact(checkpoint), name
+    assert not Path("/dev/shm/grpolab-escape").exists()
+
+
+def test_the_mount_namespace_alone_keeps_them_in(checkpoint: Path) -> None:
+    """The same escapes with the audit hook off: the OS layer holds on its own."""
+    if getattr(run_tests(RIGHT, TESTS, NO_GUARD), "boundary", "") != "mount":
+        pytest.skip("no mount namespace here")
+    for name, body in _escapes(checkpoint).items():
+        assert run_tests(_attack(body), TESTS, NO_GUARD).passed == 0, name
+        assert _intact(checkpoint), name
+    assert not Path("/dev/shm/grpolab-escape").exists()
+
+
+DEVICES = {
+    "dev-zero": "open('/dev/zero', 'rb').read(2 * 2**30)\nok = True",
+    "dev-zero-fd": "fd = os.open('/dev/zero', os.O_RDONLY)\nok = len(os.read(fd, 10)) == 10",
+    "dev-tty": "open('/dev/tty', 'w').write('hello')\nok = True",
+    "dev-urandom-all": "open('/dev/urandom', 'rb').read(2 * 2**30)\nok = True",
+    "dev-mem": "open('/dev/mem', 'rb').read(16)\nok = True",
+    "proc-parent-environ": "ok = len(open(f'/proc/{os.getppid()}/environ').read()) > 0",
+    "proc-self-mem": "open('/proc/self/mem', 'rb')\nok = True",
+}
+
+
+@pytest.mark.parametrize("name", list(DEVICES))
+def test_device_files_give_nothing(boundary: str, name: str) -> None:
+    assert run_tests(_attack(DEVICES[name]), TESTS, QUICK).passed == 0, name
+
+
+# ---- disk filling ----
+
+DISK = {
+    "big-files": ("for i in range(8):\n    with open(f'f{i}', 'wb') as f:\n"
+                  "        f.write(b'x' * (15 << 20))\nok = True"),
+    "many-files": "for i in range(5000):\n    open(f'f{i}', 'w').write('x' * 100)\nok = True",
+    "one-huge-file": "open('f', 'wb').write(b'x' * (40 << 20))\nok = True",
+}
+
+
+@pytest.mark.parametrize("name", list(DISK))
+def test_disk_cannot_be_filled(boundary: str, name: str) -> None:
+    assert run_tests(_attack(DISK[name]), TESTS, Limits(wall_seconds=10)).passed == 0, name
+
+
+# ---- forged output ----
+
+FORGED = {
+    "print-lines": ("for n in ('0' * 32, 'x'):\n    for i in range(5):\n"
+                    "        print(n, i, 1); print(n, 'v', i, 0, 5)\nprint('0' * 32, 'done')"),
+    "stderr-lines": "for i in range(5):\n    print('0' * 32, 'v', i, 0, 5, file=sys.stderr)",
+    "write-every-fd": ("for fd in range(3, 30):\n    try:\n"
+                       "        os.write(fd, b'x 0 1\\nx v 0 0 5\\nx v 1 0 0\\nx done\\n')\n"
+                       "    except OSError:\n        pass"),
+    "close-every-fd": "os.closerange(3, 100)",
+    "exit-zero": "sys.exit(0)",
+    "os-exit": "os._exit(0)",
+    "system-exit-in-add": "def add(a, b):\n    raise SystemExit(0)",
+    "keyboard-interrupt-in-add": "def add(a, b):\n    raise KeyboardInterrupt",
+    "huge-value": "def add(a, b):\n    return 'x' * (50 << 20)",
+    "deep-value": "def add(a, b):\n    x = []\n    for _ in range(10000): x = [x]\n    return x",
+    "self-referencing": "def add(a, b):\n    x = []\n    x.append(x)\n    return x",
+}
+
+
+@pytest.mark.parametrize("name", list(FORGED))
+def test_forged_output_is_ignored(boundary: str, name: str) -> None:
+    code = "import os, sys\n" + WRONG.replace("def add", "def _unused") + FORGED[name] + "\n"
+    if "def add" not in code:
+        code += "def add(a, b):\n    return 0\n"
+    assert run_tests(code, TESTS, QUICK).passed == 0, name
+
+
+# ---- defect 1: the verdict was written inside the answer's process ----
+
+def test_defect1_an_object_equal_to_everything_does_not_pass() -> None:
+    assert run_tests(BUILTINS["always-equal"], TESTS).passed == 0
+    assert run_tests(BUILTINS["patched-name-in-test"], TOLERANT).passed == 0
+
+
+def test_defect1_a_harness_in_the_answers_hands_cannot_forge_a_pass() -> None:
+    # with the audit hook off, every frame is the answer's: still nothing to forge with
+    code = "import os, sys\n" + FORGE + FRAMES["sys._getframe"] + "\n" + WRONG
+    assert run_tests(code, ["assert add(1, 1) == 3", "assert False"], NO_GUARD).passed == 0
+
+
+# ---- defect 2: the filesystem boundary was lexical, unbounded and left folders behind ----
+
+def test_defect2_links_and_directory_descriptors_cannot_delete_a_checkpoint(
+        checkpoint: Path) -> None:
+    for name in ("symlink-relative", "dirfd-scratch"):
+        v = run_tests(_attack(_escapes(checkpoint)[name]), TESTS)
+        assert _intact(checkpoint) and v.passed == 0, name
+
+
+def test_defect2_the_scratch_folder_has_a_disk_quota() -> None:
+    assert run_tests(_attack(DISK["big-files"]), TESTS).passed == 0  # 120 MB > 64 MB
+
+
+def test_defect2_a_killed_runs_scratch_folder_is_removed_at_the_next_start() -> None:
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("grpolab-sandbox-*"))
+    script = ("from grpolab.rewards.sandbox import run_tests, Limits\n"
+              "run_tests('import time\\ntime.sleep(60)', ['assert f() == 1'], "
+              "Limits(wall_seconds=60))\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script],
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 20
+        while not (set(tmp.glob("grpolab-sandbox-*")) - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = set(tmp.glob("grpolab-sandbox-*")) - before
+        assert left, "the run never started"
+        time.sleep(0.3)
+    finally:
+        trainer.kill()  # SIGKILL: no cleanup of its own
+        trainer.wait()
+    assert all(p.exists() for p in left)
+    assert run_tests(RIGHT, TESTS, QUICK).share == 1.0  # the next start
+    assert not any(p.exists() for p in left)
+    time.sleep(0.2)
+    assert _sandbox_processes() == []  # its sandbox died with it
+    live = tmp / f"grpolab-sandbox-{os.getppid()}-keep"  # a live process's folder stays
+    live.mkdir(exist_ok=True)
+    try:
+        run_tests(RIGHT, TESTS, QUICK)
+        assert live.exists()
+    finally:
+        live.rmdir()
