@@ -87,7 +87,8 @@ def test_no_environment_variable_or_global_selects_a_code_path() -> None:
         read |= set(re.findall(r"(?:environ\.get|getenv)\(\s*[\"']([A-Z_]+)", text))
         read |= set(re.findall(r"environ\[[\"']([A-Z_]+)[\"']\]", text))
     assert read <= allowed, f"environment variables read: {sorted(read - allowed)}"
-    for gone in ("EARLY_EXIT", "LENGTH_BUCKETS", "HEAD_GRAD_IN_FORWARD", "SCORE_PACK"):
+    for gone in ("EARLY_EXIT", "LENGTH_BUCKETS", "HEAD_GRAD_IN_FORWARD", "SCORE_PACK",
+                 "USE_MOUNT_NAMESPACE"):
         assert not any(re.search(rf"^{gone}\s*=", p.read_text(), re.MULTILINE)
                        for p in MODULES.values()), gone
 

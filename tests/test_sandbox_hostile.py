@@ -13,6 +13,7 @@ commit: there, the verifier compared inside the answer's process and checked pat
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from grpolab.rewards import sandbox
-from grpolab.rewards.sandbox import Limits, run_tests
+from grpolab.rewards.sandbox import Limits, Verdict
 
 TESTS = ["assert add(2, 3) == 5", "assert add(-1, 4) == 3", "assert add(10, 5) == 15"]
 RIGHT = "def add(a, b):\n    return a + b\n"
@@ -42,10 +43,18 @@ def _sandbox_processes() -> list[str]:
     return [line for line in out.splitlines() if "_main(json.loads" in line]
 
 
+MOUNT = {"on": True}  # the boundary the tests ask for: off, the audit hook alone (the fallback)
+
+
+def run_tests(code: str, tests: list[str], limits: Limits | None = None) -> Verdict:
+    return sandbox.run_tests(code, tests, dataclasses.replace(limits or Limits(),
+                                                              mount_namespace=MOUNT["on"]))
+
+
 @pytest.fixture(params=["mount", "hook"])
 def boundary(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "hook":
-        monkeypatch.setattr(sandbox, "USE_MOUNT_NAMESPACE", False, raising=False)
+        monkeypatch.setitem(MOUNT, "on", False)
     elif getattr(run_tests(RIGHT, TESTS, QUICK), "boundary", "") != "mount":
         pytest.skip("no mount namespace here (not root, no user namespaces)")
     return request.param

@@ -50,7 +50,6 @@ MAX_TESTS = 1_000
 NOBODY = 65534  # uid and gid of `nobody` on Linux
 SCRATCH_PREFIX = "grpolab-sandbox-"  # then "<pid>-": a dead pid's folder is a killed run's
 RUNNER = (Path(__file__).with_name("sandbox_child.py")).read_text()
-USE_MOUNT_NAMESPACE = True  # False: the audit hook alone (tests check that fallback with it)
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,7 @@ class Limits:
     open_files: int = 64
     python_guard: bool = True  # the audit hook; off only to test the OS layers on their own
     disk_mb: int = 64  # all of its scratch folder together
+    mount_namespace: bool = True  # False: the audit hook alone is the boundary (the fallback)
 
 
 @dataclass
@@ -315,7 +315,7 @@ def run_tests(code: str, tests: Sequence[str], limits: Limits = Limits()) -> Ver
         program = [p.steps if p else [] for p in plans]
         job = json.dumps({"scratch": scratch, "nonce": nonce, "fd": w, "code": code,
                           "program": program, "limits": asdict(limits),
-                          "nobody": NOBODY, "mount": USE_MOUNT_NAMESPACE,
+                          "nobody": NOBODY, "mount": limits.mount_namespace,
                           "ppid": os.getpid()}).encode()
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
                "PYTHONDONTWRITEBYTECODE": "1"}
