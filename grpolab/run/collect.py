@@ -273,8 +273,10 @@ class Collector:
     def end_step(self, step: int, rec: dict[str, Any], ds: adv_mod.DeadStats) -> None:
         """After the step's record: the loud no-signal alarm (``rec["no_signal"]``), then the
         posteriors' evidence fades."""
-        # (PPO's advantages come from its critic, not from groups: equal rewards are no alarm)
-        rec["no_signal"] = (None if self.cfg.estimator == "ppo" else self.alarm.check(
+        # (PPO's and REINFORCE++'s baselines are not the group's: equal rewards are no alarm)
+        grouped = self.cfg.estimator not in ("ppo", "reinforce_pp")
+        rec["no_signal"] = (self.alarm.check(
             step, ds.groups, ds.dead, ds.all_right, ds.all_wrong,
-            rec["sampled_truncated_share"], self.cfg.max_new_tokens, warn=dist.is_main()))
+            rec["sampled_truncated_share"], self.cfg.max_new_tokens, warn=dist.is_main())
+            if grouped else None)
         self.tracker.end_step()
