@@ -27,8 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpolab.rollout.batch import pos_ids
-from grpolab.rollout.kvcache import ConcatKV, StaticKV, additive, decode_kv_dtype, prompt_mask4d
+from grpolab.rollout.kvcache import StaticKV, additive, decode_kv_dtype, prefill
 from grpolab.rollout.sampling import _inverse_cdf
 
 SYNC_EVERY = 16  # steps between the host's checks that every answer has ended
@@ -58,15 +57,8 @@ class GraphDecoder:
                  shared: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
         self.lm = lm
         b, tp = ids.shape
-        p_ids, p_mask, rows = shared if shared is not None else (ids, mask, None)
-        x = ids.new_empty(0, dtype=lm.embed.weight.dtype)
-        tables = lm.rope_tables(tp + max_new, x) if lm.arch == "llama" else None
-        pre = ConcatKV()
-        p_pos = pos_ids(p_mask)
-        rot = lm.rotary(p_pos, x, tables) if tables is not None else None
-        logits = lm.forward(p_ids, p_pos, prompt_mask4d(p_mask, lm.dtype), pre, keep=1,
-                            rot=rot, w=lm.weights())[:, -1]
-        self.logits = logits if rows is None else logits[rows]
+        self.logits, pre, (_, _, rows), tables, x = prefill(lm, ids, mask, max_new, shared,
+                                                             lm.weights())
         kv_dtype = decode_kv_dtype(lm.dtype, ids.device) if lm.pack else lm.dtype
         self.cache = GraphKV(StaticKV(pre.kv, rows, tp + max_new, kv_dtype))
         self.tp = tp

@@ -202,6 +202,25 @@ def chunk_mask4d(past_mask: Tensor, t: int, dtype: torch.dtype = torch.float32) 
 # ----------------------------------------------------------------------------- decoding
 
 
+def prefill(lm: Any, ids: Tensor, mask: Tensor, max_new: int,
+            shared: tuple[Tensor, Tensor, Tensor] | None, w: Any) -> tuple[Tensor, ConcatKV,
+                                                                           tuple, Any, Tensor]:
+    """Run the prompts (each distinct one once, ``shared``) with weights ``w``: the logits
+    [B, V] for each row's first new token, the prompts' keys and values, (prompt ids, mask,
+    rows), the rotary tables for tp + max_new positions (None for GPT-2) and an empty tensor
+    of the model's dtype."""
+    tp = ids.shape[1]
+    p_ids, p_mask, rows = shared if shared is not None else (ids, mask, None)
+    x = ids.new_empty(0, dtype=lm.embed.weight.dtype)
+    tables = lm.rope_tables(tp + max_new, x) if lm.arch == "llama" else None
+    pre = ConcatKV()
+    p_pos = pos_ids(p_mask)
+    rot = lm.rotary(p_pos, x, tables) if tables is not None else None
+    logits = lm.forward(p_ids, p_pos, prompt_mask4d(p_mask, lm.dtype), pre, keep=1,
+                        rot=rot, w=w)[:, -1]
+    return (logits if rows is None else logits[rows]), pre, (p_ids, p_mask, rows), tables, x
+
+
 class Decoder:
     """Sampling state: a static KV cache and the logits for the next token.
 
@@ -213,16 +232,9 @@ class Decoder:
                  shared: tuple[Tensor, Tensor, Tensor] | None) -> None:
         self.lm = lm
         b, tp = ids.shape
-        p_ids, p_mask, rows = (shared if shared is not None else (ids, mask, None))
         self.w = lm.weights()
-        x = ids.new_empty(0, dtype=lm.embed.weight.dtype)
-        tables = lm.rope_tables(tp + max_new, x) if lm.arch == "llama" else None
-        pre = ConcatKV()
-        p_pos = pos_ids(p_mask)
-        rot = lm.rotary(p_pos, x, tables) if tables is not None else None
-        logits = lm.forward(p_ids, p_pos, prompt_mask4d(p_mask, lm.dtype), pre, keep=1,
-                            rot=rot, w=self.w)[:, -1]
-        self.logits = logits if rows is None else logits[rows]
+        self.logits, pre, (p_ids, p_mask, rows), tables, x = prefill(lm, ids, mask, max_new,
+                                                                      shared, self.w)
         # Positions of the new tokens, and their rotations, for every step at once.
         self.pos = mask.sum(dim=1, keepdim=True) + torch.arange(max_new, device=ids.device)
         # Rows that share a prompt in equal numbers (GRPO groups) decode group by group against
