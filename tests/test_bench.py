@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("transformers")
 
+pytestmark = [pytest.mark.slow, pytest.mark.trl]  # the benches, in subprocesses
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "vs_trl.py"
 NUM = r"([0-9]+(?:\.[0-9]+)?)"
 

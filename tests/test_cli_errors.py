@@ -21,7 +21,6 @@ from grpolab.core.losses import LossOut
 from grpolab.run.trainer import GRPOTrainer
 from grpolab.world.backend import TinyBackend
 from grpolab.world.model import CharTokenizer, TinyConfig, TinyGPT
-from grpolab.world.sft import sft_model
 from grpolab.world.task import make_splits
 
 
@@ -113,15 +112,7 @@ def test_raising_reward_is_counted_not_fatal(tmp_path: Path) -> None:
     assert min(r["reward_mean"] for r in recs[1:]) > -1.0
 
 
-@pytest.fixture(scope="module")
-def world_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    cache = tmp_path_factory.mktemp("cache")
-    sft_model(0, make_splits(0, 64, 16), 2, cache)
-    return ["--sft-steps", "2", "--cache-dir", str(cache), "--world-train-size", "64",
-            "--world-heldout-size", "16", "--eval-size", "16", "--budget", "16",
-            "--group-size", "4", "--no-progress"]
-
-
+@pytest.mark.slow
 def test_nan_loss_stops_with_one_line_and_keeps_files(
     tmp_path: Path, world_args: list[str], capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -158,6 +149,7 @@ def test_nan_loss_stops_with_one_line_and_keeps_files(
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_resume_without_checkpoint_exits_1(tmp_path: Path, world_args: list[str],
                                            capsys: pytest.CaptureFixture[str]) -> None:
     code, err = _cli(["workshop", "--steps", "2", "--resume", "--out-dir", str(tmp_path),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import GROUPS, G, digit_reward, free_port, rank_env
 
 from grpolab.config import Config, ConfigError
 from grpolab.run import dist
@@ -29,8 +29,6 @@ from grpolab.world.model import CharTokenizer, TinyConfig, TinyGPT
 from grpolab.world.sft import sft_model
 from grpolab.world.task import make_splits
 
-G = 4
-GROUPS = 8
 # (loss_agg, epochs, groups on rank 0): uneven shards stress the global normalisation.
 MICRO_CASE = ("token_mean", 2, 3)
 CASES = [
@@ -40,11 +38,6 @@ CASES = [
     ("seq_mean_token_mean", 2, 5),
     ("token_mean", 2, 3),
 ]
-
-
-def digit_reward(prompts: list, completions: list[str], **_: object) -> list[float]:
-    """Share of digit characters: a near-random policy still gets mixed groups."""
-    return [sum(ch.isdigit() for ch in c) / 8 for c in completions]
 
 
 def _trainer(loss_agg: str, epochs: int, out_dir: Path, budget: int = G * GROUPS,
@@ -90,13 +83,6 @@ def _flat(tr: GRPOTrainer, grad: bool = False) -> torch.Tensor:
     ])
 
 
-def rank_env(rank: int, world: int, port: int) -> None:
-    """What torchrun sets for a rank (on this host), and one torch thread per rank."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-
-
 def _worker(rank: int, world: int, port: int, tmp: str) -> None:
     rank_env(rank, world, port)
     dist.init()
@@ -115,12 +101,8 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
         dist.cleanup()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.slow
+@pytest.mark.dist
 def test_two_ranks_take_the_single_process_step(tmp_path: Path) -> None:
     """Summed gradients match to float precision; weights after Adam to ~lr / 100.
 
@@ -130,7 +112,7 @@ def test_two_ranks_take_the_single_process_step(tmp_path: Path) -> None:
     merely reordering the groups of one process changes weights by up to ~2e-6 after one pass
     and ~6e-6 after two (measured), hence 1e-5 (one pass) and 5e-5 (two).
     """
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     two = torch.load(tmp_path / "two_ranks.pt", weights_only=False)
     assert two["config_error"] and "across 2 ranks" in two["config_error"]
     threads = torch.get_num_threads()
@@ -174,6 +156,8 @@ def _cleanup_worker(rank: int, world: int, port: int, tmp: str) -> None:
                Path(tmp) / f"threads{rank}.pt")
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
 def test_cleanup_releases_the_process_group(tmp_path: Path) -> None:
     """After dist.cleanup() gloo's threads are gone, so none can outlive Python's finalisation.
@@ -183,13 +167,15 @@ def test_cleanup_releases_the_process_group(tmp_path: Path) -> None:
     the first optimiser step, had bound the live group as default arguments; the group outlived
     destroy_process_group and a gloo thread freed a tensor while the interpreter shut down.
     """
-    mp.spawn(_cleanup_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_cleanup_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         n = torch.load(tmp_path / f"threads{rank}.pt")
         assert n["during"] > n["before"], "the group should have started gloo threads"
         assert n["after"] == n["before"], n
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.skipif(shutil.which("torchrun") is None and not Path(sys.executable).with_name(
     "torchrun").exists(), reason="torchrun not installed")
 def test_torchrun_workshop_smoke(tmp_path: Path) -> None:
@@ -200,7 +186,7 @@ def test_torchrun_workshop_smoke(tmp_path: Path) -> None:
     out = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun if torchrun.exists() else shutil.which("torchrun")),
-           "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "grpolab",
+           "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "grpolab",
            "workshop", "--steps", "2", "--sft-steps", "2", "--cache-dir", str(cache),
            "--out-dir", str(out), "--world-train-size", "64", "--world-heldout-size", "16",
            "--eval-size", "16", "--budget", "32", "--group-size", "4", "--checkpoint-every",
@@ -218,8 +204,8 @@ def test_torchrun_workshop_smoke(tmp_path: Path) -> None:
     assert st["world_size"] == 2 and len(st["rank_rng"]) == 2
     assert not torch.equal(st["rank_rng"][0]["gen"], st["rank_rng"][1]["gen"])
     assert sorted(x.name for x in out.iterdir()) == [
-        "calibration.png", "checkpoints", "config.json", "metrics.jsonl", "samples.jsonl",
-        "summary.json", "workshop.png"]
+        ".grpolab.lock", "calibration.png", "checkpoints", "config.json", "metrics.jsonl",
+        "samples.jsonl", "summary.json", "workshop.png"]
 
 
 @pytest.mark.parametrize("micro_batch", [5, 12])

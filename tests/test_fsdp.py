@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_distributed import GROUPS, G, _free_port, digit_reward, rank_env
+from helpers import GROUPS, G, digit_reward, free_port, rank_env
 
 from grpolab.config import Config, ConfigError, validate
 from grpolab.run import dist, shard
@@ -96,8 +96,10 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
         dist.cleanup()
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_fsdp_two_ranks_equal_one_and_resume(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     two = torch.load(tmp_path / "fsdp.pt", weights_only=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

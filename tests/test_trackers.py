@@ -79,6 +79,7 @@ def need(name: str) -> None:
 # ---------------------------------------------------------------------- API, PNG, console
 
 
+@pytest.mark.slow
 def test_python_api_workshop_returns_the_records(run: dict) -> None:
     records = run["records"]
     assert list(records) == run["metrics"]
@@ -88,6 +89,7 @@ def test_python_api_workshop_returns_the_records(run: dict) -> None:
     assert records.summary["final_heldout_acc"] == records[-1]["heldout_acc"]
 
 
+@pytest.mark.slow
 def test_png_redrawn_at_every_evaluation_with_a_status_line(run: dict) -> None:
     # during the run the PNG held the steps so far (then once more at the end, as before)
     assert run["drawn"][: STEPS + 1] == [list(range(s + 1)) for s in range(STEPS + 1)]
@@ -136,6 +138,7 @@ def test_a_failing_tracker_is_dropped_and_the_run_goes_on(tmp_path: Path, caplog
 # ---------------------------------------------------------------------- each tool's reader
 
 
+@pytest.mark.slow
 def test_tensorboard_event_file(run: dict) -> None:
     need("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -189,6 +192,7 @@ def read_wandb_records(path: Path) -> list[Any]:
     return out
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_files(run: dict) -> None:
     need("wandb")
     (path,) = glob.glob(str(run["dir"] / "wandb" / "offline-run-*" / "run-*.wandb"))
@@ -216,6 +220,7 @@ def test_wandb_offline_run_files(run: dict) -> None:
     assert (files / history[STEPS]["workshop/path"]).is_file()
 
 
+@pytest.mark.slow
 def test_mlflow_local_store(run: dict) -> None:
     need("mlflow")
     from mlflow.tracking import MlflowClient
@@ -241,6 +246,7 @@ def test_mlflow_local_store(run: dict) -> None:
         "plots/workshop.png"]
 
 
+@pytest.mark.slow
 def test_trackio_local_database(run: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     need("trackio")
     from trackio.sqlite_storage import SQLiteStorage

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import first_digit_odd, never, world_trainer
 
 from grpolab.config import make_config
 from grpolab.core.advantages import dead_mask
@@ -17,28 +18,8 @@ from grpolab.world.model import TinyConfig, TinyGPT
 from grpolab.world.task import make_splits
 
 
-def first_digit_odd(prompts, completions, **_):
-    """A reward a random model gets right about half the time, so groups are often mixed."""
-    return [1.0 if c[:1] in "13579" and c else 0.0 for c in completions]
-
-
-def never(prompts, completions, **_):
-    return [0.0] * len(completions)
-
-
-def trainer(tmp_path, reward=first_digit_odd, lora=False, **over) -> GRPOTrainer:
-    cfg = make_config(None, {"progress": False, "checkpoint_every": 0, "budget": 32,
-                             "group_size": 4, "steps": 2, "max_new_tokens": 4,
-                             "eval_size": 16, **over})
-    torch.manual_seed(0)
-    model = TinyGPT(TinyConfig(d_model=32, n_layers=2, n_heads=2, max_len=24))
-    splits = make_splits(0, 64, 16)
-    backend = TinyBackend(model, lora=lora, seed=0)
-    return GRPOTrainer(cfg, backend, splits.train, [reward], splits.heldout, out_dir=tmp_path)
-
-
 def test_dynamic_sampling_trains_only_mixed_groups(tmp_path) -> None:
-    tr = trainer(tmp_path, dynamic_sampling=True)
+    tr = world_trainer(tmp_path, dynamic_sampling=True)
     batch = tr.collect()
     assert len(batch.rows) == 32 and batch.trained_groups == 8
     assert not dead_mask(batch.rewards, 4).any()
@@ -49,7 +30,7 @@ def test_dynamic_sampling_trains_only_mixed_groups(tmp_path) -> None:
 
 
 def test_dynamic_sampling_cap_is_reported(tmp_path, caplog) -> None:
-    tr = trainer(tmp_path, reward=never, dynamic_sampling=True, max_sampling_rounds=2)
+    tr = world_trainer(tmp_path, reward=never, dynamic_sampling=True, max_sampling_rounds=2)
     tr.metrics = None
     with caplog.at_level(logging.WARNING, logger="grpolab"):
         rec = tr.step()
@@ -61,7 +42,7 @@ def test_dynamic_sampling_cap_is_reported(tmp_path, caplog) -> None:
 
 
 def test_plain_grpo_counts_useful_answers(tmp_path) -> None:
-    tr = trainer(tmp_path)
+    tr = world_trainer(tmp_path)
     rec = tr.step()
     assert rec["answers_generated"] == 32 and rec["sampling_rounds"] == 1
     live = round((1 - rec["dead_share"]) * rec["groups"])
@@ -95,8 +76,8 @@ def test_curriculum_running_pass_rate_and_draws() -> None:
 
 
 def test_epochs_reuse_the_old_policy_and_clip(tmp_path) -> None:
-    one = trainer(tmp_path / "a", epochs=1, lr=0.05, eps_low=0.01, eps_high=0.01)
-    two = trainer(tmp_path / "b", epochs=2, lr=0.05, eps_low=0.01, eps_high=0.01)
+    one = world_trainer(tmp_path / "a", epochs=1, lr=0.05, eps_low=0.01, eps_high=0.01)
+    two = world_trainer(tmp_path / "b", epochs=2, lr=0.05, eps_low=0.01, eps_high=0.01)
     b1, b2 = one.collect(), two.collect()
     assert b1.rows == b2.rows and torch.equal(b1.rewards, b2.rewards)
     out1, out2 = one.update(b1), two.update(b2)
@@ -108,7 +89,7 @@ def test_epochs_reuse_the_old_policy_and_clip(tmp_path) -> None:
 
 
 def test_lora_reference_is_the_base(tmp_path) -> None:
-    tr = trainer(tmp_path, lora=True, lr=0.05)
+    tr = world_trainer(tmp_path, lora=True, lr=0.05)
     assert tr.backend.ref is None
     trainable = [n for n, p in tr.backend.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -125,7 +106,7 @@ def test_lora_reference_is_the_base(tmp_path) -> None:
 def test_samples_log_shows_answers_rewards_and_advantages(tmp_path) -> None:
     """samples.jsonl: per step, the first log_samples groups with their answers, rewards and the
     advantages those rewards gave (population std: +-1 for a 2-2 split), dead groups flagged."""
-    tr = trainer(tmp_path, log_samples=3, steps=3)
+    tr = world_trainer(tmp_path, log_samples=3, steps=3)
     tr.train()
     records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -147,7 +128,7 @@ def test_samples_log_shows_answers_rewards_and_advantages(tmp_path) -> None:
                 seen_split = True
                 assert sorted(grp["advantages"]) == pytest.approx([-1, -1, 1, 1])
     assert seen_dead and seen_split, "the run should show both kinds of group"
-    off = trainer(tmp_path / "off", log_samples=0)
+    off = world_trainer(tmp_path / "off", log_samples=0)
     off.train()
     assert not (tmp_path / "off" / "samples.jsonl").exists()
 
@@ -163,13 +144,13 @@ def test_lr_schedule_hand_values() -> None:
 
 
 def test_lr_schedule_is_applied_and_logged(tmp_path, caplog) -> None:
-    tr = trainer(tmp_path, steps=4, lr=0.01, lr_schedule="linear", warmup_steps=1,
+    tr = world_trainer(tmp_path, steps=4, lr=0.01, lr_schedule="linear", warmup_steps=1,
                  checkpoint_every=2)
     recs = tr.train()[1:]
     assert [r["lr"] for r in recs] == pytest.approx([0.01, 0.01, 0.01 * 2 / 3, 0.01 / 3])
     assert tr.opt.param_groups[0]["lr"] == pytest.approx(0.01 / 3)
     # the schedule ends at `steps`: resuming with another length changes it, and says so
-    again = trainer(tmp_path, steps=6, lr=0.01, lr_schedule="linear", warmup_steps=1)
+    again = world_trainer(tmp_path, steps=6, lr=0.01, lr_schedule="linear", warmup_steps=1)
     with caplog.at_level(logging.WARNING, logger="grpolab"):
         again.load_checkpoint()
     assert "changed config keys ['steps']" in caplog.text
@@ -207,7 +188,7 @@ def test_mask_truncated_drops_cut_off_answers_from_the_loss(tmp_path) -> None:
     import copy
 
     def update(mask_truncated: bool, batch, hand_mask: bool = False):
-        tr = trainer(tmp_path / str(len(list(tmp_path.iterdir()))), max_new_tokens=3,
+        tr = world_trainer(tmp_path / str(len(list(tmp_path.iterdir()))), max_new_tokens=3,
                      mask_truncated=mask_truncated)
         b = copy.deepcopy(batch)
         if hand_mask:
@@ -215,7 +196,7 @@ def test_mask_truncated_drops_cut_off_answers_from_the_loss(tmp_path) -> None:
         out = tr.update(b)
         return out, torch.cat([p.detach().reshape(-1) for p in tr.params])
 
-    batch = trainer(tmp_path / "sample", max_new_tokens=3).collect()
+    batch = world_trainer(tmp_path / "sample", max_new_tokens=3).collect()
     cut = batch.rollout.truncated
     assert cut is not None and 0 < cut.float().mean() < 1, "need both kinds of answer"
     got, p_got = update(True, batch)
@@ -231,7 +212,7 @@ def test_mask_truncated_drops_cut_off_answers_from_the_loss(tmp_path) -> None:
 
 
 def test_truncated_share_is_logged(tmp_path) -> None:
-    rec = trainer(tmp_path, max_new_tokens=2).step()
+    rec = world_trainer(tmp_path, max_new_tokens=2).step()
     assert rec["truncated_share"] is not None and 0 < rec["truncated_share"] <= 1
 
 
@@ -240,7 +221,7 @@ def test_samples_log_the_advantages_the_update_trained_with(tmp_path) -> None:
     step; samples.jsonl must show the trained ones, not its own group's recomputation."""
     from grpolab.core import advantages as A
 
-    tr = trainer(tmp_path, scale="batch", log_samples=8)
+    tr = world_trainer(tmp_path, scale="batch", log_samples=8)
     batch = tr.collect()
     adv = tr.advantages(batch, tr.score(batch))
     whole = A.group_advantages(batch.rewards.float(), 4, scale="batch")

@@ -16,9 +16,10 @@ from grpolab.app import cli
 from grpolab.rewards.builtin import load_reward
 from grpolab.rewards.scorer import score
 from grpolab.rewards.trl_compat import TRLReward
-from grpolab.rollout.tinyhf import make_tiny_model
 
 trl_rewards = pytest.importorskip("trl.rewards")
+
+pytestmark = pytest.mark.trl
 
 # gold answers as TRL's GSM8K/MATH recipes give them; the empty one cannot be parsed, so
 # accuracy_reward returns None for it ("skip this example")
@@ -58,11 +59,6 @@ def test_calling_conventions() -> None:
     assert res.per_fn.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]] and res.problems == []
     assert fns[0].format == "conversational" and fns[1].format == "text"
     assert res.names == ["trl_style", "keyword_order", "positional"]
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", hidden=32, heads=4)
 
 
 def config(tmp_path: Path, model: str, **over: Any) -> dict[str, Any]:

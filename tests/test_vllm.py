@@ -20,7 +20,6 @@ pytest.importorskip("transformers")
 
 from grpolab.rollout import vllm as vllm_backend
 from grpolab.rollout.models import load_model
-from grpolab.rollout.tinyhf import make_tiny_model
 from grpolab.rollout.vllm import VLLMBackend
 
 
@@ -68,11 +67,6 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     mod.LLM, mod.SamplingParams = FakeLLM, FakeSamplingParams
     monkeypatch.setitem(sys.modules, "vllm", mod)
     monkeypatch.setattr(vllm_backend, "check_vllm", lambda: None)  # no CUDA needed by the stand-in
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", hidden=32, heads=4)
 
 
 def test_weights_seeds_and_rollouts(fake_vllm: None, llama: str) -> None:

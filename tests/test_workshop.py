@@ -19,6 +19,7 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", head[16:24])
 
 
+@pytest.mark.slow
 def test_short_workshop_writes_metrics_and_png(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     rc = main(["workshop", *TINY, "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(out)])
@@ -39,6 +40,7 @@ def test_short_workshop_writes_metrics_and_png(tmp_path, capsys) -> None:
     assert "held-out accuracy" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_sweep_table_and_plot(tmp_path, capsys) -> None:
     out = tmp_path / "sweep"
     rc = main(["workshop", *TINY, "--steps", "2", "--cache-dir", str(tmp_path / "cache"),
@@ -66,6 +68,7 @@ def test_sweep_rejects_bad_sizes(tmp_path, capsys) -> None:
     assert len(err) == 1 and "sweep: group_size 5 does not divide the budget 64" in err[0]
 
 
+@pytest.mark.slow
 def test_seed_sweep_reports_mean_and_spread(tmp_path) -> None:
     out = tmp_path / "seeds"
     rc = main(["workshop", *TINY, "--steps", "1", "--cache-dir", str(tmp_path / "cache"),
@@ -88,6 +91,7 @@ def test_mean_summary_hand_values() -> None:
     assert "mean_dead_share_sd" not in mean_summary([a])
 
 
+@pytest.mark.slow
 def test_short_run_is_deterministic_per_seed(tmp_path) -> None:
     """Same seed, same thread count: the same metrics line for line (timings aside); another
     seed is another world, start and run."""

@@ -3,6 +3,7 @@
 import math
 import random
 
+import pytest
 import torch
 
 from grpolab.rollout.batch import cat_rollouts
@@ -104,6 +105,7 @@ def test_task_mix_and_the_designed_pass_rate_distribution() -> None:
                for _ in range(200))
 
 
+@pytest.mark.slow
 def test_the_fine_tuned_start_has_the_calibrated_bands(tmp_path) -> None:
     """The workshop's real start (the default SFT, seed 0, about 45 s of one core): exact
     pass rates at T=1 per band on the train split land on the teacher's (measured for seeds
@@ -170,6 +172,7 @@ def test_answer_probability_is_the_backends_pass_probability() -> None:
                           be.pass_probability(rows, 1.0), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sft_start_is_deterministic_per_seed(tmp_path) -> None:
     """The fine-tuned start is a function of the seed: two trainings from scratch (separate
     caches) give identical weights; another seed gives others."""

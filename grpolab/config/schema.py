@@ -157,7 +157,7 @@ class Config:
         "reinforce_pp_baseline: REINFORCE++'s token-level returns, whitened over the batch; "
         "ppo: GAE on a value model's estimates")
     gamma: float = opt(1.0, RUN, "discount of the token-level estimators' returns")
-    lam: float = opt(1.0, RUN, "ppo: GAE's lambda (1: returns minus values; 0: one-step TD)")
+    lam: float = opt(1.0, RUN, "ppo: GAE's lambda (1: returns minus values; 0: the one step TD error)")
     critic_lr: float = opt(1e-3, RUN, "ppo: the value model's Adam learning rate", train=1e-5)
     critic_warmup: int = opt(0, RUN, "ppo: steps that train only the value model")
     value_clip: float = opt(0.5, RUN, "ppo: a value may move this far from its old estimate "

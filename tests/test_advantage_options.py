@@ -1,0 +1,86 @@
+"""Advantage options beyond the group std: scale: batch (also over ranks, through the reduce
+hook) and several rewards standardised one by one (GDPO's normalize_then_sum).
+(Against TRL's advantage code: test_objectives_trl.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import first_digit_odd, world_trainer
+
+from grpolab.core import advantages as A
+from grpolab.run import update
+
+# ----------------------------------------------------------------- batch scale --
+
+
+def test_batch_std_hand_values() -> None:
+    r = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0])
+    sd = math.sqrt(0.375 * 0.625)  # population std of the eight rewards
+    a = A.group_advantages(r, 4, scale="batch")
+    want = [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]
+    assert a.tolist() == pytest.approx([w / sd for w in want], abs=1e-6)
+    # a dead group is still exactly 0; the sample std divides by n - 1
+    a = A.group_advantages(torch.tensor([1.0, 0, 1, 1, 1, 1]), 3, scale="batch", std="sample")
+    sd = math.sqrt((5 * (1 / 6) ** 2 + (5 / 6) ** 2) / 5)  # five 1s and a 0, mean 5/6
+    assert a[3:].tolist() == [0.0, 0.0, 0.0]
+    assert a[:3].tolist() == pytest.approx([(1 / 3) / sd, (-2 / 3) / sd, (1 / 3) / sd], abs=1e-6)
+
+
+def test_batch_std_over_ranks_equals_one_process() -> None:
+    """With a reduce hook (what torchrun passes: sums over ranks) the batch std comes from
+    count, sum and sum of squares; one process's hook is the identity."""
+    r = torch.tensor([1.0, 0.0, 0.5, 0.25, 2.0, 2.0, 0.0, 1.0])
+    for std in A.STD_KINDS:
+        a = A.group_advantages(r, 4, scale="batch", std=std)
+        b = A.group_advantages(r, 4, scale="batch", std=std, reduce=lambda v: list(v))
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+# ------------------------------------------------------------ several rewards --
+
+
+CORRECT = [1.0, 1, 1, 0, 0, 0, 0, 1]
+
+
+FORMAT = [1.0, 1, 0, 0, 0, 0, 0, 0]
+
+
+def test_gdpo_hand_values() -> None:
+    """Group 1: correctness (1,1,1,0) -> z = (1,1,1,-3)/sqrt(3), format (1,1,0,0) -> (1,1,-1,-1);
+    group 2: correctness (0,0,0,1) -> (-1,-1,-1,3)/sqrt(3), format dead -> 0. Weights (1, 0.5):
+    x = z_c + z_f / 2, then (x - mean) / std over the eight answers."""
+    per_fn = torch.tensor([CORRECT, FORMAT]).T
+    s3 = math.sqrt(3)
+    x = [1 / s3 + 0.5, 1 / s3 + 0.5, 1 / s3 - 0.5, -3 / s3 - 0.5,
+         -1 / s3, -1 / s3, -1 / s3, 3 / s3]
+    mean = sum(x) / 8
+    sd = math.sqrt(sum((v - mean) ** 2 for v in x) / 8)
+    a = A.normalize_then_sum(per_fn, torch.tensor([1.0, 0.5]), 4)
+    assert a.tolist() == pytest.approx([(v - mean) / sd for v in x], abs=1e-6)
+    # sum-then-normalize (GRPO) is different: totals (1.5, 1.5, 1, 0) and (0, 0, 0, 1)
+    b = A.sum_then_normalize(per_fn, torch.tensor([1.0, 0.5]), 4)
+    sd1 = math.sqrt(0.375)
+    assert b[:4].tolist() == pytest.approx([0.5 / sd1, 0.5 / sd1, 0.0, -1 / sd1], abs=1e-6)
+    # a group where every reward is constant stays exactly 0
+    dead = torch.tensor([[1.0, 0.0]] * 4 + [[1.0, 1.0], [0.0, 1.0], [0.0, 1.0], [0.0, 1.0]])
+    assert A.normalize_then_sum(dead, torch.tensor([1.0, 1.0]), 4)[:4].tolist() == [0.0] * 4
+
+
+def test_trainer_keeps_each_reward_for_gdpo(tmp_path) -> None:
+    def short(prompts, completions, **_):
+        return [1.0 if len(c) <= 2 else 0.0 for c in completions]
+
+    for dynamic in (False, True):
+        tr = world_trainer(tmp_path / str(dynamic), reward_aggregation="normalize_then_sum",
+                     dynamic_sampling=dynamic, reward_weights=[1.0, 0.5],
+                     rewards=["first_digit_odd", "short"])
+        tr.scorer.reward_fns = [first_digit_odd, short]
+        batch = tr.collect()
+        assert batch.rewards_per_fn.shape == (len(batch.rows), 2)
+        assert torch.allclose(batch.rewards_per_fn @ torch.tensor([1.0, 0.5]), batch.rewards)
+        want = A.normalize_then_sum(batch.rewards_per_fn, torch.tensor([1.0, 0.5]), 4)
+        assert torch.equal(update.advantages(tr.cfg, batch.rewards, batch.rewards_per_fn), want)
+        assert math.isfinite(tr.update(batch)["loss"])

@@ -1,0 +1,126 @@
+"""Issue 18 replayed: runs that never hang, never lose or mix data, and never execute what they
+load. Checkpoints: a booby-trapped or altered checkpoint is never run or trusted but set aside
+with one line, the run id ties checkpoints to metrics, and a changed setting is named. (SIGKILL
++ --resume bitwise and kills during a checkpoint write are in test_resume.py.)"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import files_under, metric_steps, run_cli
+
+from grpolab.run import checkpoint
+from grpolab.run.report import read_metrics
+
+pytestmark = pytest.mark.slow  # CLI workshop runs from the SFT start (world_args)
+
+
+class _Payload:
+    """Pickles to a call of os.system: what a booby-trapped last.pt carries."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_payload_in_a_checkpoint_is_never_run(tmp_path: Path, world_args: list[str],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out, marker = tmp_path / "run", tmp_path / "PWNED"
+    args = ["workshop", "--out-dir", str(out), "--checkpoint-every", "1", *world_args]
+    assert run_cli([*args, "--steps", "2"], capsys)[0] == 0
+    ckpt = out / "checkpoints"
+    torch.save({"step": 2, "backend": _Payload(marker)}, ckpt / "last.pt")
+
+    code, err = run_cli([*args, "--steps", "3", "--resume"], capsys)
+    assert code == 0 and not marker.exists()
+    assert len(err) == 1 and "last.pt" in err[0] and "moved aside" in err[0], err
+    assert "prev.pt (step 1)" in err[0]
+    assert metric_steps(out) == [0, 1, 2, 3]
+    # the file was set aside, not deleted: and it really carried a live payload
+    assert (ckpt / "last.pt.corrupt").exists() and not marker.exists()
+    torch.load(ckpt / "last.pt.corrupt", weights_only=False)
+    assert marker.exists()
+    marker.unlink()
+
+    # both files trapped: one line, exit 1, nothing run, nothing moved
+    torch.save({"step": 3, "x": _Payload(marker)}, ckpt / "last.pt")
+    torch.save({"step": 2, "x": _Payload(marker)}, ckpt / "prev.pt")
+    before = files_under(out)
+    code, err = run_cli([*args, "--steps", "4", "--resume"], capsys)
+    assert code == 1 and len(err) == 1 and "no readable checkpoint" in err[0], err
+    assert "Weights only load failed" in err[0] or "weights_only" in err[0]
+    assert not marker.exists() and files_under(out) == before
+
+
+def _tensor_offset(path: Path) -> int:
+    """Where the largest tensor's bytes start inside a torch zip file."""
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = path.read_bytes()
+    name_len, extra_len = (int.from_bytes(raw[info.header_offset + k : info.header_offset + k + 2],
+                                          "little") for k in (26, 28))
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def test_altered_tensor_bytes_are_caught_and_set_aside(tmp_path: Path, world_args: list[str],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    args = ["workshop", "--out-dir", str(out), "--checkpoint-every", "1", *world_args]
+    assert run_cli([*args, "--steps", "2"], capsys)[0] == 0
+    last = out / "checkpoints" / "last.pt"
+    good = torch.load(last, weights_only=True)
+    raw = bytearray(last.read_bytes())
+    at = _tensor_offset(last)
+    raw[at : at + 64] = bytes((b + 1) % 256 for b in raw[at : at + 64])
+    last.write_bytes(raw)
+    altered = torch.load(last, weights_only=True)  # the premise: it still loads, silently
+    assert any(not torch.equal(a, b) for a, b in zip(altered["backend"]["model"].values(),
+                                                      good["backend"]["model"].values()))
+    with pytest.raises(checkpoint.CheckpointError, match="content hash mismatch"):
+        checkpoint.read(last)
+
+    code, err = run_cli([*args, "--steps", "3", "--resume"], capsys)
+    assert code == 0 and len(err) == 1 and "content hash mismatch" in err[0], err
+    assert "last.pt.corrupt" in err[0] and "prev.pt (step 1)" in err[0]
+    assert metric_steps(out) == [0, 1, 2, 3]
+    # random garbage: the same, and the next resume no longer trips over it
+    (out / "checkpoints" / "last.pt").write_bytes(os.urandom(5000))
+    code, err = run_cli([*args, "--steps", "4", "--resume"], capsys)
+    assert code == 0 and len(err) == 1 and "last.pt.corrupt.1" in err[0], err
+    code, err = run_cli([*args, "--steps", "4", "--resume"], capsys)
+    assert code == 0 and err == []
+    assert metric_steps(out) == [0, 1, 2, 3, 4]
+
+
+def test_run_id_ties_checkpoints_and_metrics(tmp_path: Path, world_args: list[str],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    args = ["workshop", "--out-dir", str(out), "--checkpoint-every", "1", *world_args]
+    assert run_cli([*args, "--steps", "2"], capsys)[0] == 0
+    ids = {r["run_id"] for r in read_metrics(out / "metrics.jsonl")}
+    st = checkpoint.read(out / "checkpoints" / "last.pt")
+    assert ids == {st["run_id"]} and len(st["sha256"]) == 64
+    assert {r["run_id"] for r in read_metrics(out / "samples.jsonl")} == ids
+    assert run_cli([*args, "--steps", "3", "--resume"], capsys)[0] == 0
+    assert {r["run_id"] for r in read_metrics(out / "metrics.jsonl")} == ids  # same run
+    assert run_cli([*args, "--steps", "1", "--overwrite"], capsys)[0] == 0
+    new = {r["run_id"] for r in read_metrics(out / "metrics.jsonl")}
+    assert len(new) == 1 and new != ids and metric_steps(out) == [0, 1]
+
+
+def test_changed_lora_r_is_named_not_called_unreadable(tmp_path: Path, world_args: list[str],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    args = ["workshop", "--out-dir", str(out), "--checkpoint-every", "1", *world_args]
+    assert run_cli([*args, "--steps", "1"], capsys)[0] == 0
+    before = files_under(out)
+    code, err = run_cli([*args, "--steps", "2", "--resume", "--lora-r", "4"], capsys)
+    assert code == 1 and len(err) == 1, err
+    assert "does not fit this model" in err[0] and "lora_r=8 (this run: 4)" in err[0]
+    assert "unreadable" not in err[0] and files_under(out) == before

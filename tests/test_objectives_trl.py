@@ -1,0 +1,191 @@
+"""The objectives of TRL and verl in grpolab against TRL 1.16's own code on identical inputs
+(values and gradients), option by option. TRL's loss is ``GRPOTrainer._compute_loss`` run on
+a bare trainer object whose scoring pass returns the test's log-probs; its advantages are the
+lines of ``GRPOTrainer._generate_and_score_completions`` that turn rewards into advantages,
+executed as they are (trl_harness.py). Hand values for each option are in test_policy_losses.py,
+test_kl.py, test_entropy.py and test_advantage_options.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import agree, pair
+
+from grpolab.config import Config, make_config
+from grpolab.config.trl import TRL_ALIASES, TRL_VALUES
+from grpolab.core import advantages as A
+from grpolab.core import losses as L
+from grpolab.core.losses import grpo_loss
+from grpolab.rollout import head as H
+
+trl = pytest.importorskip("trl")
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import entropy_from_logits
+from trl_harness import bare_trainer, trl_advantages, trl_loss
+
+pytestmark = pytest.mark.trl
+
+
+# ------------------------------------------------------------------- losses --
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_gspo_matches_trl_sequence_level(beta: float) -> None:
+    logp, old, ref, adv, mask = pair(2, spread=0.05)
+    eps = (0.01, 0.02)
+    agree(lambda: grpo_loss(logp, old, ref, adv, mask, beta=beta, eps_low=eps[0],
+                            eps_high=eps[1], policy_loss="gspo").loss,
+          lambda: trl_loss(logp, old, ref, adv, mask, beta=beta, epsilon_low=eps[0],
+                           epsilon_high=eps[1], importance_sampling_level="sequence"),
+          logp)
+
+
+def test_dual_clip_matches_trl_delta() -> None:
+    logp, old, ref, adv, mask = pair(3, spread=1.5)  # ratios far outside the clip range
+    assert (torch.exp(logp.detach() - old)[adv < 0] > 3).any()
+    for policy_loss, level in (("clip", "token"), ("gspo", "sequence")):
+        agree(lambda p=policy_loss: grpo_loss(logp, old, ref, adv, mask, beta=0.04,
+                                              dual_clip=3.0, policy_loss=p).loss,
+              lambda lv=level: trl_loss(logp, old, ref, adv, mask, beta=0.04, delta=3.0,
+                                        importance_sampling_level=lv),
+              logp)
+
+
+def test_cispo_matches_trl() -> None:
+    logp, old, ref, adv, mask = pair(10, spread=1.0)
+    agree(lambda: grpo_loss(logp, old, ref, adv, mask, beta=0.04, policy_loss="cispo",
+                            cispo_max=2.0, agg="token_mean").loss,
+          lambda: trl_loss(logp, old, ref, adv, mask, beta=0.04, loss_type="cispo",
+                           epsilon_high=2.0),
+          logp)
+
+
+@pytest.mark.parametrize("correction", [False, True])
+def test_k3_matches_trl(correction: bool) -> None:
+    logp, old, ref, adv, mask = pair(5, spread=0.1)
+    agree(lambda: grpo_loss(logp, old, ref, adv, mask, beta=0.1,
+                            kl_is_correction=correction).loss,
+          lambda: trl_loss(logp, old, ref, adv, mask, beta=0.1,
+                           use_bias_correction_kl=correction),
+          logp)
+
+
+@pytest.mark.parametrize(("loss_type", "beta"), [("grpo", 0.0), ("bnpo", 0.04),
+                                                 ("dr_grpo", 0.04), ("dapo", 0.04)])
+def test_trl_loss_types_match_trl(loss_type: str, beta: float) -> None:
+    """TRL's loss_type names translate to the aggregation that gives TRL's loss."""
+    logp, old, ref, adv, mask = pair(12, spread=0.3)
+    c = make_config(None, {"loss_type": loss_type, "max_new_tokens": logp.shape[1]})
+    agree(lambda: grpo_loss(logp, old, ref, adv, mask, beta=beta, agg=c.loss_agg,
+                            norm_len=c.max_new_tokens).loss,
+          lambda: trl_loss(logp, old, ref, adv, mask, beta=beta, loss_type=loss_type),
+          logp)
+
+
+# -------------------------------------------------------------- advantages --
+
+
+@pytest.mark.parametrize(("scale_rewards", "scale"), [("group", "std"), ("batch", "batch"),
+                                                      ("none", "none")])
+def test_scale_matches_trl(scale_rewards: str, scale: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    r = (torch.rand(16, generator=gen) * 3).round()
+    r[4:8] = 2.0  # one dead group
+    ours = A.group_advantages(r, 4, scale=scale, std="sample", std_eps=1e-4)
+    theirs = trl_advantages(r[:, None], [1.0], 4, scale_rewards=scale_rewards)
+    assert torch.allclose(ours, theirs.float(), atol=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", list(A.REWARD_AGGREGATIONS))
+def test_reward_aggregation_matches_trl(aggregation: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    per_fn = torch.stack([(torch.rand(16, generator=gen) > 0.5).float(),
+                          (torch.rand(16, generator=gen) > 0.7).float(),
+                          torch.rand(16, generator=gen)], dim=1)
+    w = [1.0, 0.5, 2.0]
+    ours = A.REWARD_AGGREGATIONS[aggregation](per_fn, torch.tensor(w), 4, std="sample",
+                                              std_eps=1e-4)
+    theirs = trl_advantages(per_fn, w, 4, aggregation=aggregation)
+    assert torch.allclose(ours, theirs.float(), atol=1e-5)
+
+
+# ----------------------------------------------------------------- entropy --
+
+
+def test_entropy_matches_trl() -> None:
+    logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(6)) * 3
+    _, ent = H.token_logprobs_and_entropy(logits, torch.zeros(3, 4, dtype=torch.long))
+    assert torch.allclose(ent, entropy_from_logits(logits), atol=1e-5)
+    _, ent_g = H.token_logprobs_and_entropy(logits, torch.zeros(3, 4, dtype=torch.long), True)
+    assert torch.allclose(ent, ent_g)
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_hf_backend_scores_entropy_in_the_same_pass(tmp_path, monkeypatch, fast: str) -> None:
+    """Hugging Face models (lean forward and plain HF forward): the same log-probs as
+    ``logprobs``, bit for bit, and the entropy of the model's own next-token distribution."""
+    from grpolab.app.commands import make_backend
+    from grpolab.rollout.models import load_model
+    from grpolab.rollout.tinyhf import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", hidden=32, heads=4)
+    model, tok = load_model(path, device="cpu")
+    backend = make_backend(make_config(None, {"model_path": path, "lora": False,
+                                                "speed": f"lean_forward={fast}"}), model, tok)
+    ro = backend.generate(["What is 2 + 2?", "What is 2 + 2?", "Compute 3 * 4."], 1.0, 6,
+                          torch.Generator().manual_seed(0))
+    lp, ent = backend.logprobs_and_entropy(ro, 0.7)
+    assert torch.equal(lp, backend.logprobs(ro, 0.7))
+    ids = torch.cat([ro.prompt_ids, ro.completion_ids], 1)
+    attn = torch.cat([ro.prompt_mask, torch.ones_like(ro.completion_ids)], 1)
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
+                       position_ids=pos[:, :-1]).logits[:, -ro.completion_ids.shape[1]:]
+    want = entropy_from_logits(logits.float() / 0.7)
+    m = ro.completion_mask.bool()
+    assert torch.allclose(ent[m], want[m], atol=1e-4)
+
+
+def test_high_entropy_mask_hand_values() -> None:
+    """Real-token entropies 0.1 0.5 0.9 0.3 0.7: the 0.6-quantile is 0.58 (linear
+    interpolation), so top_entropy_quantile 0.4 keeps 0.7 and 0.9; padding never."""
+    ent = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.7, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    keep = L.high_entropy_mask(ent, mask, 0.6)
+    assert keep.tolist() == [[False, False, True], [False, True, False]]
+    tr = bare_trainer()
+    assert torch.equal(keep, GRPOTrainer.get_high_entropy_mask(tr, ent, mask, 0.6))
+    # in the loss: only the kept tokens carry the policy gradient, KL stays on every token
+    logp = torch.zeros(2, 3, requires_grad=True)
+    out = grpo_loss(logp, logp.detach(), None, torch.tensor([1.0, 1.0]), mask, beta=0.0,
+                    entropy=ent, top_entropy_quantile=0.4)
+    (g,) = torch.autograd.grad(out.loss, logp)
+    assert (g != 0).tolist() == keep.tolist()
+    assert out.entropy_share == pytest.approx(2 / 5)
+
+
+@pytest.mark.parametrize(("loss_type", "agg"), [("bnpo", "token_mean"), ("dapo", "token_mean")])
+def test_entropy_bonus_and_selection_match_trl(loss_type: str, agg: str) -> None:
+    logp, old, ref, adv, mask = pair(7, spread=0.1)
+    ent = (torch.rand(logp.shape, generator=torch.Generator().manual_seed(8)) * 2
+           ).requires_grad_(True)
+    for coef, q in ((0.01, 1.0), (0.0, 0.3), (0.05, 0.3)):
+        agree(lambda c=coef, q=q: grpo_loss(logp, old, ref, adv, mask, beta=0.04, agg=agg,
+                                            entropy=ent, entropy_coef=c,
+                                            top_entropy_quantile=q).loss,
+              lambda c=coef, q=q: trl_loss(logp, old, ref, adv, mask, entropies=ent, beta=0.04,
+                                           loss_type=loss_type, entropy_coef=c,
+                                           top_entropy_quantile=q),
+              logp, ent)
+
+
+# --------------------------------------------------------------- TRL names --
+
+
+def test_trl_aliases_are_trl_fields() -> None:
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert set(TRL_ALIASES) | set(TRL_VALUES) <= fields
+    assert all(v in Config.__dataclass_fields__ for v in TRL_ALIASES.values())

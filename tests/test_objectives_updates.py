@@ -1,0 +1,113 @@
+"""The objective options under split updates: micro-batches take the whole batch's step, and
+the batch statistics (scale: batch, GDPO, KL in the reward) are over every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import first_digit_odd, free_port, rank_env, world_trainer
+
+from grpolab.config import Config, resolve
+
+
+@pytest.mark.parametrize("over", [
+    {"entropy_coef": 0.1},
+    {"entropy_coef": 0.1, "loss_agg": "token_mean"},
+    {"loss_agg": "seq_mean_token_sum", "policy_loss": "gspo", "epochs": 2},
+    {"policy_loss": "cispo", "loss_agg": "token_mean", "epochs": 2, "dual_clip": 3.0},
+    {"scale": "batch", "kl_estimator": "k2", "kl_is_correction": True},
+])
+def test_micro_batches_take_the_whole_batch_step(tmp_path, over: dict) -> None:
+    """micro_batch 8 (parts of two groups) takes the whole batch's step with the new options
+    (plain SGD, so equal gradients give equal weights, also after a second pass)."""
+    params, outs = [], []
+    for mb in (0, 8):
+        tr = world_trainer(tmp_path / str(mb), micro_batch=mb, **over)
+        tr.opt = torch.optim.SGD(tr.params, lr=0.1)
+        outs.append(tr.update(tr.collect()))
+        params.append(torch.cat([p.detach().flatten() for p in tr.params]))
+    assert torch.allclose(params[0], params[1], atol=1e-6)
+    for key in ("loss", "policy_loss", "kl", "grad_norm", "entropy"):
+        assert outs[1][key] == pytest.approx(outs[0][key], rel=1e-5, abs=1e-7), key
+
+
+# ------------------------------------------------- batch statistics over ranks --
+
+
+DIST_CASES = [{"scale": "batch"}, {"reward_aggregation": "normalize_then_sum"},
+              {"kl_in": "reward", "kl_estimator": "k1", "scale": "batch"}]
+
+
+def _dist_update(over: dict, out_dir) -> dict:
+    """One update on a fixed batch of 8 groups of 4 with two rewards; under two ranks each
+    holds 3 and 5 groups. Returns the gradients."""
+    from grpolab.run import dist
+    from grpolab.run.trainer import Batch, GRPOTrainer
+    from grpolab.world.backend import TinyBackend
+    from grpolab.world.model import TinyConfig, TinyGPT
+    from grpolab.world.task import make_splits
+
+    torch.manual_seed(0)
+    model = TinyGPT(TinyConfig(d_model=32, n_layers=2))
+    splits = make_splits(0, 64, 8)
+    cfg = resolve(Config(budget=32, group_size=4, progress=False, out_dir=str(out_dir),
+                         rewards=["a", "b"], reward_weights=[1.0, 0.5], **over))
+    backend = TinyBackend(model)  # full weights: the reference is a frozen copy
+    tr = GRPOTrainer(cfg, backend, splits.train, [first_digit_odd], out_dir=out_dir)
+    with torch.no_grad():  # policy != reference, so the KL penalty is not 0
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    rows = [tr.train_rows[i] for i in range(8) for _ in range(4)]
+    ro = backend.generate([r["prompt"] for r in rows], 1.0, 4, torch.Generator().manual_seed(5))
+    per_fn = torch.tensor([first_digit_odd(None, ro.completions),
+                           [float(len(c) % 2) for c in ro.completions]]).T
+    total = per_fn @ torch.tensor([1.0, 0.5])
+    cut = [0, 3, 8] if dist.world_size() == 2 else [0, 8]
+    lo, hi = cut[dist.rank()] * 4, cut[dist.rank() + 1] * 4
+    batch = Batch(ro.select(list(range(lo, hi))), rows[lo:hi], total[lo:hi],
+                  rewards_per_fn=per_fn[lo:hi])
+    tr.opt.zero_grad()
+    tr.opt = torch.optim.SGD(tr.params, lr=0.0)  # keep the gradients, move nothing
+    out = tr.update(batch)
+    grads = torch.cat([p.grad.flatten() for p in tr.params])
+    return {"grads": grads, "metrics": out}
+
+
+def _dist_worker(rank: int, world: int, port: int, tmp: str) -> None:
+    import os
+
+    from grpolab.run import dist
+
+    rank_env(rank, world, port)
+    dist.init()
+    try:
+        res = [_dist_update(over, os.path.join(tmp, f"r{rank}")) for over in DIST_CASES]
+        if rank == 0:
+            torch.save(res, os.path.join(tmp, "two.pt"))
+    finally:
+        dist.cleanup()
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_batch_statistics_are_over_every_rank(tmp_path) -> None:
+    """scale: batch, GDPO's batch standardisation and the KL-in-reward penalty: two ranks
+    holding 3 and 5 groups take the single-process step (the statistics are all-reduced)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_dist_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    two = torch.load(tmp_path / "two.pt", weights_only=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ones = [_dist_update(over, tmp_path / "single") for over in DIST_CASES]
+    finally:
+        torch.set_num_threads(threads)
+    for over, got, want in zip(DIST_CASES, two, ones):
+        scale = float(want["grads"].abs().max())
+        assert scale > 0, over
+        torch.testing.assert_close(got["grads"], want["grads"], rtol=1e-4, atol=1e-6 * scale,
+                                   msg=lambda m, o=over: f"{o}: {m}")
+        for key in ("loss", "policy_loss", "entropy"):
+            assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5,
+                                                        abs=1e-7), (over, key)

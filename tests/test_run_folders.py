@@ -1,0 +1,78 @@
+"""Issue 18 replayed: runs that never hang, never lose or mix data, and never execute what they
+load. Run folders: a new run never wipes or mixes with an old one, metrics of another run are
+refused on resume, and the README's command works twice."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import files_under, metric_steps, run_cli
+
+from grpolab.app.cli import main
+from grpolab.run.report import read_metrics
+
+pytestmark = pytest.mark.slow  # CLI workshop runs from the SFT start (world_args)
+
+
+def test_a_new_run_never_wipes_or_mixes_with_an_old_one(tmp_path: Path, world_args: list[str],
+                                                        capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "run"
+    args = ["workshop", "--out-dir", str(out), *world_args]
+    assert run_cli([*args, "--steps", "2", "--checkpoint-every", "1"], capsys)[0] == 0
+    before = files_under(out)
+    code, err = run_cli([*args, "--steps", "2"], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "already holds a run" in err[0] and "--resume" in err[0] and "--overwrite" in err[0]
+    assert files_under(out) == before
+    old_id = read_metrics(out / "metrics.jsonl")[0]["run_id"]
+
+    # --overwrite replaces it; killed before its first checkpoint, --resume does not pick up
+    # the old run's weights
+    from grpolab.run import trainer
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer.GRPOTrainer, "step", interrupted)
+    code, err = run_cli([*args, "--steps", "2", "--overwrite"], capsys)
+    assert code == 130
+    monkeypatch.undo()
+    assert not (out / "checkpoints" / "last.pt").exists()
+    lines = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in lines] == [0] and lines[0]["run_id"] != old_id
+    code, err = run_cli([*args, "--steps", "2", "--resume"], capsys)
+    assert code == 1 and len(err) == 1 and "no checkpoint to resume from" in err[0], err
+
+
+def test_metrics_of_another_run_are_refused_on_resume(tmp_path: Path, world_args: list[str],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        assert run_cli(["workshop", "--out-dir", str(out), "--steps", "1", "--checkpoint-every",
+                     "1", *world_args], capsys)[0] == 0
+    shutil.copy(a / "metrics.jsonl", b / "metrics.jsonl")
+    before = files_under(b)
+    code, err = run_cli(["workshop", "--out-dir", str(b), "--steps", "2", "--resume", *world_args],
+                     capsys)
+    assert code == 2 and len(err) == 1 and "they are not one run" in err[0], err
+    assert files_under(b) == before
+
+
+def test_the_readme_command_works_twice(tmp_path: Path, world_args: list[str],
+                                        capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["workshop", "--steps", "1", *world_args], capsys)[0] == 0
+    first = files_under(tmp_path / "runs" / "workshop")
+    code = main(["workshop", "--steps", "1", *world_args])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == ""
+    assert out.splitlines()[0] == ("grpolab: runs/workshop holds an earlier run; this one writes "
+                                   "to runs/workshop-2 (--out-dir chooses the folder, "
+                                   "--overwrite replaces the run)")
+    assert "wrote runs/workshop-2/metrics.jsonl" in out
+    assert files_under(tmp_path / "runs" / "workshop") == first
+    assert metric_steps(tmp_path / "runs" / "workshop-2") == [0, 1]

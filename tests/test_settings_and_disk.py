@@ -1,0 +1,119 @@
+"""Issue 18 replayed: runs that never hang, never lose or mix data, and never execute what they
+load. Settings and the disk: settings that would wreck a run, an unusable out_dir and a full
+disk are one line (and keep what was written); datasets too small or oddly laid out are clear
+errors."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+from helpers import files_under, run_cli, tiny_trainer
+
+from grpolab.config import ConfigError, make_config
+from grpolab.data.files import load_rows
+from grpolab.run import checkpoint
+from grpolab.run.report import read_metrics
+
+BAD_SETTINGS = [
+    (["--grad-clip", "-1"], "grad_clip must be > 0"),
+    (["--grad-clip", "0"], "grad_clip must be > 0"),
+    (["--beta", "nan"], "beta must be a finite number"),
+    (["--success-threshold", "nan"], "success_threshold must be a finite number"),
+    (["--reward-weights", "nan"], "reward_weights must be a finite number"),
+    (["--reward-on-error", "nan"], "reward_on_error must be a finite number"),
+    (["--eps-low", "nan"], "eps_low must be a finite number"),
+    (["--temperature", "inf"], "temperature must be a finite number"),
+    (["--eval-size", "-1"], "eval_size must be >= 0"),
+    (["--lora-r", "0"], "lora_r must be >= 1"),
+    (["--lora-r", "-3"], "lora_r must be >= 1"),
+    (["--reward-timeout", "-1"], "reward_timeout must be >= 0"),
+]
+
+
+@pytest.mark.parametrize(("flags", "words"), BAD_SETTINGS, ids=[" ".join(f) for f, _ in
+                                                                BAD_SETTINGS])
+def test_settings_that_wreck_a_run_are_one_line_exit_2(
+        flags: list[str], words: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    code, err = run_cli(["workshop", *flags, "--out-dir", str(out), "--no-progress"], capsys)
+    assert code == 2 and len(err) == 1 and words in err[0], err
+    assert not out.exists()
+
+
+def test_out_dir_that_is_a_file_or_read_only(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "afile").write_text("keep me")
+    code, err = run_cli(["workshop", "--out-dir", str(tmp_path / "afile")], capsys)
+    assert code == 2 and err == [(f"grpolab: error: out_dir {tmp_path / 'afile'} is a file, "
+                                  "not a folder")]
+    assert (tmp_path / "afile").read_text() == "keep me"
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != ro)  # (root ignores chmod)
+    code, err = run_cli(["workshop", "--out-dir", str(ro / "run")], capsys)
+    assert code == 2 and len(err) == 1 and "is not writable" in err[0], err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["checkpoint", "metrics"])
+def test_a_full_disk_is_one_line_and_keeps_what_was_written(
+        where: str, tmp_path: Path, world_args: list[str], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "run"
+    args = ["workshop", "--out-dir", str(out), "--checkpoint-every", "1", *world_args]
+    assert run_cli([*args, "--steps", "1"], capsys)[0] == 0
+    before = files_under(out)
+    real = os.fsync
+
+    def full(fd: int) -> None:  # the disk fills up when this kind of file is written
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if (".pt.tmp" in name) if where == "checkpoint" else name.endswith("metrics.jsonl"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    code, err = run_cli([*args, "--steps", "3", "--resume"], capsys)
+    monkeypatch.undo()
+    assert code == 1 and len(err) == 1 and "No space left on device" in err[0], err
+    assert checkpoint.read(out / "checkpoints" / "last.pt")["step"] == 1
+    kept = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in kept][:2] == [0, 1]
+    assert kept[:2] == [json.loads(line) for line in
+                        before["metrics.jsonl"].decode().splitlines()[:2]]
+
+
+def test_a_dataset_smaller_than_a_step_is_an_error(tmp_path: Path) -> None:
+    tr = tiny_trainer(tmp_path, rows=1, budget=32, group_size=4)
+    with pytest.raises(ConfigError, match="the training set has 1 prompts but a step needs 8"):
+        tr.train()
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_header_only_csv_and_dataset_folder_splits(tmp_path: Path) -> None:
+    (tmp_path / "h.csv").write_text("prompt,answer\n")
+    with pytest.raises(ValueError, match="has a header line but no rows"):
+        load_rows(str(tmp_path / "h.csv"))
+    folder = tmp_path / "d"
+    folder.mkdir()
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text(json.dumps({"prompt": split, "answer": "1"}))
+    assert [r["prompt"] for r in load_rows(str(folder), split="test")] == ["test"]
+    with pytest.raises(ValueError, match=r"has no 'validation' files \(it has test, train\)"):
+        load_rows(str(folder), split="validation")
+
+
+def test_eval_dataset_folder_uses_its_test_split(tmp_path: Path) -> None:
+    from grpolab.data.files import run_rows
+
+    folder = tmp_path / "d"
+    folder.mkdir()
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text(json.dumps({"prompt": split, "answer": "1"}))
+    cfg = make_config(None, {"dataset": str(folder), "eval_dataset": str(folder)})
+    train, held = run_rows(cfg)
+    assert [r["prompt"] for r in train] == ["train"] and [r["prompt"] for r in held] == ["test"]
