@@ -122,7 +122,7 @@ def test_train_end_to_end(
         assert all(".q_proj." in n or ".v_proj." in n for n in changed)
         base = {base_name(n): p for n, p in model.named_parameters() if "lora_" not in n}
         assert base.keys() == init.keys()
-        assert all(torch.equal(base[n], init[n]) for n in init), "LoRA changed base weights"
+        assert all(torch.equal(base[n].cpu(), init[n]) for n in init), "LoRA changed base weights"
         assert all(not p.requires_grad for p in base.values())
         lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
         assert lora_b and any(p.abs().max() > 0 for p in lora_b)  # zero-initialised by peft
@@ -131,7 +131,7 @@ def test_train_end_to_end(
         assert len(changed) > len(init) // 2
         assert trainer.backend.ref is not None
         ref = dict(trainer.backend.ref.named_parameters())
-        assert all(torch.equal(ref[n], init[n]) for n in init), "the reference moved"
+        assert all(torch.equal(ref[n].cpu(), init[n]) for n in init), "the reference moved"
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
@@ -329,7 +329,9 @@ def test_logprobs_match_unpadded_forward(
         for i in range(len(PROMPTS)):
             p = ro.prompt_ids[i][ro.prompt_mask[i].bool()]
             c = ro.completion_ids[i][ro.completion_mask[i].bool()]
-            logits = model(torch.cat([p, c])[None]).logits[0, len(p) - 1 : -1] / temperature
+            # (compared on the CPU, where the backend returns log-probs; the model may be on a GPU)
+            ids = torch.cat([p, c])[None].to(model.device)
+            logits = model(ids).logits[0, len(p) - 1 : -1].cpu() / temperature
             want = torch.log_softmax(logits, -1).gather(-1, c[:, None]).squeeze(-1)
             torch.testing.assert_close(lp[i, : len(c)], want, atol=2e-5, rtol=1e-5)
 
@@ -405,7 +407,7 @@ def test_lora_trains_only_adapters_and_state_round_trips(llama: str) -> None:
     other.load_state_dict(state)
     for n, p in other.model.named_parameters():
         if p.requires_grad:
-            assert torch.equal(p, state["trainable"][n])
+            assert torch.equal(p.cpu(), state["trainable"][n])
     full = HFBackend(*load_model(llama), reference=False)
     with pytest.raises(ValueError, match="lora"):
         full.load_state_dict(state)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import files_under
 
 from grpolab.config import Config
 from grpolab.run.trainer import CheckpointError, GRPOTrainer
@@ -224,15 +225,14 @@ def test_both_corrupt_is_one_line_error_and_touches_nothing(env: dict, reference
     ckpt = out / "checkpoints"
     _garbage(ckpt / "last.pt")
     (ckpt / "prev.pt").write_bytes(b"")
-    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    before = files_under(out)  # (the out_dir lock aside: the refused run held it)
     p = _run(env, out, "--resume")
     assert p.returncode in (1, 2)
     lines = p.stderr.splitlines()
     assert len(lines) == 1, p.stderr
     assert lines[0].startswith("grpolab: error: no readable checkpoint")
     assert "last.pt" in lines[0] and "prev.pt" in lines[0]
-    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    assert after == before
+    assert files_under(out) == before
 
 
 # ------------------------------------------------------------------- in-process ----

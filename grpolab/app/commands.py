@@ -323,7 +323,9 @@ def choose_out_dir(cfg: Config, command: str, resume: bool = False) -> Config:
         raise ConfigError(f"out_dir {cfg.out_dir} is not writable ({probe} is read-only)")
     if command == "eval":
         return cfg
-    busy = lock_holder(out)
+    busy = lock_holder(out) if dist.is_main() else None  # (rank 0 takes it; ranks agree)
+    if dist.is_dist():
+        busy = dist.all_gather_object(busy)[0]
     default = cfg.out_dir == command_defaults(command).get("out_dir", Config.out_dir)
     if busy is not None and (resume or cfg.overwrite or not default):
         raise busy_error(cfg.out_dir, busy)  # (the run's own lock decides; this is early)
