@@ -75,6 +75,7 @@ def test_config_errors_are_one_line_exit_2(argv: list[str], words: list[str], tm
     assert not out.exists(), "nothing is written before the config is valid"
 
 
+@pytest.mark.slow  # subprocesses / a full run: not in the quick subset
 def test_real_process_prints_exactly_one_line(tmp_path: Path) -> None:
     """No library warning or traceback sneaks onto stderr (imports included)."""
     for argv in (["workshop", "--steps", "abc"], ["train", "--model-path", "/nonexistent"]):

@@ -277,6 +277,7 @@ def test_trackio_local_database(run: dict, monkeypatch: pytest.MonkeyPatch) -> N
     assert any("workshop" in row for row in logs)
 
 
+@pytest.mark.slow  # subprocesses / a full run: not in the quick subset
 @pytest.mark.parametrize("first", ["module", "function"])
 def test_grpolab_workshop_and_train_are_the_api(first: str) -> None:
     # grpolab.workshop and grpolab.train are the Python API's functions, whichever of the

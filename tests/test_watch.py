@@ -25,6 +25,7 @@ def test_hacking_suspected_needs_the_gap_to_reach_the_margin() -> None:
     assert not hacking_suspected(None, 0.0, 0.2) and not hacking_suspected(0.5, None, 0.2)
 
 
+@pytest.mark.slow  # subprocesses / a full run: not in the quick subset
 def test_the_watch_fires_when_training_reward_climbs_alone(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A reward that pays more every step (whatever the model writes) against a strict check
