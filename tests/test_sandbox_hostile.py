@@ -53,6 +53,9 @@ def run_tests(code: str, tests: list[str], limits: Limits | None = None) -> Verd
                                                               mount_namespace=MOUNT["on"]))
 
 
+# The verdict's tests (frames, signals, builtins, forged output) run once, on the default
+# boundary: the verdict is reached in the parent whatever the filesystem boundary; the
+# filesystem's tests run under both.
 @pytest.fixture(params=["mount", "hook"])
 def boundary(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "hook":
@@ -152,7 +155,7 @@ FRAMES = {
 
 @pytest.mark.parametrize("route", list(FRAMES))
 @pytest.mark.parametrize("guard", [QUICK, NO_GUARD], ids=["all-layers", "no-audit-hook"])
-def test_frames_cannot_forge_results(boundary: str, route: str, guard: Limits) -> None:
+def test_frames_cannot_forge_results(route: str, guard: Limits) -> None:
     code = "import os, sys\n" + FORGE + FRAMES[route] + "\n" + WRONG
     assert run_tests(code, TESTS, guard).passed == 0
 
@@ -174,7 +177,7 @@ SIGNALS = {
 
 @pytest.mark.parametrize("name", list(SIGNALS))
 @pytest.mark.parametrize("guard", [QUICK, NO_GUARD], ids=["all-layers", "no-audit-hook"])
-def test_signals_reach_nothing(boundary: str, name: str, guard: Limits) -> None:
+def test_signals_reach_nothing(name: str, guard: Limits) -> None:
     code = "import os\n" + WRONG + "try:\n" + "".join(
         f"    {line}\n" for line in SIGNALS[name].splitlines()) + "except OSError:\n    pass\n"
     t0 = time.monotonic()
@@ -213,7 +216,7 @@ TOLERANT = ["assert abs(add(0.1, 0.2) - 0.3) < 1e-9",
 
 
 @pytest.mark.parametrize("name", list(BUILTINS))
-def test_builtins_cannot_make_a_wrong_answer_pass(boundary: str, name: str) -> None:
+def test_builtins_cannot_make_a_wrong_answer_pass(name: str) -> None:
     assert run_tests(BUILTINS[name], TESTS, QUICK).passed == 0, name
     assert run_tests(BUILTINS[name], TESTS[:1] + TOLERANT, QUICK).passed == 0, name
 
@@ -326,7 +329,7 @@ FORGED = {
 
 
 @pytest.mark.parametrize("name", list(FORGED))
-def test_forged_output_is_ignored(boundary: str, name: str) -> None:
+def test_forged_output_is_ignored(name: str) -> None:
     code = "import os, sys\n" + WRONG.replace("def add", "def _unused") + FORGED[name] + "\n"
     if "def add" not in code:
         code += "def add(a, b):\n    return 0\n"
