@@ -323,15 +323,17 @@ def choose_out_dir(cfg: Config, command: str, resume: bool = False) -> Config:
         raise ConfigError(f"out_dir {cfg.out_dir} is not writable ({probe} is read-only)")
     if command == "eval":
         return cfg
-    busy = lock_holder(out) if dist.is_main() else None  # (rank 0 takes it; ranks agree)
+    # Rank 0 looks and every rank takes its answer: a rank that looked later could see rank 0's
+    # own lock (taken as soon as it runs on) and refuse the run.
+    busy, in_use = (lock_holder(out), _in_use(out)) if dist.is_main() else (None, False)
     if dist.is_dist():
-        busy = dist.all_gather_object(busy)[0]
+        busy, in_use = dist.all_gather_object((busy, in_use))[0]
     default = cfg.out_dir == command_defaults(command).get("out_dir", Config.out_dir)
     if busy is not None and (resume or cfg.overwrite or not default):
         raise busy_error(cfg.out_dir, busy)  # (the run's own lock decides; this is early)
     if resume or cfg.overwrite:
         return cfg
-    if _in_use(out):
+    if in_use:
         if not default:
             raise ConfigError(f"out_dir {cfg.out_dir} already holds a run; continue it with "
                               "--resume, replace it with --overwrite, or choose another "
