@@ -82,3 +82,40 @@ def test_compare_gives_paired_gains_and_standard_errors() -> None:
     assert got["pass@2"][0] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="not of the same prompts"):
         compare(before, {**after, "prompts": 5})
+
+
+def test_eval_writes_what_it_judged_and_splits_by_difficulty(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]
+                                                             ) -> None:
+    """completions.jsonl: one line per answer judged (greedy, then the samples), its prompt,
+    gold, text and scores agreeing with eval.json; a ``difficulty`` column splits accuracy."""
+    model = make_tiny_model(tmp_path / "model", arch="llama", hidden=32, heads=4)
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"q": f"What is {a} + {a}?", "a": str(2 * a),
+                                        "difficulty": "small" if a < 3 else "large"}) + "\n"
+                            for a in range(7)))
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text(
+        "def first_digit_odd(prompts, completions, **_):\n"
+        "    return [1.0 if any(ch in '13579' for ch in c[:3]) else 0.0 for c in completions]\n")
+    out = tmp_path / "eval"
+    assert cli.main(["eval", "--model-path", model, "--eval-dataset", str(data), "--prompt-column",
+                     "q", "--answer-column", "a", "--rewards", f"{rewards}:first_digit_odd",
+                     "--eval-samples", "2", "--budget", "8", "--max-new-tokens", "6",
+                     "--out-dir", str(out)]) == 0
+    assert "by difficulty: large" in capsys.readouterr().out
+    res = json.loads((out / "eval.json").read_text())
+    lines = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(lines) == 7 + 7 * 2
+    greedy = [x for x in lines if x["greedy"]]
+    assert [x["gold"] for x in greedy] == [str(2 * a) for a in range(7)]
+    assert [int(x["right"]) for x in greedy] == res["greedy_correct"]
+    for x in lines:  # the score is the reward of the text written down
+        odd = any(ch in "13579" for ch in x["completion"][:3])
+        assert x["rewards"] == {"first_digit_odd": float(odd)} and x["right"] == odd
+    ok = res["greedy_correct"]
+    assert res["greedy_accuracy_by_difficulty"] == pytest.approx(
+        {"small": sum(ok[:3]) / 3, "large": sum(ok[3:]) / 4})
+    sampled = [x for x in lines if not x["greedy"]]
+    assert [x["prompt"] for x in sampled] == [x["prompt"] for x in greedy for _ in range(2)]
+    assert sum(x["right"] for x in sampled) == sum(res["sampled_correct"])

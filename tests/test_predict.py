@@ -428,3 +428,47 @@ def test_hf_run_logs_predicted_vs_measured_with_calibration(tmp_path, monkeypatc
     assert 0 <= summary["posterior_dead_brier"] <= 1
     assert sum(b["groups"] for b in summary["posterior_dead_reliability"]) == 6
     assert (out / "calibration.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("tracker", [PassRateTracker, GridPassRateTracker])
+def test_kinds_share_evidence_with_prompts_not_seen(tracker: type[PassRateTracker]) -> None:
+    """Prompts 0-3 of kind 0 are right half the time, 4-7 of kind 1 never: after one step the
+    unseen prompt 3 is predicted live (P(dead) < 0.1) and 7 dead (> 0.75), where one prior for
+    all predicts both alike (both ~0.34-0.46); a checkpoint's state restores the kinds'
+    priors."""
+    kinds = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    seen, right = [0, 1, 2, 4, 5, 6], torch.tensor([4.0, 3, 5, 0, 0, 0])
+    grouped, pooled = tracker(8, decay=1.0, kinds=kinds), tracker(8, decay=1.0)
+    for t in (grouped, pooled):
+        t.observe(seen, right, [8] * 6)
+        t.end_step()
+    g, p = grouped.mean([3, 7]).tolist(), pooled.mean([3, 7]).tolist()
+    assert g[0] == pytest.approx(0.5) and g[1] < 0.15
+    assert p[0] == pytest.approx(p[1]) and 0.2 < p[0] < 0.3
+    dead_g = grouped.dead_probability([3, 7], [8, 8]).tolist()
+    dead_p = pooled.dead_probability([3, 7], [8, 8]).tolist()
+    assert dead_g[0] < 0.1 and dead_g[1] > 0.75
+    assert dead_p[0] == pytest.approx(dead_p[1]) and 0.3 < dead_p[0] < 0.5
+    assert grouped.mean(seen).tolist() == pytest.approx(grouped.mean()[seen].tolist())
+    again = tracker(8, kinds=kinds)
+    again.load_state_dict(grouped.state_dict())
+    assert again.mean().tolist() == grouped.mean().tolist()
+    with pytest.raises(ValueError, match="per-kind"):
+        again.load_state_dict(pooled.state_dict())
+
+
+def test_predict_group_by_names_a_column_of_every_row(tmp_path) -> None:
+    tr = world_trainer(tmp_path, allocate=True, allocate_min_group=2, allocate_max_group=8)
+    from grpolab.run.collect import kinds_of
+
+    rows = [{"d": "a"}, {"d": "b"}, {"d": "a"}]
+    assert kinds_of(rows, "d").tolist() == [0, 1, 0] and kinds_of(rows, "") is None
+    with pytest.raises(ConfigError, match="1 of the 3 training rows have no such column"):
+        kinds_of([*rows[:2], {}], "d")
+    assert tr.tracker.kinds is None
+    column = next(k for k, v in tr.train_rows[0].items() if k != "prompt" and isinstance(v, str))
+    tr = world_trainer(tmp_path / "by", allocate=True, allocate_min_group=2, allocate_max_group=8,
+                       predict_group_by=column)
+    assert tr.tracker.kinds is not None and tr.tracker.kind_priors is not None
+    rec = tr.step()
+    assert rec["answers_generated"] == 32 and math.isfinite(rec["loss"])

@@ -82,3 +82,51 @@ def test_bad_task_specs_fail_on_one_line(capsys: pytest.CaptureFixture[str]) -> 
                      "reasoning_gym:nope", "--rewards", "reasoning_gym", "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "no task 'nope'" in err[0]
+
+
+# ----------------------------------------------------------------------------- grpolab:arithmetic
+
+
+def _columns(q: str) -> tuple[int, str, int]:
+    a, op, b = q.removeprefix("Calculate ").rstrip(".").split()
+    return int(a), op, int(b)
+
+
+def test_arithmetic_difficulties_are_what_they_say() -> None:
+    """Every row's answer is its sum or difference, never negative; "2-digit" has no carry or
+    borrow in any column, "2-digit-carry" one in the units and a 2-digit sum; the four kinds
+    come in turn."""
+    rows = task_rows("grpolab:arithmetic", 400, seed=5)
+    assert [r["difficulty"] for r in rows[:8]] == [
+        "1-digit", "2-digit", "2-digit-carry", "3-digit"] * 2
+    for r in rows:
+        a, op, b = _columns(r["question"])
+        assert int(r["answer"]) == (a + b if op == "+" else a - b) >= 0
+        units = (a % 10 + b % 10 >= 10) if op == "+" else (a % 10 < b % 10)
+        tens = (a // 10 + b // 10 + units >= 10) if op == "+" else False
+        kind = r["difficulty"]
+        if kind == "1-digit":
+            assert a < 10 and b < 10
+        elif kind == "3-digit":
+            assert 100 <= min(a, b) and max(a, b) < 1000
+        else:
+            assert 10 <= min(a, b) and max(a, b) < 100 and not tens
+            assert units == (kind == "2-digit-carry")
+    assert len({r["question"] for r in rows}) == 400  # distinct
+
+
+def test_arithmetic_split_config_and_errors() -> None:
+    cfg = make_config(overrides={"dataset": "grpolab:arithmetic",
+                                 "eval_dataset": "grpolab:arithmetic", "dataset_size": 80,
+                                 "eval_size": 40,
+                                 "task_config": {"difficulties": ["2-digit-carry"],
+                                                 "operators": ["+"]}})
+    train, held = run_rows(cfg)
+    assert len(train) == 80 and len(held) == 40
+    assert not {r["question"] for r in train} & {r["question"] for r in held}
+    assert {r["difficulty"] for r in train + held} == {"2-digit-carry"}
+    assert all(" + " in r["question"] for r in train)
+    with pytest.raises(ValueError, match="unknown"):
+        task_rows("grpolab:arithmetic", 4, 0, {"difficulties": ["4-digit"]})
+    with pytest.raises(ValueError, match="no task"):
+        task_rows("grpolab:algebra", 4, 0)

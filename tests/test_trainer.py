@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import first_digit_odd, never, world_trainer
+from helpers import first_digit_odd, never, tiny_trainer, world_trainer
 
 from grpolab.config import make_config
 from grpolab.core.advantages import dead_mask
@@ -232,3 +232,21 @@ def test_samples_log_the_advantages_the_update_trained_with(tmp_path) -> None:
     assert logged == whole[live : live + g].tolist()
     own = A.group_advantages(batch.rewards[: live + g].float(), g, scale="batch")[live:]
     assert logged != own.tolist()  # what the old recomputation over the logged groups gave
+
+
+def test_heldout_accuracy_by_difficulty(tmp_path) -> None:
+    """Held-out rows with a ``difficulty`` column: each evaluation's line splits the accuracy
+    by it, and the split's weighted mean is the accuracy itself."""
+    tr = tiny_trainer(tmp_path, eval_every=1, eval_size=8)
+    for i, row in enumerate(tr.heldout_rows[:8]):
+        row["difficulty"] = "easy" if i < 3 else "hard"
+    records = tr.train()
+    evaluated = [r for r in records if r["heldout_acc"] is not None]
+    assert len(evaluated) == 4  # step 0 and the 3 steps
+    for r in evaluated:
+        by = r["heldout_acc_by_difficulty"]
+        assert set(by) == {"easy", "hard"}
+        assert (3 * by["easy"] + 5 * by["hard"]) / 8 == pytest.approx(r["heldout_acc"])
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["heldout_acc_by_difficulty"] for x in lines] == [
+        r["heldout_acc_by_difficulty"] for r in evaluated]

@@ -215,9 +215,11 @@ def train(cfg: Config, resume: bool) -> int:
 def run_eval(cfg: Config) -> dict[str, Any]:
     """Greedy accuracy and per-reward means on the first ``eval_size`` rows of eval_dataset (or
     dataset); with ``eval_samples`` n > 0 also pass@k for k = 1, 2, 4, ... n at ``temperature``.
-    Writes ``<out_dir>/eval.json`` and returns it."""
+    Writes ``<out_dir>/eval.json`` (by difficulty too, when the rows have a ``difficulty``
+    column) and every answer judged to ``<out_dir>/completions.jsonl``; returns eval.json's."""
     from grpolab.core.passk import ks_up_to, pass_at_k, standard_error
     from grpolab.data.files import run_rows
+    from grpolab.run.report import by_difficulty
 
     check_paths(cfg, "eval")
     if not cfg.progress:  # as in train: no weight-loading bars around a one-line error
@@ -253,6 +255,8 @@ def run_eval(cfg: Config) -> dict[str, Any]:
         "reward_problems": greedy.problems,
         "greedy_correct": ok.int().tolist(),  # per prompt, for paired comparisons
     }
+    if (by := by_difficulty(rows, ok.float())) is not None:
+        out["greedy_accuracy_by_difficulty"] = by
     if n:
         correct = sampled.ok.view(len(rows), n).sum(1)
         out.update({"samples_per_prompt": n, "temperature": cfg.temperature,
@@ -263,6 +267,13 @@ def run_eval(cfg: Config) -> dict[str, Any]:
         out.update({f"pass@{k}": float(pass_at_k(n, correct, k).mean()) for k in ks_up_to(n)})
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    judged = [(greedy, rows, True)] + ([(sampled, [r for r in rows for _ in range(n)], False)]
+                                       if n else [])
+    lines = [json.dumps({"prompt": r["prompt"], "gold": r.get("answer"), "greedy": g,
+                         "completion": c, "right": bool(o),
+                         "rewards": dict(zip(a.names, map(float, f)))}, default=str)
+             for a, rs, g in judged for r, c, o, f in zip(rs, a.completions, a.ok, a.per_fn)]
+    (out_dir / "completions.jsonl").write_text("".join(x + "\n" for x in lines))
     (out_dir / "eval.json").write_text(json.dumps(out, indent=2) + "\n")
     return out
 
@@ -289,10 +300,13 @@ def evaluate(cfg: Config, compare_to: str | None = None) -> int:
     if ks:
         line += f"; at T={res['temperature']}, " + ", ".join(f"{k} {res[k]:.3f}" for k in ks)
     print(line)
+    if "greedy_accuracy_by_difficulty" in res:
+        print("  by difficulty: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in res["greedy_accuracy_by_difficulty"].items()))
     if before is not None:
         for name, (gain, se) in compare(before, res).items():
             print(f"  {name}: {gain:+.3f} ± {se:.3f} (paired standard error) against {compare_to}")
-    print(f"wrote {cfg.out_dir}/eval.json")
+    print(f"wrote {cfg.out_dir}/eval.json and {cfg.out_dir}/completions.jsonl")
     return 0
 
 

@@ -215,6 +215,10 @@ class Config:
     predict_prior_strength: float = opt(
         0.0, RUN,
         "a0 + b0 of the pass-rate prior; 0 = fitted (moments)")
+    predict_group_by: str = opt(
+        "", RUN,
+        "a column of the training rows (e.g. difficulty): prompts with one value share a "
+        "fitted pass-rate prior, so a prompt not seen yet is predicted from its own kind")
     predict_prior: PassRatePrior = opt(
         "beta", RUN,
         "the pass-rate prior: one Beta (moments) or a grid of rates with EM-fitted weights "

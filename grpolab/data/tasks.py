@@ -1,4 +1,5 @@
-"""Procedural task libraries as datasets and rewards: ``dataset: reasoning_gym:<task>``.
+"""Procedural task libraries as datasets and rewards: ``dataset: reasoning_gym:<task>``, and
+grpolab's own ``dataset: grpolab:arithmetic`` (addition and subtraction by difficulty).
 
 reasoning-gym (Apache-2.0) generates questions with gold answers from a seed and scores an
 answer with each task's own ``score_answer``. Here a task becomes rows (``prompt``, ``answer``,
@@ -15,19 +16,21 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from grpolab.rewards import verifiers
 
 PREFIX = "reasoning_gym:"
+OWN = "grpolab:"
 HELDOUT_SEED_OFFSET = 1_000_003
 
 log = logging.getLogger("grpolab")
 
 
 def is_task(spec: str) -> bool:
-    return spec.startswith(PREFIX)
+    return spec.startswith((PREFIX, OWN))
 
 
 def _library() -> Any:
@@ -47,6 +50,8 @@ def task_rows(spec: str, size: int, seed: int, task_config: dict[str, Any] | Non
     held-out split never repeats a training question. Raises ValueError with one line for an
     unknown task or a bad task config.
     """
+    if spec.startswith(OWN):
+        return arithmetic_rows(spec, size, seed, task_config, exclude)
     rg = _library()
     name = spec[len(PREFIX):].strip()
     cfg = dict(task_config or {})
@@ -110,3 +115,63 @@ def task_reward(sources: Sequence[str] = verifiers.SOURCES) -> Callable[..., lis
         return out
 
     return reasoning_gym_score
+
+
+# ----------------------------------------------------------------------------- grpolab:arithmetic
+
+DIFFICULTIES = ("1-digit", "2-digit", "2-digit-carry", "3-digit")
+
+
+def _operands(kind: str, op: str, rng: random.Random) -> tuple[int, int]:
+    """Two operands of one difficulty; a difference is never negative. "2-digit" has no carry
+    (addition) or borrow (subtraction) in any column; "2-digit-carry" has one in the units."""
+    while True:
+        if kind == "1-digit":
+            a, b = rng.randint(1, 9), rng.randint(1, 9)
+        elif kind == "3-digit":
+            a, b = rng.randint(100, 999), rng.randint(100, 999)
+        else:
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if op == "-" and a < b:
+            a, b = b, a
+        if kind.startswith("2-digit"):
+            if op == "+":
+                carry = a % 10 + b % 10 >= 10
+                if a // 10 + b // 10 + carry >= 10:  # a 3-digit sum is another skill
+                    continue
+            else:
+                carry = a % 10 < b % 10
+            if carry != (kind == "2-digit-carry"):
+                continue
+        return a, b
+
+
+def arithmetic_rows(spec: str, size: int, seed: int, task_config: dict[str, Any] | None = None,
+                    exclude: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """``grpolab:arithmetic``: "Calculate a + b." / "Calculate a - b." rows, the difficulties
+    (``task_config: {difficulties: [...], operators: [+, -]}``, default all) in turn; each row's
+    ``difficulty`` column splits held-out accuracy by difficulty."""
+    name = spec[len(OWN):].strip()
+    if name != "arithmetic":
+        raise ValueError(f"dataset {spec!r}: grpolab has no task {name!r} (only 'arithmetic')")
+    cfg = dict(task_config or {})
+    kinds = list(cfg.pop("difficulties", DIFFICULTIES))
+    ops = list(cfg.pop("operators", ["+", "-"]))
+    bad = [k for k in kinds if k not in DIFFICULTIES] + [o for o in ops if o not in "+-"]
+    if cfg or bad or not kinds or not ops:
+        raise ValueError(f"dataset {spec!r}: bad task_config (unknown {sorted(cfg) or bad}; "
+                         f"difficulties are {list(DIFFICULTIES)}, operators + and -)")
+    rng, banned, rows = random.Random(seed), set(exclude), []
+    for _ in range(100 * size + 1000):
+        kind = kinds[len(rows) % len(kinds)]
+        op = rng.choice(ops)
+        a, b = _operands(kind, op, rng)
+        q = f"Calculate {a} {op} {b}."
+        if q in banned:
+            continue
+        banned.add(q)
+        rows.append({"prompt": q, "question": q, "answer": str(a + b if op == "+" else a - b),
+                     "difficulty": kind})
+        if len(rows) == size:
+            break
+    return rows

@@ -18,6 +18,9 @@ over its groups; ``brier_score`` and ``reliability_table`` say how good the pred
 ``calibration_summary`` (and ``run.plots.plot_calibration``) turn a run's metrics into the summary's numbers
 and ``calibration.png``.
 
+With ``kinds`` (config ``predict_group_by``: a column such as a difficulty), each kind of
+prompt gets its own fitted Beta: a prompt never seen is predicted from the prompts of its kind.
+
 ``GridPassRateTracker`` keeps the same counts under another prior: a discrete distribution over
 a grid of pass rates fitted by EM (the nonparametric maximum-likelihood prior of the binomial
 counts), which can hold several bands at once (prompts always solved, never solved, and some
@@ -97,20 +100,30 @@ class PassRateTracker:
     the step (decays every count by ``decay`` and refits the prior).
     """
 
-    def __init__(self, n: int, decay: float = 0.97, prior_strength: float = 0.0) -> None:
+    def __init__(self, n: int, decay: float = 0.97, prior_strength: float = 0.0,
+                 kinds: Tensor | None = None) -> None:
         self.n = n
         self.decay = decay
         self.prior_strength = prior_strength
         self.successes = torch.zeros(n, dtype=torch.float64)
         self.failures = torch.zeros(n, dtype=torch.float64)
         self.prior = DEFAULT_PRIOR
+        # kinds [N]: prompts of one kind (e.g. one difficulty) share a prior fitted to them
+        # alone, the population's while fewer than two of them were seen; [K, 2] (a0, b0)
+        self.kinds = kinds
+        self.kind_priors = (None if kinds is None else
+                            torch.tensor([DEFAULT_PRIOR], dtype=torch.float64)
+                            .repeat(int(kinds.max()) + 1, 1))
 
     def posterior(self, idx: list[int] | Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(a, b) [K] of the prompts ``idx`` (every prompt when None)."""
         s, f = self.successes, self.failures
-        if idx is not None:
-            t = torch.as_tensor(idx, dtype=torch.long)
+        t = None if idx is None else torch.as_tensor(idx, dtype=torch.long)
+        if t is not None:
             s, f = s[t], f[t]
+        if self.kind_priors is not None:
+            pk = self.kind_priors[self.kinds if t is None else self.kinds[t]]
+            return pk[:, 0] + s, pk[:, 1] + f
         return self.prior[0] + s, self.prior[1] + f
 
     def mean(self, idx: list[int] | Tensor | None = None) -> Tensor:
@@ -146,15 +159,28 @@ class PassRateTracker:
         self.successes.mul_(self.decay)
         self.failures.mul_(self.decay)
         self.prior = fit_beta_prior(self.successes, self.failures, self.prior_strength)
+        if self.kinds is not None and self.kind_priors is not None:
+            for k in range(len(self.kind_priors)):
+                mine = self.kinds == k
+                self.kind_priors[k] = torch.tensor(fit_beta_prior(
+                    self.successes[mine], self.failures[mine], self.prior_strength, self.prior))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"successes": self.successes.clone(), "failures": self.failures.clone(),
-                "prior": list(self.prior)}
+        st = {"successes": self.successes.clone(), "failures": self.failures.clone(),
+              "prior": list(self.prior)}
+        if self.kind_priors is not None:
+            st["kind_priors"] = self.kind_priors.clone()
+        return st
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.successes.copy_(st["successes"])
         self.failures.copy_(st["failures"])
         self.prior = (float(st["prior"][0]), float(st["prior"][1]))
+        if self.kind_priors is not None:
+            if "kind_priors" not in st:
+                raise ValueError("the checkpoint's pass-rate posteriors have no per-kind priors "
+                                 "(saved without predict_group_by)")
+            self.kind_priors.copy_(st["kind_priors"])
 
 
 GRID_POINTS = 21  # pass rates 0, 0.05, ..., 1 of the grid prior
@@ -195,17 +221,23 @@ class GridPassRateTracker(PassRateTracker):
     (``fit_grid_prior``) instead of one Beta: each prompt's posterior is a weight per grid rate.
     """
 
-    def __init__(self, n: int, decay: float = 0.97, prior_strength: float = 0.0) -> None:
-        super().__init__(n, decay, prior_strength)
+    def __init__(self, n: int, decay: float = 0.97, prior_strength: float = 0.0,
+                 kinds: Tensor | None = None) -> None:
+        super().__init__(n, decay, prior_strength, kinds)
         self.grid = torch.linspace(0.0, 1.0, GRID_POINTS, dtype=torch.float64)
         self.weights = torch.full((GRID_POINTS,), 1.0 / GRID_POINTS, dtype=torch.float64)
+        self.kind_priors = (None if kinds is None else  # [K, J] each kind's grid weights
+                            self.weights.repeat(int(kinds.max()) + 1, 1))
 
     def grid_posterior(self, idx: list[int] | Tensor | None = None) -> Tensor:
         """[K, J] each prompt's posterior weight on each grid rate."""
         s, f = self.successes, self.failures
-        if idx is not None:
-            t = torch.as_tensor(idx, dtype=torch.long)
+        t = None if idx is None else torch.as_tensor(idx, dtype=torch.long)
+        if t is not None:
             s, f = s[t], f[t]
+        if self.kind_priors is not None:
+            logw = self.kind_priors[self.kinds if t is None else self.kinds[t]].log()
+            return torch.softmax(_grid_loglik(s, f, self.grid) + logw, dim=1)
         return torch.softmax(_grid_loglik(s, f, self.grid) + self.weights.log()[None, :], dim=1)
 
     def _dead_by_size(self, sizes: Tensor) -> Tensor:
@@ -234,6 +266,13 @@ class GridPassRateTracker(PassRateTracker):
         self.successes.mul_(self.decay)
         self.failures.mul_(self.decay)
         self.weights = fit_grid_prior(self.successes, self.failures, self.grid, self.weights)
+        if self.kinds is not None and self.kind_priors is not None:
+            for k in range(len(self.kind_priors)):
+                mine = self.kinds == k
+                enough = int((self.successes[mine] + self.failures[mine] >= 1.0).sum()) >= 2
+                self.kind_priors[k] = fit_grid_prior(
+                    self.successes[mine], self.failures[mine], self.grid,
+                    self.kind_priors[k] if enough else self.weights)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "grid_weights": self.weights.clone()}

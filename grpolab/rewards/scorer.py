@@ -13,7 +13,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -387,13 +387,14 @@ def make_scorer(cfg: Any, reward_fns: Sequence[RewardFn] | None = None) -> Score
 @dataclass
 class Answers:
     """Answers to some rows, scored: per-function scores [N, K], which the first reward counts
-    as right [N] (``ok``), and by the optional check reward (``checked``)."""
+    as right [N] (``ok``), and by the optional check reward (``checked``); the texts judged."""
 
     per_fn: torch.Tensor
     ok: torch.Tensor
     names: list[str]
     problems: int
     checked: torch.Tensor | None = None
+    completions: list[str] = field(default_factory=list)
 
 
 def score_answers(backend: Any, rows: list[dict], scorer: Scorer, max_new_tokens: int,
@@ -403,16 +404,17 @@ def score_answers(backend: Any, rows: list[dict], scorer: Scorer, max_new_tokens
     """One answer per row (greedy at temperature 0: the held-out accuracy of training and of
     ``grpolab eval``), scored by ``scorer`` and, with ``check_fn``, by that strict check too.
     ``chunk`` rows are generated at a time (0: all at once)."""
-    parts, checks = [], []
+    parts, checks, texts = [], [], []
     for lo in range(0, len(rows), chunk or max(len(rows), 1)):
         part = rows[lo : lo + chunk] if chunk else rows
         ro = backend.generate([r["prompt"] for r in part], temperature, max_new_tokens,
                               *([generator] if generator is not None else []))
         parts.append(scorer(ro.prompts, ro.completions, part, group_size))
+        texts += list(ro.completions)
         if check_fn is not None:
             checks.append(score([check_fn], ro.prompts, ro.completions, row_columns(part))
                           .success(threshold))
     return Answers(per_fn=torch.cat([p.per_fn for p in parts]),
                    ok=torch.cat([p.success(threshold) for p in parts]),
                    names=parts[0].names, problems=sum(len(p.problems) for p in parts),
-                   checked=torch.cat(checks) if checks else None)
+                   checked=torch.cat(checks) if checks else None, completions=texts)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from grpolab.config import Config
+from grpolab.config import Config, ConfigError
 from grpolab.core import advantages as adv_mod
 from grpolab.predict.alarm import NoSignalAlarm
 from grpolab.predict.allocate import allocate_table, size_axis
@@ -64,6 +64,18 @@ class Batch:
             self.reward_sums[name] = self.reward_sums.get(name, 0.0) + float(res.per_fn[:, j].sum())
 
 
+def kinds_of(rows: list[dict], column: str) -> torch.Tensor | None:
+    """[N] the kind id of each row by its ``column`` value (None without a column)."""
+    if not column:
+        return None
+    missing = sum(column not in r for r in rows)
+    if missing:
+        raise ConfigError(f"predict_group_by {column!r}: {missing} of the {len(rows)} training "
+                          "rows have no such column")
+    names = sorted({str(r[column]) for r in rows})
+    return torch.tensor([names.index(str(r[column])) for r in rows], dtype=torch.long)
+
+
 class Collector:
     """Samples and scores each step's groups. Of its state only the pass-rate posteriors
     (``tracker``) go into a checkpoint (the prompt sampler and the sampling generator are the
@@ -74,7 +86,8 @@ class Collector:
         self.cfg, self.backend, self.rows, self.scorer = cfg, backend, rows, scorer
         self.gen, self.sampler = generator, sampler
         self.tracker = PASS_RATE_PRIORS[cfg.predict_prior](len(rows), cfg.predict_decay,
-                                                           cfg.predict_prior_strength)
+                                                           cfg.predict_prior_strength,
+                                                           kinds_of(rows, cfg.predict_group_by))
         self.alarm = NoSignalAlarm(cfg.alarm_truncated_share)
         # this step's sampled groups, per round: (global sizes [N], P(dead) predicted before
         # scoring [N], truncated answers [B] or None)

@@ -85,6 +85,22 @@ def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_o
     }
 
 
+def by_difficulty(rows: list[dict], ok: Tensor, lo: int = 0) -> dict[str, float] | None:
+    """Held-out accuracy per value of the rows' ``difficulty`` column (None without one);
+    ``ok`` scores ``rows[lo:lo + len(ok)]`` (this rank's slice; collective under torchrun)."""
+    kinds = sorted({str(r["difficulty"]) for r in rows if r.get("difficulty") is not None})
+    if not kinds:
+        return None
+    sums = [0.0] * (2 * len(kinds))
+    for r, o in zip(rows[lo:lo + len(ok)], ok.tolist()):
+        if r.get("difficulty") is not None:
+            i = kinds.index(str(r["difficulty"]))
+            sums[2 * i] += float(o)
+            sums[2 * i + 1] += 1.0
+    sums = dist.all_reduce_sum(sums)
+    return {k: sums[2 * i] / sums[2 * i + 1] for i, k in enumerate(kinds) if sums[2 * i + 1]}
+
+
 def sample_record(batch: Batch, group_size: int, groups: int,
                   advantages: Tensor | None) -> list[dict[str, Any]]:
     """The first ``groups`` groups trained on (this rank's): what the policy wrote, its rewards

@@ -39,7 +39,7 @@ from grpolab.rollout.critic import Critic
 from grpolab.run import checkpoint, dist, shard, update
 from grpolab.run.checkpoint import CheckpointError
 from grpolab.run.collect import Batch, Collector
-from grpolab.run.report import MetricsWriter, sample_record, step_record
+from grpolab.run.report import MetricsWriter, by_difficulty, sample_record, step_record
 from grpolab.run.stopping import RunStopped, StopSignals
 from grpolab.run.trackers import Reporter, finishing
 from grpolab.run.update import TrainingError, lr_factor
@@ -81,6 +81,7 @@ class GRPOTrainer:
             raise ValueError("no training prompts")
         self.cfg, self.backend, self.train_rows = cfg, backend, train_rows
         self.heldout_rows = heldout_rows or []
+        self.heldout_by_difficulty: dict[str, float] | None = None  # the last evaluation's
         self.scorer: Scorer = make_scorer(cfg, reward_fns)
         self.watch_fn = watch_fn  # strict held-out check of the reward-hacking watch
         self.watch = Watch(watch_fn, cfg.watch_margin, cfg.watch_window)
@@ -150,6 +151,8 @@ class GRPOTrainer:
                     "speed": dataclasses.asdict(cfg.speed)}  # the paths this run takes
             if self.watch.check_acc:
                 rec0["heldout_check_acc"] = self.watch.check_acc[-1]
+            if self.heldout_by_difficulty:
+                rec0["heldout_acc_by_difficulty"] = self.heldout_by_difficulty
             if self.metrics:
                 self.metrics.write(rec0)
             if self.reporter:
@@ -198,6 +201,8 @@ class GRPOTrainer:
         rec = step_record(cfg, self.step_num, batch, sampled, sampled_ok, ds, predicted, acc,
                           pass_prob, upd, t0, t_sample, posterior)
         rec["train_pass_prob"] = self.train_pass_prob() if do_eval else None
+        if do_eval and self.heldout_by_difficulty:
+            rec["heldout_acc_by_difficulty"] = self.heldout_by_difficulty
         self.record(rec, batch, adv, ds)
         return rec
 
@@ -259,11 +264,13 @@ class GRPOTrainer:
             return None
         if not dist.is_dist():
             ok, check = self._heldout_ok(rows)
+            self.heldout_by_difficulty = by_difficulty(rows, ok)
             if check is not None:
                 self.watch.check_acc.append(float(check.mean()))
             return float(ok.mean())
         lo, hi = dist.shard(len(rows))  # each rank scores a slice; shares are over all of them
         ok, check = self._heldout_ok(rows[lo:hi]) if hi > lo else (torch.zeros(0), None)
+        self.heldout_by_difficulty = by_difficulty(rows, ok, lo)
         sums = dist.all_reduce_sum([float(ok.sum()), hi - lo,
                                     float(check.sum()) if check is not None else 0.0])
         if self.watch_fn is not None:

@@ -1,0 +1,133 @@
+"""The 2-digit arithmetic comparison (bench/arith_compare.sh): one markdown row per method,
+pooled over seeds, and the per-difficulty learning curves.
+
+Gains are paired per held-out prompt: a method's final greedy answer against the start's (and,
+in "vs GRPO", against plain GRPO's final answer to the same prompt of the same seed); the
+standard error is that of the mean of those paired differences over every prompt of every seed.
+
+Usage: python bench/arith_table.py OUT [--methods grpo ...] [--seeds 0 1] [--figure F.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+KINDS = ("1-digit", "2-digit", "2-digit-carry", "3-digit")
+
+
+def _load(run: Path) -> tuple[list[dict], dict]:
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return steps, json.loads((run / "eval-final" / "eval.json").read_text())
+
+
+def _mean_se(diffs: list[float]) -> tuple[float, float]:
+    n = len(diffs)
+    m = sum(diffs) / n
+    var = sum((d - m) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    return m, math.sqrt(var / n)
+
+
+def table(out: Path, methods: list[str], seeds: list[int]) -> list[str]:
+    rows = [("| method | held-out start | end | gain (paired) | vs GRPO (paired) | "
+             "2-digit carry end | 1-digit / 2-digit / 3-digit end | answers generated | "
+             "generated per live answer | dead all right / all wrong |"),
+            "|" + "---|" * 10]
+    for m in methods:
+        gains, vs, start, end, carry, kinds = [], [], [], [], [], {k: [] for k in KINDS}
+        generated = useful = 0
+        dead_r, dead_w = [], []
+        for s in seeds:
+            run = out / f"{m}-s{s}"
+            if not (run / "eval-final" / "eval.json").exists():
+                continue
+            steps, ev = _load(run)
+            base = json.loads((out / f"base-s{s}" / "eval.json").read_text())
+            ok, ok0 = ev["greedy_correct"], base["greedy_correct"]
+            gains += [a - b for a, b in zip(ok, ok0)]
+            grpo = out / f"grpo-s{s}" / "eval-final" / "eval.json"
+            if m != "grpo" and grpo.exists():
+                vs += [a - b for a, b in zip(ok, json.loads(grpo.read_text())["greedy_correct"])]
+            start.append(base["greedy_accuracy"])
+            end.append(ev["greedy_accuracy"])
+            by = ev.get("greedy_accuracy_by_difficulty", {})
+            carry.append(by.get("2-digit-carry", float("nan")))
+            for k in KINDS:
+                kinds[k].append(by.get(k, float("nan")))
+            trained = [r for r in steps if r["step"] > 0]
+            generated += sum(r["answers_generated"] for r in trained)
+            useful += sum(r["useful_answers"] for r in trained)
+            dead_r += [r["dead_all_right_share"] for r in trained]
+            dead_w += [r["dead_all_wrong_share"] for r in trained]
+        if not end:
+            continue
+        n = len(end)
+        g, gse = _mean_se(gains)
+        v = f"{_mean_se(vs)[0]:+.3f} ± {_mean_se(vs)[1]:.3f}" if vs else ""
+        rows.append(
+            f"| {m} ({n} seed{'s' if n > 1 else ''}) | {sum(start) / n:.3f} | {sum(end) / n:.3f} "
+            f"| {g:+.3f} ± {gse:.3f} | {v} | {sum(carry) / n:.3f} | "
+            + " / ".join(f"{sum(kinds[k]) / n:.3f}" for k in ("1-digit", "2-digit", "3-digit"))
+            + f" | {generated // n} | {generated / max(useful, 1):.2f} | "
+            f"{sum(dead_r) / len(dead_r):.2f} / {sum(dead_w) / len(dead_w):.2f} |")
+    return rows
+
+
+def figure(out: Path, methods: list[str], seeds: list[int], path: Path) -> None:
+    """Held-out greedy accuracy per difficulty over training (mean over seeds), one panel per
+    difficulty, and the dead share (all right + all wrong) per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(KINDS) + 1, figsize=(4 * (len(KINDS) + 1), 3.4),
+                             constrained_layout=True)
+    for m in methods:
+        curves: dict[int, dict[str, list[float]]] = {}
+        dead: dict[int, list[float]] = {}
+        for s in seeds:
+            f = out / f"{m}-s{s}" / "metrics.jsonl"
+            if not f.exists():
+                continue
+            for r in map(json.loads, f.read_text().splitlines()):
+                if r.get("heldout_acc_by_difficulty"):
+                    for k, v in r["heldout_acc_by_difficulty"].items():
+                        curves.setdefault(r["step"], {}).setdefault(k, []).append(v)
+                if r["step"] > 0:
+                    dead.setdefault(r["step"], []).append(r["dead_share"])
+        if not curves:
+            continue
+        xs = sorted(curves)
+        for ax, k in zip(axes, KINDS):
+            ys = [sum(curves[x].get(k, [0])) / max(len(curves[x].get(k, [])), 1) for x in xs]
+            ax.plot(xs, ys, marker="o", label=m)
+        ds = sorted(dead)
+        axes[-1].plot(ds, [sum(dead[x]) / len(dead[x]) for x in ds], label=m)
+    for ax, k in zip(axes, KINDS):
+        ax.set(title=f"held-out {k}", xlabel="step", ylabel="greedy accuracy", ylim=(-0.02, 1))
+        ax.grid(alpha=0.3)
+    axes[-1].set(title="dead share of groups", xlabel="step", ylim=(-0.02, 1.02))
+    axes[-1].grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--methods", nargs="+",
+                    default=["grpo", "allocate-kind", "curriculum", "allocate", "dynamic"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--figure", type=Path)
+    a = ap.parse_args()
+    print("\n".join(table(a.out, a.methods, a.seeds)))
+    if a.figure:
+        figure(a.out, a.methods, a.seeds, a.figure)
+        print(f"wrote {a.figure}")
+
+
+if __name__ == "__main__":
+    main()
