@@ -34,7 +34,8 @@ def test_exact_answer_strips_whitespace_and_stringifies_gold() -> None:
     ("completion", "gold", "expected"),
     [
         ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
-        ("so it is 0.5", "\\frac{1}{2}", 0.0),  # prose: no final answer (test_verifiers.py)
+        ("so it is 0.5", "\\frac{1}{2}", 1.0),  # its last stated result (test_verifiers.py)
+        ("so it is 0.5 or 0.25", "\\frac{1}{2}", 0.0),
         ("so the answer is 0.5", "\\frac{1}{2}", 1.0),
         ("\\boxed{3}", "4", 0.0),
         ("The answer is \\boxed{1000}", "1,000", 1.0),

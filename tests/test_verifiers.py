@@ -35,7 +35,6 @@ CASES = [
     # no final answer at all
     ("", "144", 0.0),
     ("62 + 82 = 144 because 60 + 80 = 140", "144", 0.0),
-    ("so it is 0.5", "\\frac{1}{2}", 0.0),
     ("The answer is \\boxed{}.", "144", 0.0),
     ("\\boxed{144", "144", 0.0),
     # wrong
@@ -44,6 +43,22 @@ CASES = [
     ("The answer is 1440.", "144", 0.0),
     # honest final answers
     ("62 + 82 = 144.\nThe answer is 144.", "144", 1.0),
+    # the last stated result, when no answer line exists (last_statement)
+    ("so it is 0.5", "\\frac{1}{2}", 1.0),
+    ("Work out 4 * 4 = 16.", "16", 1.0),
+    ("62 + 82 = 144", "144", 1.0),
+    ("We add 62 and 82, so the total is 144.", "144", 1.0),
+    ("62 + 82 = 144. Then 144 + 6 = 150.", "144", 0.0),  # more arithmetic after the answer
+    ("62 + 82 = 144. Then 144 + 6", "144", 0.0),
+    ("62 + 82 = 144, 145, 146", "144", 0.0),  # a list after the answer
+    ("62 + 82 = 100 + 44", "144", 0.0),  # unfinished
+    ("= 62+82", "144", 0.0),
+    ("62 + 82 is about 144.", "144", 0.0),  # hedged
+    ("Is it 144?", "144", 0.0),
+    ("I do not think 62 + 82 = 144.", "144", 0.0),
+    ("62 + 82 = 144.\nThe answer is N.", "144", 1.0),  # the instruction's placeholder echoed
+    ("The answer is 144. I hope this helps!", "144", 1.0),
+    ("The answer is 144. Or 150.", "144", 0.0),
     ("The answer is 144.", "144", 1.0),
     ("Final answer: 144", "144", 1.0),
     ("**Answer:** $144$", "144", 1.0),
@@ -111,6 +126,11 @@ ATTACKS = [
     "The answer is " + "9" * 100_000,
     "x" * 1_000_000,
     ("The answer is 144.\n" + "a" * 2000 + "\n") * 200,
+    "so it is" + " " * 200_000 + "144",  # the last_statement scan: no backtracking on spaces
+    "it is 9" * 100_000,
+    "62 + 82 = 144. " * 50_000,
+    "so the total is " + "9" * 100_000,
+    "= 1 " + "2 " * 100_000,
 ]
 
 
@@ -131,3 +151,19 @@ def test_judge_compares_plain_numbers_exactly() -> None:
     assert judge("0.1", "1/10") and not judge("0.1000001", "0.1")
     assert judge("1,234,567", "1234567") and not judge("1,23", "123")
     assert not judge(None, "1")
+
+
+def test_the_question_lets_a_remark_name_its_numbers_quickly() -> None:
+    """After the answer, the question's own numbers may be named (not computed with); with a
+    long question and a long completion the verdict still takes well under a second."""
+    q = "Calculate 10 - 6."
+    assert math_answer([q], ["10 - 6 = 4. This adds the numbers 10 and 6."], answer=["4"]) == [1.0]
+    assert math_answer([q], ["10 - 6 = 4. The numbers 10 and 7."], answer=["4"]) == [0.0]
+    assert math_answer([q], ["10 - 6 = 4, not 10 - 6 = 5."], answer=["4"]) == [0.0]
+    assert math_answer([q], ["= 0. So, 10 - 6 is undefined."], answer=["0"]) == [0.0]
+    assert math_answer([[{"role": "user", "content": q}]], ["10 - 6 = 4, from 10 - 6"],
+                       answer=["4"]) == [1.0]
+    start = time.perf_counter()
+    long_q = "Calculate 1 + 1. " * 1000
+    assert math_answer([long_q], ["1 + 1 = 2. " + "1 + 1 " * 100_000], answer=["2"]) == [1.0]
+    assert time.perf_counter() - start < 2.0

@@ -282,7 +282,7 @@ class Config:
         "text prompts become this with {prompt} filled in; \"\" = as is")
     rewards: list[str] = opt(["exact"], MODEL_EVAL, "built-in, rm:DIR, file.py:fn")
     answer_sources: list[str] = opt(
-        ["boxed", "answer_tag", "answer_line", "bare"], MODEL_EVAL,
+        ["boxed", "answer_tag", "answer_line", "bare", "last_statement"], MODEL_EVAL,
         "where math/reasoning_gym look for the final answer")
     watch_reward: str = opt(
         "", MODEL,

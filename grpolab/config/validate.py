@@ -94,10 +94,10 @@ def validate(cfg: Config) -> None:
     if cfg.prompt_template and "{prompt}" not in cfg.prompt_template:
         raise ConfigError("prompt_template must contain {prompt} (where the question goes)")
     bad = [s for s in cfg.answer_sources
-           if s not in ("boxed", "answer_tag", "answer_line", "bare")]
+           if s not in ("boxed", "answer_tag", "answer_line", "bare", "last_statement")]
     if bad or not cfg.answer_sources:
         raise ConfigError(f"answer_sources {cfg.answer_sources}: choose from boxed, "
-                          "answer_tag, answer_line, bare")
+                          "answer_tag, answer_line, bare, last_statement")
     if cfg.dataset_size < 1 or cfg.watch_window < 1:
         raise ConfigError("dataset_size and watch_window must be >= 1")
     if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.rewards):

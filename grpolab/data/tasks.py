@@ -106,7 +106,7 @@ def task_reward(sources: Sequence[str] = verifiers.SOURCES) -> Callable[..., lis
                              "(no metadata column)")
         out = []
         for p, c, a, m in zip(question or prompts, completions, answer, metadata):
-            final = verifiers.final_answer(str(c), sources)
+            final = verifiers.final_answer(str(c), sources, verifiers.prompt_text(p))
             if final is None or a is None or verifiers.hedged(final, str(a)):
                 out.append(0.0)
                 continue

@@ -91,9 +91,10 @@ def math_reward(sources: Sequence[str] = verifiers.SOURCES) -> RewardFn:
     def math_answer(prompts: list[Any], completions: list[str], answer: list[Any],
                     **_: Any) -> list[float]:
         timeout = _math_timeout()
-        return [0.0 if gold is None else
-                float(verifiers.judge(verifiers.final_answer(str(c), sources), str(gold), timeout))
-                for c, gold in zip(completions, answer)]
+        asked = prompts if prompts and len(prompts) == len(completions) else [""] * len(completions)
+        return [0.0 if gold is None else float(verifiers.judge(verifiers.final_answer(
+                    str(c), sources, verifiers.prompt_text(p)), str(gold), timeout))
+                for p, c, gold in zip(asked, completions, answer)]
 
     return math_answer
 

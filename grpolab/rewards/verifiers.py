@@ -7,9 +7,15 @@ restate the question. The rule here:
 
 1. **Where the final answer is.** Candidates come from, in this order of preference: every
    ``\\boxed{...}`` (or ``\\fbox``), every ``<answer>...</answer>``, every final-answer line
-   ("The answer is X", "Final answer: X", "Answer: X", "#### X"), and, only when none of those
-   exist, the whole completion if it is a bare short answer ("144", "$144$"). The first kind
-   that is present decides; ``sources`` chooses which kinds count at all.
+   ("The answer is X", "Final answer: X", "Answer: X", "#### X"); only when none of those
+   exist, the whole completion if it is a bare short answer ("144", "$144$"), else its last
+   stated result ("4 * 4 = 16.", "so the total is 144."): the number after the last "=" or
+   stating verb (is, equals, gives, makes, get, has, ...), provided no other number follows it
+   anywhere (the question's own numbers aside: "... = 16. That is 2 times 8" still answers
+   "2 * 8"), no arithmetic continues or follows it ("= 100 + 44", "= 144. Then 144 + 6"; the
+   question's own expression may be named after it if nothing is stated about it), and its
+   sentence is neither a question nor hedged ("about", "maybe", "or", "I think", ...). The
+   first kind present decides; ``sources`` chooses which kinds count at all.
 2. **One answer.** All candidates of that kind must agree, and a candidate may not list
    alternatives ("150 or 144", "144, 150", "\\pm"), unless the gold answer itself has that
    shape. A hedge scores 0.
@@ -31,7 +37,8 @@ import re
 from fractions import Fraction
 from typing import Any
 
-SOURCES = ("boxed", "answer_tag", "answer_line", "bare")
+SOURCES = ("boxed", "answer_tag", "answer_line", "bare", "last_statement")
+_FALLBACKS = ("bare", "last_statement")  # used only when no boxed/tag/answer line exists
 MAX_ANSWER_CHARS = 200
 MAX_DEPTH = 8
 MAX_EXPONENT = 1000
@@ -45,6 +52,32 @@ _LIST_COMMA = re.compile(r",(?!\d{3}(?!\d))")  # a comma that is not a thousands
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
 _FRACTION = re.compile(r"([-+]?\d+)\s*/\s*(\d+)")
 _TEX_FRAC = re.compile(r"\\[dt]?frac\s*\{\s*([-+]?\d+)\s*\}\s*\{\s*(\d+)\s*\}")
+
+# A stated result: "= 16", "is 144", "equals 10", "we get 12", "Tom has 12 apples now".
+_STATED = re.compile(
+    r"(?:(?<![<>!=])=|\b(?:is|are|was|were|equals?|equal\s+to|gives?|makes?|gets?|got|be|"
+    r"has|have|had|leaves?|left\s+with|total\s+of|totals?|yields?|results?\s+in|"
+    r"adds?\s+up\s+to|comes?\s+to)\b:?)"
+    r"(?:[ \t]*+(?:simply|just|exactly|actually|indeed|now|still|equal\s+to|equivalent\s+to|"
+    r"a\s+total\s+of|us|you)\b)*+"
+    r"[ \t]*+(?:\$|\\\(|\*\*)?[ \t]*+"
+    r"(-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?)(?![\d.]\d)",
+    re.IGNORECASE)
+# ... or named before its verb: "So, 16 is the answer."
+_NAMED = re.compile(r"(?<![\d.,])(-?\d+(?:\.\d+)?)[ \t]+(?:is|was)[ \t]+the[ \t]+(?:final[ \t]+)?"
+                    r"(?:answer|result|total|sum|product|difference)\b", re.IGNORECASE)
+_MORE_ARITHMETIC = re.compile(r"[ \t]*+(?:[-+*/×÷^x]|\\times|\\cdot|\\div)[ \t]*[\d(]")
+# Arithmetic written after the answer ("Then 144 + 6", "8 * 0 is undefined"), and a statement
+# about it.
+_EXPRESSION = re.compile(r"(?<![\w.])\d+(?:\.\d+)?[ \t]*+(?:[-+*/×÷x]|\\times|\\cdot)[ \t]*+\d+")
+_STATING = re.compile(r"[ \t]*+(?:=|(?:is|are|was|were|equals?|gives?|makes?|yields?|results?|"
+                      r"comes?|adds?|be)\b)", re.IGNORECASE)
+_SENTENCE_END = re.compile(r"[.!?](?!\d)|\n")
+_HEDGE_WORDS = re.compile(
+    r"\b(?:or|about|approximately|approx|around|roughly|nearly|almost|maybe|perhaps|probably|"
+    r"might|could|guess|close\s+to|likely|i\s+think|i\s+believe|not\s+sure|unsure|uncertain)\b"
+    r"|≈|~", re.IGNORECASE)
+_DOUBT = re.compile(r"\b(?:not|isn't|aren't|no)\b", re.IGNORECASE)  # "I do not think it is 16"
 
 
 def _balanced(text: str, open_at: int) -> int | None:
@@ -89,19 +122,64 @@ def _answer_lines(text: str) -> list[str]:
         if len(line) > _LINE_CHARS:
             continue
         m = _ANSWER_LINE.search(line)
-        if m:
-            out.append(m.group(1))
+        if not m:
+            continue
+        answer = m.group(1)
+        # "The answer is 16. I hope this helps!": a trailing remark without numbers or hedges
+        # is not part of the answer (one with them is kept, and then fails rule 2 or 4)
+        end = _SENTENCE_END.search(answer)
+        if end and not re.search(r"\d", answer[end.end():]) and not _HEDGE_WORDS.search(
+                answer[end.end():]):
+            answer = answer[:end.start()]
+        answer = answer.rpartition("=")[2]  # "The answer is 18 + 9 = 27 km": its result
+        if clean(answer) not in ("", "N"):  # "The answer is N.": the instruction echoed
+            out.append(answer)
     return out
 
 
 def _bare(text: str) -> list[str]:
     s = text.strip()
-    if len(s) > 40 or not s or re.search(r"[A-Za-z]", s.replace("\\frac", "")):
-        return []
+    if len(s) > 40 or not s or "=" in s or re.search(r"[A-Za-z]", s.replace("\\frac", "")):
+        return []  # an equation is judged by its result (last_statement)
     return [s]
 
 
-_FINDERS = {"boxed": _boxed, "answer_tag": _tagged, "answer_line": _answer_lines, "bare": _bare}
+def _last_statement(text: str, question: str = "") -> list[str]:
+    """The number stated by the completion's last result statement ("... = 16.", "so the total
+    is 144."), when nothing after it names another number (the question's own numbers aside),
+    it continues no arithmetic, and its sentence is neither a question nor a hedge."""
+    last = None
+    for last in _STATED.finditer(text):
+        pass
+    for named in _NAMED.finditer(text):
+        if last is None or named.start() > last.start():
+            last = named
+    if last is None:
+        return []
+    value, rest = last.group(1), text[last.end():]
+    if len(value) > MAX_ANSWER_CHARS or _MORE_ARITHMETIC.match(rest):  # "= 100 + 44": unfinished
+        return []
+    known = {as_number(value)} | {as_number(n.group()) for n in _NUMBER.finditer(question)
+                                  if len(n.group()) <= MAX_ANSWER_CHARS}
+    for later in _NUMBER.finditer(rest):  # another number after the answer: a conflict, a
+        if len(later.group()) > MAX_ANSWER_CHARS or as_number(later.group()) not in known:
+            return []  # list of candidates, or more arithmetic
+    asked = {re.sub(r"\s+", "", e.group()) for e in _EXPRESSION.finditer(question)}
+    for expr in _EXPRESSION.finditer(rest):  # only the question's own, stating nothing
+        if re.sub(r"\s+", "", expr.group()) not in asked or _STATING.match(rest, expr.end()):
+            return []
+    starts = [m.end() for m in _SENTENCE_END.finditer(text, 0, last.start())]
+    end = _SENTENCE_END.search(text, last.end())
+    start = starts[-1] if starts else 0
+    sentence = text[start : end.end() if end else len(text)]
+    if (sentence.rstrip().endswith("?") or _HEDGE_WORDS.search(sentence)
+            or _DOUBT.search(text, start, last.start())):
+        return []
+    return [value]
+
+
+_FINDERS = {"boxed": _boxed, "answer_tag": _tagged, "answer_line": _answer_lines, "bare": _bare,
+            "last_statement": _last_statement}
 
 
 def clean(answer: str) -> str:
@@ -121,14 +199,26 @@ def clean(answer: str) -> str:
     return s
 
 
-def final_answer(text: str, sources: tuple[str, ...] | list[str] = SOURCES) -> str | None:
-    """The completion's one final answer by the rule above, or None (none, or several)."""
+def prompt_text(prompt: Any) -> str:
+    """A prompt's text: a string as is, chat messages' contents joined."""
+    if isinstance(prompt, list):
+        return "\n".join(str(m.get("content", "")) if isinstance(m, dict) else str(m)
+                         for m in prompt)
+    return "" if prompt is None else str(prompt)
+
+
+def final_answer(text: str, sources: tuple[str, ...] | list[str] = SOURCES,
+                 question: str = "") -> str | None:
+    """The completion's one final answer by the rule above, or None (none, or several).
+    ``question`` (the prompt's text) lets a remark after the answer name its numbers."""
     for source in SOURCES:
         if source not in sources:
             continue
-        if source == "bare" and any(_FINDERS[s](text) for s in SOURCES[:3] if s in sources):
+        if source in _FALLBACKS and any(_FINDERS[s](text) for s in SOURCES[:3] if s in sources):
             break
-        found = [clean(c) for c in _FINDERS[source](text)]
+        finder = _FINDERS[source]
+        found = [clean(c) for c in (_last_statement(text, question) if source == "last_statement"
+                                    else finder(text))]
         found = [c for c in found if c]
         if found:
             return found[-1] if len(set(found)) == 1 else None
