@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Teaching SmolLM2-135M 2-digit addition and subtraction (README: "A skill the model lacks"):
 # plain GRPO, the allocator with a prior per difficulty, the curriculum, the allocator and DAPO
-# dynamic sampling, each from the same start for SEEDS, then a greedy eval of every final model
+# dynamic sampling (4 steps: its refill rounds spend about the others' 24 steps of answers),
+# each from the same start for SEEDS, then a greedy eval of every final model
 # and of the start, the table and the per-difficulty figure. About 12 minutes a run on 2 CPU
 # cores (10 runs with SEEDS="0 1").
 set -euo pipefail
@@ -15,7 +16,7 @@ for seed in $SEEDS; do
     case $m in
       grpo) flag="" ;; allocate) flag="--allocate" ;; curriculum) flag="--curriculum" ;;
       allocate-kind) flag="--allocate --predict-group-by difficulty" ;;
-      dynamic) flag="--dynamic-sampling" ;;
+      dynamic) flag="--dynamic-sampling --steps 4 --eval-every 4" ;;  # ~ the others' answers
     esac
     grpolab train --config $CFG --seed "$seed" --no-progress --out-dir "$OUT/$m-s$seed" $flag
     grpolab eval --config $CFG --seed "$seed" --model-path "$OUT/$m-s$seed/final" \

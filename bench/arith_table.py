@@ -76,40 +76,50 @@ def table(out: Path, methods: list[str], seeds: list[int]) -> list[str]:
 
 
 def figure(out: Path, methods: list[str], seeds: list[int], path: Path) -> None:
-    """Held-out greedy accuracy per difficulty over training (mean over seeds), one panel per
-    difficulty, and the dead share (all right + all wrong) per step."""
+    """Held-out greedy accuracy per difficulty against the answers generated so far (mean over
+    seeds), one panel per difficulty, and each step's dead share split into all right and all
+    wrong."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(KINDS) + 1, figsize=(4 * (len(KINDS) + 1), 3.4),
-                             constrained_layout=True)
-    for m in methods:
+    fig, grid = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
+    axes = list(grid.flat)[: len(KINDS) + 1]
+    grid.flat[-1].axis("off")
+    for i, m in enumerate(methods):
         curves: dict[int, dict[str, list[float]]] = {}
-        dead: dict[int, list[float]] = {}
+        right: dict[int, list[float]] = {}
+        wrong: dict[int, list[float]] = {}
         for s in seeds:
             f = out / f"{m}-s{s}" / "metrics.jsonl"
             if not f.exists():
                 continue
+            spent = 0
             for r in map(json.loads, f.read_text().splitlines()):
+                spent += r.get("answers_generated", 0)
                 if r.get("heldout_acc_by_difficulty"):
                     for k, v in r["heldout_acc_by_difficulty"].items():
-                        curves.setdefault(r["step"], {}).setdefault(k, []).append(v)
+                        curves.setdefault(spent, {}).setdefault(k, []).append(v)
                 if r["step"] > 0:
-                    dead.setdefault(r["step"], []).append(r["dead_share"])
+                    right.setdefault(spent, []).append(r["dead_all_right_share"])
+                    wrong.setdefault(spent, []).append(r["dead_all_wrong_share"])
         if not curves:
             continue
+        color = f"C{i}"
         xs = sorted(curves)
         for ax, k in zip(axes, KINDS):
             ys = [sum(curves[x].get(k, [0])) / max(len(curves[x].get(k, [])), 1) for x in xs]
-            ax.plot(xs, ys, marker="o", label=m)
-        ds = sorted(dead)
-        axes[-1].plot(ds, [sum(dead[x]) / len(dead[x]) for x in ds], label=m)
+            ax.plot(xs, ys, marker="o", color=color, label=m)
+        ds = sorted(wrong)
+        axes[-1].plot(ds, [sum(wrong[x]) / len(wrong[x]) for x in ds], color=color, label=m)
+        axes[-1].plot(ds, [sum(right[x]) / len(right[x]) for x in ds], color=color, ls=":")
     for ax, k in zip(axes, KINDS):
-        ax.set(title=f"held-out {k}", xlabel="step", ylabel="greedy accuracy", ylim=(-0.02, 1))
+        ax.set(title=f"held-out {k}", xlabel="answers generated", ylabel="greedy accuracy",
+               ylim=(-0.02, 1))
         ax.grid(alpha=0.3)
-    axes[-1].set(title="dead share of groups", xlabel="step", ylim=(-0.02, 1.02))
+    axes[-1].set(title="dead groups (solid: all wrong, dotted: all right)",
+                 xlabel="answers generated", ylabel="share of the step's groups", ylim=(-0.02, 1.02))
     axes[-1].grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.savefig(path, dpi=110)

@@ -11,6 +11,7 @@ The model folders and the SFT cache are built once per session: tests only read 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from grpolab.world.sft import sft_model
 from grpolab.world.task import make_splits
@@ -40,3 +41,11 @@ def world_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return ["--sft-steps", "2", "--cache-dir", str(cache), "--world-train-size", "64",
             "--world-heldout-size", "16", "--eval-size", "16", "--budget", "16",
             "--group-size", "4", "--no-progress"]
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def device(request: pytest.FixtureRequest) -> str:
+    """The devices a test that takes it runs on: the CPU always, CUDA too where there is one
+    (each run compares on its own device)."""
+    return request.param

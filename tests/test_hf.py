@@ -84,9 +84,9 @@ def base_name(peft_name: str) -> str:
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_train_end_to_end(
-    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lora: bool
+    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lora: bool, device: str
 ) -> None:
-    yaml_path, out = write_config(tmp_path, llama, lora=lora)
+    yaml_path, out = write_config(tmp_path, llama, lora=lora, device=device)
     trainer = run_cli(monkeypatch, ["train", "--config", yaml_path])
 
     rows = read_metrics(out)
@@ -117,6 +117,7 @@ def test_train_end_to_end(
     assert (out / "final" / "tokenizer.json").is_file()
 
     model = trainer.backend.model
+    assert next(model.parameters()).device.type == device
     if lora:
         assert {"q_proj", "v_proj"} <= set(model.peft_config["default"].target_modules)
         assert all(".q_proj." in n or ".v_proj." in n for n in changed)
@@ -307,6 +308,24 @@ def test_vllm_without_gpu_is_one_line_exit_2(
     assert not (out / "metrics.jsonl").exists()
 
 
+def test_device_setting(llama: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``device`` (TRL's ``use_cpu: true`` reads as cpu): a bad name, or CUDA on a machine
+    without it, is one line and exit 2 before anything is written."""
+    from grpolab.config import ConfigError, make_config
+
+    assert make_config(overrides={"use_cpu": True}).device == "cpu"
+    assert make_config(overrides={"use_cpu": False}).device == "auto"
+    with pytest.raises(ConfigError, match="choose auto, cpu, cuda or cuda:N"):
+        make_config(overrides={"device": "gpu"})
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    yaml_path, out = write_config(tmp_path, llama, device="cuda:0")
+    assert cli.main(["train", "--config", yaml_path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "device cuda:0" in err and "no CUDA" in err
+    assert not (out / "metrics.jsonl").exists()
+
+
 # ------------------------------------------------------------------------------ backend
 
 
@@ -316,11 +335,11 @@ PROMPTS = ["What is 2 + 3?", "Compute 12 * 7. So the answer is", "1", "<think> 4
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_unpadded_forward(
-    request: pytest.FixtureRequest, arch: str, temperature: float
+    request: pytest.FixtureRequest, arch: str, temperature: float, device: str
 ) -> None:
     """Left padding + position ids: every row scores as if it were alone and unpadded."""
     path = request.getfixturevalue(arch)
-    model, tok = load_model(path)
+    model, tok = load_model(path, device=device)
     backend = HFBackend(model, tok, reference=False)
     ro = backend.generate(PROMPTS, temperature, 12, torch.Generator().manual_seed(1))
     assert (ro.prompt_mask == 0).any()  # prompts really differ in length
@@ -336,9 +355,9 @@ def test_logprobs_match_unpadded_forward(
             torch.testing.assert_close(lp[i, : len(c)], want, atol=2e-5, rtol=1e-5)
 
 
-def test_greedy_batch_equals_one_by_one(llama: str) -> None:
+def test_greedy_batch_equals_one_by_one(llama: str, device: str) -> None:
     """generate() sees the same left-padded positions as a single unpadded prompt."""
-    backend = HFBackend(*load_model(llama), reference=False)
+    backend = HFBackend(*load_model(llama, device=device), reference=False)
     batch = backend.generate(PROMPTS, 0.0, 10)
     for i, p in enumerate(PROMPTS):
         one = backend.generate([p], 0.0, 10)
@@ -347,8 +366,8 @@ def test_greedy_batch_equals_one_by_one(llama: str) -> None:
         assert one.completions[0] == batch.completions[i]
 
 
-def test_generate_is_reproducible_and_leaves_global_rng(llama: str) -> None:
-    backend = HFBackend(*load_model(llama), reference=False)
+def test_generate_is_reproducible_and_leaves_global_rng(llama: str, device: str) -> None:
+    backend = HFBackend(*load_model(llama, device=device), reference=False)
     prompts = ["What is 2 + 3?"] * 6
     torch.manual_seed(123)
     before = torch.get_rng_state()
@@ -376,9 +395,9 @@ def test_sampling_ignores_checkpoint_generation_defaults(llama: str, tmp_path: P
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_reference_is_the_base_model(llama: str, lora: bool) -> None:
+def test_reference_is_the_base_model(llama: str, lora: bool, device: str) -> None:
     """Reference logprobs == a fresh load of the base model, after the policy has moved."""
-    backend = HFBackend(*load_model(llama), lora=lora)
+    backend = HFBackend(*load_model(llama, device=device), lora=lora)
     if lora:
         assert backend.ref is None  # no second copy: the reference is adapters-off
     torch.manual_seed(0)
@@ -387,7 +406,7 @@ def test_reference_is_the_base_model(llama: str, lora: bool) -> None:
             if p.requires_grad:
                 p.add_(0.2 * torch.randn_like(p))
     ro = backend.generate(PROMPTS, 1.0, 12, torch.Generator().manual_seed(2))
-    fresh = HFBackend(*load_model(llama), reference=False)
+    fresh = HFBackend(*load_model(llama, device=device), reference=False)
     with torch.no_grad():
         ref = backend.logprobs(ro, 1.0, reference=True)
         base = fresh.logprobs(ro, 1.0)
@@ -397,13 +416,15 @@ def test_reference_is_the_base_model(llama: str, lora: bool) -> None:
     assert (policy[m] - base[m]).abs().max() > 1e-3  # the adapters/weights really moved
 
 
-def test_lora_trains_only_adapters_and_state_round_trips(llama: str) -> None:
-    backend = HFBackend(*load_model(llama), lora=True, lora_target_modules=["q_proj"])
+def test_lora_trains_only_adapters_and_state_round_trips(llama: str, device: str) -> None:
+    backend = HFBackend(*load_model(llama, device=device), lora=True,
+                        lora_target_modules=["q_proj"])
     trainable = [n for n, p in backend.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n and "q_proj" in n for n in trainable)
     state = backend.state_dict()
     assert set(state["trainable"]) == set(trainable)
-    other = HFBackend(*load_model(llama), lora=True, lora_target_modules=["q_proj"], seed=9)
+    other = HFBackend(*load_model(llama, device=device), lora=True,
+                      lora_target_modules=["q_proj"], seed=9)
     other.load_state_dict(state)
     for n, p in other.model.named_parameters():
         if p.requires_grad:

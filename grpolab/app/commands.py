@@ -126,8 +126,11 @@ def make_backend(cfg: Config, model: Any, tokenizer: Any) -> Any:
 def _load(cfg: Config) -> tuple[Any, Any]:
     from grpolab.rollout.models import load_model
 
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {cfg.device}: this machine has no CUDA device torch can use")
     return load_model(str(Path(cfg.model_path).expanduser()), dtype=cfg.dtype,
-                      cache_dir=cfg.cache_dir)
+                      cache_dir=cfg.cache_dir,
+                      device=None if cfg.device == "auto" else cfg.device)
 
 
 def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:

@@ -251,6 +251,9 @@ class Config:
     dtype: Literal["float32", "bfloat16", "float16"] = opt(
         "float32", MODEL_EVAL,
         "of the model's weights")
+    device: str = opt(
+        "auto", MODEL_EVAL,
+        "where the model runs: auto (CUDA when there is one), cpu, cuda or cuda:N")
     gradient_checkpointing: bool = opt(
         False, MODEL,
         "recompute each layer in backward: memory for time")

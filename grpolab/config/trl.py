@@ -40,6 +40,7 @@ TRL_VALUES: dict[str, dict[str, dict[str, Any]]] = {
                       "batch": {"scale": "batch"}, "none": {"scale": "none"},
                       "false": {"scale": "none"}},
     "importance_sampling_level": {"token": {}, "sequence": {"policy_loss": "gspo"}},
+    "use_cpu": {"true": {"device": "cpu"}, "false": {}},
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 
 from grpolab.config.schema import Config, ConfigError, field_types, literal_fields
 
@@ -98,6 +99,8 @@ def validate(cfg: Config) -> None:
     if bad or not cfg.answer_sources:
         raise ConfigError(f"answer_sources {cfg.answer_sources}: choose from boxed, "
                           "answer_tag, answer_line, bare, last_statement")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
+        raise ConfigError(f"device {cfg.device!r}: choose auto, cpu, cuda or cuda:N")
     if cfg.dataset_size < 1 or cfg.watch_window < 1:
         raise ConfigError("dataset_size and watch_window must be >= 1")
     if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.rewards):
