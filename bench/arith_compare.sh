@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Teaching SmolLM2-135M 2-digit addition and subtraction (README: "A skill the model lacks"):
-# plain GRPO, the allocator with a prior per difficulty, the curriculum, the allocator and DAPO
-# dynamic sampling (4 steps: its refill rounds spend about the others' 24 steps of answers),
-# each from the same start for SEEDS, then a greedy eval of every final model
-# and of the start, the table and the per-difficulty figure. About 12 minutes a run on 2 CPU
-# cores (10 runs with SEEDS="0 1").
+# plain GRPO; the allocator with a prior per difficulty (Beta prior and live groups, or grid
+# prior and live answers); the curriculum; the allocator with one prior; DAPO dynamic sampling
+# (4 steps: its refill rounds spend about the others' 24 steps of answers). Each from the same
+# start for SEEDS, then a greedy eval of every final model and of the start, the table and the
+# per-difficulty figure. About 6-12 minutes a run on 2 CPU cores.
 set -euo pipefail
 OUT=${OUT:-runs/arith-cmp}
 SEEDS=${SEEDS:-0 1}
-METHODS=${METHODS:-grpo allocate-kind curriculum allocate dynamic}
+METHODS=${METHODS:-grpo allocate-kind allocate-kind-grid curriculum allocate dynamic}
 CFG=examples/smollm2_addition.yaml
 for seed in $SEEDS; do
   [ -f "$OUT/base-s$seed/eval.json" ] || grpolab eval --config $CFG --seed "$seed" --out-dir "$OUT/base-s$seed"
@@ -16,6 +16,8 @@ for seed in $SEEDS; do
     case $m in
       grpo) flag="" ;; allocate) flag="--allocate" ;; curriculum) flag="--curriculum" ;;
       allocate-kind) flag="--allocate --predict-group-by difficulty" ;;
+      allocate-kind-grid) flag="--allocate --predict-group-by difficulty --predict-prior grid
+                                --allocate-objective live_answers" ;;
       dynamic) flag="--dynamic-sampling --steps 4 --eval-every 4" ;;  # ~ the others' answers
     esac
     grpolab train --config $CFG --seed "$seed" --no-progress --out-dir "$OUT/$m-s$seed" $flag

@@ -23,6 +23,36 @@ def _load(run: Path) -> tuple[list[dict], dict]:
     return steps, json.loads((run / "eval-final" / "eval.json").read_text())
 
 
+def _kind(question: str) -> str:
+    """The difficulty of "Calculate a + b." / "Calculate a - b." (as grpolab:arithmetic)."""
+    a, op, b = question.split(".")[0].removeprefix("Calculate ").split()
+    x, y = int(a), int(b)
+    if max(x, y) < 10:
+        return "1-digit"
+    if min(x, y) >= 100:
+        return "3-digit"
+    carry = (x % 10 + y % 10 >= 10) if op == "+" else (x % 10 < y % 10)
+    return "2-digit-carry" if carry else "2-digit"
+
+
+def rejudge(ev: dict, folder: Path) -> dict:
+    """``ev`` with its greedy verdicts (and their split by difficulty) given again by today's
+    ``math`` reward, from the answers the eval wrote down (completions.jsonl)."""
+    from grpolab.rewards.builtin import load_reward
+
+    math = load_reward("math")
+    lines = [json.loads(x) for x in (folder / "completions.jsonl").read_text().splitlines()]
+    greedy = [x for x in lines if x["greedy"]]
+    ok = [int(v == 1.0) for v in math([x["prompt"] for x in greedy],
+                                      [x["completion"] for x in greedy],
+                                      answer=[x["gold"] for x in greedy])]
+    by: dict[str, list[int]] = {}
+    for x, o in zip(greedy, ok):
+        by.setdefault(_kind(x["prompt"]), []).append(o)
+    return {**ev, "greedy_correct": ok, "greedy_accuracy": sum(ok) / len(ok),
+            "greedy_accuracy_by_difficulty": {k: sum(v) / len(v) for k, v in by.items()}}
+
+
 def _mean_se(diffs: list[float]) -> tuple[float, float]:
     n = len(diffs)
     m = sum(diffs) / n
@@ -30,7 +60,7 @@ def _mean_se(diffs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(var / n)
 
 
-def table(out: Path, methods: list[str], seeds: list[int]) -> list[str]:
+def table(out: Path, methods: list[str], seeds: list[int], again: bool = False) -> list[str]:
     rows = [("| method | held-out start | end | gain (paired) | vs GRPO (paired) | "
              "2-digit carry end | 1-digit / 2-digit / 3-digit end | answers generated | "
              "generated per live answer | dead all right / all wrong |"),
@@ -45,11 +75,15 @@ def table(out: Path, methods: list[str], seeds: list[int]) -> list[str]:
                 continue
             steps, ev = _load(run)
             base = json.loads((out / f"base-s{s}" / "eval.json").read_text())
+            if again:
+                ev, base = rejudge(ev, run / "eval-final"), rejudge(base, out / f"base-s{s}")
             ok, ok0 = ev["greedy_correct"], base["greedy_correct"]
             gains += [a - b for a, b in zip(ok, ok0)]
-            grpo = out / f"grpo-s{s}" / "eval-final" / "eval.json"
-            if m != "grpo" and grpo.exists():
-                vs += [a - b for a, b in zip(ok, json.loads(grpo.read_text())["greedy_correct"])]
+            grpo = out / f"grpo-s{s}" / "eval-final"
+            if m != "grpo" and (grpo / "eval.json").exists():
+                ref = json.loads((grpo / "eval.json").read_text())
+                ref = rejudge(ref, grpo) if again else ref
+                vs += [a - b for a, b in zip(ok, ref["greedy_correct"])]
             start.append(base["greedy_accuracy"])
             end.append(ev["greedy_accuracy"])
             by = ev.get("greedy_accuracy_by_difficulty", {})
@@ -129,11 +163,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--methods", nargs="+",
-                    default=["grpo", "allocate-kind", "curriculum", "allocate", "dynamic"])
+                    default=["grpo", "allocate-kind", "allocate-kind-grid", "curriculum",
+                             "allocate", "dynamic"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--figure", type=Path)
+    ap.add_argument("--rejudge", action="store_true",
+                    help="judge the evals' written answers again with today's math reward")
     a = ap.parse_args()
-    print("\n".join(table(a.out, a.methods, a.seeds)))
+    print("\n".join(table(a.out, a.methods, a.seeds, a.rejudge)))
     if a.figure:
         figure(a.out, a.methods, a.seeds, a.figure)
         print(f"wrote {a.figure}")
