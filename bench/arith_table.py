@@ -60,8 +60,9 @@ def _mean_se(diffs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(var / n)
 
 
-def table(out: Path, methods: list[str], seeds: list[int], again: bool = False) -> list[str]:
-    rows = [("| method | held-out start | end | gain (paired) | vs GRPO (paired) | "
+def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
+          against: str = "grpo") -> list[str]:
+    rows = [(f"| method | held-out start | end | gain (paired) | vs {against} (paired) | "
              "2-digit carry end | 1-digit / 2-digit / 3-digit end | answers generated | "
              "generated per live answer | dead all right / all wrong |"),
             "|" + "---|" * 10]
@@ -79,8 +80,8 @@ def table(out: Path, methods: list[str], seeds: list[int], again: bool = False) 
                 ev, base = rejudge(ev, run / "eval-final"), rejudge(base, out / f"base-s{s}")
             ok, ok0 = ev["greedy_correct"], base["greedy_correct"]
             gains += [a - b for a, b in zip(ok, ok0)]
-            grpo = out / f"grpo-s{s}" / "eval-final"
-            if m != "grpo" and (grpo / "eval.json").exists():
+            grpo = out / f"{against}-s{s}" / "eval-final"
+            if m != against and (grpo / "eval.json").exists():
                 ref = json.loads((grpo / "eval.json").read_text())
                 ref = rejudge(ref, grpo) if again else ref
                 vs += [a - b for a, b in zip(ok, ref["greedy_correct"])]
@@ -169,8 +170,9 @@ def main() -> None:
     ap.add_argument("--figure", type=Path)
     ap.add_argument("--rejudge", action="store_true",
                     help="judge the evals' written answers again with today's math reward")
+    ap.add_argument("--against", default="grpo", help="the method the paired gains compare to")
     a = ap.parse_args()
-    print("\n".join(table(a.out, a.methods, a.seeds, a.rejudge)))
+    print("\n".join(table(a.out, a.methods, a.seeds, a.rejudge, a.against)))
     if a.figure:
         figure(a.out, a.methods, a.seeds, a.figure)
         print(f"wrote {a.figure}")
