@@ -159,14 +159,23 @@ def _last_statement(text: str, question: str = "") -> list[str]:
     value, rest = last.group(1), text[last.end():]
     if len(value) > MAX_ANSWER_CHARS or _MORE_ARITHMETIC.match(rest):  # "= 100 + 44": unfinished
         return []
-    known = {as_number(value)} | {as_number(n.group()) for n in _NUMBER.finditer(question)
-                                  if len(n.group()) <= MAX_ANSWER_CHARS}
+    allowed = {value} | {n.group() for n in _NUMBER.finditer(question)
+                         if len(n.group()) <= MAX_ANSWER_CHARS}
+    known = {as_number(t) for t in allowed}
     for later in _NUMBER.finditer(rest):  # another number after the answer: a conflict, a
-        if len(later.group()) > MAX_ANSWER_CHARS or as_number(later.group()) not in known:
-            return []  # list of candidates, or more arithmetic
+        t = later.group()  # list of candidates, or more arithmetic (texts seen once are
+        if t not in allowed:  # parsed once: a long remark repeats the same few numbers)
+            if len(t) > MAX_ANSWER_CHARS or as_number(t) not in known:
+                return []
+            allowed.add(t)
     asked = {re.sub(r"\s+", "", e.group()) for e in _EXPRESSION.finditer(question)}
     for expr in _EXPRESSION.finditer(rest):  # only the question's own, stating nothing
-        if re.sub(r"\s+", "", expr.group()) not in asked or _STATING.match(rest, expr.end()):
+        e = expr.group()
+        if e not in asked:
+            if re.sub(r"\s+", "", e) not in asked:
+                return []
+            asked.add(e)  # this spelling of it, checked once
+        if _STATING.match(rest, expr.end()):
             return []
     starts = [m.end() for m in _SENTENCE_END.finditer(text, 0, last.start())]
     end = _SENTENCE_END.search(text, last.end())
