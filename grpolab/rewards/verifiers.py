@@ -187,8 +187,7 @@ def _last_statement(text: str, question: str = "") -> list[str]:
     return [value]
 
 
-_FINDERS = {"boxed": _boxed, "answer_tag": _tagged, "answer_line": _answer_lines, "bare": _bare,
-            "last_statement": _last_statement}
+_FINDERS = {"boxed": _boxed, "answer_tag": _tagged, "answer_line": _answer_lines, "bare": _bare}
 
 
 def clean(answer: str) -> str:
@@ -220,15 +219,16 @@ def final_answer(text: str, sources: tuple[str, ...] | list[str] = SOURCES,
                  question: str = "") -> str | None:
     """The completion's one final answer by the rule above, or None (none, or several).
     ``question`` (the prompt's text) lets a remark after the answer name its numbers."""
+    marked = False  # a box, tag or answer line was written, even one that cleans to nothing
     for source in SOURCES:
         if source not in sources:
             continue
-        if source in _FALLBACKS and any(_FINDERS[s](text) for s in SOURCES[:3] if s in sources):
+        if source in _FALLBACKS and marked:
             break
-        finder = _FINDERS[source]
-        found = [clean(c) for c in (_last_statement(text, question) if source == "last_statement"
-                                    else finder(text))]
-        found = [c for c in found if c]
+        raw = (_last_statement(text, question) if source == "last_statement"
+               else _FINDERS[source](text))
+        marked = marked or (bool(raw) and source not in _FALLBACKS)
+        found = [c for c in map(clean, raw) if c]
         if found:
             return found[-1] if len(set(found)) == 1 else None
     return None

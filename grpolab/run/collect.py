@@ -72,8 +72,8 @@ def kinds_of(rows: list[dict], column: str) -> torch.Tensor | None:
     if missing:
         raise ConfigError(f"predict_group_by {column!r}: {missing} of the {len(rows)} training "
                           "rows have no such column")
-    names = sorted({str(r[column]) for r in rows})
-    return torch.tensor([names.index(str(r[column])) for r in rows], dtype=torch.long)
+    ids = {name: i for i, name in enumerate(sorted({str(r[column]) for r in rows}))}
+    return torch.tensor([ids[str(r[column])] for r in rows], dtype=torch.long)
 
 
 class Collector:

@@ -91,10 +91,11 @@ def by_difficulty(rows: list[dict], ok: Tensor, lo: int = 0) -> dict[str, float]
     kinds = sorted({str(r["difficulty"]) for r in rows if r.get("difficulty") is not None})
     if not kinds:
         return None
+    ids = {k: i for i, k in enumerate(kinds)}
     sums = [0.0] * (2 * len(kinds))
     for r, o in zip(rows[lo:lo + len(ok)], ok.tolist()):
         if r.get("difficulty") is not None:
-            i = kinds.index(str(r["difficulty"]))
+            i = ids[str(r["difficulty"])]
             sums[2 * i] += float(o)
             sums[2 * i + 1] += 1.0
     sums = dist.all_reduce_sum(sums)
