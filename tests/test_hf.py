@@ -276,19 +276,23 @@ def test_failing_reward_is_reported_not_fatal(
 # ------------------------------------------------------------------------------ errors
 
 
+def refused(yaml_path: str, capsys: pytest.CaptureFixture) -> str:
+    """``grpolab train`` on ``yaml_path`` exits 2 with one line on stderr; that line."""
+    assert cli.main(["train", "--config", yaml_path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    return err
+
+
 def test_missing_model_path_is_one_line_exit_2(
     llama: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     yaml_path, _ = write_config(tmp_path, str(tmp_path / "no-such-model"))
-    assert cli.main(["train", "--config", yaml_path]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1
+    err = refused(yaml_path, capsys)
     assert "no-such-model" in err and "does not exist" in err
 
     yaml_path, _ = write_config(tmp_path, llama, dataset=str(tmp_path / "nope.jsonl"))
-    assert cli.main(["train", "--config", yaml_path]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "nope.jsonl" in err
+    assert "nope.jsonl" in refused(yaml_path, capsys)
 
 
 def test_vllm_without_gpu_is_one_line_exit_2(
@@ -302,9 +306,8 @@ def test_vllm_without_gpu_is_one_line_exit_2(
     else:
         pytest.skip("vllm and a GPU are available here")
     yaml_path, out = write_config(tmp_path, llama, rollout_backend="vllm")
-    assert cli.main(["train", "--config", yaml_path]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "vllm" in err and "CUDA" in err
+    err = refused(yaml_path, capsys)
+    assert "vllm" in err and "CUDA" in err
     assert not (out / "metrics.jsonl").exists()
 
 
@@ -320,9 +323,8 @@ def test_device_setting(llama: str, tmp_path: Path, capsys: pytest.CaptureFixtur
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     yaml_path, out = write_config(tmp_path, llama, device="cuda:0")
-    assert cli.main(["train", "--config", yaml_path]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "device cuda:0" in err and "no CUDA" in err
+    err = refused(yaml_path, capsys)
+    assert "device cuda:0" in err and "no CUDA" in err
     assert not (out / "metrics.jsonl").exists()
 
 
