@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 KINDS = ("1-digit", "2-digit", "2-digit-carry", "3-digit")
+CONFIG = "examples/smollm2_addition.yaml"
 
 
 def _load(run: Path) -> tuple[list[dict], dict]:
@@ -23,41 +23,43 @@ def _load(run: Path) -> tuple[list[dict], dict]:
     return steps, json.loads((run / "eval-final" / "eval.json").read_text())
 
 
-def _kind(question: str) -> str:
-    """The difficulty of "Calculate a + b." / "Calculate a - b." (as grpolab:arithmetic)."""
-    a, op, b = question.split(".")[0].removeprefix("Calculate ").split()
-    x, y = int(a), int(b)
-    if max(x, y) < 10:
-        return "1-digit"
-    if min(x, y) >= 100:
-        return "3-digit"
-    carry = (x % 10 + y % 10 >= 10) if op == "+" else (x % 10 < y % 10)
-    return "2-digit-carry" if carry else "2-digit"
+def _gain(diffs: list[int]) -> str:
+    """Mean of paired per-prompt differences ± its standard error (grpolab eval's own)."""
+    import torch
+
+    from grpolab.core.passk import standard_error
+
+    return f"{sum(diffs) / len(diffs):+.3f} ± {standard_error(torch.tensor(diffs, dtype=torch.float64)):.3f}"
 
 
-def rejudge(ev: dict, folder: Path) -> dict:
-    """``ev`` with its greedy verdicts (and their split by difficulty) given again by today's
-    ``math`` reward, from the answers the eval wrote down (completions.jsonl)."""
+def heldout(seed: int, config: str = CONFIG) -> list[dict]:
+    """The held-out rows a seed's evals judged, in their order (the task's own rows,
+    regenerated from the run's config)."""
+    from grpolab.config import make_config
+    from grpolab.data.files import run_rows
+
+    cfg = make_config(config, {"seed": seed}, "eval")
+    return run_rows(cfg)[1][: cfg.eval_size]
+
+
+def rejudge(ev: dict, folder: Path, rows: list[dict]) -> dict:
+    """``ev`` with its greedy verdicts (and their split by the ``rows``' difficulty) given again
+    by today's ``math`` reward, from the answers the eval wrote down (completions.jsonl)."""
     from grpolab.rewards.builtin import load_reward
 
-    math = load_reward("math")
+    judge = load_reward("math")
     lines = [json.loads(x) for x in (folder / "completions.jsonl").read_text().splitlines()]
     greedy = [x for x in lines if x["greedy"]]
-    ok = [int(v == 1.0) for v in math([x["prompt"] for x in greedy],
-                                      [x["completion"] for x in greedy],
-                                      answer=[x["gold"] for x in greedy])]
+    assert [x["prompt"] for x in greedy] == [r["prompt"] for r in rows], f"{folder}: other rows"
+    kinds = [r["difficulty"] for r in rows]
+    ok = [int(v == 1.0) for v in judge([x["prompt"] for x in greedy],
+                                       [x["completion"] for x in greedy],
+                                       answer=[x["gold"] for x in greedy])]
     by: dict[str, list[int]] = {}
-    for x, o in zip(greedy, ok):
-        by.setdefault(_kind(x["prompt"]), []).append(o)
+    for k, o in zip(kinds, ok):
+        by.setdefault(k, []).append(o)
     return {**ev, "greedy_correct": ok, "greedy_accuracy": sum(ok) / len(ok),
             "greedy_accuracy_by_difficulty": {k: sum(v) / len(v) for k, v in by.items()}}
-
-
-def _mean_se(diffs: list[float]) -> tuple[float, float]:
-    n = len(diffs)
-    m = sum(diffs) / n
-    var = sum((d - m) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
-    return m, math.sqrt(var / n)
 
 
 def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
@@ -77,13 +79,15 @@ def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
             steps, ev = _load(run)
             base = json.loads((out / f"base-s{s}" / "eval.json").read_text())
             if again:
-                ev, base = rejudge(ev, run / "eval-final"), rejudge(base, out / f"base-s{s}")
+                rows_s = heldout(s)
+                ev = rejudge(ev, run / "eval-final", rows_s)
+                base = rejudge(base, out / f"base-s{s}", rows_s)
             ok, ok0 = ev["greedy_correct"], base["greedy_correct"]
             gains += [a - b for a, b in zip(ok, ok0)]
             grpo = out / f"{against}-s{s}" / "eval-final"
             if m != against and (grpo / "eval.json").exists():
                 ref = json.loads((grpo / "eval.json").read_text())
-                ref = rejudge(ref, grpo) if again else ref
+                ref = rejudge(ref, grpo, rows_s) if again else ref
                 vs += [a - b for a, b in zip(ok, ref["greedy_correct"])]
             start.append(base["greedy_accuracy"])
             end.append(ev["greedy_accuracy"])
@@ -99,11 +103,10 @@ def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
         if not end:
             continue
         n = len(end)
-        g, gse = _mean_se(gains)
-        v = f"{_mean_se(vs)[0]:+.3f} ± {_mean_se(vs)[1]:.3f}" if vs else ""
+        v = _gain(vs) if vs else ""
         rows.append(
             f"| {m} ({n} seed{'s' if n > 1 else ''}) | {sum(start) / n:.3f} | {sum(end) / n:.3f} "
-            f"| {g:+.3f} ± {gse:.3f} | {v} | {sum(carry) / n:.3f} | "
+            f"| {_gain(gains)} | {v} | {sum(carry) / n:.3f} | "
             + " / ".join(f"{sum(kinds[k]) / n:.3f}" for k in ("1-digit", "2-digit", "3-digit"))
             + f" | {generated // n} | {generated / max(useful, 1):.2f} | "
             f"{sum(dead_r) / len(dead_r):.2f} / {sum(dead_w) / len(dead_w):.2f} |")
