@@ -4,7 +4,9 @@
 # prior and live answers); the curriculum; the allocator with one prior; DAPO dynamic sampling
 # (4 steps: its refill rounds spend about the others' 24 steps of answers). Each from the same
 # start for SEEDS, then a greedy eval of every final model and of the start, the table and the
-# per-difficulty figure. About 6-12 minutes a run on 2 CPU cores.
+# per-difficulty figure. About 6-12 minutes a run on 2 CPU cores (PPO: about 20).
+# GRPO against PPO and REINFORCE++:
+#   METHODS="grpo ppo ppo-g1 reinforce-pp reinforce-pp-baseline" TABLE=--estimators bench/arith_compare.sh
 set -euo pipefail
 OUT=${OUT:-runs/arith-cmp}
 SEEDS=${SEEDS:-0 1}
@@ -19,10 +21,18 @@ for seed in $SEEDS; do
       allocate-kind-grid) flag="--allocate --predict-group-by difficulty --predict-prior grid
                                 --allocate-objective live_answers" ;;
       dynamic) flag="--dynamic-sampling --steps 4 --eval-every 4" ;;  # ~ the others' answers
+      # the estimators GRPO is measured against (issue: PPO, REINFORCE++), KL in the reward
+      ppo) flag="--estimator ppo --kl-in reward --kl-estimator k1 --critic-lr 1e-3" ;;
+      ppo-g1) flag="--estimator ppo --kl-in reward --kl-estimator k1 --critic-lr 1e-3
+                    --group-size 1" ;;  # 32 prompts x 1 answer
+      reinforce-pp) flag="--estimator reinforce_pp --kl-in reward --kl-estimator k1" ;;
+      reinforce-pp-baseline) flag="--estimator reinforce_pp_baseline --kl-in reward
+                                   --kl-estimator k1" ;;
     esac
     grpolab train --config $CFG --seed "$seed" --no-progress --out-dir "$OUT/$m-s$seed" $flag
     grpolab eval --config $CFG --seed "$seed" --model-path "$OUT/$m-s$seed/final" \
       --out-dir "$OUT/$m-s$seed/eval-final"
   done
 done
-python bench/arith_table.py "$OUT" --methods $METHODS --seeds $SEEDS --figure "$OUT/arith.png"
+# TABLE=--estimators: step time, peak memory and the critic's explained variance instead
+python bench/arith_table.py "$OUT" --methods $METHODS --seeds $SEEDS --figure "$OUT/arith.png" ${TABLE:-}

@@ -6,6 +6,7 @@ in "vs GRPO", against plain GRPO's final answer to the same prompt of the same s
 standard error is that of the mean of those paired differences over every prompt of every seed.
 
 Usage: python bench/arith_table.py OUT [--methods grpo ...] [--seeds 0 1] [--figure F.png]
+       [--rejudge] [--estimators]
 """
 
 from __future__ import annotations
@@ -113,6 +114,75 @@ def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
     return rows
 
 
+def _peak_mib(out: Path, run: str, steps: list[dict]) -> float | None:
+    """The run's peak resident memory: its metrics' own high-water mark, else what GNU time
+    wrote beside the run (``<run>.time``, ``/usr/bin/time -v``)."""
+    peaks = [r["peak_rss_mib"] for r in steps if "peak_rss_mib" in r]
+    if peaks:
+        return max(peaks)
+    f = out / f"{run}.time"
+    for line in f.read_text().splitlines() if f.exists() else []:
+        if "Maximum resident set size" in line:
+            return int(line.rsplit(":", 1)[1]) / 1024
+    return None
+
+
+def estimator_table(out: Path, methods: list[str], seeds: list[int],
+                    against: str = "grpo") -> list[str]:
+    """GRPO against the token-level estimators (REINFORCE++, PPO): paired gains, the answers
+    that gave no signal (GRPO: its dead groups' answers; the others: answers whose advantage is
+    0 at every token), the critic's explained variance (the median over those of the last 10
+    steps with a right answer, one number per seed), the median step time and the peak resident memory."""
+    import statistics
+
+    rows = [(f"| method | answers a step | held-out end | gain (paired) | vs {against} (paired) | "
+             "2-digit carry end | answers with no signal | critic's explained variance (median, "
+             "last 10 steps) | step time (median) | peak memory |"), "|" + "---|" * 10]
+    for m in methods:
+        gains, vs, end, carry, quiet, ev_last, times, peaks = [], [], [], [], [], [], [], []
+        shape = ""
+        for s in seeds:
+            run = out / f"{m}-s{s}"
+            if not (run / "eval-final" / "eval.json").exists():
+                continue
+            steps, ev = _load(run)
+            rows_s = heldout(s)
+            ev = rejudge(ev, run / "eval-final", rows_s)
+            base = rejudge(json.loads((out / f"base-s{s}" / "eval.json").read_text()),
+                           out / f"base-s{s}", rows_s)
+            gains += [a - b for a, b in zip(ev["greedy_correct"], base["greedy_correct"])]
+            ref = out / f"{against}-s{s}" / "eval-final"
+            if m != against and (ref / "eval.json").exists():
+                r = rejudge(json.loads((ref / "eval.json").read_text()), ref, rows_s)
+                vs += [a - b for a, b in zip(ev["greedy_correct"], r["greedy_correct"])]
+            end.append(ev["greedy_accuracy"])
+            carry.append(ev["greedy_accuracy_by_difficulty"].get("2-digit-carry", float("nan")))
+            trained = [r for r in steps if r["step"] > 0]
+            cfg = json.loads((run / "config.json").read_text())
+            g = cfg["group_size"]
+            shape = f"{cfg['budget'] // g} prompts x {g}"
+            quiet += [r.get("zero_advantage_share", r["dead_share"]) for r in trained]
+            if any("explained_variance" in r for r in trained):
+                # steps with a right answer: when every answer fails the returns are the KL
+                # penalty alone (variance ~1e-5) and the ratio reads -1000
+                last = [r["explained_variance"] for r in trained[-10:] if r["reward_mean"] > 0]
+                ev_last.append(f"{statistics.median(last):+.2f}" if last else "-")
+            times += [r["time_step_s"] for r in trained]
+            peak = _peak_mib(out, f"{m}-s{s}", steps)
+            if peak is not None:
+                peaks.append(peak)
+        if not end:
+            continue
+        n = len(end)
+        rows.append(
+            f"| {m} ({n} seed{'s' if n > 1 else ''}) | {shape} | {sum(end) / n:.3f} | "
+            f"{_gain(gains)} | {_gain(vs) if vs else ''} | {sum(carry) / n:.3f} | "
+            f"{sum(quiet) / len(quiet):.3f} | {', '.join(ev_last)} | "
+            f"{statistics.median(times):.1f} s | "
+            + (f"{max(peaks):.0f} MiB |" if peaks else "|"))
+    return rows
+
+
 def figure(out: Path, methods: list[str], seeds: list[int], path: Path) -> None:
     """Held-out greedy accuracy per difficulty against the answers generated so far (mean over
     seeds), one panel per difficulty, and each step's dead share split into all right and all
@@ -174,8 +244,13 @@ def main() -> None:
     ap.add_argument("--rejudge", action="store_true",
                     help="judge the evals' written answers again with today's math reward")
     ap.add_argument("--against", default="grpo", help="the method the paired gains compare to")
+    ap.add_argument("--estimators", action="store_true",
+                    help="the estimators' table (step time, memory, critic), judged by today's math")
     a = ap.parse_args()
-    print("\n".join(table(a.out, a.methods, a.seeds, a.rejudge, a.against)))
+    if a.estimators:
+        print("\n".join(estimator_table(a.out, a.methods, a.seeds, a.against)))
+    else:
+        print("\n".join(table(a.out, a.methods, a.seeds, a.rejudge, a.against)))
     if a.figure:
         figure(a.out, a.methods, a.seeds, a.figure)
         print(f"wrote {a.figure}")

@@ -291,6 +291,16 @@ def test_ppo_trains_the_critic_and_resumes_bitwise(tmp_path: Path) -> None:
     assert not all(torch.equal(a, b) for a, b in zip(critic0, one.critic.params))
     assert rec["value_loss"] > 0 and math.isfinite(rec["explained_variance"])
     assert rec["no_signal"] is None  # groups of one: no dead-group alarm
+    # every answer of a group of one is "dead" to GRPO; PPO learns from each one it gives a
+    # nonzero advantage, and the answers-per-useful count says so
+    assert rec["dead_share"] == 1.0 and rec["zero_advantage_answers"] == 0
+    assert rec["useful_answers"] == rec["answers_generated"] == 16
+    from grpolab.run.trackers import Reporter
+
+    reporter = Reporter()
+    reporter.cfg = one.cfg
+    line = reporter.status_line(rec)
+    assert "reward" in line and "dead" not in line
     whole = ppo_trainer(tmp_path / "whole", critic_warmup=1)
     rows = whole.train()[1:]
     assert rows[0]["loss"] == 0.0 and rows[1]["loss"] != 0.0  # the policy trains after it

@@ -31,11 +31,15 @@ def test_short_workshop_writes_metrics_and_png(tmp_path, capsys) -> None:
         assert abs(r["dead_all_right_share"] + r["dead_all_wrong_share"] - r["dead_share"]) < 1e-9
         assert 0 <= r["predicted_dead_share"] <= 1
         assert r["heldout_acc"] is not None
+    # the process's resident high-water mark: a model and an optimizer's worth, never falling
+    peaks = [r["peak_rss_mib"] for r in rows[1:]]
+    assert peaks == sorted(peaks) and peaks[0] > 50
     w, h = png_size(out / "workshop.png")
     assert w > 800 and h > 300
     summary = json.loads((out / "summary.json").read_text())
     assert summary["group_size"] == 8 and summary["prompts_per_step"] == 8
     assert summary["answers_generated"] == 3 * 64
+    assert summary["peak_rss_mib"] == peaks[-1]
     assert (out / "checkpoints" / "last.pt").is_file()
     assert "held-out accuracy" in capsys.readouterr().out
 

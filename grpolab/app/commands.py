@@ -192,7 +192,7 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
                 f"{summary['final_heldout_check_acc']:.3f}")
         if summary["hacking_suspected_steps"]:
             acc += f"; REWARD HACKING SUSPECTED at steps {summary['hacking_suspected_steps']}"
-    if "posterior_dead_brier" in summary:
+    if "posterior_dead_brier" in summary and cfg.group_size > 1:
         print(f"dead groups: predicted {summary['mean_posterior_dead_share']:.3f}, measured "
               f"{summary['mean_dead_share']:.3f}; Brier {summary['posterior_dead_brier']:.3f} "
               f"(base rate {summary['posterior_dead_brier_base_rate']:.3f}), "

@@ -47,6 +47,8 @@ def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_o
         useful = sum(n for n, d in zip(posterior["group_sizes"], posterior["group_dead"]) if not d)
     else:
         useful = (ds.groups - ds.dead) * g
+    if "zero_advantage_answers" in update:  # token-level estimators: answers with a signal
+        useful = round(update["trained_answers"] - update["zero_advantage_answers"])
     lens = dist.gather_cat(batch.rollout.completion_mask.sum(1))
     cut = batch.rollout.truncated
     cut_all = dist.gather_cat(cut.float()) if cut is not None else None
@@ -82,7 +84,22 @@ def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_o
         **update,
         "time_sample_s": t_sample,
         "time_step_s": time.perf_counter() - t0,
+        **peak_memory(),
     }
+
+
+def peak_memory() -> dict[str, float]:
+    """This process's high-water marks so far, in MiB: resident memory (model, optimizer,
+    activations, imports: what a CPU run needs) and, once CUDA is in use, the GPU's peak
+    allocated by torch (what limits a GPU run)."""
+    import resource
+
+    import torch
+
+    out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
 
 
 def by_difficulty(rows: list[dict], ok: Tensor, lo: int = 0) -> dict[str, float] | None:
@@ -227,6 +244,8 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         "final_train_pass_prob": t1,
         "mean_reward": (sum(r["reward_mean"] for r in steps) / len(steps)) if steps else float("nan"),
         **calibration_summary(steps),  # the posteriors' Brier score and reliability table
+        **{k: max(r[k] for r in steps if k in r)
+           for k in ("peak_rss_mib", "peak_gpu_mib") if any(k in r for r in steps)},
     }
 
 

@@ -382,6 +382,8 @@ class Reporter:
                            ("heldout_pass_prob", "held-out p(T)"), ("dead_share", "dead"),
                            ("completion_len", "len")):
             v = r.get(key)
+            if key == "dead_share" and self.cfg.group_size == 1:
+                continue  # a group of one has no spread to lose
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 parts.append(f"{label} {v:.3g}" if key == "completion_len" else f"{label} {v:.3f}")
         done = step - self._steps_at_t0

@@ -171,7 +171,8 @@ class GRPOTrainer:
             records.append(rec)
             if hasattr(it, "set_postfix"):  # the progress bar
                 acc = rec["heldout_acc"]
-                it.set_postfix(reward=f"{rec['reward_mean']:.2f}", dead=f"{rec['dead_share']:.2f}",
+                dead = {} if cfg.group_size == 1 else {"dead": f"{rec['dead_share']:.2f}"}
+                it.set_postfix(reward=f"{rec['reward_mean']:.2f}", **dead,
                                acc="-" if acc is None else f"{acc:.2f}")
             if on_step:
                 on_step(rec)

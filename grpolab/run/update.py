@@ -260,7 +260,10 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
     if adv is not None and adv.dim() == 2:  # answers the estimator gives nothing to learn
         m = scored.rollout.completion_mask.bool()
         flat = (adv.abs() * m).amax(-1) <= 1e-6
-        extra["zero_advantage_share"] = float(flat.float().mean())
+        zero = dist.all_reduce_sum([float(flat.sum())])[0]
+        extra["zero_advantage_answers"] = zero
+        extra["trained_answers"] = float(scored.rows)
+        extra["zero_advantage_share"] = zero / scored.rows
     if critic is not None:
         extra["explained_variance"] = explained_variance(scored.returns, scored.old_values,
                                                          scored.rollout.completion_mask)
