@@ -63,6 +63,25 @@ def rejudge(ev: dict, folder: Path, rows: list[dict]) -> dict:
             "greedy_accuracy_by_difficulty": {k: sum(v) / len(v) for k, v in by.items()}}
 
 
+def _judged(out: Path, m: str, s: int, against: str,
+            again: bool) -> tuple[list[dict], dict, dict, dict | None]:
+    """Method ``m``'s seed ``s``: its metrics and final eval, the start's eval and ``against``'s
+    final eval (None for ``against`` itself or when it was not run), each judged again by
+    today's ``math`` when ``again``."""
+    run = out / f"{m}-s{s}"
+    steps, ev = _load(run)
+    start = out / f"base-s{s}"
+    base = json.loads((start / "eval.json").read_text())
+    other = out / f"{against}-s{s}" / "eval-final"
+    ref = (json.loads((other / "eval.json").read_text())
+           if m != against and (other / "eval.json").exists() else None)
+    if again:
+        rows = heldout(s)
+        ev, base = rejudge(ev, run / "eval-final", rows), rejudge(base, start, rows)
+        ref = rejudge(ref, other, rows) if ref is not None else None
+    return steps, ev, base, ref
+
+
 def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
           against: str = "grpo") -> list[str]:
     rows = [(f"| method | held-out start | end | gain (paired) | vs {against} (paired) | "
@@ -74,21 +93,12 @@ def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
         generated = useful = 0
         dead_r, dead_w = [], []
         for s in seeds:
-            run = out / f"{m}-s{s}"
-            if not (run / "eval-final" / "eval.json").exists():
+            if not (out / f"{m}-s{s}" / "eval-final" / "eval.json").exists():
                 continue
-            steps, ev = _load(run)
-            base = json.loads((out / f"base-s{s}" / "eval.json").read_text())
-            if again:
-                rows_s = heldout(s)
-                ev = rejudge(ev, run / "eval-final", rows_s)
-                base = rejudge(base, out / f"base-s{s}", rows_s)
-            ok, ok0 = ev["greedy_correct"], base["greedy_correct"]
-            gains += [a - b for a, b in zip(ok, ok0)]
-            grpo = out / f"{against}-s{s}" / "eval-final"
-            if m != against and (grpo / "eval.json").exists():
-                ref = json.loads((grpo / "eval.json").read_text())
-                ref = rejudge(ref, grpo, rows_s) if again else ref
+            steps, ev, base, ref = _judged(out, m, s, against, again)
+            ok = ev["greedy_correct"]
+            gains += [a - b for a, b in zip(ok, base["greedy_correct"])]
+            if ref is not None:
                 vs += [a - b for a, b in zip(ok, ref["greedy_correct"])]
             start.append(base["greedy_accuracy"])
             end.append(ev["greedy_accuracy"])
@@ -145,16 +155,10 @@ def estimator_table(out: Path, methods: list[str], seeds: list[int],
             run = out / f"{m}-s{s}"
             if not (run / "eval-final" / "eval.json").exists():
                 continue
-            steps, ev = _load(run)
-            rows_s = heldout(s)
-            ev = rejudge(ev, run / "eval-final", rows_s)
-            base = rejudge(json.loads((out / f"base-s{s}" / "eval.json").read_text()),
-                           out / f"base-s{s}", rows_s)
+            steps, ev, base, ref = _judged(out, m, s, against, again=True)
             gains += [a - b for a, b in zip(ev["greedy_correct"], base["greedy_correct"])]
-            ref = out / f"{against}-s{s}" / "eval-final"
-            if m != against and (ref / "eval.json").exists():
-                r = rejudge(json.loads((ref / "eval.json").read_text()), ref, rows_s)
-                vs += [a - b for a, b in zip(ev["greedy_correct"], r["greedy_correct"])]
+            if ref is not None:
+                vs += [a - b for a, b in zip(ev["greedy_correct"], ref["greedy_correct"])]
             end.append(ev["greedy_accuracy"])
             carry.append(ev["greedy_accuracy_by_difficulty"].get("2-digit-carry", float("nan")))
             trained = [r for r in steps if r["step"] > 0]
