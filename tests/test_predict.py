@@ -13,7 +13,13 @@ from helpers import world_trainer as shared_world_trainer
 from grpolab.config import ConfigError, make_config
 from grpolab.core import advantages as A
 from grpolab.predict.alarm import NoSignalAlarm, diagnose
-from grpolab.predict.allocate import ALLOCATION_OBJECTIVES, allocate, allocate_table
+from grpolab.predict.allocate import (
+    ALLOCATION_OBJECTIVES,
+    allocate,
+    allocate_by_kind,
+    allocate_table,
+    kind_quotas,
+)
 from grpolab.predict.posterior import (
     GridPassRateTracker,
     PassRateTracker,
@@ -268,6 +274,36 @@ def test_allocator_explores_and_respects_limits() -> None:
     assert allocate(a[:2], b[:2], 64, 4, 8, generator=gen)[1] == [8, 8]
 
 
+def test_kind_quotas_hand_values() -> None:
+    four = torch.tensor([0] * 50 + [1] * 50 + [2] * 50 + [3] * 50)
+    assert kind_quotas(four, 32, 4) == [8, 8, 8, 8]
+    # 3:1 prompts, 7 groups of 4: 5.25 / 1.75 -> 5 + 2 groups (largest remainder), the 2
+    # answers left over go to the larger kind
+    assert kind_quotas(torch.tensor([0, 0, 0, 1]), 30, 4) == [22, 8]
+    # a kind whose share is under one group gets none; the total is always the budget
+    assert kind_quotas(torch.tensor([0] + [1] * 9), 16, 4) == [0, 16]
+
+
+def test_allocate_by_kind_keeps_the_hard_kind_its_share() -> None:
+    """Kind 0: prompts near p = 1/2; kind 1: prompts confidently dead but one (p ~ 0.1).
+    Plain allocation spends every answer on kind 0; per kind, kind 1 keeps half the budget
+    and spends it on its likeliest prompt first."""
+    kinds = torch.tensor([0] * 6 + [1] * 6)
+    a = torch.tensor([20.0] * 6 + [0.1] * 5 + [2.0])
+    b = torch.tensor([20.0] * 6 + [40.0] * 5 + [18.0])
+    dead = dead_probability(a[:, None], b[:, None], torch.arange(4, 9, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(0)
+    idx, sizes = allocate_table(dead, 16, 4, 8, generator=gen)
+    assert all(i < 6 for i in idx) and sum(sizes) == 16
+    idx, sizes = allocate_by_kind(dead, kinds, 16, 4, 8, generator=gen)
+    got = dict(zip(idx, sizes))
+    assert sum(n for i, n in got.items() if i < 6) == 8
+    assert sum(n for i, n in got.items() if i >= 6) == 8
+    # the hint prompt's group grows before a dead prompt is opened (hand values: 4->5 adds
+    # 0.044 live chance, opening a dead prompt at 4 adds 0.0023 per answer)
+    assert got[11] == 8 and len(idx) == len(set(idx))
+
+
 # ---------------------------------------------------------------------- alarm --
 
 
@@ -392,6 +428,8 @@ def test_allocate_config_checks() -> None:
         make_config(None, {"allocate": True, "curriculum": True})
     with pytest.raises(ConfigError, match="allocate_min_group"):
         make_config(None, {"allocate_min_group": 8, "allocate_max_group": 4})
+    with pytest.raises(ConfigError, match="allocate_by_kind needs predict_group_by"):
+        make_config(None, {"allocate": True, "allocate_by_kind": True})
     from grpolab.config import Config
     from grpolab.world.workshop import variant_settings
 
@@ -472,3 +510,13 @@ def test_predict_group_by_names_a_column_of_every_row(tmp_path) -> None:
     assert tr.tracker.kinds is not None and tr.tracker.kind_priors is not None
     rec = tr.step()
     assert rec["answers_generated"] == 32 and math.isfinite(rec["loss"])
+    # per kind: each kind's answers are its quota, step after step
+    tr = world_trainer(tmp_path / "quota", allocate=True, allocate_min_group=2,
+                       allocate_max_group=8, predict_group_by=column, allocate_by_kind=True)
+    kinds = tr.tracker.kinds
+    quota = kind_quotas(kinds, 32, 2)
+    for _ in range(2):
+        idx, sizes = tr.rollouts.choose_prompts(0)
+        spent = [sum(n for i, n in zip(idx, sizes) if kinds[i] == k) for k in range(len(quota))]
+        assert spent == quota
+        tr.step()

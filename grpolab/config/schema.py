@@ -204,6 +204,10 @@ class Config:
     allocate_objective: AllocationObjective = opt(
         "live_groups", RUN,
         "what allocate maximises: expected live groups, or expected answers in live groups")
+    allocate_by_kind: bool = opt(
+        False, RUN,
+        "give each kind of predict_group_by its share of the budget (its share of the prompts, "
+        "as uniform sampling would) and allocate within each kind")
     allocate_min_group: int = opt(4, RUN, "smallest group allocate makes")
     allocate_max_group: int = opt(16, RUN, "largest group allocate makes")
     allocate_explore: float = opt(

@@ -171,6 +171,9 @@ def _validate_allocation(cfg: Config) -> None:
     if cfg.curriculum:
         raise ConfigError("allocate chooses the prompts itself; it cannot be combined with "
                           "curriculum")
+    if cfg.allocate_by_kind and not cfg.predict_group_by:
+        raise ConfigError("allocate_by_kind needs predict_group_by (the column naming each "
+                          "prompt's kind)")
 
 
 def check_report_to(names: list[str]) -> None:

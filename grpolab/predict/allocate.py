@@ -21,6 +21,13 @@ Exploration, so a prompt that became learnable is found again: a share ``explore
 budget goes to groups of min_size answers on prompts drawn uniformly at random, whatever their
 posterior; and since old evidence decays toward the prior (``PassRateTracker.decay``), a
 prompt's "dead" verdict weakens with the steps since it was last seen.
+
+Per kind (``allocate_by_kind``): each kind of prompt (e.g. a difficulty) keeps the share of the
+budget uniform sampling would give it (its share of the prompts) and the allocation runs within
+each kind. The objectives above value this step's live groups alike wherever they are, so on
+their own they move answers from a skill the model lacks (rare successes) to one it has (many
+live groups); the quota keeps the hard kinds' answers and spends them on their likeliest
+prompts.
 """
 
 from __future__ import annotations
@@ -108,3 +115,36 @@ def allocate_table(dead: Tensor, budget: int, min_size: int, max_size: int, *,
             left -= 1
     chosen = torch.nonzero(size).flatten()
     return order[chosen].tolist(), size[chosen].tolist()
+
+
+def kind_quotas(kinds: Tensor, budget: int, min_size: int) -> list[int]:
+    """Answers [K] for each kind id 0..K-1 of ``kinds`` [N]: its share of the prompts times
+    ``budget``, in whole groups of ``min_size`` (largest remainder); what is left under one
+    group goes to the largest kind. Sums to ``budget``."""
+    counts = torch.bincount(kinds).to(torch.float64)
+    units = budget // min_size
+    want = counts / counts.sum() * units
+    quota = want.floor().long()
+    for k in torch.argsort(want - quota, descending=True, stable=True)[:units - int(quota.sum())]:
+        quota[k] += 1
+    quota = quota * min_size
+    quota[int(counts.argmax())] += budget - int(quota.sum())
+    return quota.tolist()
+
+
+def allocate_by_kind(dead: Tensor, kinds: Tensor, budget: int, min_size: int, max_size: int, *,
+                     objective: str = "live_groups", explore: float = 0.0,
+                     generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+    """``allocate_table`` within each kind: prompts of kind k (``kinds`` [N]) share
+    ``kind_quotas(kinds, budget, min_size)[k]`` answers. Returns (indices [K], sizes [K])."""
+    idx: list[int] = []
+    sizes: list[int] = []
+    for k, quota in enumerate(kind_quotas(kinds, budget, min_size)):
+        mine = torch.nonzero(kinds == k).flatten()
+        if quota < min_size or mine.numel() == 0:
+            continue
+        i, n = allocate_table(dead[mine], quota, min_size, max_size, objective=objective,
+                              explore=explore, generator=generator)
+        idx += mine[i].tolist()
+        sizes += n
+    return idx, sizes

@@ -45,8 +45,11 @@ MAX_EXPONENT = 1000
 _LINE_CHARS = 1000  # an answer line longer than this is prose, not an answer
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# "The answer is X", "Answer: X", "The answer to this problem is X" (a short clause naming what
+# it answers, then "is": no sentence end, comma, colon or "=" in the clause)
 _ANSWER_LINE = re.compile(
-    r"(?:\b(?:the\s+)?(?:final\s+)?answer\s*(?:is\s*:?|:|=)|^\s*####)\s*(.*)", re.IGNORECASE)
+    r"(?:\b(?:the\s+)?(?:final\s+)?answer(?:\s+(?:to|for|of)\b[^.!?\n,:=]{0,80}?\s*\bis\s*:?"
+    r"|\s*(?:is\s*:?|:|=))|^\s*####)\s*(.*)", re.IGNORECASE)
 _HEDGE = re.compile(r"\bor\b|\band\b|;|\\pm|±|\\text\{\s*or\s*\}", re.IGNORECASE)
 _LIST_COMMA = re.compile(r",(?!\d{3}(?!\d))")  # a comma that is not a thousands separator
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")

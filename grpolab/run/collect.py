@@ -25,7 +25,7 @@ import torch
 from grpolab.config import Config, ConfigError
 from grpolab.core import advantages as adv_mod
 from grpolab.predict.alarm import NoSignalAlarm
-from grpolab.predict.allocate import allocate_table, size_axis
+from grpolab.predict.allocate import allocate_by_kind, allocate_table, size_axis
 from grpolab.predict.curriculum import PromptSampler
 from grpolab.predict.posterior import PASS_RATE_PRIORS
 from grpolab.rewards.scorer import Scorer, ScoreResult
@@ -102,9 +102,12 @@ class Collector:
         if not cfg.allocate:
             return self.sampler.draw(n), [cfg.group_size] * n
         lo, hi = cfg.allocate_min_group, cfg.allocate_max_group
-        return allocate_table(self.tracker.dead_table(size_axis(lo, hi)), cfg.budget, lo, hi,
-                              objective=cfg.allocate_objective, explore=cfg.allocate_explore,
-                              generator=self.sampler.generator)
+        dead = self.tracker.dead_table(size_axis(lo, hi))
+        how = dict(objective=cfg.allocate_objective, explore=cfg.allocate_explore,
+                   generator=self.sampler.generator)
+        if cfg.allocate_by_kind:
+            return allocate_by_kind(dead, self.tracker.kinds, cfg.budget, lo, hi, **how)
+        return allocate_table(dead, cfg.budget, lo, hi, **how)
 
     def observe(self, idx: list[int], ok: torch.Tensor, sizes: list[int]) -> None:
         """Each drawn prompt's group pass rate, for the curriculum's running statistics; each
