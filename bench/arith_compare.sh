@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Teaching SmolLM2-135M 2-digit addition and subtraction (README: "A skill the model lacks"):
 # plain GRPO; the allocator with a prior per difficulty (Beta prior and live groups, or grid
-# prior and live answers); the curriculum; the allocator with one prior; DAPO dynamic sampling
+# prior and live answers, or each difficulty keeping its share of the answers); the curriculum; the allocator with one prior; DAPO dynamic sampling
 # (4 steps: its refill rounds spend about the others' 24 steps of answers). Each from the same
 # start for SEEDS, then a greedy eval of every final model and of the start, the table and the
 # per-difficulty figure. About 6-12 minutes a run on 2 CPU cores (PPO: about 20).
@@ -10,7 +10,7 @@
 set -euo pipefail
 OUT=${OUT:-runs/arith-cmp}
 SEEDS=${SEEDS:-0 1}
-METHODS=${METHODS:-grpo allocate-kind allocate-kind-grid curriculum allocate dynamic}
+METHODS=${METHODS:-grpo allocate-kind allocate-kind-grid allocate-by-kind curriculum allocate dynamic}
 CFG=examples/smollm2_addition.yaml
 for seed in $SEEDS; do
   [ -f "$OUT/base-s$seed/eval.json" ] || grpolab eval --config $CFG --seed "$seed" --out-dir "$OUT/base-s$seed"
@@ -20,6 +20,7 @@ for seed in $SEEDS; do
       allocate-kind) flag="--allocate --predict-group-by difficulty" ;;
       allocate-kind-grid) flag="--allocate --predict-group-by difficulty --predict-prior grid
                                 --allocate-objective live_answers" ;;
+      allocate-by-kind) flag="--allocate --predict-group-by difficulty --allocate-by-kind" ;;
       dynamic) flag="--dynamic-sampling --steps 4 --eval-every 4" ;;  # ~ the others' answers
       # the estimators GRPO is measured against (issue: PPO, REINFORCE++), KL in the reward
       ppo) flag="--estimator ppo --kl-in reward --kl-estimator k1 --critic-lr 1e-3" ;;

@@ -426,8 +426,12 @@ def test_reference_model_uses_its_own_lean_forward(paths: dict[str, str]) -> Non
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
-def test_lora_model_matches_hf(paths: dict[str, str]) -> None:
-    be = backend(paths, "llama", lora=True, lora_target_modules=["q_proj", "v_proj", "up_proj"])
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "up_proj"], ["all-linear"]])
+def test_lora_model_matches_hf(paths: dict[str, str], targets: list[str]) -> None:
+    be = backend(paths, "llama", lora=True, lora_target_modules=targets)
+    adapted = {n.split(".")[-1] for n, m in be.model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == ({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"} if targets == ["all-linear"] else set(targets))
     fast = be._fast
     assert fast is not None
     with torch.no_grad():  # adapters start as a no-op (lora_B = 0): make them count

@@ -311,7 +311,8 @@ class Config:
     lora_dropout: float = opt(0.0, MODEL, "LoRA dropout")
     lora_target_modules: list[str] = opt(
         [], MODEL,
-        "modules given LoRA adapters ([] = peft's default for the architecture)")
+        "modules given LoRA adapters ([] = peft's default for the architecture, e.g. q_proj "
+        "v_proj; [all-linear] = every linear layer but the head)")
     use_chat_template: bool = opt(True, MODEL_EVAL, "wrap prompts in the tokenizer's chat template")
     rollout_backend: Literal["hf", "vllm"] = opt("hf", MODEL, "vllm: in-process engine on a GPU")
     # --- reliability ---

@@ -206,7 +206,9 @@ def eos_ids(tokenizer: Any, model: nn.Module) -> list[int]:
 def wrap_lora(model: nn.Module, r: int, alpha: int, dropout: float,
               targets: list[str] | None, seed: int) -> nn.Module:
     """``model`` wrapped in rank-r LoRA adapters (peft), initialised from ``seed``; ``targets``
-    None: peft's per-architecture defaults, else every linear layer."""
+    None: peft's per-architecture defaults (every linear layer for an architecture peft does not
+    know), ["all-linear"]: every linear layer but the output head (peft's name), else the
+    modules named."""
     from peft import LoraConfig, get_peft_model
 
     # GPT-2's Conv1D layers store weights transposed; peft wants to be told.
@@ -222,6 +224,8 @@ def wrap_lora(model: nn.Module, r: int, alpha: int, dropout: float,
                                     category=FutureWarning)
             return get_peft_model(model, cfg)
 
+    if targets == ["all-linear"]:
+        return wrap("all-linear")
     if targets:
         return wrap(targets)
     try:
