@@ -103,8 +103,9 @@ class Collector:
             return self.sampler.draw(n), [cfg.group_size] * n
         lo, hi = cfg.allocate_min_group, cfg.allocate_max_group
         dead = self.tracker.dead_table(size_axis(lo, hi))
-        how = dict(objective=cfg.allocate_objective, explore=cfg.allocate_explore,
-                   generator=self.sampler.generator)
+        how: dict[str, Any] = {"objective": cfg.allocate_objective,
+                               "explore": cfg.allocate_explore,
+                               "generator": self.sampler.generator}
         if cfg.allocate_by_kind:
             return allocate_by_kind(dead, self.tracker.kinds, cfg.budget, lo, hi, **how)
         return allocate_table(dead, cfg.budget, lo, hi, **how)
