@@ -7,11 +7,13 @@ standard error is that of the mean of those paired differences over every prompt
 
 Usage: python bench/arith_table.py OUT [--methods grpo ...] [--seeds 0 1] [--figure F.png]
        [--rejudge] [--estimators]
+       python bench/arith_table.py OUT --operators EVAL_DIR ... [--eval-size 600] [--seeds 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -33,14 +35,41 @@ def _gain(diffs: list[int]) -> str:
     return f"{sum(diffs) / len(diffs):+.3f} ± {standard_error(torch.tensor(diffs, dtype=torch.float64)):.3f}"
 
 
-def heldout(seed: int, config: str = CONFIG) -> list[dict]:
+@functools.cache
+def heldout(seed: int, config: str = CONFIG, eval_size: int | None = None) -> list[dict]:
     """The held-out rows a seed's evals judged, in their order (the task's own rows,
-    regenerated from the run's config)."""
+    regenerated from the run's config; ``eval_size`` as the eval was given it)."""
     from grpolab.config import make_config
     from grpolab.data.files import run_rows
 
-    cfg = make_config(config, {"seed": seed}, "eval")
+    cfg = make_config(config, {"seed": seed, **({"eval_size": eval_size} if eval_size else {})},
+                      "eval")
     return run_rows(cfg)[1][: cfg.eval_size]
+
+
+def operator_table(folders: list[Path], seed: int, eval_size: int) -> list[str]:
+    """Greedy accuracy ± s.e. per difficulty and operator of evals run with ``--eval-size``
+    (each folder holds an eval's completions.jsonl)."""
+    import torch
+
+    from grpolab.core.passk import standard_error
+
+    rows = heldout(seed, CONFIG, eval_size)
+    cells = [(k, op) for k in KINDS for op in "+-"]
+    out = ["| eval | prompts | " + " | ".join(f"{k} {op}" for k, op in cells) + " |",
+           "|" + "---|" * (len(cells) + 2)]
+    for f in folders:
+        greedy = [json.loads(x) for x in (f / "completions.jsonl").read_text().splitlines()]
+        greedy = [x for x in greedy if x["greedy"]]
+        assert [x["prompt"] for x in greedy] == [r["prompt"] for r in rows[:len(greedy)]], f
+        by: dict[tuple[str, str], list[float]] = {}
+        for r, x in zip(rows, greedy):
+            by.setdefault((r["difficulty"], "+" if "+" in r["prompt"] else "-"), []).append(
+                float(x["right"]))
+        out.append(f"| {f.name} | {len(greedy)} | " + " | ".join(
+            f"{sum(v) / len(v):.2f} ± {float(standard_error(torch.tensor(v))):.2f} ({len(v)})"
+            for v in (by.get(c, [0.0]) for c in cells)) + " |")
+    return out
 
 
 def rejudge(ev: dict, folder: Path, rows: list[dict]) -> dict:
@@ -61,6 +90,14 @@ def rejudge(ev: dict, folder: Path, rows: list[dict]) -> dict:
         by.setdefault(k, []).append(o)
     return {**ev, "greedy_correct": ok, "greedy_accuracy": sum(ok) / len(ok),
             "greedy_accuracy_by_difficulty": {k: sum(v) / len(v) for k, v in by.items()}}
+
+
+def carry_by_operator(ok: list[int], rows: list[dict]) -> tuple[float, float]:
+    """Greedy accuracy on the 2-digit-carry rows [addition, subtraction] from the per-row
+    verdicts ``ok`` (aligned with ``rows``): a carry in addition, a borrow in subtraction."""
+    add = [o for o, r in zip(ok, rows) if r["difficulty"] == "2-digit-carry" and "+" in r["prompt"]]
+    sub = [o for o, r in zip(ok, rows) if r["difficulty"] == "2-digit-carry" and "+" not in r["prompt"]]
+    return (sum(add) / max(len(add), 1), sum(sub) / max(len(sub), 1))
 
 
 def _judged(out: Path, m: str, s: int, against: str,
@@ -85,11 +122,13 @@ def _judged(out: Path, m: str, s: int, against: str,
 def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
           against: str = "grpo") -> list[str]:
     rows = [(f"| method | held-out start | end | gain (paired) | vs {against} (paired) | "
-             "2-digit carry end | 1-digit / 2-digit / 3-digit end | answers generated | "
+             "2-digit carry end | carry: addition / subtraction end | "
+             "1-digit / 2-digit / 3-digit end | answers generated | "
              "generated per live answer | dead all right / all wrong |"),
-            "|" + "---|" * 10]
+            "|" + "---|" * 11]
     for m in methods:
         gains, vs, start, end, carry, kinds = [], [], [], [], [], {k: [] for k in KINDS}
+        carry_ops: list[tuple[float, float]] = []
         generated = useful = 0
         dead_r, dead_w = [], []
         for s in seeds:
@@ -104,6 +143,7 @@ def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
             end.append(ev["greedy_accuracy"])
             by = ev.get("greedy_accuracy_by_difficulty", {})
             carry.append(by.get("2-digit-carry", float("nan")))
+            carry_ops.append(carry_by_operator(ok, heldout(s)))
             for k in KINDS:
                 kinds[k].append(by.get(k, float("nan")))
             trained = [r for r in steps if r["step"] > 0]
@@ -118,6 +158,7 @@ def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
         rows.append(
             f"| {m} ({n} seed{'s' if n > 1 else ''}) | {sum(start) / n:.3f} | {sum(end) / n:.3f} "
             f"| {_gain(gains)} | {v} | {sum(carry) / n:.3f} | "
+            f"{sum(a for a, _ in carry_ops) / n:.3f} / {sum(b for _, b in carry_ops) / n:.3f} | "
             + " / ".join(f"{sum(kinds[k]) / n:.3f}" for k in ("1-digit", "2-digit", "3-digit"))
             + f" | {generated // n} | {generated / max(useful, 1):.2f} | "
             f"{sum(dead_r) / len(dead_r):.2f} / {sum(dead_w) / len(dead_w):.2f} |")
@@ -250,8 +291,14 @@ def main() -> None:
     ap.add_argument("--against", default="grpo", help="the method the paired gains compare to")
     ap.add_argument("--estimators", action="store_true",
                     help="the estimators' table (step time, memory, critic), judged by today's math")
+    ap.add_argument("--operators", nargs="+", type=Path, metavar="EVAL_DIR",
+                    help="instead: accuracy per difficulty and operator of these evals (run with "
+                         "--eval-size EVAL_SIZE and --seed of --seeds' first)")
+    ap.add_argument("--eval-size", type=int, default=600)
     a = ap.parse_args()
-    if a.estimators:
+    if a.operators:
+        print("\n".join(operator_table(a.operators, a.seeds[0], a.eval_size)))
+    elif a.estimators:
         print("\n".join(estimator_table(a.out, a.methods, a.seeds, a.against)))
     else:
         print("\n".join(table(a.out, a.methods, a.seeds, a.rejudge, a.against)))
