@@ -228,6 +228,14 @@ def estimator_table(out: Path, methods: list[str], seeds: list[int],
     return rows
 
 
+SMOOTH = 6  # steps in the dead-group panel's running mean (a step has only 4-8 groups)
+
+
+def _smooth(ys: list[float], k: int) -> list[float]:
+    """Trailing running mean over up to ``k`` points."""
+    return [sum(ys[max(0, i - k + 1): i + 1]) / (i + 1 - max(0, i - k + 1)) for i in range(len(ys))]
+
+
 def figure(out: Path, methods: list[str], seeds: list[int], path: Path) -> None:
     """Held-out greedy accuracy per difficulty against the answers generated so far (mean over
     seeds), one panel per difficulty, and each step's dead share split into all right and all
@@ -265,13 +273,15 @@ def figure(out: Path, methods: list[str], seeds: list[int], path: Path) -> None:
             ys = [sum(curves[x].get(k, [0])) / max(len(curves[x].get(k, [])), 1) for x in xs]
             ax.plot(xs, ys, marker="o", color=color, label=m)
         ds = sorted(wrong)
-        axes[-1].plot(ds, [sum(wrong[x]) / len(wrong[x]) for x in ds], color=color, label=m)
-        axes[-1].plot(ds, [sum(right[x]) / len(right[x]) for x in ds], color=color, ls=":")
+        for share, ls in ((wrong, "-"), (right, ":")):
+            per_step = [sum(share[x]) / len(share[x]) for x in ds]
+            axes[-1].plot(ds, _smooth(per_step, SMOOTH), color=color, ls=ls,
+                          label=m if ls == "-" else None)
     for ax, k in zip(axes, KINDS):
         ax.set(title=f"held-out {k}", xlabel="answers generated", ylabel="greedy accuracy",
                ylim=(-0.02, 1))
         ax.grid(alpha=0.3)
-    axes[-1].set(title="dead groups (solid: all wrong, dotted: all right)",
+    axes[-1].set(title=f"dead groups, {SMOOTH}-step mean (solid all wrong, dotted all right)",
                  xlabel="answers generated", ylabel="share of the step's groups", ylim=(-0.02, 1.02))
     axes[-1].grid(alpha=0.3)
     axes[0].legend(fontsize=8)
