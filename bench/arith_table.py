@@ -4,6 +4,8 @@ pooled over seeds, and the per-difficulty learning curves.
 Gains are paired per held-out prompt: a method's final greedy answer against the start's (and,
 in "vs GRPO", against plain GRPO's final answer to the same prompt of the same seed); the
 standard error is that of the mean of those paired differences over every prompt of every seed.
+"s.e. over seeds" is the mean of each seed's paired difference and its standard error across
+seeds, which also counts how differently two trainings of one seed's data can go.
 
 Usage: python bench/arith_table.py OUT [--methods grpo ...] [--seeds 0 1] [--figure F.png]
        [--rejudge] [--estimators]
@@ -122,13 +124,15 @@ def _judged(out: Path, m: str, s: int, against: str,
 def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
           against: str = "grpo") -> list[str]:
     rows = [(f"| method | held-out start | end | gain (paired) | vs {against} (paired) | "
+             f"vs {against}, s.e. over seeds | "
              "2-digit carry end | carry: addition / subtraction end | "
              "1-digit / 2-digit / 3-digit end | answers generated | "
              "generated per live answer | dead all right / all wrong |"),
-            "|" + "---|" * 11]
+            "|" + "---|" * 12]
     for m in methods:
         gains, vs, start, end, carry, kinds = [], [], [], [], [], {k: [] for k in KINDS}
         carry_ops: list[tuple[float, float]] = []
+        per_seed: list[float] = []  # each seed's mean paired difference against ``against``
         generated = useful = 0
         dead_r, dead_w = [], []
         for s in seeds:
@@ -138,7 +142,9 @@ def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
             ok = ev["greedy_correct"]
             gains += [a - b for a, b in zip(ok, base["greedy_correct"])]
             if ref is not None:
-                vs += [a - b for a, b in zip(ok, ref["greedy_correct"])]
+                d = [a - b for a, b in zip(ok, ref["greedy_correct"])]
+                vs += d
+                per_seed.append(sum(d) / len(d))
             start.append(base["greedy_accuracy"])
             end.append(ev["greedy_accuracy"])
             by = ev.get("greedy_accuracy_by_difficulty", {})
@@ -155,9 +161,15 @@ def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
             continue
         n = len(end)
         v = _gain(vs) if vs else ""
+        # the runs' own randomness is shared by every prompt of a seed: the spread of the
+        # seeds' differences is the honest error bar once there are a few seeds
+        k = len(per_seed)
+        mean = sum(per_seed) / max(k, 1)
+        over = (f"{mean:+.3f} ± {(sum((x - mean) ** 2 for x in per_seed) / (k - 1) / k) ** 0.5:.3f}"
+                if k > 1 else "")
         rows.append(
             f"| {m} ({n} seed{'s' if n > 1 else ''}) | {sum(start) / n:.3f} | {sum(end) / n:.3f} "
-            f"| {_gain(gains)} | {v} | {sum(carry) / n:.3f} | "
+            f"| {_gain(gains)} | {v} | {over} | {sum(carry) / n:.3f} | "
             f"{sum(a for a, _ in carry_ops) / n:.3f} / {sum(b for _, b in carry_ops) / n:.3f} | "
             + " / ".join(f"{sum(kinds[k]) / n:.3f}" for k in ("1-digit", "2-digit", "3-digit"))
             + f" | {generated // n} | {generated / max(useful, 1):.2f} | "
