@@ -304,8 +304,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--methods", nargs="+",
-                    default=["grpo", "allocate-kind", "allocate-kind-grid", "allocate-by-kind",
-                             "curriculum", "allocate", "dynamic"])
+                    default=["grpo", "grpo-g4", "allocate-kind", "allocate-kind-grid",
+                             "allocate-by-kind", "curriculum", "allocate", "dynamic"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--figure", type=Path)
     ap.add_argument("--rejudge", action="store_true",
