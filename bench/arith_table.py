@@ -28,7 +28,7 @@ def _load(run: Path) -> tuple[list[dict], dict]:
     return steps, json.loads((run / "eval-final" / "eval.json").read_text())
 
 
-def _gain(diffs: list[int]) -> str:
+def _gain(diffs: list[float]) -> str:
     """Mean of paired per-prompt differences ± its standard error (grpolab eval's own)."""
     import torch
 
@@ -64,10 +64,7 @@ def operator_table(folders: list[Path], seed: int, eval_size: int) -> list[str]:
         greedy = [json.loads(x) for x in (f / "completions.jsonl").read_text().splitlines()]
         greedy = [x for x in greedy if x["greedy"]]
         assert [x["prompt"] for x in greedy] == [r["prompt"] for r in rows[:len(greedy)]], f
-        by: dict[tuple[str, str], list[float]] = {}
-        for r, x in zip(rows, greedy):
-            by.setdefault((r["difficulty"], "+" if "+" in r["prompt"] else "-"), []).append(
-                float(x["right"]))
+        by = by_kind_and_operator([x["right"] for x in greedy], rows)
         out.append(f"| {f.name} | {len(greedy)} | " + " | ".join(
             f"{sum(v) / len(v):.2f} ± {float(standard_error(torch.tensor(v))):.2f} ({len(v)})"
             for v in (by.get(c, [0.0]) for c in cells)) + " |")
@@ -94,11 +91,19 @@ def rejudge(ev: dict, folder: Path, rows: list[dict]) -> dict:
             "greedy_accuracy_by_difficulty": {k: sum(v) / len(v) for k, v in by.items()}}
 
 
+def by_kind_and_operator(ok: list, rows: list[dict]) -> dict[tuple[str, str], list[float]]:
+    """The per-row verdicts ``ok`` (aligned with ``rows``) grouped by (difficulty, "+" or "-")."""
+    by: dict[tuple[str, str], list[float]] = {}
+    for o, r in zip(ok, rows):
+        by.setdefault((r["difficulty"], "+" if "+" in r["prompt"] else "-"), []).append(float(o))
+    return by
+
+
 def carry_by_operator(ok: list[int], rows: list[dict]) -> tuple[float, float]:
     """Greedy accuracy on the 2-digit-carry rows [addition, subtraction] from the per-row
     verdicts ``ok`` (aligned with ``rows``): a carry in addition, a borrow in subtraction."""
-    add = [o for o, r in zip(ok, rows) if r["difficulty"] == "2-digit-carry" and "+" in r["prompt"]]
-    sub = [o for o, r in zip(ok, rows) if r["difficulty"] == "2-digit-carry" and "+" not in r["prompt"]]
+    by = by_kind_and_operator(ok, rows)
+    add, sub = by.get(("2-digit-carry", "+"), []), by.get(("2-digit-carry", "-"), [])
     return (sum(add) / max(len(add), 1), sum(sub) / max(len(sub), 1))
 
 
@@ -163,10 +168,7 @@ def table(out: Path, methods: list[str], seeds: list[int], again: bool = False,
         v = _gain(vs) if vs else ""
         # the runs' own randomness is shared by every prompt of a seed: the spread of the
         # seeds' differences is the honest error bar once there are a few seeds
-        k = len(per_seed)
-        mean = sum(per_seed) / max(k, 1)
-        over = (f"{mean:+.3f} ± {(sum((x - mean) ** 2 for x in per_seed) / (k - 1) / k) ** 0.5:.3f}"
-                if k > 1 else "")
+        over = _gain(per_seed) if len(per_seed) > 1 else ""
         rows.append(
             f"| {m} ({n} seed{'s' if n > 1 else ''}) | {sum(start) / n:.3f} | {sum(end) / n:.3f} "
             f"| {_gain(gains)} | {v} | {over} | {sum(carry) / n:.3f} | "
