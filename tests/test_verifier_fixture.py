@@ -61,7 +61,7 @@ def test_recall_on_all_right_answers() -> None:
     assert sum(VERDICTS[r["id"]] for r in right) >= RECALL_ALL * len(right)
 
 
-RECALL_ALL = 0.97  # measured 142 / 146 = 0.973 (the 4 misses are all "trailing")
+RECALL_ALL = 0.98  # measured 144 / 146 = 0.986 (the 2 misses are both "trailing")
 
 # Hand-checked completions: (id, the final answer found, paid).
 CHECKED = [
@@ -78,7 +78,9 @@ CHECKED = [
     ("g092", None, False),  # '... which is 7. ... In other words, 7 * 1 equals' (cut off)
     ("g087", None, False),  # '... results in 0. So, 8 * 0 is undefined.'
     ("s191", None, False),  # '6 - 4 = 4 ... previous times are 2 ... 2 * 4 - 2 as 4 - 2.'
-    ("g289", "2", False),  # '2 x 8 = 16 candies ... There are 2 additional bags' (a miss)
+    ("g289", "16", True),  # '2 x 8 = 16 candies ... There are 2 additional bags': restates
+    ("s313", "7", False),  # "7 * 12 = 7 * 12 = 7 (there are 7 bags)": the bracket restates (gold 84)
+    ("s086", None, False),  # '7 + 4 = 11 ... 3 (4) is a blend of the numbers 2 and 7' (a miss)
     ("a044", "414", False),  # '68 * 6 = 408. Then 408 + 6 = 414.' (gold 408)
     ("a064", None, False),  # 'The answer might be 32.'
     ("a100", None, False),  # '89 - 86 = 3. But 89 - 86 is not 3.'

@@ -172,3 +172,34 @@ def test_the_question_lets_a_remark_name_its_numbers_quickly() -> None:
     long_q = "Calculate 1 + 1. " * 1000
     assert math_answer([long_q], ["1 + 1 = 2. " + "1 + 1 " * 100_000], answer=["2"]) == [1.0]
     assert time.perf_counter() - start < 2.0
+
+
+BAGS = "Each bag has 8 candies. How many candies are in 2 bags?"
+
+
+@pytest.mark.parametrize(("completion", "verdict"), [
+    # a last sentence that restates the question's data states no new result
+    ("2 x 8 = 16 candies. There are 2 additional bags of candies.", 1.0),
+    ("2 x 8 = 16 candies (there are 2 bags)", 1.0),
+    ("2 x 8 = 16 candies. There are 2 bags of 8 candies.", 1.0),
+    ("2 x 8 = 15 candies. There are 2 bags.", 0.0),  # the result before it is still judged
+    ("There are 2 bags.", 0.0),  # with nothing before it, it is the result
+    ("2 x 8 = 16 candies? There are 2 bags.", 0.0),  # a question stays a question
+    # ... but one that corrects or concludes does, and so does one about what is asked
+    ("2 x 8 = 16 candies. Actually there are 2 bags.", 0.0),
+    ("2 x 8 = 16 candies. So there are 2 bags.", 0.0),
+    ("2 x 8 = 16 candies. There are 8 candies.", 0.0),
+    ("2 x 8 = 16 candies. There are 2 bags. There are 3 bags.", 0.0),
+    ("2 x 8 = 16 candies." + " There are 2 bags." * 4, 0.0),  # at most 3 are looked past
+])
+def test_a_restated_quantity_after_the_answer(completion: str, verdict: float) -> None:
+    assert math_answer([BAGS], [completion], answer=["16"]) == [verdict]
+
+
+def test_restatements_are_judged_quickly() -> None:
+    start = time.perf_counter()
+    for attack, verdict in [("2 x 8 = 16 candies." + " There are 2 bags." * 40_000, 0.0),
+                            ("There are 2 bags " * 40_000, 0.0),
+                            ("= 16 (there are 2 bags) " * 40_000, 1.0)]:
+        assert math_answer([BAGS], [attack], answer=["16"]) == [verdict]
+    assert time.perf_counter() - start < 3.0

@@ -14,8 +14,9 @@ restate the question. The rule here:
    anywhere (the question's own numbers aside: "... = 16. That is 2 times 8" still answers
    "2 * 8"), no arithmetic continues or follows it ("= 100 + 44", "= 144. Then 144 + 6"; the
    question's own expression may be named after it if nothing is stated about it), and its
-   sentence is neither a question nor hedged ("about", "maybe", "or", "I think", ...). The
-   first kind present decides; ``sources`` chooses which kinds count at all.
+   sentence is neither a question nor hedged ("about", "maybe", "or", "I think", ...); a
+   later sentence that only restates the question's data ("There are 2 bags.") is looked past.
+   The first kind present decides; ``sources`` chooses which kinds count at all.
 2. **One answer.** All candidates of that kind must agree, and a candidate may not list
    alternatives ("150 or 144", "144, 150", "\\pm"), unless the gold answer itself has that
    shape. A hedge scores 0.
@@ -32,6 +33,8 @@ restate the question. The rule here:
 
 from __future__ import annotations
 
+import bisect
+import collections
 import functools
 import re
 from fractions import Fraction
@@ -81,6 +84,16 @@ _HEDGE_WORDS = re.compile(
     r"might|could|guess|close\s+to|likely|i\s+think|i\s+believe|not\s+sure|unsure|uncertain)\b"
     r"|≈|~", re.IGNORECASE)
 _DOUBT = re.compile(r"\b(?:not|isn't|aren't|no)\b", re.IGNORECASE)  # "I do not think it is 16"
+# A later sentence restating a quantity the question gives, of something other than what it
+# asks ("There are 2 additional bags." after "2 x 8 = 16 candies" for "How many candies are in
+# 2 bags?"), states no new result, unless it concludes or corrects ("So", "Actually", ...).
+_GIVEN = re.compile(r"(?<![\d.,])(\d+)[ \t]+([A-Za-z]+)")
+_ASKED = re.compile(r"\bhow[ \t]+(?:many|much)[ \t]+([A-Za-z]+)", re.IGNORECASE)
+_CONCLUDES = re.compile(
+    r"\b(?:so|thus|therefore|hence|then|total|altogether|in[ \t]+all|answer|result|actually|"
+    r"wait|instead|rather|correct\w*|mistake|wrong|sorry|oops|no|not)\b", re.IGNORECASE)
+_WORDS = re.compile(r"(?:[ \t]+[A-Za-z]+){1,3}")
+_RESTATEMENTS = 3  # at most this many trailing restatements are looked past
 
 
 def _balanced(text: str, open_at: int) -> int | None:
@@ -147,18 +160,40 @@ def _bare(text: str) -> list[str]:
     return [s]
 
 
+def _noun(word: str) -> str:
+    return word.lower().removesuffix("s")
+
+
+def _restates(text: str, stated: re.Match, sentence: tuple[int, int], question: str) -> bool:
+    """Whether ``stated`` only restates a quantity the question gives (see ``_GIVEN``)."""
+    value = stated.group(1)
+    given = {_noun(w) for n, w in _GIVEN.findall(question) if n == value}
+    given -= {_noun(w) for w in _ASKED.findall(question)}
+    words = _WORDS.match(text, stated.end(), sentence[1])  # the words right after the number
+    return (bool(given) and words is not None and any(_noun(w) in given for w in words[0].split())
+            and not _CONCLUDES.search(text, sentence[0], sentence[1]))
+
+
 def _last_statement(text: str, question: str = "") -> list[str]:
     """The number stated by the completion's last result statement ("... = 16.", "so the total
     is 144."), when nothing after it names another number (the question's own numbers aside),
-    it continues no arithmetic, and its sentence is neither a question nor a hedge."""
-    last = None
-    for last in _STATED.finditer(text):
-        pass
-    for named in _NAMED.finditer(text):
-        if last is None or named.start() > last.start():
-            last = named
-    if last is None:
+    it continues no arithmetic, and its sentence is neither a question nor a hedge. A statement
+    that only restates the question's data does not count as the last (``_restates``)."""
+    tail = collections.deque(_STATED.finditer(text), maxlen=_RESTATEMENTS + 1)
+    tail.extend(collections.deque(_NAMED.finditer(text), maxlen=_RESTATEMENTS + 1))
+    if not tail:
         return []
+    statements = sorted(tail, key=lambda m: m.start())[-(_RESTATEMENTS + 1):]
+    ends = [m.end() for m in _SENTENCE_END.finditer(text)]
+
+    def sentence(m: re.Match) -> tuple[int, int]:
+        i = bisect.bisect_right(ends, m.start())  # the first sentence end after its start
+        after = bisect.bisect_left(ends, m.end())
+        return (ends[i - 1] if i else 0), (ends[after] if after < len(ends) else len(text))
+
+    last = statements.pop()
+    while statements and _restates(text, last, sentence(last), question):
+        last = statements.pop()
     value, rest = last.group(1), text[last.end():]
     if len(value) > MAX_ANSWER_CHARS or _MORE_ARITHMETIC.match(rest):  # "= 100 + 44": unfinished
         return []
@@ -180,11 +215,9 @@ def _last_statement(text: str, question: str = "") -> list[str]:
             asked.add(e)  # this spelling of it, checked once
         if _STATING.match(rest, expr.end()):
             return []
-    starts = [m.end() for m in _SENTENCE_END.finditer(text, 0, last.start())]
-    end = _SENTENCE_END.search(text, last.end())
-    start = starts[-1] if starts else 0
-    sentence = text[start : end.end() if end else len(text)]
-    if (sentence.rstrip().endswith("?") or _HEDGE_WORDS.search(sentence)
+    start, end = sentence(last)
+    text_of_sentence = text[start:end]
+    if (text_of_sentence.rstrip().endswith("?") or _HEDGE_WORDS.search(text_of_sentence)
             or _DOUBT.search(text, start, last.start())):
         return []
     return [value]
