@@ -2,6 +2,7 @@
 
     python bench/verifier_fixture.py sample [t1|greedy|all]  # SmolLM2 -> verifier_samples.jsonl
     python bench/verifier_fixture.py build   # samples + adversarial, labelled -> the fixture
+    python bench/verifier_fixture.py heldout  # new prompts, greedy, labelled -> verifier_heldout
 
 ``sample`` draws one completion per prompt from SmolLM2-135M-Instruct (``model_path:
 smollm2-135m-instruct``, converted once from its GGUF file; plain transformers, the model's chat
@@ -18,6 +19,11 @@ made after reading every completion), adds the adversarial completions of ``adve
 (all labelled wrong) and writes the fixture. A label is true when the reply's final stated
 result is the gold answer, stated honestly: one answer, no hedge, not the restated question,
 and no later statement of a different result (numbers merely mentioned later do not count).
+
+``heldout`` checks the verifier on prompts it was not written against: the same kinds of
+prompt drawn with another seed (``questions(seed=1)``, less those the fixture asked), one
+greedy pass (ids h###, about 3 minutes), labelled by ``rule_label`` and ``HAND_HELDOUT`` (the
+labels read by hand: every completion that names its gold anywhere) -> verifier_heldout.jsonl.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from pathlib import Path
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 SAMPLES, FIXTURE = DATA / "verifier_samples.jsonl", DATA / "verifier_fixture.jsonl"
+HELDOUT = DATA / "verifier_heldout.jsonl"
 FORMAT = " End your reply with 'The answer is N.'"
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -68,8 +75,9 @@ WORD = [
 ]
 
 
-def questions() -> list[dict]:
-    """The prompts, in a fixed order: (prompt, question, gold, kind, source)."""
+def questions(seed: int = 0) -> list[dict]:
+    """The prompts, in a fixed order: (prompt, question, gold, kind, source); another ``seed``
+    draws other numbers (and other reasoning-gym questions) of the same kinds."""
     import reasoning_gym as rg
 
     rows: list[dict] = []
@@ -83,11 +91,11 @@ def questions() -> list[dict]:
                          "gold": str(x["answer"]), "kind": "format" if fmt else "no_format",
                          "source": f"rg{digits}"})
 
-    rg_rows(1, 50, 101, True)
-    rg_rows(1, 60, 102, False)
-    rg_rows(2, 30, 103, True)
-    rg_rows(2, 30, 104, False)
-    rnd = random.Random(0)
+    rg_rows(1, 50, 101 + 100 * seed, True)
+    rg_rows(1, 60, 102 + 100 * seed, False)
+    rg_rows(2, 30, 103 + 100 * seed, True)
+    rg_rows(2, 30, 104 + 100 * seed, False)
+    rnd = random.Random(seed)
     for i in range(90):
         tpl, op = REPHRASED[i % len(REPHRASED)]
         a, b = rnd.randint(1, 9), rnd.randint(1, 9)
@@ -114,10 +122,7 @@ def questions() -> list[dict]:
     return rows
 
 
-def sample(which: str = "all") -> None:
-    """Sample completions: "t1" (temperature 1, ids s###), "greedy" (ids g###) or "all"."""
-    import time
-
+def _model() -> tuple:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -127,35 +132,52 @@ def sample(which: str = "all") -> None:
     folder = resolve_model("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(folder)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    rows = questions()
+    return tok, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _generate(model: tuple, rows: list[dict], prefix: str, do_sample: bool) -> list[dict]:
+    """One completion per row (seed 0, at most 64 new tokens), ids prefix###."""
+    import time
+
+    import torch
+
+    tok, lm = model
+    torch.manual_seed(0)
+    t0, out = time.time(), []
+    for start in range(0, len(rows), 20):
+        chunk = rows[start:start + 20]
+        texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
+                                         tokenize=False, add_generation_prompt=True)
+                 for r in chunk]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        opts = ({"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+                if do_sample else {"do_sample": False})
+        with torch.no_grad():
+            gen = lm.generate(**enc, **opts, max_new_tokens=64, pad_token_id=tok.pad_token_id)
+        for r, ids in zip(chunk, gen[:, enc["input_ids"].shape[1]:]):
+            out.append({"id": f"{prefix}{len(out):03d}", **r,
+                        "temperature": 1.0 if do_sample else 0.0,
+                        "completion": tok.decode(ids, skip_special_tokens=True)})
+        print(f"{prefix}: {len(out)}/{len(rows)} in {time.time() - t0:.0f}s", file=sys.stderr)
+    return out
+
+
+def sample(which: str = "all") -> None:
+    """Sample completions: "t1" (temperature 1, ids s###), "greedy" (ids g###) or "all"."""
+    model, rows = _model(), questions()
     kept = [json.loads(x) for x in SAMPLES.read_text().splitlines()] if SAMPLES.exists() else []
     passes = {"t1": ("s", True), "greedy": ("g", False)}
     for name, (prefix, do_sample) in passes.items():
-        if which not in (name, "all"):
-            continue
-        torch.manual_seed(0)
-        t0, out = time.time(), []
-        for start in range(0, len(rows), 20):
-            chunk = rows[start:start + 20]
-            texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
-                                             tokenize=False, add_generation_prompt=True)
-                     for r in chunk]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            opts = ({"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-                    if do_sample else {"do_sample": False})
-            with torch.no_grad():
-                gen = model.generate(**enc, **opts, max_new_tokens=64,
-                                     pad_token_id=tok.pad_token_id)
-            for r, ids in zip(chunk, gen[:, enc["input_ids"].shape[1]:]):
-                out.append({"id": f"{prefix}{len(out):03d}", **r,
-                            "temperature": 1.0 if do_sample else 0.0,
-                            "completion": tok.decode(ids, skip_special_tokens=True)})
-            print(f"{name}: {len(out)}/{len(rows)} in {time.time() - t0:.0f}s", file=sys.stderr)
-        kept = [r for r in kept if not r["id"].startswith(prefix)] + out
+        if which in (name, "all"):
+            kept = [r for r in kept if not r["id"].startswith(prefix)] + _generate(
+                model, rows, prefix, do_sample)
     kept.sort(key=lambda r: (r["id"][0] == "g", r["id"]))
-    with SAMPLES.open("w") as f:
-        for r in kept:
+    write_rows(SAMPLES, kept)
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    with path.open("w") as f:
+        for r in rows:
             f.write(json.dumps(r) + "\n")
 
 
@@ -240,6 +262,21 @@ HAND: dict[str, tuple] = {
     "g331": (False, "3 * 7 = 21, then ends 'there are 3 weeks in 7 days'"),
 }
 
+# The held-out set's hand labels (ids h###), read after sampling it: every completion that
+# names its gold anywhere, and every one the first-pass rule calls right.
+HAND_HELDOUT: dict[str, tuple] = {
+    "h044": (True, "7 + 9 equals 16, 'which is the sum of 7 and 9'", "trailing"),
+    "h057": (True, "7 + 7 equals 14, 'which is the sum of 7 itself'", "trailing"),
+    "h068": (True, "10 + 8 = 18, then 'adding the numbers 10 and 8'", "trailing"),
+    "h092": (True, "1 * 4 = 4, then 'not always possible to simply add 1'", "trailing"),
+    "h132": (True, "'results in 109', then a wrong remark naming 73 and 36", "trailing"),
+    "h159": (True, "8 * 8 = 64, then cut off at 'In other words, 8'", "trailing"),
+    "h199": (True, "9 - 5 = 4, then cut off at 'subtraction operations of 9'", "trailing"),
+    "h252": (True, "13 + 3 = 16 balloons; the next sentence quotes the question"),
+    "h269": (False, "2 x 4 = 8, '#### 8', then disowned: 'The answer is not a valid answer.'"),
+    "h301": (True, "2 * 2 = 4 flowers, then 'there are 2 rows of 2 flowers'", "trailing"),
+}
+
 # (template, why): adversarial completions for a question "a op b" with gold g. None pays.
 ADVERSARIAL = [
     ("Calculate {a} {op} {b}.", "restates the question"),
@@ -311,27 +348,47 @@ def adversarial() -> list[dict]:
     return out
 
 
-def build() -> None:
-    rows = [json.loads(line) for line in SAMPLES.read_text().splitlines()]
+def label(rows: list[dict], hand: dict[str, tuple]) -> int:
+    """Label rows in place (``rule_label``, then the hand notes); the number the notes changed."""
     fixed = 0
     for r in rows:
         r["label"] = rule_label(r["completion"], r["gold"])
-        note = HAND.get(r["id"])
+        note = hand.get(r["id"])
         if note:
             fixed += note[0] != r["label"]
             r["label"], r["why"] = note[0], note[1]
         r["style"] = (note[2] if note and len(note) > 2 else style(r["completion"])
                       ) if r["label"] else ""
+    return fixed
+
+
+def build() -> None:
+    rows = [json.loads(line) for line in SAMPLES.read_text().splitlines()]
+    fixed = label(rows, HAND)
     rows += adversarial()
-    with FIXTURE.open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    write_rows(FIXTURE, rows)
     print(f"{len(rows)} rows ({sum(r['label'] for r in rows)} right), {fixed} labels changed by "
           f"hand, {sum(r['kind'] == 'adversarial' for r in rows)} adversarial -> {FIXTURE}")
+
+
+def heldout(resample: bool) -> None:
+    """Sample (once, or again with ``resample``) and label the held-out set."""
+    if resample or not HELDOUT.exists():
+        seen = {json.loads(line)["prompt"] for line in SAMPLES.read_text().splitlines()}
+        fresh = [r for r in questions(seed=1) if r["prompt"] not in seen]  # 1-digit ones repeat
+        rows = _generate(_model(), fresh, "h", do_sample=False)
+    else:
+        rows = [json.loads(line) for line in HELDOUT.read_text().splitlines()]
+    fixed = label(rows, HAND_HELDOUT)
+    write_rows(HELDOUT, rows)
+    print(f"{len(rows)} rows ({sum(r['label'] for r in rows)} right), {fixed} labels changed by "
+          f"hand -> {HELDOUT}")
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "sample":
         sample(sys.argv[2] if len(sys.argv) > 2 else "all")
+    elif sys.argv[1] == "heldout":
+        heldout(resample=sys.argv[2:] == ["sample"])
     else:
         build()

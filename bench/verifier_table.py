@@ -1,6 +1,6 @@
 """Precision and recall of four verifiers on tests/data/verifier_fixture.jsonl (markdown table).
 
-    python bench/verifier_table.py [--old-commit REV]
+    python bench/verifier_table.py [--old-commit REV] [--fixture tests/data/verifier_heldout.jsonl]
 
 Verifiers: grpolab's ``math`` (this checkout), ``math`` as it was at ``--old-commit`` (default
 c8e1dd3, before the last_statement source; read with ``git show``), math-verify's own
@@ -25,8 +25,8 @@ FIXTURE = ROOT / "tests" / "data" / "verifier_fixture.jsonl"
 OLD_COMMIT = "c8e1dd3"
 
 
-def load_fixture() -> list[dict]:
-    return [json.loads(line) for line in FIXTURE.read_text().splitlines() if line.strip()]
+def load_fixture(path: Path = FIXTURE) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 Judge = Callable[[dict], bool]  # a fixture row -> paid
@@ -92,12 +92,14 @@ def measure(judge: Judge, rows: list[dict]) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old-commit", default=OLD_COMMIT)
+    ap.add_argument("--fixture", type=Path, default=FIXTURE,
+                    help="labelled completions (the held-out set: tests/data/verifier_heldout.jsonl)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import logging
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeout warnings
-    rows = load_fixture()
+    rows = load_fixture(args.fixture)
     judges = {"grpolab `math` (new)": new_math,
               f"grpolab `math` (old, {args.old_commit})": old_math(args.old_commit),
               "math-verify parse+verify, whole completion": math_verify_whole,

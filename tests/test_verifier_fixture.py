@@ -96,3 +96,17 @@ def test_hand_checked_completions(row_id: str, answer: str | None, verdict: bool
     row = next(r for r in ROWS if r["id"] == row_id)
     assert final_answer(row["completion"], question=row["prompt"]) == answer
     assert VERDICTS[row_id] is verdict
+
+
+def test_the_held_out_set() -> None:
+    """tests/data/verifier_heldout.jsonl: 329 greedy SmolLM2 completions to prompts drawn after
+    the rules were written (none shared with the fixture), labelled by hand: nothing wrong is
+    paid, and recall holds."""
+    rows = [json.loads(line) for line in (FIXTURE.parent / "verifier_heldout.jsonl").read_text()
+            .splitlines() if line.strip()]
+    assert not {r["prompt"] for r in rows} & {r["prompt"] for r in ROWS}
+    paid = math_answer([r["prompt"] for r in rows], [r["completion"] for r in rows],
+                       answer=[r["gold"] for r in rows])
+    assert [r["id"] for r, p in zip(rows, paid) if p and not r["label"]] == []
+    right = [p for r, p in zip(rows, paid) if r["label"]]
+    assert len(right) >= 100 and sum(right) >= 0.98 * len(right)

@@ -187,6 +187,8 @@ BAGS = "Each bag has 8 candies. How many candies are in 2 bags?"
     ("2 x 8 = 16 candies? There are 2 bags.", 0.0),  # a question stays a question
     # ... but one that corrects or concludes does, and so does one about what is asked
     ("2 x 8 = 16 candies. Actually there are 2 bags.", 0.0),
+    ("2 x 8 = 16 candies. No, there are 2 bags.", 0.0),
+    ("2 x 8 = 16 candies. Wait, it is 2 bags of candies.", 0.0),
     ("2 x 8 = 16 candies. So there are 2 bags.", 0.0),
     ("2 x 8 = 16 candies. There are 8 candies.", 0.0),
     ("2 x 8 = 16 candies. There are 2 bags. There are 3 bags.", 0.0),
@@ -196,10 +198,12 @@ def test_a_restated_quantity_after_the_answer(completion: str, verdict: float) -
     assert math_answer([BAGS], [completion], answer=["16"]) == [verdict]
 
 
-def test_restatements_are_judged_quickly() -> None:
+@pytest.mark.parametrize(("attack", "verdict"), [
+    ("2 x 8 = 16 candies." + " There are 2 bags." * 20_000, 0.0),
+    ("There are 2 bags " * 20_000, 0.0),
+    ("= 16 (there are 2 bags) " * 20_000, 1.0),
+], ids=range(3))
+def test_restatements_are_judged_quickly(attack: str, verdict: float) -> None:
     start = time.perf_counter()
-    for attack, verdict in [("2 x 8 = 16 candies." + " There are 2 bags." * 40_000, 0.0),
-                            ("There are 2 bags " * 40_000, 0.0),
-                            ("= 16 (there are 2 bags) " * 40_000, 1.0)]:
-        assert math_answer([BAGS], [attack], answer=["16"]) == [verdict]
-    assert time.perf_counter() - start < 3.0
+    assert math_answer([BAGS], [attack], answer=["16"]) == [verdict]
+    assert time.perf_counter() - start < 2.0

@@ -186,10 +186,9 @@ def _last_statement(text: str, question: str = "") -> list[str]:
     statements = sorted(tail, key=lambda m: m.start())[-(_RESTATEMENTS + 1):]
     ends = [m.end() for m in _SENTENCE_END.finditer(text)]
 
-    def sentence(m: re.Match) -> tuple[int, int]:
-        i = bisect.bisect_right(ends, m.start())  # the first sentence end after its start
-        after = bisect.bisect_left(ends, m.end())
-        return (ends[i - 1] if i else 0), (ends[after] if after < len(ends) else len(text))
+    def sentence(m: re.Match) -> tuple[int, int]:  # from the end before m to the one after it
+        before, after = bisect.bisect_right(ends, m.start()), bisect.bisect_left(ends, m.end())
+        return (ends[before - 1] if before else 0), (ends[after] if after < len(ends) else len(text))
 
     last = statements.pop()
     while statements and _restates(text, last, sentence(last), question):
