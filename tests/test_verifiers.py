@@ -207,3 +207,22 @@ def test_restatements_are_judged_quickly(attack: str, verdict: float) -> None:
     start = time.perf_counter()
     assert math_answer([BAGS], [attack], answer=["16"]) == [verdict]
     assert time.perf_counter() - start < 2.0
+
+
+FARM = "A farmer has 11 cows and 5 sheep. How many animals does he have in total?"
+
+
+@pytest.mark.parametrize(("completion", "verdict"), [
+    # a unit the question names is no part of the answer (math-verify reads "animals" as
+    # a*n*i*m*a*l*s); any other word still is
+    ("The answer is 11 + 5 = 16 animals.", 1.0),
+    ("\\boxed{16 animals}", 1.0),
+    ("The answer is 16 cows.", 1.0),
+    ("The answer is 16 dogs.", 0.0),
+    ("The answer is 16 animals in total.", 0.0),
+    ("The answer is 16 times.", 0.0),  # a word that changes the value is no unit
+    ("The answer is 16 hundred animals.", 0.0),
+    ("The answer is 16 animals.\nThe answer is 17 animals.", 0.0),
+])
+def test_a_unit_the_question_names(completion: str, verdict: float) -> None:
+    assert math_answer([FARM], [completion], answer=["16"]) == [verdict]

@@ -93,6 +93,13 @@ _CONCLUDES = re.compile(
     r"\b(?:so|thus|therefore|hence|then|total|altogether|in[ \t]+all|answer|result|actually|"
     r"wait|instead|rather|correct\w*|mistake|wrong|sorry|oops|no|not)\b", re.IGNORECASE)
 _WORDS = re.compile(r"(?:[ \t]+[A-Za-z]+){1,3}")
+# "16 animals" for "How many animals ...?": a unit the question names (after one of its numbers
+# or "how many") is dropped, as math-verify would read "animals" as a product of variables.
+# Words that change the value are no unit.
+_WITH_UNIT = re.compile(r"(-?\d+(?:\.\d+)?)((?:[ \t]+[A-Za-z]+){1,3})")
+_SCALE = re.compile(r"\b(?:times|percent|per|hundred|thousand|million|billion|dozen|score|"
+                    r"squared|cubed|halves|half|thirds?|quarters?|fifths?|tenths?|plus|minus|"
+                    r"over|divided|multiplied|by|more|less|fewer)\b", re.IGNORECASE)
 _RESTATEMENTS = 3  # at most this many trailing restatements are looked past
 
 
@@ -250,6 +257,15 @@ def prompt_text(prompt: Any) -> str:
     return "" if prompt is None else str(prompt)
 
 
+def _without_unit(answer: str, question: str) -> str:
+    m = _WITH_UNIT.fullmatch(answer)
+    if m is None or _SCALE.search(m.group(2)):
+        return answer
+    units = {_noun(w) for _, w in _GIVEN.findall(question)} | {
+        _noun(w) for w in _ASKED.findall(question)}
+    return m.group(1) if all(_noun(w) in units for w in m.group(2).split()) else answer
+
+
 def final_answer(text: str, sources: tuple[str, ...] | list[str] = SOURCES,
                  question: str = "") -> str | None:
     """The completion's one final answer by the rule above, or None (none, or several).
@@ -263,7 +279,7 @@ def final_answer(text: str, sources: tuple[str, ...] | list[str] = SOURCES,
         raw = (_last_statement(text, question) if source == "last_statement"
                else _FINDERS[source](text))
         marked = marked or (bool(raw) and source not in _FALLBACKS)
-        found = [c for c in map(clean, raw) if c]
+        found = [_without_unit(c, question) for c in map(clean, raw) if c]
         if found:
             return found[-1] if len(set(found)) == 1 else None
     return None
