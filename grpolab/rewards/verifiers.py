@@ -16,7 +16,8 @@ restate the question. The rule here:
    question's own expression may be named after it if nothing is stated about it), and its
    sentence is neither a question nor hedged ("about", "maybe", "or", "I think", ...); a
    later sentence that only restates the question's data ("There are 2 bags.") is looked past.
-   The first kind present decides; ``sources`` chooses which kinds count at all.
+   The first kind present decides; ``sources`` chooses which kinds count at all. A unit the
+   question names is dropped from the answer found ("16 animals" -> "16").
 2. **One answer.** All candidates of that kind must agree, and a candidate may not list
    alternatives ("150 or 144", "144, 150", "\\pm"), unless the gold answer itself has that
    shape. A hedge scores 0.
