@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Teaching SmolLM2-135M 2-digit addition and subtraction (README: "A skill the model lacks"):
-# plain GRPO (4 prompts x 8, or 8 x 4); the allocator with a prior per difficulty (Beta prior
-# and live groups, or grid prior and live answers, or each difficulty keeping its share of the
-# answers); the curriculum; the allocator with one prior; DAPO dynamic sampling (4 steps: its
+# plain GRPO (4 prompts x 8, or 8 x 4); the allocator with a prior per difficulty (Beta or grid
+# prior, live groups or live answers, or each difficulty keeping its share of the answers); the
+# curriculum; the allocator with one prior; DAPO dynamic sampling (4 steps: its
 # refill rounds spend about the others' 24 steps of answers). Each from the same
 # start for SEEDS, then a greedy eval of every final model and of the start, the table and the
 # per-difficulty figure. About 6-12 minutes a run on 2 CPU cores (PPO: about 20).
@@ -16,7 +16,7 @@
 set -euo pipefail
 OUT=${OUT:-runs/arith-cmp}
 SEEDS=${SEEDS:-0 1}
-METHODS=${METHODS:-grpo grpo-g4 allocate-kind allocate-kind-grid allocate-by-kind curriculum allocate dynamic}
+METHODS=${METHODS:-grpo grpo-g4 allocate-kind allocate-kind-grid allocate-kind-grid-groups allocate-kind-answers allocate-by-kind curriculum allocate dynamic}
 CFG=examples/smollm2_addition.yaml
 for seed in $SEEDS; do
   [ -f "$OUT/base-s$seed/eval.json" ] || grpolab eval --config $CFG --seed "$seed" --out-dir "$OUT/base-s$seed"
@@ -27,6 +27,9 @@ for seed in $SEEDS; do
       allocate-kind) flag="--allocate --predict-group-by difficulty" ;;
       allocate-kind-grid) flag="--allocate --predict-group-by difficulty --predict-prior grid
                                 --allocate-objective live_answers" ;;
+      allocate-kind-grid-groups) flag="--allocate --predict-group-by difficulty --predict-prior grid" ;;
+      allocate-kind-answers) flag="--allocate --predict-group-by difficulty
+                                   --allocate-objective live_answers" ;;
       allocate-by-kind) flag="--allocate --predict-group-by difficulty --allocate-by-kind" ;;
       dynamic) flag="--dynamic-sampling --steps 4 --eval-every 4" ;;  # ~ the others' answers
       # the estimators GRPO is measured against (issue: PPO, REINFORCE++), KL in the reward

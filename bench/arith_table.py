@@ -307,6 +307,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--methods", nargs="+",
                     default=["grpo", "grpo-g4", "allocate-kind", "allocate-kind-grid",
+                             "allocate-kind-grid-groups", "allocate-kind-answers",
                              "allocate-by-kind", "curriculum", "allocate", "dynamic"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--figure", type=Path)
