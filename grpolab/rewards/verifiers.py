@@ -172,11 +172,21 @@ def _noun(word: str) -> str:
     return word.lower().removesuffix("s")
 
 
+@functools.lru_cache(maxsize=1024)
+def _quantities(question: str) -> tuple[dict[str, frozenset[str]], frozenset[str]]:
+    """The question's nouns: those after each of its numbers ("2 bags": {"2": {"bag"}}), and
+    those it asks about ("how many candies": {"candie"}). Cached: a group repeats its prompt."""
+    given: dict[str, set[str]] = {}
+    for n, w in _GIVEN.findall(question):
+        given.setdefault(n, set()).add(_noun(w))
+    return ({n: frozenset(ws) for n, ws in given.items()},
+            frozenset(_noun(w) for w in _ASKED.findall(question)))
+
+
 def _restates(text: str, stated: re.Match, sentence: tuple[int, int], question: str) -> bool:
     """Whether ``stated`` only restates a quantity the question gives (see ``_GIVEN``)."""
-    value = stated.group(1)
-    given = {_noun(w) for n, w in _GIVEN.findall(question) if n == value}
-    given -= {_noun(w) for w in _ASKED.findall(question)}
+    by_number, asked = _quantities(question)
+    given = by_number.get(stated.group(1), frozenset()) - asked
     words = _WORDS.match(text, stated.end(), sentence[1])  # the words right after the number
     return (bool(given) and words is not None and any(_noun(w) in given for w in words[0].split())
             and not _CONCLUDES.search(text, sentence[0], sentence[1]))
@@ -262,8 +272,8 @@ def _without_unit(answer: str, question: str) -> str:
     m = _WITH_UNIT.fullmatch(answer)
     if m is None or _SCALE.search(m.group(2)):
         return answer
-    units = {_noun(w) for _, w in _GIVEN.findall(question)} | {
-        _noun(w) for w in _ASKED.findall(question)}
+    by_number, asked = _quantities(question)
+    units = asked.union(*by_number.values())
     return m.group(1) if all(_noun(w) in units for w in m.group(2).split()) else answer
 
 
