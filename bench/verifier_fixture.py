@@ -2,7 +2,7 @@
 
     python bench/verifier_fixture.py sample [t1|greedy|all]  # SmolLM2 -> verifier_samples.jsonl
     python bench/verifier_fixture.py build   # samples + adversarial, labelled -> the fixture
-    python bench/verifier_fixture.py heldout  # new prompts, greedy, labelled -> verifier_heldout
+    python bench/verifier_fixture.py heldout [sample]  # new prompts, greedy -> verifier_heldout
 
 ``sample`` draws one completion per prompt from SmolLM2-135M-Instruct (``model_path:
 smollm2-135m-instruct``, converted once from its GGUF file; plain transformers, the model's chat
@@ -165,7 +165,7 @@ def _generate(model: tuple, rows: list[dict], prefix: str, do_sample: bool) -> l
 def sample(which: str = "all") -> None:
     """Sample completions: "t1" (temperature 1, ids s###), "greedy" (ids g###) or "all"."""
     model, rows = _model(), questions()
-    kept = [json.loads(x) for x in SAMPLES.read_text().splitlines()] if SAMPLES.exists() else []
+    kept = read_rows(SAMPLES) if SAMPLES.exists() else []
     passes = {"t1": ("s", True), "greedy": ("g", False)}
     for name, (prefix, do_sample) in passes.items():
         if which in (name, "all"):
@@ -173,6 +173,10 @@ def sample(which: str = "all") -> None:
                 model, rows, prefix, do_sample)
     kept.sort(key=lambda r: (r["id"][0] == "g", r["id"]))
     write_rows(SAMPLES, kept)
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
@@ -363,7 +367,7 @@ def label(rows: list[dict], hand: dict[str, tuple]) -> int:
 
 
 def build() -> None:
-    rows = [json.loads(line) for line in SAMPLES.read_text().splitlines()]
+    rows = read_rows(SAMPLES)
     fixed = label(rows, HAND)
     rows += adversarial()
     write_rows(FIXTURE, rows)
@@ -374,11 +378,11 @@ def build() -> None:
 def heldout(resample: bool) -> None:
     """Sample (once, or again with ``resample``) and label the held-out set."""
     if resample or not HELDOUT.exists():
-        seen = {json.loads(line)["prompt"] for line in SAMPLES.read_text().splitlines()}
+        seen = {r["prompt"] for r in read_rows(SAMPLES)}
         fresh = [r for r in questions(seed=1) if r["prompt"] not in seen]  # 1-digit ones repeat
         rows = _generate(_model(), fresh, "h", do_sample=False)
     else:
-        rows = [json.loads(line) for line in HELDOUT.read_text().splitlines()]
+        rows = read_rows(HELDOUT)
     fixed = label(rows, HAND_HELDOUT)
     write_rows(HELDOUT, rows)
     print(f"{len(rows)} rows ({sum(r['label'] for r in rows)} right), {fixed} labels changed by "
