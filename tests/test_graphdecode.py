@@ -141,3 +141,32 @@ def test_cuda_graph_decoding_equals_hf_generate(tmp_path, name: str) -> None:
     be.speed = Speed(graph_decode=False)
     plain = be._sample(ids, mask, 0.0, 12, seed=0)
     assert torch.equal(plain.cpu()[:, : got.shape[1]], got.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_decoding_syncs_only_at_its_checks(tmp_path) -> None:
+    """64 captured steps with no answer ending: the host waits for the device at the checks
+    every SYNC_EVERY steps (and a few one-off copies), not once per token."""
+    import warnings
+
+    from grpolab.rollout.graphdecode import SYNC_EVERY, cuda_graph
+
+    path = make_tiny_model(tmp_path / "llama", hidden=32, heads=4, **TINY["llama"])
+    be = HFBackend(*load_model(path, device="cuda"), reference=False)
+    ids, mask = be.encode_prompts([p for p in PROMPTS for _ in range(3)])
+    ids, mask, max_new = ids.cuda(), mask.cuda(), 64
+    with torch.inference_mode():
+        dec = GraphDecoder(be._fast, ids, mask, max_new, shared_prompts(ids, mask))
+        step = cuda_graph(make_step(dec, 1.0, [-1], be.pad_id))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = graph_decode(dec, max_new, 1.0, [-1], be.pad_id, gen, step)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+    assert out.shape == (len(ids), max_new)
+    assert len(syncs) <= max_new // SYNC_EVERY + 4, [str(w.message) for w in syncs]

@@ -157,12 +157,13 @@ def test_lora_final_model_matches_adapter_on_base(
 
 @pytest.mark.slow  # two or more grpolab train runs, compared
 def test_resume_continues_exactly(
-    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    llama: str, tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """2 steps + resume to 3 == 3 steps straight: the HF backend's state round-trips."""
-    whole_yaml, whole = write_config(tmp_path / "a", llama, lora=True, eval_dataset="")
+    whole_yaml, whole = write_config(tmp_path / "a", llama, lora=True, eval_dataset="",
+                                     device=device)
     run_cli(monkeypatch, ["train", "--config", whole_yaml])
-    part_yaml, part = write_config(tmp_path / "b", llama, lora=True, eval_dataset="")
+    part_yaml, part = write_config(tmp_path / "b", llama, lora=True, eval_dataset="", device=device)
     run_cli(monkeypatch, ["train", "--config", part_yaml, "--steps", "2"])
     run_cli(monkeypatch, ["train", "--config", part_yaml, "--resume"])
 
@@ -178,13 +179,16 @@ def test_resume_continues_exactly(
 
 @pytest.mark.slow  # two or more grpolab train runs, compared
 def test_micro_batches_take_the_same_step(
-    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    llama: str, tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture
 ) -> None:
     """--micro-batch 3 (groups of 4 cut across parts) takes the whole-batch step, and a run may
     resume with another micro-batch size without a config-change warning."""
-    whole_yaml, whole = write_config(tmp_path / "a", llama, lora=False, steps=1, eval_dataset="")
+    whole_yaml, whole = write_config(tmp_path / "a", llama, lora=False, steps=1, eval_dataset="",
+                                     device=device)
     run_cli(monkeypatch, ["train", "--config", whole_yaml])
-    mb_yaml, mb = write_config(tmp_path / "b", llama, lora=False, steps=1, eval_dataset="")
+    mb_yaml, mb = write_config(tmp_path / "b", llama, lora=False, steps=1, eval_dataset="",
+                               device=device)
     trainer = run_cli(monkeypatch, ["train", "--config", mb_yaml, "--micro-batch", "3"])
     assert trainer.cfg.micro_batch == 3
     a, b = read_metrics(whole)[1], read_metrics(mb)[1]
@@ -200,11 +204,13 @@ def test_micro_batches_take_the_same_step(
 
 @pytest.mark.slow  # two grpolab train runs (LoRA and full, in bfloat16)
 def test_bfloat16_training(
-    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    llama: str, tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture
 ) -> None:
     """--dtype bfloat16: the base weights load and stay bf16, the LoRA adapters train in
     float32, and the merged final model is saved in bf16; full fine-tuning in bf16 warns."""
-    yaml_path, out = write_config(tmp_path / "lora", llama, lora=True, steps=2, eval_dataset="")
+    yaml_path, out = write_config(tmp_path / "lora", llama, lora=True, steps=2, eval_dataset="",
+                                  device=device)
     trainer = run_cli(monkeypatch, ["train", "--config", yaml_path, "--dtype", "bfloat16"])
     params = dict(trainer.backend.model.named_parameters())
     assert {p.dtype for n, p in params.items() if "lora_" not in n} == {torch.bfloat16}
@@ -216,7 +222,7 @@ def test_bfloat16_training(
     assert final.config.dtype == torch.bfloat16
     with caplog.at_level(logging.WARNING, logger="grpolab"):
         yaml_path, _ = write_config(tmp_path / "full", llama, lora=False, steps=1,
-                                    eval_dataset="")
+                                    eval_dataset="", device=device)
         run_cli(monkeypatch, ["train", "--config", yaml_path, "--dtype", "bfloat16"])
     assert "full fine-tuning in bfloat16" in caplog.text
 
@@ -224,13 +230,15 @@ def test_bfloat16_training(
 @pytest.mark.slow  # two or more grpolab train runs, compared
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_gradient_checkpointing_takes_the_same_step(
-    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lora: bool
+    llama: str, tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch, lora: bool
 ) -> None:
     """--gradient-checkpointing recomputes each layer in backward (the lean forward, prompts
     still shared) and takes the step a plain run takes."""
-    plain_yaml, plain = write_config(tmp_path / "a", llama, lora=lora, steps=1, eval_dataset="")
+    plain_yaml, plain = write_config(tmp_path / "a", llama, lora=lora, steps=1, eval_dataset="",
+                                     device=device)
     run_cli(monkeypatch, ["train", "--config", plain_yaml])
-    ckpt_yaml, ckpt = write_config(tmp_path / "b", llama, lora=lora, steps=1, eval_dataset="")
+    ckpt_yaml, ckpt = write_config(tmp_path / "b", llama, lora=lora, steps=1, eval_dataset="",
+                                   device=device)
     trainer = run_cli(monkeypatch, ["train", "--config", ckpt_yaml, "--gradient-checkpointing"])
     be = trainer.backend
     # (transformers 5.17 has no is_activation_checkpointing; fastlm.checkpointing reads either)

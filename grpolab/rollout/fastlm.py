@@ -231,6 +231,10 @@ class _Weights:
 class FastLM:
     """The lean forward of one HF model (plain or peft-wrapped); see the module docstring."""
 
+    # masked attention over grouped keys laid out for SDPA's fused kernels (``_attention``);
+    # None: on CUDA only (the CPU's runs and measurements are on the grouped call)
+    ungroup_masked: bool | None = None
+
     def __init__(self, model: nn.Module) -> None:
         why = unsupported(model)
         if why is not None:
@@ -353,9 +357,24 @@ class FastLM:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         k, v = kv.update(i, k, v)
         dt = q.dtype  # a float32 decode cache under a bfloat16 model (kvcache.decode_kv_dtype)
+        q = q.to(k.dtype)
+        grouped = self.kv_heads != self.heads
+        ungroup = self.ungroup_masked
+        if grouped and mask is not None and (q.is_cuda if ungroup is None else ungroup):
+            # SDPA's fused CUDA kernels take grouped heads only without a mask; the fallback
+            # copies the keys to every head and computes in float32 (a step's time and most of
+            # the update's memory). One query: its group's heads become query positions over
+            # the same keys; longer queries: the keys are repeated per head in their own dtype.
+            rep = self.heads // self.kv_heads
+            if t == 1:
+                o = F.scaled_dot_product_attention(q.reshape(b, self.kv_heads, rep, -1), k, v,
+                                                   attn_mask=mask, scale=scale)
+                return o.to(dt).reshape(b, t, self.heads * self.head_dim)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            grouped = False
         causal = mask is None and t > 1 and k.shape[2] == t
-        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, is_causal=causal,
-                                           scale=scale, enable_gqa=self.kv_heads != self.heads)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           scale=scale, enable_gqa=grouped)
         return o.to(dt).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
 
     def _llama_layer(self, i: int, r: _Layer, x: Tensor, cos: Tensor, sin: Tensor,

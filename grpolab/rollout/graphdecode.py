@@ -109,6 +109,7 @@ def graph_decode(dec: GraphDecoder, max_new: int, temperature: float, eos_ids: l
     out = torch.full((b, max_new), pad_id, dtype=torch.long, device=dev)
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     eos = torch.as_tensor(eos_ids, device=dev)
+    ts = torch.arange(max_new, device=dev)  # step t's index as a device tensor: a view, no copy
     nxt = draw(logits, temperature, u[0])
     steps = max_new
     for t in range(max_new):
@@ -117,7 +118,7 @@ def graph_decode(dec: GraphDecoder, max_new: int, temperature: float, eos_ids: l
         if t == max_new - 1 or ((t + 1) % SYNC_EVERY == 0 and bool(done.all())):
             steps = t + 1
             break
-        nxt = step(nxt, torch.tensor([t], device=dev), u[t + 1], done)
+        nxt = step(nxt, ts[t:t + 1], u[t + 1], done)
     return out[:, :steps]
 
 

@@ -1,0 +1,64 @@
+"""bench/gpu_memory.py: the replay of a torch.cuda allocation trace to its peak, by hand on the
+CPU, and on a GPU against torch's own peak."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from gpu_memory import owner, peak_owners, trace_step
+
+TORCH = {"filename": "/v/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"}
+OURS = {"filename": "/w/main/grpolab/rollout/fastlm.py", "line": 372, "name": "_attention"}
+HF = {"filename": "/v/lib/python3.12/site-packages/transformers/models/llama/x.py",
+      "line": 50, "name": "forward"}
+
+
+def ev(action: str, addr: int, size: int, *frames: dict) -> dict:
+    return {"action": action, "addr": addr, "size": size, "frames": list(frames)}
+
+
+def test_owner_is_the_innermost_frame_outside_torch() -> None:
+    assert owner([TORCH, OURS, HF]) == "grpolab/rollout/fastlm.py:372 _attention"
+    assert owner([TORCH, HF]) == "transformers/models/llama/x.py:50 forward"
+    assert owner([TORCH]) == "torch internals" and owner([]) == "no Python stack"
+
+
+def test_peak_owners_by_hand() -> None:
+    mib = 2**20
+    trace = [
+        ev("free_completed", 99, 30 * mib),  # a block from before the trace: 1000 -> 970
+        ev("alloc", 1, 100 * mib, TORCH, OURS),  # 1070
+        ev("alloc", 2, 50 * mib, HF),  # 1120: the peak
+        ev("free_requested", 1, 100 * mib),  # (still allocated until completed)
+        ev("free_completed", 1, 100 * mib),  # 1020
+        ev("alloc", 3, 90 * mib, OURS),  # 1110: not above the peak
+        ev("alloc", 4, 5 * mib),  # 1115
+    ]
+    got = peak_owners(trace, 1000 * mib, top=1)
+    assert got["peak_mib"] == 1120 and got["before_mib"] == 970
+    assert got["owners"] == [["grpolab/rollout/fastlm.py:372 _attention", 100.0]]
+    assert got["rest_mib"] == 50
+    assert peak_owners([], 7 * mib) == {"peak_mib": 7, "before_mib": 7, "owners": [],
+                                        "rest_mib": 0}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_trace_step_agrees_with_torchs_peak() -> None:
+    keep = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # live before the step
+
+    def step() -> None:
+        a = torch.ones(2048, 2048, device="cuda")  # 16 MiB
+        b = a @ a  # 16 MiB more: the peak
+        del a, b
+
+    got = trace_step(step)
+    assert got["before_mib"] >= 64 and keep.numel()
+    assert got["peak_mib"] == pytest.approx(got["max_allocated_mib"], abs=1)
+    assert sum(mib for _, mib in got["owners"]) + got["rest_mib"] == pytest.approx(
+        got["peak_mib"] - got["before_mib"])
+    assert any("test_gpu_memory.py" in who for who, _ in got["owners"])
