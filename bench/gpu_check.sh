@@ -8,7 +8,8 @@
 #   bash bench/gpu_check.sh run [KIT] [OUT] [DEVICE]
 #       on the device (the device tool's `run`, carry [".gpu"], OUT=$OUT): installs the wheels
 #       under /tmp/site, builds the model, runs the CUDA tests (tests-cuda.log), then
-#       bench/vs_trl_real.py at 32 x 64 and at 256 x 256 (bench-*.md, bench-*.log).
+#       bench/vs_trl_real.py at 32 x 64 and at 256 x 256 (bench-*.md, bench-*.log), then at
+#       256 x 256 grpolab with graph_decode off (ab-*) and with micro_batch 64 (micro64-*).
 #       DEVICE=cpu is the dry run of the same script on a CPU (8 x 16, float32).
 set -u
 cd "$(dirname "$0")/.."
@@ -65,11 +66,18 @@ timeout 300 python3 -m pytest -v -rfEs -p no:cacheprovider tests/test_graphdecod
     tests/test_gpu_memory.py tests/test_fastlm.py tests/test_hf.py tests/test_trainer.py \
     tests/test_resume.py > "$out/tests-cuda.log" 2>&1
 tail -n 2 "$out/tests-cuda.log"
+bench() {  # NAME SIZE SECONDS ARGS...: one bench run at SIZE (rows x new tokens)
+    local name=$1 size=$2 limit=$3
+    shift 3
+    timeout "$limit" python3 bench/vs_trl_real.py --model /tmp/gpu-model --device "$device" \
+        --dtype "$dtype" --fixed-length --batch "${size%x*}" --max-new-tokens "${size#*x}" \
+        --steps 2 --warmup 1 --out "$out/$name.md" "$@" > "$out/$name.log" 2>&1
+    tail -n 4 "$out/$name.log"
+}
 for size in $sizes; do
-    b=${size%x*}
-    n=${size#*x}
-    timeout 300 python3 bench/vs_trl_real.py --model /tmp/gpu-model --device "$device" \
-        --dtype "$dtype" --fixed-length --batch "$b" --max-new-tokens "$n" --rounds 1 \
-        --steps 2 --warmup 1 --out "$out/bench-$size.md" > "$out/bench-$size.log" 2>&1
-    tail -n 4 "$out/bench-$size.log"
+    bench "bench-$size" "$size" 300 --rounds 1
 done
+# at the larger size, grpolab alone: what the captured decode buys (one process, steps
+# alternating with graph_decode off), and the update in 64-row parts (its peak memory)
+bench "ab-no-graph-$size" "$size" 200 --ab no-graph --rounds 2
+bench "micro64-$size" "$size" 150 --levers micro64 --rounds 1

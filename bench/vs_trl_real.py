@@ -236,6 +236,9 @@ LAB_VARIANTS = {  # --levers: grpolab with one lever changed (in its own process
     "threads1": "1 torch thread instead of --threads",
     "micro8": "micro_batch 8: the update in 8-row forward/backward passes",
     "micro4": "micro_batch 4",
+    "micro64": "micro_batch 64",
+    "no-graph": "speed graph_decode off (CUDA): the plain decode loop, each kernel launched "
+                "from Python, instead of one replayed CUDA graph per token",
     "ckpt": "gradient checkpointing: each layer recomputed in backward",
     "bf16": "dtype bfloat16: the frozen weights and matmuls in bfloat16 (LoRA adapters, "
             "optimizer and log-softmax in float32)",
@@ -262,7 +265,7 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
         lora=True, lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=TARGETS,
         dtype=lab_dtype(args), logit_chunk=0 if args.variant == "no-chunk" else Config.logit_chunk,
         speed=Speed(**{SPEED_LEVERS[args.variant]: False} if args.variant in SPEED_LEVERS else {}),
-        micro_batch={"micro8": 8, "micro4": 4}.get(args.variant, 0),
+        micro_batch={"micro8": 8, "micro4": 4, "micro64": 64}.get(args.variant, 0),
         gradient_checkpointing=args.variant == "ckpt",
     ))
     if args.variant == "no-share":
@@ -534,6 +537,10 @@ def per_step(rs: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def memory_label(args: argparse.Namespace) -> str:
+    return "peak GPU MiB" if args.device == "cuda" else "peak RSS MiB"
+
+
 def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
                  rate: float | None, info: dict[str, Any], memory_s: float = 0.0) -> str:
     """The side-by-side table. ``memory_s``: seconds a step needs at least to read what its
@@ -558,7 +565,7 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
             a["floor"] = fl[-1] / rate + memory_s
         agg[who] = a
     name = {"trl": "TRL GRPOTrainer", "lab": "grpolab"}
-    mem = "peak GPU MiB" if args.device == "cuda" else "peak RSS MiB"
+    mem = memory_label(args)
     hdr = ("| trainer | steps/s | s/step | gen s | ref s | policy fwd+bwd s | other s | "
            f"tokens/step | gen tokens/s | {mem} | GFLOP/step | floor s/step | x floor |")
     lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
@@ -677,7 +684,7 @@ def lever_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]])
     """grpolab with one lever changed at a time, against the build as shipped."""
     base = per_step(res["full"]) if res.get("full") else None
     hdr = ("| grpolab variant | what changes | s/step | gen s | ref s | policy fwd+bwd s | "
-           "tokens/step | peak RSS MiB | time vs shipped | memory vs shipped |")
+           f"tokens/step | {memory_label(args)} | time vs shipped | memory vs shipped |")
     lines = [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for v, rs in res.items():
         a = per_step(rs)
@@ -689,9 +696,10 @@ def lever_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]])
     return "\n".join(lines)
 
 
-def length_report(res: dict[tuple[str, str, int], dict[str, Any]]) -> str:
+def length_report(args: argparse.Namespace, res: dict[tuple[str, str, int], dict[str, Any]]
+                  ) -> str:
     hdr = ("| completion tokens | trainer | s/step | gen s | ref s | policy fwd+bwd s | "
-           "tokens/step | peak RSS MiB | peak vs TRL |")
+           f"tokens/step | {memory_label(args)} | peak vs TRL |")
     lines = [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for (who, variant, n), r in res.items():
         a = per_step([r])
@@ -707,7 +715,8 @@ def length_report(res: dict[tuple[str, str, int], dict[str, Any]]) -> str:
 # switches it on the running backend (its fast forward reads pack and score_pack itself).
 SPEED_LEVERS = {"no-pack": "cpu_pack", "no-score-pack": "score_pack",
                 "no-eager-head": "head_grad_in_forward", "no-early-exit": "early_exit",
-                "no-buckets": "length_buckets", "hf-forward": "lean_forward"}
+                "no-buckets": "length_buckets", "hf-forward": "lean_forward",
+                "no-graph": "graph_decode"}
 
 
 def _switch_speed(option: str) -> Any:
@@ -737,6 +746,8 @@ def ab_main(args: argparse.Namespace) -> str:
 
     torch.set_num_threads(args.threads)
     split = Split()
+    if args.device == "cuda":
+        split.sync = torch.cuda.synchronize
     with tempfile.TemporaryDirectory(prefix="vs-trl-real-ab-") as out:
         _, one_step, _ = child_lab(args, args.model, out, split)
         be = one_step.__self__.backend
@@ -750,6 +761,8 @@ def ab_main(args: argparse.Namespace) -> str:
                     AB_SWITCHES[lever](be, name != lever)
                 t0 = time.perf_counter()
                 one_step()
+                if split.sync:
+                    split.sync()
                 split.close_step(total=time.perf_counter() - t0)
                 st = split.steps[-1]
                 got[name].append({"time": st["total"], **phases("lab", st),
@@ -801,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_child(args, who, 0, False, deadline, variant, max_new=n)
                 if r is not None:
                     got[(who, variant, n)] = r
-        report = length_report(got) + "\n" + machine
+        report = length_report(args, got) + "\n" + machine
     elif args.lever_list:
         lev: dict[str, list[dict[str, Any]]] = {v: [] for v in args.lever_list}
         for rnd in range(args.rounds):
