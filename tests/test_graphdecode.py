@@ -31,13 +31,16 @@ def backends(tmp_path_factory: pytest.TempPathFactory) -> dict[str, HFBackend]:
 
 
 def graph_sample(be: HFBackend, prompts: list[str], temperature: float, max_new: int,
-                 seed: int, step: Any = None, eos: list[int] | None = None) -> torch.Tensor:
+                 seed: int, step: Any = None, eos: list[int] | None = None,
+                 bucket: int = 4) -> torch.Tensor:
+    """Sampled by the fixed-shape loop; keys attended in buckets of 4 new positions, so a
+    12-token answer crosses three attention widths."""
     ids, mask = be.encode_prompts(prompts)
     with torch.inference_mode():
         dec = GraphDecoder(be._fast, ids, mask, max_new, shared_prompts(ids, mask))
         gen = torch.Generator().manual_seed(seed)
         return graph_decode(dec, max_new, temperature, eos or be.eos_ids, be.pad_id, gen,
-                            step(dec) if step else None)
+                            step(dec) if step else None, bucket=bucket)
 
 
 @pytest.mark.parametrize("name", list(TINY))
@@ -88,6 +91,8 @@ def test_sampling_stream_is_the_plain_loops_logits_with_the_same_uniforms(
     assert torch.equal(got, want)
     again = graph_sample(be, prompts, temp, max_new, seed=7, eos=stops)
     assert torch.equal(again, got)  # reproducible
+    whole = graph_sample(be, prompts, temp, max_new, seed=7, eos=stops, bucket=max_new)
+    assert torch.equal(whole, got)  # every key attended at every step: the same draws
     assert not torch.equal(graph_sample(be, prompts, temp, max_new, seed=8, eos=stops), got)
 
 
@@ -101,6 +106,25 @@ def test_draw_follows_the_softmax() -> None:
         torch.testing.assert_close(freq, torch.softmax(logits[0].double() / t, -1),
                                    atol=5e-3, rtol=0)
     assert draw(logits[:2], 0.0, u[:2]).tolist() == [0, 0]
+
+
+def test_attention_widens_by_buckets(backends: dict[str, HFBackend]) -> None:
+    """Step t attends over the prompt and the new positions up to the next multiple of the
+    bucket (never past the cache): the widths a 10-token decode asks for, by hand."""
+    be = backends["llama"]
+    ids, mask = be.encode_prompts(PROMPTS)
+    widths: list[int] = []
+    with torch.inference_mode():
+        dec = GraphDecoder(be._fast, ids, mask, 10, shared_prompts(ids, mask))
+        inner = make_step(dec, 0.0, [-1], be.pad_id)
+
+        def step(*args: Any) -> torch.Tensor:
+            widths.append(args[-1])
+            return inner(*args)
+
+        graph_decode(dec, 10, 0.0, [-1], be.pad_id, None, step, bucket=4)
+    tp = ids.shape[1]
+    assert widths == [tp + w for w in (4, 4, 4, 4, 8, 8, 8, 8, 10)]  # t = 0..8 feeds tp + t
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -155,18 +179,24 @@ def test_cuda_graph_decoding_syncs_only_at_its_checks(tmp_path) -> None:
     be = HFBackend(*load_model(path, device="cuda"), reference=False)
     ids, mask = be.encode_prompts([p for p in PROMPTS for _ in range(3)])
     ids, mask, max_new = ids.cuda(), mask.cuda(), 64
+    runs = []
     with torch.inference_mode():
-        dec = GraphDecoder(be._fast, ids, mask, max_new, shared_prompts(ids, mask))
-        step = cuda_graph(make_step(dec, 1.0, [-1], be.pad_id))
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                out = graph_decode(dec, max_new, 1.0, [-1], be.pad_id, gen, step)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-    syncs = [w for w in seen if "synchroniz" in str(w.message)]
-    assert out.shape == (len(ids), max_new)
-    assert len(syncs) <= max_new // SYNC_EVERY + 4, [str(w.message) for w in syncs]
+        for captured in (True, False):  # four widths (buckets of 16): four graphs
+            dec = GraphDecoder(be._fast, ids, mask, max_new, shared_prompts(ids, mask))
+            step = make_step(dec, 1.0, [-1], be.pad_id)
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    runs.append(graph_decode(dec, max_new, 1.0, [-1], be.pad_id, gen,
+                                             cuda_graph(step) if captured else step,
+                                             bucket=16))
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            if captured:
+                syncs = [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+    assert runs[0].shape == (len(ids), max_new)
+    assert len(syncs) <= max_new // SYNC_EVERY + 4, syncs
+    assert torch.equal(runs[0], runs[1])  # the replayed graphs draw what the eager step draws

@@ -361,10 +361,10 @@ class FastLM:
         grouped = self.kv_heads != self.heads
         ungroup = self.ungroup_masked
         if grouped and mask is not None and (q.is_cuda if ungroup is None else ungroup):
-            # SDPA's fused CUDA kernels take grouped heads only without a mask; the fallback
-            # copies the keys to every head and computes in float32 (a step's time and most of
-            # the update's memory). One query: its group's heads become query positions over
-            # the same keys; longer queries: the keys are repeated per head in their own dtype.
+            # SDPA's fused CUDA kernels take grouped heads only without a mask; its fallback
+            # copies the keys to every head, computes in float32 and keeps the float32
+            # probabilities for backward. One query: its group's heads become query positions
+            # over the same keys; longer queries: the keys repeated per head in their dtype.
             rep = self.heads // self.kv_heads
             if t == 1:
                 o = F.scaled_dot_product_attention(q.reshape(b, self.kv_heads, rep, -1), k, v,

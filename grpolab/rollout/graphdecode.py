@@ -1,14 +1,16 @@
 """Decoding at a fixed shape, for accelerators: the one-token step of ``fastlm`` over a
 preallocated KV cache, with the sampling on the device, so the whole step can be captured once
-(a CUDA graph, through ``torch.compile(mode="reduce-overhead")``) and replayed.
+(a CUDA graph, ``torch.cuda.CUDAGraph``) and replayed.
 
 The plain decode loop (``sampling.decode`` over ``kvcache.Decoder``) changes shapes as it goes
 (the cache's keys grow by one each step, finished rows leave the batch) and asks the host about
 every token, which on a GPU leaves the step's time to kernel launches and syncs. Here:
 
 * the cache is ``[B, kv heads, prompt + max_new, head_dim]`` per layer from the start; step t
-  writes position ``prompt + t`` (a device tensor) and attends over every position, a mask
-  hiding the ones not written yet;
+  writes position ``prompt + t`` (a device tensor) and attends over the prompt and the new
+  positions up to the next multiple of ``KEY_BUCKET`` (one captured graph per such width, so
+  a step reads about as many keys as a growing cache would), a mask hiding those not written
+  yet;
 * finished answers are masked (PAD after their EOS), not removed, so B never changes;
 * each row's uniform for each step is drawn up front from the run's private generator (one per
   row per step, as ``sample_next`` draws), and the token is found on the device by inverse CDF
@@ -31,11 +33,12 @@ from grpolab.rollout.kvcache import StaticKV, additive, decode_kv_dtype, prefill
 from grpolab.rollout.sampling import _inverse_cdf
 
 SYNC_EVERY = 16  # steps between the host's checks that every answer has ended
+KEY_BUCKET = 64  # new positions a step's attention widens by (a graph per width)
 
 
 class GraphKV:
     """A StaticKV's buffers at a fixed shape: ``update`` writes position ``at`` (a [1] device
-    tensor) and returns every position's keys and values."""
+    tensor) and returns the first ``width`` positions' keys and values."""
 
     def __init__(self, static: StaticKV) -> None:
         self.k, self.v = static.k, static.v
@@ -43,11 +46,12 @@ class GraphKV:
         # (left over in new memory) would poison the row
         static.buf.narrow(4, static.len, static.buf.shape[4] - static.len).zero_()
         self.at: Tensor | None = None
+        self.width = static.buf.shape[4]
 
     def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self.k[i].index_copy_(2, self.at, k.to(self.k[i].dtype))
         self.v[i].index_copy_(2, self.at, v.to(self.v[i].dtype))
-        return self.k[i], self.v[i]
+        return self.k[i].narrow(2, 0, self.width), self.v[i].narrow(2, 0, self.width)
 
 
 class GraphDecoder:
@@ -71,11 +75,13 @@ class GraphDecoder:
         self.cos_sin = None if tables is None else lm.rotary(self.pos, x, tables)
         self.w = lm.decode_weights(b)
 
-    def step(self, tokens: Tensor, t: Tensor) -> Tensor:
-        """Feed ``tokens`` [B] at new position ``t`` (a [1] long tensor); logits [B, V]."""
+    def step(self, tokens: Tensor, t: Tensor, width: int | None = None) -> Tensor:
+        """Feed ``tokens`` [B] at new position ``t`` (a [1] long tensor), attending over the
+        first ``width`` positions (default all; more than ``t + prompt``); logits [B, V]."""
         at = t + self.tp
-        self.cache.at = at
-        allowed = self.seen & (self.keys <= at)
+        width = width or len(self.keys)
+        self.cache.at, self.cache.width = at, width
+        allowed = self.seen[:, :width] & (self.keys[:width] <= at)
         mask = additive(allowed[:, None, None, :], self.kv_dtype)
         rot = (None if self.cos_sin is None
                else tuple(c.index_select(1, t) for c in self.cos_sin))
@@ -95,12 +101,13 @@ def draw(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
 
 def graph_decode(dec: GraphDecoder, max_new: int, temperature: float, eos_ids: list[int],
                  pad_id: int, generator: torch.Generator | None = None,
-                 step: Any = None) -> Tensor:
+                 step: Any = None, bucket: int = KEY_BUCKET) -> Tensor:
     """The decode loop at a fixed shape: completion ids [B, steps taken], PAD after each EOS.
 
-    ``step``: the function that advances one token, ``(tokens, t, u, done) -> next tokens``
-    (``make_step(dec, ...)``, or it captured: ``cuda_graph``); the host looks at ``done`` every
-    ``SYNC_EVERY`` steps only.
+    ``step``: the function that advances one token, ``(tokens, t, u, done, width) -> next
+    tokens`` (``make_step(dec, ...)``, or it captured: ``cuda_graph``); ``width``: the keys
+    attended, the prompt and the new positions up to the next multiple of ``bucket``. The host
+    looks at ``done`` every ``SYNC_EVERY`` steps only.
     """
     logits = dec.logits
     b, dev = logits.shape[0], logits.device
@@ -118,7 +125,8 @@ def graph_decode(dec: GraphDecoder, max_new: int, temperature: float, eos_ids: l
         if t == max_new - 1 or ((t + 1) % SYNC_EVERY == 0 and bool(done.all())):
             steps = t + 1
             break
-        nxt = step(nxt, ts[t:t + 1], u[t + 1], done)
+        width = dec.tp + min(max_new, -(-(t + 1) // bucket) * bucket)
+        nxt = step(nxt, ts[t:t + 1], u[t + 1], done, width)
     return out[:, :steps]
 
 
@@ -126,23 +134,25 @@ def make_step(dec: GraphDecoder, temperature: float, eos_ids: list[int],
               pad_id: int) -> Any:
     """The captured unit: feed the last tokens, draw the next ones, PAD for finished rows."""
 
-    def step(tokens: Tensor, t: Tensor, u: Tensor, done: Tensor) -> Tensor:
-        logits = dec.step(tokens, t)
+    def step(tokens: Tensor, t: Tensor, u: Tensor, done: Tensor, width: int) -> Tensor:
+        logits = dec.step(tokens, t, width)
         return draw(logits, temperature, u).masked_fill(done, pad_id)
 
     return step
 
 
 def cuda_graph(step: Any) -> Any:
-    """``step`` captured as a CUDA graph at its first call and replayed after: the inputs are
-    copied into the graph's own tensors, the output is the graph's (read it before the next
-    call). The first call runs the step three times on the same inputs (warm-up, capture,
-    replay), which is harmless: it writes the same keys at the same cache position."""
-    graph: list[Any] = []
+    """``step`` captured as a CUDA graph at its first call for each value of its non-tensor
+    arguments (the attention width) and replayed after: tensor inputs are copied into the
+    graph's own tensors, the output is the graph's (read it before the next call). A first
+    call runs the step twice on the same inputs (warm-up, then the replay; capture only
+    records), which is harmless: it writes the same keys at the same cache position."""
+    graphs: dict[tuple, tuple[Any, list[Tensor], Tensor]] = {}
 
-    def run(*args: Tensor) -> Tensor:
-        if not graph:
-            static = [a.clone() for a in args]
+    def run(*args: Any) -> Tensor:
+        key = tuple(a for a in args if not isinstance(a, Tensor))
+        if key not in graphs:
+            static = [a.clone() if isinstance(a, Tensor) else a for a in args]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -151,10 +161,11 @@ def cuda_graph(step: Any) -> Any:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 out = step(*static)
-            graph.extend([g, static, out])
-        g, static, out = graph
+            graphs[key] = (g, static, out)
+        g, static, out = graphs[key]
         for dst, src in zip(static, args):
-            dst.copy_(src)
+            if isinstance(src, Tensor):
+                dst.copy_(src)
         g.replay()
         return out
 
