@@ -6,11 +6,15 @@ scoring loss and LoRA all match the HF model; unsupported models fall back to th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from grpolab.config import Speed
@@ -18,9 +22,13 @@ from grpolab.rollout import backend as rollout
 from grpolab.rollout import fastlm, kvcache, logprobs
 from grpolab.rollout.batch import Rollout, shared_prompts
 from grpolab.rollout.fastlm import FastLM, pos_ids, unsupported
+from grpolab.rollout.graphdecode import GraphDecoder
 from grpolab.rollout.hf import HFBackend, HFDecoder
 from grpolab.rollout.models import load_model
 from grpolab.rollout.tinyhf import make_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from decode_kernels import Kernels  # the bench's count of a step's kernels
 
 PROMPTS = ["What is 2 + 3?", "Compute 12 * 7. So the answer is", "1", "<think> 40 - 8 ="]
 
@@ -561,15 +569,16 @@ def test_bfloat16_model_matches_hf(paths: dict[str, str], name: str, cache_kind:
     torch.testing.assert_close(fast[m], slow[m], atol=2e-2, rtol=1e-2)
 
 
-# -------------------------------------------------------- grouped heads under a mask
+# -------------------------------------------------------------------- the CUDA layout
 
 
 def test_masked_grouped_attention_laid_out_for_fused_kernels(
         paths: dict[str, str], device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``ungroup_masked`` (on by default on CUDA): every masked SDPA call over grouped keys has
-    as many query heads as key heads (one-token queries fold their group's heads into query
-    positions, longer ones repeat the keys), so the fused kernels may take it; logits, greedy
-    answers and gradients stay HF's. On CUDA the efficient kernel accepts every such call."""
+    """``FastLM.cuda_layout`` (on by default on CUDA): every masked SDPA call over grouped
+    keys has as many query heads as key heads (one-token queries fold their group's heads into
+    query positions, longer ones repeat the keys), so the fused kernels may take it; logits,
+    greedy answers and gradients stay HF's. On CUDA the efficient kernel accepts every such
+    call."""
     calls: list[tuple[int, int, bool]] = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -591,10 +600,10 @@ def test_masked_grouped_attention_laid_out_for_fused_kernels(
             return getattr(torch.nn.functional, name)
 
     monkeypatch.setattr(fastlm, "F", Functional())
-    for ungroup in (False, True):
-        if device == "cuda" and not ungroup:
+    for layout in (False, True):
+        if device == "cuda" and not layout:
             continue  # (the grouped call is what CUDA's kernels refuse)
-        monkeypatch.setattr(FastLM, "ungroup_masked", ungroup)
+        monkeypatch.setattr(FastLM, "cuda_layout", layout)
         calls.clear()
         be = HFBackend(*load_model(paths["gqa"], device=device), reference=False)
         prompts = [p for p in PROMPTS for _ in range(3)]
@@ -603,22 +612,92 @@ def test_masked_grouped_attention_laid_out_for_fused_kernels(
                            be._hf_generate(ids, mask, 0.0, 12, seed=0).cpu())
         ro = be.generate(prompts, 1.0, 10, torch.Generator().manual_seed(3))
         lp_fast, g_fast = scores_and_grads(be, ro, be._fast)
-        assert {t for q, k, _ in calls for t in [q == k]} == {ungroup}  # decode and scoring
-        assert not any(gqa for *_, gqa in calls) if ungroup else all(gqa for *_, gqa in calls)
+        assert {t for q, k, _ in calls for t in [q == k]} == {layout}  # decode and scoring
+        assert not any(gqa for *_, gqa in calls) if layout else all(gqa for *_, gqa in calls)
         lp_hf, g_hf = scores_and_grads(be, ro, None)
         m = ro.completion_mask.bool()
         torch.testing.assert_close(lp_fast[m], lp_hf[m], atol=2e-5, rtol=1e-5)
         for n in g_hf:
             torch.testing.assert_close(g_fast[n], g_hf[n], rtol=1e-4, atol=1e-6, msg=n)
     if device == "cpu":
-        assert_logits_match_ungrouped(paths, monkeypatch)
+        assert_logits_match_on_cuda_layout(paths, monkeypatch)
 
 
-def assert_logits_match_ungrouped(paths: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(FastLM, "ungroup_masked", True)
+def assert_logits_match_on_cuda_layout(paths: dict[str, str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(FastLM, "cuda_layout", True)
     model, tok = load_model(paths["gqa"], device="cpu")
     assert_logits_match(model.eval(), len(tok))
     assert_logits_match(in_memory("qwen2"), 128)
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+def test_stacked_linear_is_the_projections_side_by_side() -> None:
+    """q, k and v (qwen2: with biases) as one matmul give the three outputs side by side; with
+    float32 LoRA adapters on a bfloat16 base (``upcast``) the adapters are folded into float32
+    copies and the output comes back in the input's dtype; without ``upcast`` there is none."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpolab.rollout.packed import stacked_linear
+
+    at = in_memory("qwen2").model.layers[0].self_attn
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        want = torch.cat([m(x) for m in (at.q_proj, at.k_proj, at.v_proj)], -1)
+        torch.testing.assert_close(stacked_linear([at.q_proj, at.k_proj, at.v_proj])(x), want)
+    model = get_peft_model(in_memory("qwen2").to(torch.bfloat16), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).eval()
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float().fill_(0.05)
+    at = model.base_model.model.model.layers[0].self_attn
+    mods = [at.q_proj, at.k_proj, at.v_proj]
+    xb = x.to(torch.bfloat16)
+    with torch.no_grad():
+        want = torch.cat([m(xb).float() for m in mods], -1)
+        got = stacked_linear(mods, upcast=True)(xb)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+        plain = torch.cat([F.linear(xb, m.base_layer.weight, m.base_layer.bias).float()
+                           for m in (at.q_proj, at.v_proj)], -1)
+        assert (want[:, list(range(32)) + list(range(48, 64))] - plain).abs().max() > 0.1
+    assert stacked_linear(mods) is None  # float32 adapters do not round into bfloat16
+
+
+def test_cuda_layout_decodes_in_fewer_kernels(paths: dict[str, str], device: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 model with float32 LoRA adapters, decoded on the CUDA layout (q, k and v one
+    matmul on float32 copies with the adapters folded in, q and k rotated together, fused
+    RMSNorm): the logits of the other layout up to bfloat16 rounding, the adapters' effect
+    kept, and under two thirds of its operations per step."""
+    be = HFBackend(*load_model(paths["gqa"], device=device, dtype="bfloat16"), lora=True,
+                   reference=False)
+    with torch.no_grad():  # adapters that change the outputs
+        for n, p in be.model.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.02)
+    ids, mask = be.encode_prompts([p for p in PROMPTS for _ in range(3)])
+    ids, mask = ids.to(device), mask.to(device)
+    shared = shared_prompts(ids, mask)
+    runs, kernels = {}, {}
+    for name, layout, adapters in [("other", False, True), ("cuda", True, True),
+                                   ("cuda-off", True, False)]:
+        if device == "cuda" and not layout:
+            continue
+        monkeypatch.setattr(FastLM, "cuda_layout", layout)
+        with torch.inference_mode(), (contextlib.nullcontext() if adapters
+                                      else be.adapters_off()):
+            dec = GraphDecoder(be._fast, ids, mask, 6, shared)
+            logits, count = [dec.logits], Kernels()
+            for t in range(5):
+                with count:
+                    logits.append(dec.step(logits[-1].argmax(-1), torch.tensor([t],
+                                                                            device=device)))
+        runs[name], kernels[name] = torch.stack(logits).float(), count.n / 5
+    assert (runs["cuda"] - runs["cuda-off"]).abs().max() > 0.05  # the adapters act
+    if device == "cpu":
+        torch.testing.assert_close(runs["cuda"], runs["other"], atol=3e-2, rtol=2e-2)
+        assert kernels["cuda"] < 2 / 3 * kernels["other"], kernels
 
 
 # ------------------------------------------------------------------- chunked LM head

@@ -54,7 +54,13 @@ from grpolab.rollout.kvcache import (
     prompt_mask4d,
 )
 from grpolab.rollout.logprobs import shared_prefix_logits
-from grpolab.rollout.packed import decode_proj, frozen_linear, lora_parts, lowrank_linear
+from grpolab.rollout.packed import (
+    decode_proj,
+    frozen_linear,
+    lora_parts,
+    lowrank_linear,
+    stacked_linear,
+)
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
 GPT2_TYPES = ("gpt2",)
@@ -183,13 +189,16 @@ def _call(f: Callable[..., Tensor], *args: Any) -> Tensor:
     return f(*args)
 
 
-def _rms_norm(m: nn.Module) -> Fn:
-    """Llama-style RMSNorm: weight * x / sqrt(mean(x^2) + eps), computed in float32."""
+def _rms_norm(m: nn.Module, fused: bool = False) -> Fn:
+    """Llama-style RMSNorm: weight * x / sqrt(mean(x^2) + eps), computed in float32 (``fused``:
+    low-precision x normalised by one float32 ``F.rms_norm``, not HF's five operations)."""
     w, eps = m.weight, m.variance_epsilon
 
     def norm(x: Tensor) -> Tensor:
         if x.dtype == torch.float32 and w.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), w, eps)
+        if fused:
+            return w * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps).to(x.dtype)
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return w * xf.to(x.dtype)
@@ -231,9 +240,12 @@ class _Weights:
 class FastLM:
     """The lean forward of one HF model (plain or peft-wrapped); see the module docstring."""
 
-    # masked attention over grouped keys laid out for SDPA's fused kernels (``_attention``);
-    # None: on CUDA only (the CPU's runs and measurements are on the grouped call)
-    ungroup_masked: bool | None = None
+    # The GPU's layout (None: where the model is on CUDA; True or False forces it, as the tests
+    # do on the CPU, whose runs and measurements are on the other): masked attention over
+    # grouped key heads in a form SDPA's fused kernels take (``_attention``), and a decode step
+    # of fewer kernels, since a replayed step costs about a launch per kernel
+    # (``decode_weights``).
+    cuda_layout: bool | None = None
 
     def __init__(self, model: nn.Module) -> None:
         why = unsupported(model)
@@ -296,11 +308,19 @@ class FastLM:
         h = self.lm_head
         return (h.weight, h.bias) if type(h) is nn.Linear else None
 
+    def on_cuda_layout(self) -> bool:
+        return self.embed.weight.is_cuda if self.cuda_layout is None else self.cuda_layout
+
     def decode_weights(self, rows: int) -> _Weights:
         """``weights()`` for the decode loop at ``rows`` rows a step: LoRA merged, big CPU
-        weights prepacked (``grpolab.rollout.packed``; ``pack`` False: ``weights()``)."""
+        weights prepacked (``grpolab.rollout.packed``; ``pack`` False: ``weights()``). On the
+        CUDA layout: float32 adapters folded into float32 copies of their bases, q, k and v
+        one matmul, RMSNorm fused (``weights(decode_layout=True)``)."""
         if not self.pack:
             return self.weights(_proj)
+        if self.on_cuda_layout():
+            return self.weights(lambda m: decode_proj(m, rows, _proj, upcast=True),
+                                decode_layout=True)
         return self.weights(lambda m: decode_proj(m, rows, _proj))
 
     # ------------------------------------------------------------------ pieces --
@@ -315,10 +335,12 @@ class FastLM:
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         return cos.to(like.dtype), sin.to(like.dtype)
 
-    def weights(self, proj: Callable[[nn.Module], Fn] | None = None) -> _Weights:
+    def weights(self, proj: Callable[[nn.Module], Fn] | None = None,
+                decode_layout: bool = False) -> _Weights:
         """The functions a forward calls, resolved from the model's current modules, each
         projection through ``proj`` (default: ``_frozen_proj`` with ``pack`` and ``score_pack``
-        on, else ``_proj``).
+        on, else ``_proj``). ``decode_layout`` (Llama family): q, k and v stacked into one
+        matmul (``qkv``; their merged weights, float32 where adapters are), RMSNorm fused.
 
         Prepared once per scoring or sampling call (module lookups are slow in a decode loop).
         """
@@ -329,10 +351,12 @@ class FastLM:
             r = _Layer()
             if self.arch == "llama":
                 at, mlp = lay.self_attn, lay.mlp
-                r.norm1, r.norm2 = _rms_norm(lay.input_layernorm), _rms_norm(
-                    lay.post_attention_layernorm)
+                r.norm1, r.norm2 = (_rms_norm(lay.input_layernorm, decode_layout),
+                                    _rms_norm(lay.post_attention_layernorm, decode_layout))
                 r.q, r.k, r.v, r.o = (proj(m) for m in (at.q_proj, at.k_proj, at.v_proj,
                                                          at.o_proj))
+                r.qkv = (stacked_linear([at.q_proj, at.k_proj, at.v_proj], upcast=True)
+                         if decode_layout else None)
                 r.gate, r.up, r.down = (proj(m) for m in (mlp.gate_proj, mlp.up_proj,
                                                            mlp.down_proj))
                 r.act = F.silu if self.silu else mlp.act_fn
@@ -345,7 +369,7 @@ class FastLM:
             layers.append(r)
         head = _identity if self.head_off else proj(self.lm_head)
         if self.arch == "llama":
-            return _Weights(self.embed, layers, _rms_norm(self.norm), head)
+            return _Weights(self.embed, layers, _rms_norm(self.norm, decode_layout), head)
         return _Weights(self.embed, layers, _layer_norm(self.norm), head, self.wpe)
 
     def _attention(self, i: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
@@ -359,8 +383,7 @@ class FastLM:
         dt = q.dtype  # a float32 decode cache under a bfloat16 model (kvcache.decode_kv_dtype)
         q = q.to(k.dtype)
         grouped = self.kv_heads != self.heads
-        ungroup = self.ungroup_masked
-        if grouped and mask is not None and (q.is_cuda if ungroup is None else ungroup):
+        if grouped and mask is not None and self.on_cuda_layout():
             # SDPA's fused CUDA kernels take grouped heads only without a mask; its fallback
             # copies the keys to every head, computes in float32 and keeps the float32
             # probabilities for backward. One query: its group's heads become query positions
@@ -382,9 +405,14 @@ class FastLM:
         b, t = x.shape[:2]
         hh, hk, d = self.heads, self.kv_heads, self.head_dim
         h = r.norm1(x)
-        q = _rope(r.q(h).view(b, t, hh, d), cos, sin)
-        k = _rope(r.k(h).view(b, t, hk, d), cos, sin)
-        v = r.v(h).view(b, t, hk, d)
+        if r.qkv is not None:  # one matmul; q and k rotated together
+            qkv = r.qkv(h).view(b, t, hh + 2 * hk, d)
+            qk = _rope(qkv[:, :, : hh + hk], cos, sin)
+            q, k, v = qk[:, :, :hh], qk[:, :, hh:], qkv[:, :, hh + hk:]
+        else:
+            q = _rope(r.q(h).view(b, t, hh, d), cos, sin)
+            k = _rope(r.k(h).view(b, t, hk, d), cos, sin)
+            v = r.v(h).view(b, t, hk, d)
         x = x + r.o(self._attention(i, q, k, v, mask, kv, r.scale))
         h = r.norm2(x)
         return x + r.down(r.act(r.gate(h)) * r.up(h))

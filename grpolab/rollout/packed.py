@@ -7,6 +7,10 @@ same weights each time. Two things make that cheaper than the training forward's
   instead of three matmuls, an add and peft's Python per token; float32 adapters on a
   bfloat16 base stay apart (their sum rounded to bfloat16 would lose the adapters' small
   updates) and run as peft runs them, on the prepacked base;
+* on a GPU, where a replayed decode step costs about a launch per kernel, such adapters are
+  folded into a float32 copy of their base instead (``merged_weight(upcast=True)``: one
+  matmul in float32 between two casts, not seven kernels), and projections that read the same
+  input are stacked into one matmul (``stacked_linear``: q, k and v);
 * on CPU, a float32 weight of at least ``PACK_MIN`` elements (bfloat16: ``PACK_MIN_BF16``, on
   CPUs with bfloat16 instructions) is reordered once for oneDNN (``torch.ops.mkldnn``), whose
   small-batch matmul beats MKL's on such shapes (measured on a 2-core EPYC at 32 rows:
@@ -61,10 +65,11 @@ def lora_parts(m: nn.Module) -> tuple[Tensor, Tensor | None, list[tuple[str, flo
     return base.weight, base.bias, names
 
 
-def merged_weight(m: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+def merged_weight(m: nn.Module, upcast: bool = False) -> tuple[Tensor, Tensor | None] | None:
     """(weight [out, in], bias) of the map ``m`` computes, LoRA adapters folded in; None where
     ``lora_parts`` is None or an adapter's dtype is not the base's (float32 adapters on a
-    bfloat16 base: rounding the sum to bfloat16 would drop the adapters' small updates)."""
+    bfloat16 base: rounding the sum to bfloat16 would drop the adapters' small updates), unless
+    ``upcast``: then the base and its bias in the adapters' dtype, the adapters added there."""
     parts = lora_parts(m)
     if parts is None:
         return None
@@ -72,9 +77,29 @@ def merged_weight(m: nn.Module) -> tuple[Tensor, Tensor | None] | None:
     for name, _ in names:
         delta = m.get_delta_weight(name)
         if delta.dtype != w.dtype:
-            return None
+            if not upcast:
+                return None
+            w, b = w.to(delta.dtype), None if b is None else b.to(delta.dtype)
         w = w + delta
     return w, b
+
+
+def cast_linear(w: Tensor, b: Tensor | None) -> Fn:
+    """x -> x @ w.T + b computed in ``w``'s dtype, returned in ``x``'s."""
+    return lambda x: F.linear(x.to(w.dtype), w, b).to(x.dtype)
+
+
+def stacked_linear(mods: list[nn.Module], upcast: bool = False) -> Fn | None:
+    """One matmul for projections that read the same input: their ``merged_weight``s stacked
+    by rows (outputs side by side, in ``mods``' order); None where one has none."""
+    parts = [merged_weight(m, upcast) for m in mods]
+    if any(p is None for p in parts):
+        return None
+    dtype = functools.reduce(torch.promote_types, [p[0].dtype for p in parts])
+    w = torch.cat([p[0].to(dtype) for p in parts])
+    b = (None if all(p[1] is None for p in parts) else torch.cat(
+        [p[1].to(dtype) if p[1] is not None else w.new_zeros(p[0].shape[0]) for p in parts]))
+    return cast_linear(w, b)
 
 
 def lowrank_linear(m: nn.Module, base: Fn) -> Fn | None:
@@ -193,11 +218,15 @@ def frozen_linear(w: Tensor, b: Tensor | None, rows: int) -> Fn | None:
     return lambda x: _FrozenLinear.apply(x, w, wp, bd, rows)  # w: its kept W.T copy
 
 
-def decode_proj(m: nn.Module, rows: int, fallback: Callable[[nn.Module], Fn]) -> Fn:
+def decode_proj(m: nn.Module, rows: int, fallback: Callable[[nn.Module], Fn],
+                upcast: bool = False) -> Fn:
     """The decode loop's function for projection ``m`` at ``rows`` rows a call (see module
-    docstring); ``fallback(m)`` where ``m`` is neither a linear nor a plain LoRA linear."""
-    wb = merged_weight(m)
+    docstring; ``upcast``: the GPU's float32 merge); ``fallback(m)`` where ``m`` is neither a
+    linear nor a plain LoRA linear."""
+    wb = merged_weight(m, upcast)
     if wb is not None:
+        if upcast:
+            return cast_linear(*wb)
         return packed_linear(*wb, rows)
     parts = lora_parts(m)
     if parts is None:
@@ -205,6 +234,6 @@ def decode_proj(m: nn.Module, rows: int, fallback: Callable[[nn.Module], Fn]) ->
     return lowrank_linear(m, packed_linear(parts[0], parts[1], rows))  # parts: never None
 
 
-__all__ = ["PACK_MIN", "PACK_MIN_BF16", "can_pack", "clear_packed", "decode_proj",
-           "frozen_linear", "lora_parts", "lowrank_linear", "merged_weight", "packed_linear",
-           "packed_weight"]
+__all__ = ["PACK_MIN", "PACK_MIN_BF16", "can_pack", "cast_linear", "clear_packed",
+           "decode_proj", "frozen_linear", "lora_parts", "lowrank_linear", "merged_weight",
+           "packed_linear", "packed_weight", "stacked_linear"]
