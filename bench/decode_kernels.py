@@ -60,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--lora", action="store_true", help="LoRA r=8 on q/k/v/o, as the bench")
     a = p.parse_args(argv)
-    from grpolab.rollout.fastlm import FastLM
     from grpolab.rollout.hf import HFBackend
     from grpolab.rollout.models import load_model
 
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ids, mask = be.encode_prompts([f"What is {i} + {2 * i + 7}?" for i in range(a.rows)])
     got = {}
     for layout in (False, True):
-        FastLM.cuda_layout = layout
+        be._fast.cuda_layout = layout
         got[layout] = per_step(be, ids, mask)
     layers = len(be._fast.layers)
     print(f"{a.model}: {layers} layers, {a.dtype}, {'LoRA r=8 q/k/v/o' if a.lora else 'no LoRA'}"

@@ -76,10 +76,11 @@ def in_memory(kind: str, **over: Any) -> nn.Module:
     return MistralForCausalLM(MistralConfig(sliding_window=16, **common)).eval()
 
 
-def assert_logits_match(model: nn.Module, vocab: int) -> None:
+def assert_logits_match(model: nn.Module, vocab: int, cuda_layout: bool | None = None) -> None:
     """FastLM == HF forward at every real position of a left-padded batch, one pass and with
     the prompt shared (prompt = first 6 columns, completion = the last 3)."""
     lm = FastLM(model)
+    lm.cuda_layout = cuda_layout
     ids, mask = padded_batch(vocab)
     pos = pos_ids(mask)
     real = mask.bool()
@@ -574,11 +575,11 @@ def test_bfloat16_model_matches_hf(paths: dict[str, str], name: str, cache_kind:
 
 def test_masked_grouped_attention_laid_out_for_fused_kernels(
         paths: dict[str, str], device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``FastLM.cuda_layout`` (on by default on CUDA): every masked SDPA call over grouped
-    keys has as many query heads as key heads (one-token queries fold their group's heads into
-    query positions, longer ones repeat the keys), so the fused kernels may take it; logits,
-    greedy answers and gradients stay HF's. On CUDA the efficient kernel accepts every such
-    call."""
+    """``FastLM.cuda_layout`` (on where the model is on CUDA): every masked SDPA call over
+    grouped keys has as many query heads as key heads (one-token queries fold their group's
+    heads into query positions, longer ones repeat the keys), so the fused kernels may take
+    it; logits, greedy answers and gradients stay HF's. On CUDA the efficient kernel accepts
+    every such call."""
     calls: list[tuple[int, int, bool]] = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -603,9 +604,9 @@ def test_masked_grouped_attention_laid_out_for_fused_kernels(
     for layout in (False, True):
         if device == "cuda" and not layout:
             continue  # (the grouped call is what CUDA's kernels refuse)
-        monkeypatch.setattr(FastLM, "cuda_layout", layout)
         calls.clear()
         be = HFBackend(*load_model(paths["gqa"], device=device), reference=False)
+        be._fast.cuda_layout = layout
         prompts = [p for p in PROMPTS for _ in range(3)]
         ids, mask = be.encode_prompts(prompts)
         assert torch.equal(be._sample(ids, mask, 0.0, 12, seed=0).cpu(),
@@ -620,15 +621,9 @@ def test_masked_grouped_attention_laid_out_for_fused_kernels(
         for n in g_hf:
             torch.testing.assert_close(g_fast[n], g_hf[n], rtol=1e-4, atol=1e-6, msg=n)
     if device == "cpu":
-        assert_logits_match_on_cuda_layout(paths, monkeypatch)
-
-
-def assert_logits_match_on_cuda_layout(paths: dict[str, str],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(FastLM, "cuda_layout", True)
-    model, tok = load_model(paths["gqa"], device="cpu")
-    assert_logits_match(model.eval(), len(tok))
-    assert_logits_match(in_memory("qwen2"), 128)
+        model, tok = load_model(paths["gqa"], device="cpu")
+        assert_logits_match(model.eval(), len(tok), cuda_layout=True)
+        assert_logits_match(in_memory("qwen2"), 128, cuda_layout=True)
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
@@ -664,8 +659,7 @@ def test_stacked_linear_is_the_projections_side_by_side() -> None:
     assert stacked_linear(mods) is None  # float32 adapters do not round into bfloat16
 
 
-def test_cuda_layout_decodes_in_fewer_kernels(paths: dict[str, str], device: str,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_layout_decodes_in_fewer_kernels(paths: dict[str, str], device: str) -> None:
     """A bfloat16 model with float32 LoRA adapters, decoded on the CUDA layout (q, k and v one
     matmul on float32 copies with the adapters folded in, q and k rotated together, fused
     RMSNorm): the logits of the other layout up to bfloat16 rounding, the adapters' effect
@@ -684,7 +678,7 @@ def test_cuda_layout_decodes_in_fewer_kernels(paths: dict[str, str], device: str
                                    ("cuda-off", True, False)]:
         if device == "cuda" and not layout:
             continue
-        monkeypatch.setattr(FastLM, "cuda_layout", layout)
+        be._fast.cuda_layout = layout
         with torch.inference_mode(), (contextlib.nullcontext() if adapters
                                       else be.adapters_off()):
             dec = GraphDecoder(be._fast, ids, mask, 6, shared)

@@ -45,6 +45,18 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from grpolab.rollout.batch import pos_ids
+from grpolab.rollout.blocks import (
+    Fn,
+    Layer,
+    Weights,
+    call,
+    frozen_proj,
+    identity,
+    layer_norm,
+    plain_proj,
+    rms_norm,
+    rope,
+)
 from grpolab.rollout.kvcache import (
     ConcatKV,
     Decoder,
@@ -54,13 +66,7 @@ from grpolab.rollout.kvcache import (
     prompt_mask4d,
 )
 from grpolab.rollout.logprobs import shared_prefix_logits
-from grpolab.rollout.packed import (
-    decode_proj,
-    frozen_linear,
-    lora_parts,
-    lowrank_linear,
-    stacked_linear,
-)
+from grpolab.rollout.packed import decode_proj, stacked_linear
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
 GPT2_TYPES = ("gpt2",)
@@ -147,105 +153,11 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
-# ----------------------------------------------------------------------------- building blocks
-
-Fn = Callable[[Tensor], Tensor]
-
-
-def _proj(m: nn.Module) -> Fn:
-    """A projection as a function: ``F.linear`` on a plain ``nn.Linear``'s own weights, GPT-2's
-    Conv1D as its addmm, anything else (peft LoRA layers, quantised linears) the module."""
-    if type(m) is nn.Linear:
-        w, b = m.weight, m.bias
-        return lambda x: F.linear(x, w, b)
-    if type(m).__name__ == "Conv1D" and hasattr(m, "nf"):  # x @ W + b
-        w, b, nf = m.weight, m.bias, m.nf
-        return lambda x: torch.addmm(b, x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], nf)
-    return m
-
-
-# With ``pack`` and ``score_pack`` on, scoring forwards run frozen linears of at least
-# packed.PACK_MIN elements on oneDNN copies, forward and input gradient (packed.frozen_linear):
-# faster where MKL's float32 matmuls lag oneDNN's, for one more copy of each such weight.
-SCORE_ROWS = 256  # the row count oneDNN lays the copies out for (any serves every count)
-
-
-def _frozen_proj(m: nn.Module) -> Fn:
-    """Scoring's function for projection ``m``: a frozen plain linear, or a LoRA layer's frozen
-    base with its adapters beside it as peft runs them, on oneDNN copies; else ``_proj(m)``."""
-    parts = lora_parts(m)
-    if parts is not None:
-        f = frozen_linear(parts[0], parts[1], SCORE_ROWS)
-        if f is not None:
-            return lowrank_linear(m, f) if parts[2] else f
-    return _proj(m)
-
-
-def _identity(x: Tensor) -> Tensor:
-    return x
-
-
-def _call(f: Callable[..., Tensor], *args: Any) -> Tensor:
-    return f(*args)
-
-
-def _rms_norm(m: nn.Module, fused: bool = False) -> Fn:
-    """Llama-style RMSNorm: weight * x / sqrt(mean(x^2) + eps), computed in float32 (``fused``:
-    low-precision x normalised by one float32 ``F.rms_norm``, not HF's five operations)."""
-    w, eps = m.weight, m.variance_epsilon
-
-    def norm(x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and w.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), w, eps)
-        if fused:
-            return w * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps).to(x.dtype)
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return w * xf.to(x.dtype)
-
-    return norm
-
-
-def _layer_norm(m: nn.LayerNorm) -> Fn:
-    shape, w, b, eps = m.normalized_shape, m.weight, m.bias, m.eps
-    return lambda x: F.layer_norm(x, shape, w, b, eps)
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin == roll(x, D/2) * (+-sin).
-
-    ``sin`` is the signed table (first half negated): bit-identical to HF's rotate_half form.
-    """
-    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
-
-
-class _Layer:
-    """One decoder layer's functions, resolved once per forward (no module lookups inside)."""
-
-    __slots__ = ("act", "down", "gate", "k", "norm1", "norm2", "o", "q", "qkv", "scale", "up",
-                 "v")
-
-
-class _Weights:
-    """Everything a forward calls: embeddings, layers, final norm and head."""
-
-    def __init__(self, embed: Fn, layers: list[_Layer], norm: Fn, head: Fn,
-                 wpe: Fn | None = None) -> None:
-        self.embed, self.layers, self.norm, self.head, self.wpe = embed, layers, norm, head, wpe
-
-
 # ----------------------------------------------------------------------------- model
 
 
 class FastLM:
     """The lean forward of one HF model (plain or peft-wrapped); see the module docstring."""
-
-    # The GPU's layout (None: where the model is on CUDA; True or False forces it, as the tests
-    # do on the CPU, whose runs and measurements are on the other): masked attention over
-    # grouped key heads in a form SDPA's fused kernels take (``_attention``), and a decode step
-    # of fewer kernels, since a replayed step costs about a launch per kernel
-    # (``decode_weights``).
-    cuda_layout: bool | None = None
 
     def __init__(self, model: nn.Module) -> None:
         why = unsupported(model)
@@ -287,6 +199,12 @@ class FastLM:
         self.pack = True
         self.score_pack = True
         self.rescores = True  # one prefill's state serves several extends (length buckets)
+        # The GPU's layout (None: where the model is on CUDA; True or False forces it, as the
+        # tests do on the CPU, whose runs and measurements are on the other): masked attention
+        # over grouped key heads in a form SDPA's fused kernels take (``_attention``), and a
+        # decode step of fewer kernels, since a replayed step costs about a launch per kernel
+        # (``decode_weights``).
+        self.cuda_layout: bool | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -311,17 +229,17 @@ class FastLM:
     def on_cuda_layout(self) -> bool:
         return self.embed.weight.is_cuda if self.cuda_layout is None else self.cuda_layout
 
-    def decode_weights(self, rows: int) -> _Weights:
+    def decode_weights(self, rows: int) -> Weights:
         """``weights()`` for the decode loop at ``rows`` rows a step: LoRA merged, big CPU
         weights prepacked (``grpolab.rollout.packed``; ``pack`` False: ``weights()``). On the
         CUDA layout: float32 adapters folded into float32 copies of their bases, q, k and v
         one matmul, RMSNorm fused (``weights(decode_layout=True)``)."""
         if not self.pack:
-            return self.weights(_proj)
+            return self.weights(plain_proj)
         if self.on_cuda_layout():
-            return self.weights(lambda m: decode_proj(m, rows, _proj, upcast=True),
+            return self.weights(lambda m: decode_proj(m, rows, plain_proj, upcast=True),
                                 decode_layout=True)
-        return self.weights(lambda m: decode_proj(m, rows, _proj))
+        return self.weights(lambda m: decode_proj(m, rows, plain_proj))
 
     # ------------------------------------------------------------------ pieces --
     def rope_tables(self, n: int, like: Tensor) -> tuple[Tensor, Tensor]:
@@ -336,41 +254,41 @@ class FastLM:
         return cos.to(like.dtype), sin.to(like.dtype)
 
     def weights(self, proj: Callable[[nn.Module], Fn] | None = None,
-                decode_layout: bool = False) -> _Weights:
+                decode_layout: bool = False) -> Weights:
         """The functions a forward calls, resolved from the model's current modules, each
-        projection through ``proj`` (default: ``_frozen_proj`` with ``pack`` and ``score_pack``
-        on, else ``_proj``). ``decode_layout`` (Llama family): q, k and v stacked into one
+        projection through ``proj`` (default: ``frozen_proj`` with ``pack`` and ``score_pack``
+        on, else ``plain_proj``). ``decode_layout`` (Llama family): q, k and v stacked into one
         matmul (``qkv``; their merged weights, float32 where adapters are), RMSNorm fused.
 
         Prepared once per scoring or sampling call (module lookups are slow in a decode loop).
         """
         if proj is None:
-            proj = _frozen_proj if self.pack and self.score_pack else _proj
+            proj = frozen_proj if self.pack and self.score_pack else plain_proj
         layers = []
         for lay in self.layers:
-            r = _Layer()
+            r = Layer()
             if self.arch == "llama":
                 at, mlp = lay.self_attn, lay.mlp
-                r.norm1, r.norm2 = (_rms_norm(lay.input_layernorm, decode_layout),
-                                    _rms_norm(lay.post_attention_layernorm, decode_layout))
-                r.q, r.k, r.v, r.o = (proj(m) for m in (at.q_proj, at.k_proj, at.v_proj,
-                                                         at.o_proj))
-                r.qkv = (stacked_linear([at.q_proj, at.k_proj, at.v_proj], upcast=True)
-                         if decode_layout else None)
+                r.norm1, r.norm2 = (rms_norm(lay.input_layernorm, decode_layout),
+                                    rms_norm(lay.post_attention_layernorm, decode_layout))
+                qkv = at.q_proj, at.k_proj, at.v_proj
+                r.qkv = stacked_linear(list(qkv), upcast=True) if decode_layout else None
+                r.q, r.k, r.v = (None,) * 3 if r.qkv else (proj(m) for m in qkv)
+                r.o = proj(at.o_proj)
                 r.gate, r.up, r.down = (proj(m) for m in (mlp.gate_proj, mlp.up_proj,
                                                            mlp.down_proj))
                 r.act = F.silu if self.silu else mlp.act_fn
             else:
                 at, mlp = lay.attn, lay.mlp
-                r.norm1, r.norm2 = _layer_norm(lay.ln_1), _layer_norm(lay.ln_2)
+                r.norm1, r.norm2 = layer_norm(lay.ln_1), layer_norm(lay.ln_2)
                 r.qkv, r.o = proj(at.c_attn), proj(at.c_proj)
                 r.up, r.down, r.act = proj(mlp.c_fc), proj(mlp.c_proj), mlp.act
             r.scale = at.scaling
             layers.append(r)
-        head = _identity if self.head_off else proj(self.lm_head)
+        head = identity if self.head_off else proj(self.lm_head)
         if self.arch == "llama":
-            return _Weights(self.embed, layers, _rms_norm(self.norm, decode_layout), head)
-        return _Weights(self.embed, layers, _layer_norm(self.norm), head, self.wpe)
+            return Weights(self.embed, layers, rms_norm(self.norm, decode_layout), head)
+        return Weights(self.embed, layers, layer_norm(self.norm), head, self.wpe)
 
     def _attention(self, i: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                    kv: Any, scale: float) -> Tensor:
@@ -400,24 +318,24 @@ class FastLM:
                                            scale=scale, enable_gqa=grouped)
         return o.to(dt).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
 
-    def _llama_layer(self, i: int, r: _Layer, x: Tensor, cos: Tensor, sin: Tensor,
+    def _llama_layer(self, i: int, r: Layer, x: Tensor, cos: Tensor, sin: Tensor,
                      mask: Tensor | None, kv: Any) -> Tensor:
         b, t = x.shape[:2]
         hh, hk, d = self.heads, self.kv_heads, self.head_dim
         h = r.norm1(x)
         if r.qkv is not None:  # one matmul; q and k rotated together
             qkv = r.qkv(h).view(b, t, hh + 2 * hk, d)
-            qk = _rope(qkv[:, :, : hh + hk], cos, sin)
+            qk = rope(qkv[:, :, : hh + hk], cos, sin)
             q, k, v = qk[:, :, :hh], qk[:, :, hh:], qkv[:, :, hh + hk:]
         else:
-            q = _rope(r.q(h).view(b, t, hh, d), cos, sin)
-            k = _rope(r.k(h).view(b, t, hk, d), cos, sin)
+            q = rope(r.q(h).view(b, t, hh, d), cos, sin)
+            k = rope(r.k(h).view(b, t, hk, d), cos, sin)
             v = r.v(h).view(b, t, hk, d)
         x = x + r.o(self._attention(i, q, k, v, mask, kv, r.scale))
         h = r.norm2(x)
         return x + r.down(r.act(r.gate(h)) * r.up(h))
 
-    def _gpt2_layer(self, i: int, r: _Layer, x: Tensor, mask: Tensor | None,
+    def _gpt2_layer(self, i: int, r: Layer, x: Tensor, mask: Tensor | None,
                     kv: Any) -> Tensor:
         b, t = x.shape[:2]
         qkv = r.qkv(r.norm1(x)).view(b, t, 3 * self.heads, self.head_dim)
@@ -434,7 +352,7 @@ class FastLM:
         return tables[0][pos].unsqueeze(2), tables[1][pos].unsqueeze(2)
 
     def forward(self, ids: Tensor, pos: Tensor, mask: Tensor | None, kv: Any, keep: int = 0,
-                rot: tuple[Tensor, Tensor] | None = None, w: _Weights | None = None,
+                rot: tuple[Tensor, Tensor] | None = None, w: Weights | None = None,
                 rows: Tensor | None = None) -> Tensor:
         """Logits [B, T or keep, V] for ``ids`` [B, T] at positions ``pos`` [B, T].
 
@@ -447,7 +365,7 @@ class FastLM:
         w = w or self.weights()
         x = w.embed(ids)
         run = (functools.partial(checkpoint, use_reentrant=False)
-               if self.checkpoint and torch.is_grad_enabled() else _call)
+               if self.checkpoint and torch.is_grad_enabled() else call)
         if w.wpe is None:
             cos, sin = rot if rot is not None else self.rotary(pos, x)
             for i, r in enumerate(w.layers):

@@ -1,0 +1,98 @@
+"""The building blocks of the lean forward (``fastlm``): each projection, norm and rotation as a
+plain function resolved once from the model's own modules, and the per-layer bundle of them that
+a forward calls (``Layer``, ``Weights``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from grpolab.rollout.packed import frozen_linear, lora_parts, lowrank_linear
+
+Fn = Callable[[Tensor], Tensor]
+
+
+def plain_proj(m: nn.Module) -> Fn:
+    """A projection as a function: ``F.linear`` on a plain ``nn.Linear``'s own weights, GPT-2's
+    Conv1D as its addmm, anything else (peft LoRA layers, quantised linears) the module."""
+    if type(m) is nn.Linear:
+        w, b = m.weight, m.bias
+        return lambda x: F.linear(x, w, b)
+    if type(m).__name__ == "Conv1D" and hasattr(m, "nf"):  # x @ W + b
+        w, b, nf = m.weight, m.bias, m.nf
+        return lambda x: torch.addmm(b, x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], nf)
+    return m
+
+
+# With ``pack`` and ``score_pack`` on, scoring forwards run frozen linears of at least
+# packed.PACK_MIN elements on oneDNN copies, forward and input gradient (packed.frozen_linear):
+# faster where MKL's float32 matmuls lag oneDNN's, for one more copy of each such weight.
+SCORE_ROWS = 256  # the row count oneDNN lays the copies out for (any serves every count)
+
+
+def frozen_proj(m: nn.Module) -> Fn:
+    """Scoring's function for projection ``m``: a frozen plain linear, or a LoRA layer's frozen
+    base with its adapters beside it as peft runs them, on oneDNN copies; else ``plain_proj(m)``."""
+    parts = lora_parts(m)
+    if parts is not None:
+        f = frozen_linear(parts[0], parts[1], SCORE_ROWS)
+        if f is not None:
+            return lowrank_linear(m, f) if parts[2] else f
+    return plain_proj(m)
+
+
+def identity(x: Tensor) -> Tensor:
+    return x
+
+
+def call(f: Callable[..., Tensor], *args: Any) -> Tensor:
+    return f(*args)
+
+
+def rms_norm(m: nn.Module, fused: bool = False) -> Fn:
+    """Llama-style RMSNorm: weight * x / sqrt(mean(x^2) + eps), computed in float32 (``fused``:
+    low-precision x normalised by one float32 ``F.rms_norm``, not HF's five operations)."""
+    w, eps = m.weight, m.variance_epsilon
+
+    def norm(x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and w.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
+        if fused:
+            return w * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps).to(x.dtype)
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return w * xf.to(x.dtype)
+
+    return norm
+
+
+def layer_norm(m: nn.LayerNorm) -> Fn:
+    shape, w, b, eps = m.normalized_shape, m.weight, m.bias, m.eps
+    return lambda x: F.layer_norm(x, shape, w, b, eps)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin == roll(x, D/2) * (+-sin).
+
+    ``sin`` is the signed table (first half negated): bit-identical to HF's rotate_half form.
+    """
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
+
+
+class Layer:
+    """One decoder layer's functions, resolved once per forward (no module lookups inside)."""
+
+    __slots__ = ("act", "down", "gate", "k", "norm1", "norm2", "o", "q", "qkv", "scale", "up",
+                 "v")
+
+
+class Weights:
+    """Everything a forward calls: embeddings, layers, final norm and head."""
+
+    def __init__(self, embed: Fn, layers: list[Layer], norm: Fn, head: Fn,
+                 wpe: Fn | None = None) -> None:
+        self.embed, self.layers, self.norm, self.head, self.wpe = embed, layers, norm, head, wpe
