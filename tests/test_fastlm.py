@@ -47,9 +47,9 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             for name, kw in TINY.items()}
 
 
-def backend(paths: dict[str, str], name: str, **kw: Any) -> HFBackend:
+def backend(paths: dict[str, str], name: str, device: str = "cpu", **kw: Any) -> HFBackend:
     kw.setdefault("reference", False)
-    return HFBackend(*load_model(paths[name], device="cpu"), **kw)
+    return HFBackend(*load_model(paths[name], device=device), **kw)
 
 
 def padded_batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -624,6 +624,58 @@ def test_masked_grouped_attention_laid_out_for_fused_kernels(
         model, tok = load_model(paths["gqa"], device="cpu")
         assert_logits_match(model.eval(), len(tok), cuda_layout=True)
         assert_logits_match(in_memory("qwen2"), 128, cuda_layout=True)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_cuda_layout_scores_as_peft_does(paths: dict[str, str], device: str,
+                                         lora: bool) -> None:
+    """The training forward on the CUDA layout (q, k and v one function, their adapters' input
+    cast once): the log-probs and every trainable weight's gradient of the other layout and of
+    the HF forward, with LoRA (adapters that act) and with full fine-tuning."""
+    be = backend(paths, "gqa", device, lora=lora)
+    with torch.no_grad():
+        for n, p in be.model.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.02)
+    fast = be._fast
+    ro = be.generate([p for p in PROMPTS for _ in range(3)], 1.0, 10,
+                     torch.Generator().manual_seed(4))
+    m = ro.completion_mask.bool()
+    got = {}
+    for layout in ([True] if device == "cuda" else [False, True]):
+        fast.cuda_layout = layout
+        got[layout] = scores_and_grads(be, ro, fast)
+    got["hf"] = scores_and_grads(be, ro, None)
+    lp_on, g_on = got[True]
+    assert g_on and all(("lora_" in n) == lora for n in g_on)
+    for other in [k for k in got if k is not True]:
+        lp, g = got[other]
+        torch.testing.assert_close(lp_on[m], lp[m], atol=2e-5, rtol=1e-5)
+        assert g.keys() == g_on.keys()
+        for n in g:
+            torch.testing.assert_close(g_on[n], g[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_keeps_two_tensors_and_autograds_gradients(dtype: torch.dtype) -> None:
+    """silu(g) * u with only g and u kept for backward: the output and both gradients are
+    autograd's, bit for bit."""
+    from grpolab.rollout.blocks import silu_mul
+
+    g0, u0, grad = (torch.randn(7, 48, generator=torch.Generator().manual_seed(i)).to(dtype)
+                    for i in range(3))
+    outs = []
+    for f in (silu_mul, lambda g, u: F.silu(g) * u):
+        g, u = g0.clone().requires_grad_(), u0.clone().requires_grad_()
+        kept: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t, kept=kept: kept.append(t) or t, lambda t: t):
+            y = f(g, u)
+        y.backward(grad)
+        outs.append((y.detach(), g.grad, u.grad, len(kept)))
+    (y1, dg1, du1, n1), (y2, dg2, du2, n2) = outs
+    assert torch.equal(y1, y2) and torch.equal(dg1, dg2) and torch.equal(du1, du2)
+    assert n1 == 2 and n2 == 3  # g and u; autograd also keeps silu(g)
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")

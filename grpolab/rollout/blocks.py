@@ -83,11 +83,31 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
 
 
+class _SiluMul(torch.autograd.Function):
+    """silu(g) * u that keeps only g and u for backward, recomputing silu(g) there: autograd's
+    own operations in its order (the same gradients, bit for bit), one [tokens, intermediate]
+    tensor less per layer."""
+
+    @staticmethod
+    def forward(ctx: Any, g: Tensor, u: Tensor) -> Tensor:
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        g, u = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * u, g), grad * F.silu(g)
+
+
+def silu_mul(g: Tensor, u: Tensor) -> Tensor:
+    return _SiluMul.apply(g, u) if torch.is_grad_enabled() else F.silu(g) * u
+
+
 class Layer:
     """One decoder layer's functions, resolved once per forward (no module lookups inside)."""
 
-    __slots__ = ("act", "down", "gate", "k", "norm1", "norm2", "o", "q", "qkv", "scale", "up",
-                 "v")
+    __slots__ = ("act", "down", "gate", "k", "mix", "norm1", "norm2", "o", "q", "qkv", "scale",
+                 "up", "v")
 
 
 class Weights:

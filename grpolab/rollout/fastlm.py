@@ -56,6 +56,7 @@ from grpolab.rollout.blocks import (
     plain_proj,
     rms_norm,
     rope,
+    silu_mul,
 )
 from grpolab.rollout.kvcache import (
     ConcatKV,
@@ -66,7 +67,7 @@ from grpolab.rollout.kvcache import (
     prompt_mask4d,
 )
 from grpolab.rollout.logprobs import shared_prefix_logits
-from grpolab.rollout.packed import decode_proj, stacked_linear
+from grpolab.rollout.packed import decode_proj, stacked_linear, stacked_lora
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
 GPT2_TYPES = ("gpt2",)
@@ -258,10 +259,14 @@ class FastLM:
         """The functions a forward calls, resolved from the model's current modules, each
         projection through ``proj`` (default: ``frozen_proj`` with ``pack`` and ``score_pack``
         on, else ``plain_proj``). ``decode_layout`` (Llama family): q, k and v stacked into one
-        matmul (``qkv``; their merged weights, float32 where adapters are), RMSNorm fused.
+        matmul (``qkv``; their merged weights, float32 where adapters are), RMSNorm fused. The
+        default on the CUDA layout: q, k and v one function with their adapters' input cast
+        once (``packed.stacked_lora``).
 
         Prepared once per scoring or sampling call (module lookups are slow in a decode loop).
         """
+        # the training forward on the CUDA layout: q, k and v one function (stacked_lora)
+        scoring_on_cuda = proj is None and self.pack and self.on_cuda_layout()
         if proj is None:
             proj = frozen_proj if self.pack and self.score_pack else plain_proj
         layers = []
@@ -272,12 +277,16 @@ class FastLM:
                 r.norm1, r.norm2 = (rms_norm(lay.input_layernorm, decode_layout),
                                     rms_norm(lay.post_attention_layernorm, decode_layout))
                 qkv = at.q_proj, at.k_proj, at.v_proj
-                r.qkv = stacked_linear(list(qkv), upcast=True) if decode_layout else None
+                r.qkv = (stacked_linear(list(qkv), upcast=True) if decode_layout
+                         else stacked_lora(list(qkv)) if scoring_on_cuda else None)
                 r.q, r.k, r.v = (None,) * 3 if r.qkv else (proj(m) for m in qkv)
                 r.o = proj(at.o_proj)
                 r.gate, r.up, r.down = (proj(m) for m in (mlp.gate_proj, mlp.up_proj,
                                                            mlp.down_proj))
                 r.act = F.silu if self.silu else mlp.act_fn
+                # act(gate) * up; on the CUDA layout silu's output is not kept for backward
+                r.mix = (silu_mul if self.silu and self.on_cuda_layout()
+                         else lambda g, u, act=r.act: act(g) * u)
             else:
                 at, mlp = lay.attn, lay.mlp
                 r.norm1, r.norm2 = layer_norm(lay.ln_1), layer_norm(lay.ln_2)
@@ -333,7 +342,7 @@ class FastLM:
             v = r.v(h).view(b, t, hk, d)
         x = x + r.o(self._attention(i, q, k, v, mask, kv, r.scale))
         h = r.norm2(x)
-        return x + r.down(r.act(r.gate(h)) * r.up(h))
+        return x + r.down(r.mix(r.gate(h), r.up(h)))
 
     def _gpt2_layer(self, i: int, r: Layer, x: Tensor, mask: Tensor | None,
                     kv: Any) -> Tensor:

@@ -218,6 +218,41 @@ def frozen_linear(w: Tensor, b: Tensor | None, rows: int) -> Fn | None:
     return lambda x: _FrozenLinear.apply(x, w, wp, bd, rows)  # w: its kept W.T copy
 
 
+def stacked_lora(mods: list[nn.Module]) -> Fn | None:
+    """Projections that read the same input (q, k, v) as one function for the training forward
+    on a GPU: their bases stacked into one matmul, and every adapter's A stacked into one matmul
+    on one cast of the input, which autograd then keeps once for backward instead of once per
+    projection; each B apart. peft's maths otherwise (each adapter's B(A(x)) * scaling in the
+    adapters' dtype, added to the base's output, the sum rounded to the base's dtype). Weights
+    keep their autograd (LoRA or full fine-tuning). None where ``lora_parts`` is None."""
+    parts = [lora_parts(m) for m in mods]
+    if any(p is None for p in parts):
+        return None
+    w = torch.cat([p[0] for p in parts])
+    b = (None if all(p[1] is None for p in parts) else torch.cat(
+        [p[1] if p[1] is not None else w.new_zeros(p[0].shape[0]) for p in parts]))
+    adapters = [(i, m.lora_A[n].weight, m.lora_B[n].weight, s)
+                for i, (m, p) in enumerate(zip(mods, parts)) for n, s in p[2]]
+    if not adapters:
+        return lambda x: F.linear(x, w, b)
+    a = torch.cat([t[1] for t in adapters])
+    ranks = [t[1].shape[0] for t in adapters]
+    widths = [p[0].shape[0] for p in parts]
+
+    def f(x: Tensor) -> Tensor:
+        out = F.linear(x, w, b)
+        z = F.linear(x.to(a.dtype), a).split(ranks, -1)
+        delta: list[Tensor | None] = [None] * len(mods)
+        for (i, _, bw, s), zi in zip(adapters, z):
+            term = F.linear(zi, bw) * s
+            delta[i] = term if delta[i] is None else delta[i] + term
+        full = [d if d is not None else z[0].new_zeros(*x.shape[:-1], n)
+                for d, n in zip(delta, widths)]
+        return (out + torch.cat(full, -1)).to(out.dtype)
+
+    return f
+
+
 def decode_proj(m: nn.Module, rows: int, fallback: Callable[[nn.Module], Fn],
                 upcast: bool = False) -> Fn:
     """The decode loop's function for projection ``m`` at ``rows`` rows a call (see module
@@ -236,4 +271,4 @@ def decode_proj(m: nn.Module, rows: int, fallback: Callable[[nn.Module], Fn],
 
 __all__ = ["PACK_MIN", "PACK_MIN_BF16", "can_pack", "cast_linear", "clear_packed",
            "decode_proj", "frozen_linear", "lora_parts", "lowrank_linear", "merged_weight",
-           "packed_linear", "packed_weight", "stacked_linear"]
+           "packed_linear", "packed_weight", "stacked_linear", "stacked_lora"]
