@@ -157,6 +157,14 @@ def unsupported(model: nn.Module) -> str | None:
 # ----------------------------------------------------------------------------- model
 
 
+def _repeated_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
+                        rep: int) -> Tensor:
+    """Masked attention over grouped keys with each key head repeated ``rep`` times, as SDPA's
+    fused CUDA kernels need them."""
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 class FastLM:
     """The lean forward of one HF model (plain or peft-wrapped); see the module docstring."""
 
@@ -320,8 +328,14 @@ class FastLM:
                 o = F.scaled_dot_product_attention(q.reshape(b, self.kv_heads, rep, -1), k, v,
                                                    attn_mask=mask, scale=scale)
                 return o.to(dt).reshape(b, t, self.heads * self.head_dim)
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            grouped = False
+            if torch.is_grad_enabled() and not self.checkpoint:
+                # for backward keep q, k and v as they are, not the repeated keys and the
+                # output: the attention is recomputed there
+                o = checkpoint(_repeated_attention, q, k, v, mask, scale, rep,
+                               use_reentrant=False)
+            else:
+                o = _repeated_attention(q, k, v, mask, scale, rep)
+            return o.to(dt).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         causal = mask is None and t > 1 and k.shape[2] == t
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            scale=scale, enable_gqa=grouped)
