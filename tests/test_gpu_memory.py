@@ -1,5 +1,6 @@
 """bench/gpu_memory.py: the replay of a torch.cuda allocation trace to its peak, by hand on the
-CPU, and on a GPU against torch's own peak."""
+CPU, and on a GPU against torch's own peak; bench/saved_tensors.py's count of what autograd
+keeps for backward."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from gpu_memory import owner, peak_owners, trace_step
+from saved_tensors import saved_by_owner
 
 TORCH = {"filename": "/v/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"}
 OURS = {"filename": "/w/main/grpolab/rollout/fastlm.py", "line": 372, "name": "_attention"}
@@ -62,3 +64,18 @@ def test_trace_step_agrees_with_torchs_peak() -> None:
     assert sum(mib for _, mib in got["owners"]) + got["rest_mib"] == pytest.approx(
         got["peak_mib"] - got["before_mib"])
     assert any("test_gpu_memory.py" in who for who, _ in got["owners"])
+
+
+def test_saved_by_owner_counts_each_storage_once_by_line() -> None:
+    w = torch.randn(8, 4, requires_grad=True)  # a weight: held anyway, not counted
+    x = torch.randn(16, 8, requires_grad=True)
+
+    def forward() -> None:
+        h = x @ w  # keeps x (512 B) and w
+        y = h.sin()  # keeps h (256 B)
+        (y * h).sum()  # keeps y (256 B) and h again (counted once)
+
+    by = saved_by_owner(forward, {w.untyped_storage().data_ptr()})
+    assert sum(by.values()) == 512 + 256 + 256
+    assert all(who.startswith("tests/test_gpu_memory.py:") for who in by)
+    assert sorted(by.values()) == [256, 256, 512]  # by line: h.sin(), y * h, x @ w
