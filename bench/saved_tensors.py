@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from gpu_memory import owner  # noqa: E402
+from gpu_memory import owner
 
 
 def saved_by_owner(fn: Any, resident: set[int] = frozenset()) -> Counter[str]:

@@ -332,7 +332,7 @@ class FastLM:
                 # for backward keep q, k and v as they are, not the repeated keys and the
                 # output: the attention is recomputed there
                 o = checkpoint(_repeated_attention, q, k, v, mask, scale, rep,
-                               use_reentrant=False)
+                               use_reentrant=False, preserve_rng_state=False)  # (no dropout)
             else:
                 o = _repeated_attention(q, k, v, mask, scale, rep)
             return o.to(dt).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
