@@ -53,9 +53,34 @@ def call(f: Callable[..., Tensor], *args: Any) -> Tensor:
     return f(*args)
 
 
-def rms_norm(m: nn.Module, fused: bool = False) -> Fn:
+class _KeptLowRMSNorm(torch.autograd.Function):
+    """HF's RMSNorm of a low-precision x (normalised in float32, rounded, times the weight) that
+    keeps x itself for backward, not its float32 copy (half the bytes); the gradients are the
+    same maths in float32 in another order."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        xf = x.to(torch.float32)
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, w, r)
+        return w * (xf * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, w, r = ctx.saved_tensors
+        xf = x.to(torch.float32)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = (g * (xf * r).to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
+        gy = (g * w).to(torch.float32)
+        gx = gy * r - xf * r.pow(3) * (gy * xf).mean(-1, keepdim=True)
+        return gx.to(x.dtype), gw, None
+
+
+def rms_norm(m: nn.Module, fused: bool = False, keep_low: bool = False) -> Fn:
     """Llama-style RMSNorm: weight * x / sqrt(mean(x^2) + eps), computed in float32 (``fused``:
-    low-precision x normalised by one float32 ``F.rms_norm``, not HF's five operations)."""
+    low-precision x normalised by one float32 ``F.rms_norm``, not HF's five operations;
+    ``keep_low``: with autograd, low-precision x kept as it is for backward)."""
     w, eps = m.weight, m.variance_epsilon
 
     def norm(x: Tensor) -> Tensor:
@@ -63,6 +88,8 @@ def rms_norm(m: nn.Module, fused: bool = False) -> Fn:
             return F.rms_norm(x, (x.shape[-1],), w, eps)
         if fused:
             return w * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps).to(x.dtype)
+        if keep_low and torch.is_grad_enabled():
+            return _KeptLowRMSNorm.apply(x, w, eps)
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return w * xf.to(x.dtype)

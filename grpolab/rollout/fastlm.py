@@ -273,8 +273,9 @@ class FastLM:
 
         Prepared once per scoring or sampling call (module lookups are slow in a decode loop).
         """
-        # the training forward on the CUDA layout: q, k and v one function (stacked_lora)
-        scoring_on_cuda = proj is None and self.pack and self.on_cuda_layout()
+        # the training forward on the CUDA layout: q, k and v one function (stacked_lora),
+        # RMSNorm keeping its low-precision input for backward
+        scoring_on_cuda = keep_low = proj is None and self.pack and self.on_cuda_layout()
         if proj is None:
             proj = frozen_proj if self.pack and self.score_pack else plain_proj
         layers = []
@@ -282,8 +283,9 @@ class FastLM:
             r = Layer()
             if self.arch == "llama":
                 at, mlp = lay.self_attn, lay.mlp
-                r.norm1, r.norm2 = (rms_norm(lay.input_layernorm, decode_layout),
-                                    rms_norm(lay.post_attention_layernorm, decode_layout))
+                r.norm1, r.norm2 = (rms_norm(lay.input_layernorm, decode_layout, keep_low),
+                                    rms_norm(lay.post_attention_layernorm, decode_layout,
+                                             keep_low))
                 qkv = at.q_proj, at.k_proj, at.v_proj
                 r.qkv = (stacked_linear(list(qkv), upcast=True) if decode_layout
                          else stacked_lora(list(qkv)) if scoring_on_cuda else None)
@@ -304,7 +306,7 @@ class FastLM:
             layers.append(r)
         head = identity if self.head_off else proj(self.lm_head)
         if self.arch == "llama":
-            return Weights(self.embed, layers, rms_norm(self.norm, decode_layout), head)
+            return Weights(self.embed, layers, rms_norm(self.norm, decode_layout, keep_low), head)
         return Weights(self.embed, layers, layer_norm(self.norm), head, self.wpe)
 
     def _attention(self, i: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
