@@ -275,7 +275,7 @@ class FastLM:
         """
         # the training forward on the CUDA layout: q, k and v one function (stacked_lora),
         # RMSNorm keeping its low-precision input for backward
-        scoring_on_cuda = keep_low = proj is None and self.pack and self.on_cuda_layout()
+        training_layout = proj is None and self.pack and self.on_cuda_layout()
         if proj is None:
             proj = frozen_proj if self.pack and self.score_pack else plain_proj
         layers = []
@@ -283,12 +283,12 @@ class FastLM:
             r = Layer()
             if self.arch == "llama":
                 at, mlp = lay.self_attn, lay.mlp
-                r.norm1, r.norm2 = (rms_norm(lay.input_layernorm, decode_layout, keep_low),
-                                    rms_norm(lay.post_attention_layernorm, decode_layout,
-                                             keep_low))
+                r.norm1, r.norm2 = (
+                    rms_norm(lay.input_layernorm, decode_layout, training_layout),
+                    rms_norm(lay.post_attention_layernorm, decode_layout, training_layout))
                 qkv = at.q_proj, at.k_proj, at.v_proj
                 r.qkv = (stacked_linear(list(qkv), upcast=True) if decode_layout
-                         else stacked_lora(list(qkv)) if scoring_on_cuda else None)
+                         else stacked_lora(list(qkv)) if training_layout else None)
                 r.q, r.k, r.v = (None,) * 3 if r.qkv else (proj(m) for m in qkv)
                 r.o = proj(at.o_proj)
                 r.gate, r.up, r.down = (proj(m) for m in (mlp.gate_proj, mlp.up_proj,
@@ -306,7 +306,8 @@ class FastLM:
             layers.append(r)
         head = identity if self.head_off else proj(self.lm_head)
         if self.arch == "llama":
-            return Weights(self.embed, layers, rms_norm(self.norm, decode_layout, keep_low), head)
+            norm = rms_norm(self.norm, decode_layout, training_layout)
+            return Weights(self.embed, layers, norm, head)
         return Weights(self.embed, layers, layer_norm(self.norm), head, self.wpe)
 
     def _attention(self, i: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,

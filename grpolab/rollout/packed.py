@@ -95,11 +95,17 @@ def stacked_linear(mods: list[nn.Module], upcast: bool = False) -> Fn | None:
     parts = [merged_weight(m, upcast) for m in mods]
     if any(p is None for p in parts):
         return None
+    return cast_linear(*_side_by_side(parts))
+
+
+def _side_by_side(parts: list[tuple]) -> tuple[Tensor, Tensor | None]:
+    """Weights [out_i, in] and their biases (each part: (weight, bias, ...); zeros for a
+    missing bias) stacked by rows, in the widest of their dtypes."""
     dtype = functools.reduce(torch.promote_types, [p[0].dtype for p in parts])
     w = torch.cat([p[0].to(dtype) for p in parts])
     b = (None if all(p[1] is None for p in parts) else torch.cat(
         [p[1].to(dtype) if p[1] is not None else w.new_zeros(p[0].shape[0]) for p in parts]))
-    return cast_linear(w, b)
+    return w, b
 
 
 def lowrank_linear(m: nn.Module, base: Fn) -> Fn | None:
@@ -228,9 +234,7 @@ def stacked_lora(mods: list[nn.Module]) -> Fn | None:
     parts = [lora_parts(m) for m in mods]
     if any(p is None for p in parts):
         return None
-    w = torch.cat([p[0] for p in parts])
-    b = (None if all(p[1] is None for p in parts) else torch.cat(
-        [p[1] if p[1] is not None else w.new_zeros(p[0].shape[0]) for p in parts]))
+    w, b = _side_by_side(parts)
     adapters = [(i, m.lora_A[n].weight, m.lora_B[n].weight, s)
                 for i, (m, p) in enumerate(zip(mods, parts)) for n, s in p[2]]
     if not adapters:
