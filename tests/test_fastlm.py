@@ -686,6 +686,29 @@ def test_silu_mul_keeps_two_tensors_and_autograds_gradients(dtype: torch.dtype) 
     assert n1 == 2 and n2 == 3  # g and u; autograd also keeps silu(g)
 
 
+def test_adapters_keep_their_bfloat16_input() -> None:
+    """The adapters' A on a bfloat16 input (``packed._adapters_in``): autograd's output and
+    gradients bit for bit, with the bfloat16 input kept for backward, not a float32 copy."""
+    from grpolab.rollout.packed import _adapters_in
+
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(3, 5, 48, generator=gen).bfloat16()
+    a0 = torch.randn(24, 48, generator=gen)
+    grad = torch.randn(3, 5, 24, generator=gen)
+    outs = []
+    for f in (_adapters_in, lambda x, a: F.linear(x.to(a.dtype), a)):
+        x, a = x0.clone().requires_grad_(), a0.clone().requires_grad_()
+        kept: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t, kept=kept: kept.append(t) or t, lambda t: t):
+            y = f(x, a)
+        y.backward(grad)
+        outs.append((y.detach(), x.grad, a.grad, {t.dtype for t in kept if t.numel() == x.numel()}))
+    (y1, gx1, ga1, k1), (y2, gx2, ga2, k2) = outs
+    assert torch.equal(y1, y2) and torch.equal(gx1, gx2) and torch.equal(ga1, ga2)
+    assert k1 == {torch.bfloat16} and k2 == {torch.float32}
+
+
 def test_rms_norm_keeping_its_bfloat16_input() -> None:
     """``rms_norm(keep_low=True)`` on bfloat16: HF's output bit for bit, HF's gradients up to
     float rounding, and for backward the bfloat16 input kept, no float32 copy of it."""

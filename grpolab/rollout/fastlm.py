@@ -290,7 +290,8 @@ class FastLM:
                 r.qkv = (stacked_linear(list(qkv), upcast=True) if decode_layout
                          else stacked_lora(list(qkv)) if training_layout else None)
                 r.q, r.k, r.v = (None,) * 3 if r.qkv else (proj(m) for m in qkv)
-                r.o = proj(at.o_proj)
+                r.o = (stacked_lora([at.o_proj]) if training_layout else None) or proj(
+                    at.o_proj)
                 r.gate, r.up, r.down = (proj(m) for m in (mlp.gate_proj, mlp.up_proj,
                                                            mlp.down_proj))
                 r.act = F.silu if self.silu else mlp.act_fn

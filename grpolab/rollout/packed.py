@@ -224,6 +224,32 @@ def frozen_linear(w: Tensor, b: Tensor | None, rows: int) -> Fn | None:
     return lambda x: _FrozenLinear.apply(x, w, wp, bd, rows)  # w: its kept W.T copy
 
 
+class _CastInputLinear(torch.autograd.Function):
+    """F.linear(x.to(a.dtype), a) keeping x in its own dtype for a's gradient (the cast is
+    redone in backward): autograd's gradients bit for bit, half the bytes kept for a bfloat16
+    x under float32 adapters."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, a: Tensor) -> Tensor:
+        ctx.save_for_backward(x, a)
+        return F.linear(x.to(a.dtype), a)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x, a = ctx.saved_tensors
+        gx = F.linear(g, a.t()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        ga = None
+        if ctx.needs_input_grad[1]:
+            ga = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(a.dtype)
+        return gx, ga
+
+
+def _adapters_in(x: Tensor, a: Tensor) -> Tensor:
+    if torch.is_grad_enabled() and x.dtype != a.dtype:
+        return _CastInputLinear.apply(x, a)
+    return F.linear(x.to(a.dtype), a)
+
+
 def stacked_lora(mods: list[nn.Module]) -> Fn | None:
     """Projections that read the same input (q, k, v) as one function for the training forward
     on a GPU: their bases stacked into one matmul, and every adapter's A stacked into one matmul
@@ -245,7 +271,7 @@ def stacked_lora(mods: list[nn.Module]) -> Fn | None:
 
     def f(x: Tensor) -> Tensor:
         out = F.linear(x, w, b)
-        z = F.linear(x.to(a.dtype), a).split(ranks, -1)
+        z = _adapters_in(x, a).split(ranks, -1)
         delta: list[Tensor | None] = [None] * len(mods)
         for (i, _, bw, s), zi in zip(adapters, z):
             term = F.linear(zi, bw) * s
