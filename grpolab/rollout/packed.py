@@ -101,6 +101,8 @@ def stacked_linear(mods: list[nn.Module], upcast: bool = False) -> Fn | None:
 def _side_by_side(parts: list[tuple]) -> tuple[Tensor, Tensor | None]:
     """Weights [out_i, in] and their biases (each part: (weight, bias, ...); zeros for a
     missing bias) stacked by rows, in the widest of their dtypes."""
+    if len(parts) == 1:  # (no copy)
+        return parts[0][0], parts[0][1]
     dtype = functools.reduce(torch.promote_types, [p[0].dtype for p in parts])
     w = torch.cat([p[0].to(dtype) for p in parts])
     b = (None if all(p[1] is None for p in parts) else torch.cat(
