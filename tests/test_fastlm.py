@@ -664,6 +664,18 @@ def test_cuda_layout_scores_as_peft_does(paths: dict[str, str], device: str, lor
                 torch.testing.assert_close(g_on[n], g[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+def backward_keeping(f: Any, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor
+                     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """``f`` on copies of ``inputs`` that require grad, backward from ``grad``: the output, each
+    input's gradient, and the tensors autograd kept for backward."""
+    xs = [t.clone().requires_grad_() for t in inputs]
+    kept: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y = f(*xs)
+    y.backward(grad)
+    return y.detach(), [x.grad for x in xs], kept
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_keeps_two_tensors_and_autograds_gradients(dtype: torch.dtype) -> None:
     """silu(g) * u with only g and u kept for backward: the output and both gradients are
@@ -672,18 +684,10 @@ def test_silu_mul_keeps_two_tensors_and_autograds_gradients(dtype: torch.dtype) 
 
     g0, u0, grad = (torch.randn(7, 48, generator=torch.Generator().manual_seed(i)).to(dtype)
                     for i in range(3))
-    outs = []
-    for f in (silu_mul, lambda g, u: F.silu(g) * u):
-        g, u = g0.clone().requires_grad_(), u0.clone().requires_grad_()
-        kept: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(
-                lambda t, kept=kept: kept.append(t) or t, lambda t: t):
-            y = f(g, u)
-        y.backward(grad)
-        outs.append((y.detach(), g.grad, u.grad, len(kept)))
-    (y1, dg1, du1, n1), (y2, dg2, du2, n2) = outs
+    (y1, (dg1, du1), k1), (y2, (dg2, du2), k2) = (
+        backward_keeping(f, (g0, u0), grad) for f in (silu_mul, lambda g, u: F.silu(g) * u))
     assert torch.equal(y1, y2) and torch.equal(dg1, dg2) and torch.equal(du1, du2)
-    assert n1 == 2 and n2 == 3  # g and u; autograd also keeps silu(g)
+    assert len(k1) == 2 and len(k2) == 3  # g and u; autograd also keeps silu(g)
 
 
 def test_adapters_keep_their_bfloat16_input() -> None:
@@ -695,18 +699,12 @@ def test_adapters_keep_their_bfloat16_input() -> None:
     x0 = torch.randn(3, 5, 48, generator=gen).bfloat16()
     a0 = torch.randn(24, 48, generator=gen)
     grad = torch.randn(3, 5, 24, generator=gen)
-    outs = []
-    for f in (_adapters_in, lambda x, a: F.linear(x.to(a.dtype), a)):
-        x, a = x0.clone().requires_grad_(), a0.clone().requires_grad_()
-        kept: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(
-                lambda t, kept=kept: kept.append(t) or t, lambda t: t):
-            y = f(x, a)
-        y.backward(grad)
-        outs.append((y.detach(), x.grad, a.grad, {t.dtype for t in kept if t.numel() == x.numel()}))
-    (y1, gx1, ga1, k1), (y2, gx2, ga2, k2) = outs
+    (y1, (gx1, ga1), k1), (y2, (gx2, ga2), k2) = (
+        backward_keeping(f, (x0, a0), grad)
+        for f in (_adapters_in, lambda x, a: F.linear(x.to(a.dtype), a)))
     assert torch.equal(y1, y2) and torch.equal(gx1, gx2) and torch.equal(ga1, ga2)
-    assert k1 == {torch.bfloat16} and k2 == {torch.float32}
+    as_big = [{t.dtype for t in k if t.numel() == x0.numel()} for k in (k1, k2)]
+    assert as_big == [{torch.bfloat16}, {torch.float32}]
 
 
 def test_rms_norm_keeping_its_bfloat16_input() -> None:
@@ -721,14 +719,9 @@ def test_rms_norm_keeping_its_bfloat16_input() -> None:
     grad = torch.randn(6, 5, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
     outs = []
     for keep in (True, False):
-        x = x0.clone().requires_grad_()
         norm_mod.weight.grad = None
-        kept: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(
-                lambda t, kept=kept: kept.append(t) or t, lambda t: t):
-            y = rms_norm(norm_mod, keep_low=keep)(x)
-        y.backward(grad)
-        outs.append((y.detach(), x.grad, norm_mod.weight.grad.clone(), kept))
+        y, (gx,), kept = backward_keeping(rms_norm(norm_mod, keep_low=keep), (x0,), grad)
+        outs.append((y, gx, norm_mod.weight.grad.clone(), kept))
     (y1, gx1, gw1, kept1), (y2, gx2, gw2, kept2) = outs
     assert torch.equal(y1, y2) and torch.equal(y2, norm_mod(x0))
     torch.testing.assert_close(gx1, gx2)  # bfloat16's tolerance
