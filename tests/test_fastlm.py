@@ -664,6 +664,44 @@ def test_cuda_layout_scores_as_peft_does(paths: dict[str, str], device: str, lor
                 torch.testing.assert_close(g_on[n], g[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+def test_cuda_layout_recomputes_the_mlp_in_backward(paths: dict[str, str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training on the CUDA layout keeps no MLP activation ([B, T, intermediate]) for backward:
+    norm, gate, up and their product run again there (the other layout keeps g, u and silu(g)
+    per layer). Log-probs and gradients: those of the same layout without the recomputation,
+    bit for bit (its comparison with HF and peft is the test above)."""
+    be = backend(paths, "gqa", lora=True)
+    inter, layers = be.model.config.intermediate_size, be.model.config.num_hidden_layers
+    ro = be.generate([p for p in PROMPTS for _ in range(3)], 1.0, 10,
+                     torch.Generator().manual_seed(4))
+    weights = {p.data_ptr() for p in be.model.parameters()}
+    kept: list[torch.Size] = []  # the shapes of what is kept but weights
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in weights:
+            kept.append(t.shape)
+        return t
+
+    def run(layout: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        be._fast.cuda_layout = layout
+        be.model.train()
+        be.model.zero_grad(set_to_none=True)
+        kept.clear()
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            lp = be.logprobs(ro, 0.8)
+        (lp * ro.completion_mask).sum().backward()
+        grads = {n: p.grad for n, p in be.model.named_parameters() if p.grad is not None}
+        return lp.detach(), grads, sum(len(s) == 3 and s[-1] == inter for s in kept)
+
+    (lp, g, mlp), (_, _, mlp_cpu) = run(True), run(False)
+    assert mlp == 0 and mlp_cpu == 3 * layers * 2  # two passes: shared prompts, completions
+    monkeypatch.setattr("grpolab.rollout.fastlm.recomputed", lambda f: f)
+    lp_kept, g_kept, mlp_kept = run(True)
+    assert mlp_kept == 2 * layers * 2  # g and u (blocks.silu_mul)
+    assert torch.equal(lp, lp_kept) and g.keys() == g_kept.keys() and g
+    assert all(torch.equal(g[n], g_kept[n]) for n in g)
+
+
 def backward_keeping(f: Any, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor
                      ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """``f`` on copies of ``inputs`` that require grad, backward from ``grad``: the output, each

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from grpolab.rollout.packed import frozen_linear, lora_parts, lowrank_linear
 
@@ -130,11 +131,29 @@ def silu_mul(g: Tensor, u: Tensor) -> Tensor:
     return _SiluMul.apply(g, u) if torch.is_grad_enabled() else F.silu(g) * u
 
 
+def recomputed(f: Fn) -> Fn:
+    """``f`` that, under autograd, keeps only its input for backward and runs again there
+    (``torch.utils.checkpoint``, non-reentrant): the tensors ``f`` would keep, for one more
+    forward of ``f`` in backward."""
+
+    def run(x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled():
+            return f(x)
+        return checkpoint(f, x, use_reentrant=False, preserve_rng_state=False)  # (no dropout)
+
+    return run
+
+
 class Layer:
     """One decoder layer's functions, resolved once per forward (no module lookups inside)."""
 
-    __slots__ = ("act", "down", "gate", "k", "mix", "norm1", "norm2", "o", "q", "qkv", "scale",
-                 "up", "v")
+    __slots__ = ("act", "down", "ffn", "gate", "k", "mix", "norm1", "norm2", "o", "q", "qkv",
+                 "scale", "up", "v")
+
+    def gated(self, x: Tensor) -> Tensor:
+        """The MLP up to its down projection: act(gate(h)) * up(h), h = norm2(x)."""
+        h = self.norm2(x)
+        return self.mix(self.gate(h), self.up(h))
 
 
 class Weights:

@@ -54,6 +54,7 @@ from grpolab.rollout.blocks import (
     identity,
     layer_norm,
     plain_proj,
+    recomputed,
     rms_norm,
     rope,
     silu_mul,
@@ -298,6 +299,11 @@ class FastLM:
                 # act(gate) * up; on the CUDA layout silu's output is not kept for backward
                 r.mix = (silu_mul if self.silu and self.on_cuda_layout()
                          else lambda g, u, act=r.act: act(g) * u)
+                # training on the CUDA layout keeps the MLP's input for backward, not its
+                # [tokens, 2 x intermediate] gate and up: recomputed there (a GPU's update is
+                # short beside its memory)
+                r.ffn = (recomputed(r.gated) if training_layout and not self.checkpoint
+                         else r.gated)
             else:
                 at, mlp = lay.attn, lay.mlp
                 r.norm1, r.norm2 = layer_norm(lay.ln_1), layer_norm(lay.ln_2)
@@ -359,8 +365,7 @@ class FastLM:
             k = rope(r.k(h).view(b, t, hk, d), cos, sin)
             v = r.v(h).view(b, t, hk, d)
         x = x + r.o(self._attention(i, q, k, v, mask, kv, r.scale))
-        h = r.norm2(x)
-        return x + r.down(r.mix(r.gate(h), r.up(h)))
+        return x + r.down(r.ffn(x))
 
     def _gpt2_layer(self, i: int, r: Layer, x: Tensor, mask: Tensor | None,
                     kv: Any) -> Tensor:
