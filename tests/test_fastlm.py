@@ -664,13 +664,16 @@ def test_cuda_layout_scores_as_peft_does(paths: dict[str, str], device: str, lor
                 torch.testing.assert_close(g_on[n], g[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_cuda_layout_recomputes_the_mlp_in_backward(paths: dict[str, str],
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_cuda_layout_recomputes_the_mlp_in_backward(paths: dict[str, str], dropout: float,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Training on the CUDA layout keeps no MLP activation ([B, T, intermediate]) for backward:
     norm, gate, up and their product run again there (the other layout keeps g, u and silu(g)
     per layer). Log-probs and gradients: those of the same layout without the recomputation,
-    bit for bit (its comparison with HF and peft is the test above)."""
-    be = backend(paths, "gqa", lora=True)
+    bit for bit (its comparison with HF and peft is the test above), also with LoRA dropout in
+    the MLP (the recomputation draws the forward's masks again)."""
+    targets = ["q_proj", "v_proj"] + (["up_proj"] if dropout else [])
+    be = backend(paths, "gqa", lora=True, lora_target_modules=targets, lora_dropout=dropout)
     inter, layers = be.model.config.intermediate_size, be.model.config.num_hidden_layers
     ro = be.generate([p for p in PROMPTS for _ in range(3)], 1.0, 10,
                      torch.Generator().manual_seed(4))
@@ -683,6 +686,7 @@ def test_cuda_layout_recomputes_the_mlp_in_backward(paths: dict[str, str],
         return t
 
     def run(layout: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        torch.manual_seed(0)  # the same dropout masks
         be._fast.cuda_layout = layout
         be.model.train()
         be.model.zero_grad(set_to_none=True)
@@ -695,7 +699,7 @@ def test_cuda_layout_recomputes_the_mlp_in_backward(paths: dict[str, str],
 
     (lp, g, mlp), (_, _, mlp_cpu) = run(True), run(False)
     assert mlp == 0 and mlp_cpu == 3 * layers * 2  # two passes: shared prompts, completions
-    monkeypatch.setattr("grpolab.rollout.fastlm.recomputed", lambda f: f)
+    monkeypatch.setattr("grpolab.rollout.fastlm.recomputed", lambda f, random: f)
     lp_kept, g_kept, mlp_kept = run(True)
     assert mlp_kept == 2 * layers * 2  # g and u (blocks.silu_mul)
     assert torch.equal(lp, lp_kept) and g.keys() == g_kept.keys() and g

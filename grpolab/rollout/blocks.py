@@ -131,17 +131,22 @@ def silu_mul(g: Tensor, u: Tensor) -> Tensor:
     return _SiluMul.apply(g, u) if torch.is_grad_enabled() else F.silu(g) * u
 
 
-def recomputed(f: Fn) -> Fn:
+def recomputed(f: Fn, random: bool = False) -> Fn:
     """``f`` that, under autograd, keeps only its input for backward and runs again there
     (``torch.utils.checkpoint``, non-reentrant): the tensors ``f`` would keep, for one more
-    forward of ``f`` in backward."""
+    forward of ``f`` in backward. ``random``: ``f`` draws random numbers (dropout), replayed in
+    backward from the saved generator state (which on CUDA costs a host sync a call)."""
 
     def run(x: Tensor) -> Tensor:
         if not torch.is_grad_enabled():
             return f(x)
-        return checkpoint(f, x, use_reentrant=False, preserve_rng_state=False)  # (no dropout)
+        return checkpoint(f, x, use_reentrant=False, preserve_rng_state=random)
 
     return run
+
+
+def has_dropout(m: nn.Module) -> bool:
+    return any(isinstance(d, nn.Dropout) and d.p > 0 for d in m.modules())
 
 
 class Layer:

@@ -51,6 +51,7 @@ from grpolab.rollout.blocks import (
     Weights,
     call,
     frozen_proj,
+    has_dropout,
     identity,
     layer_norm,
     plain_proj,
@@ -302,8 +303,8 @@ class FastLM:
                 # training on the CUDA layout keeps the MLP's input for backward, not its
                 # [tokens, 2 x intermediate] gate and up: recomputed there (a GPU's update is
                 # short beside its memory)
-                r.ffn = (recomputed(r.gated) if training_layout and not self.checkpoint
-                         else r.gated)
+                r.ffn = (recomputed(r.gated, has_dropout(mlp))
+                         if training_layout and not self.checkpoint else r.gated)
             else:
                 at, mlp = lay.attn, lay.mlp
                 r.norm1, r.norm2 = layer_norm(lay.ln_1), layer_norm(lay.ln_2)
