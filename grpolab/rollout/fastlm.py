@@ -301,8 +301,8 @@ class FastLM:
                 r.mix = (silu_mul if self.silu and self.on_cuda_layout()
                          else lambda g, u, act=r.act: act(g) * u)
                 # training on the CUDA layout keeps the MLP's input for backward, not its
-                # [tokens, 2 x intermediate] gate and up: recomputed there (a GPU's update is
-                # short beside its memory)
+                # [tokens, 2 x intermediate] gate and up: recomputed there (a GPU runs short
+                # of memory before it runs short of time in the update)
                 r.ffn = (recomputed(r.gated, has_dropout(mlp))
                          if training_layout and not self.checkpoint else r.gated)
             else:
