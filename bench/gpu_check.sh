@@ -68,7 +68,10 @@ transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pre
 transformers.AutoTokenizer.from_pretrained(src).save_pretrained(dst)
 transformers.GenerationConfig.from_pretrained(src).save_pretrained(dst)
 print(torch.__version__, transformers.__version__,
-      torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU",
+      "cuDNN", torch.backends.cudnn.version(), "SDPA cuDNN/flash/efficient enabled:",
+      torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+      torch.backends.cuda.mem_efficient_sdp_enabled())
 EOF
 cat "$out/model.log"
 if [[ $stages == *,tests,* ]]; then

@@ -364,6 +364,8 @@ def child_main(args: argparse.Namespace) -> int:
             "peak_rss_mib": peak, "rss_after_build_mib": rss_built,
             "build_s": t_built - t_load, "trainable": n_train, "threads": torch.get_num_threads(),
             "device": args.device,
+            # the allocator's own peak: allocated + cached, CUDA graphs' private pools included
+            "reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
             "prompt_len": statistics.mean(s.get("prompt", 0) for s in timed),
         }
         res["split"] = {k: sum(phases(args.child, s)[k] for s in timed)
@@ -608,6 +610,11 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
             lines.append(f"memory at the peak: {describe(name[who], traced[-1])}"
                          if "error" not in traced[-1] else
                          f"memory trace of {name[who]} failed: {traced[-1]['error']}")
+    if args.device == "cuda":
+        held = {who: max(r["reserved_mib"] for r in res[who]) for who in ("trl", "lab")}
+        lines.append(f"GPU memory reserved at the peak (allocated + the allocator's cache, "
+                     f"CUDA graph pools included): TRL {held['trl']:.0f} MiB, grpolab "
+                     f"{held['lab']:.0f} MiB ({held['lab'] / held['trl']:.2f}x TRL's)")
     lines.append(f"peak RSS after model load + trainer build (before any step): TRL "
                  f"{trl['built']:.0f} MiB, grpolab {lab['built']:.0f} MiB; trainable params: "
                  f"TRL {res['trl'][0]['trainable']}, grpolab {res['lab'][0]['trainable']}")

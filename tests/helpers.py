@@ -127,6 +127,18 @@ def metric_steps(out: Path) -> list[int]:
     return [r["step"] for r in read_metrics(out / "metrics.jsonl")]
 
 
+# ------------------------------------------------------------------- decoding --
+
+
+def same_answers(a: torch.Tensor, b: torch.Tensor, pad: int) -> bool:
+    """Completion ids [B, T] of two decoders, PAD after each answer's end, equal up to trailing
+    PAD: decoders stop at different points once every answer has ended (HF at once, the
+    fixed-shape loop at its next check), on any device."""
+    w = max(a.shape[1], b.shape[1])
+    a, b = (torch.nn.functional.pad(x.cpu(), (0, w - x.shape[1]), value=pad) for x in (a, b))
+    return torch.equal(a, b)
+
+
 # -------------------------------------------------------- loss equivalence checks --
 
 

@@ -137,3 +137,30 @@ def test_real_model_bench_ab_alternates_levers_in_one_process(tiny_chat_model: s
         assert len(re.findall(rf"round \d {lever}", out)) == 2
         m = re.search(rf"^\| {lever}: [^|]+\| 2 \| ([0-9.]+) \|", out, re.MULTILINE)
         assert m and float(m.group(1)) > 0, out
+
+
+def test_real_model_report_on_cuda_by_hand() -> None:
+    """The report of a CUDA run from made-up children: GPU memory in the table and as a ratio,
+    the allocator's reserved peak beside it, the generated tokens/s; numbers by hand."""
+    import argparse
+
+    sys.path.insert(0, str(BENCH.parent))
+    from vs_trl_real import print_report
+
+    def child(who: str, time_s: float, peak: float, reserved: float) -> dict:
+        return {"trainer": who, "round": 0, "steps": 2, "time": time_s, "cpu": time_s,
+                "tokens": 2 * 65536, "width": 256, "peak_rss_mib": peak,
+                "rss_after_build_mib": 300.0, "trainable": 921600, "load": (0.5, 0.5),
+                "reserved_mib": reserved, "split": {"gen": 0.5 * time_s, "ref": 0.1 * time_s,
+                                                    "pol": 0.2 * time_s}}
+
+    res = {"trl": [child("trl", 24.0, 50000.0, 52000.0)],
+           "lab": [child("lab", 4.0, 20000.0, 26000.0)]}
+    args = argparse.Namespace(device="cuda", threads=16, dtype="bfloat16")
+    out = print_report(args, res, None, {"cpu": "a GPU host", "nproc": 16})
+    lab = [c.strip() for c in next(ln for ln in out.splitlines()
+                                   if ln.startswith("| grpolab ")).split("|")[1:-1]]
+    assert "| peak GPU MiB |" in out
+    assert lab[1:3] == ["0.5000", "2.0"] and lab[8:10] == ["32768.0", "20000"]  # 131072 / 4 s
+    assert "6.00x steps/s" in out and "peak GPU 0.40x TRL's" in out
+    assert "TRL 52000 MiB, grpolab 26000 MiB (0.50x TRL's)" in out

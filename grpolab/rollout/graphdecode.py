@@ -24,6 +24,7 @@ whole (the tests check this on the CPU).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -146,11 +147,19 @@ def cuda_graph(step: Any) -> Any:
     arguments (the attention width) and replayed after: tensor inputs are copied into the
     graph's own tensors, the output is the graph's (read it before the next call). A first
     call runs the step twice on the same inputs (warm-up, then the replay; capture only
-    records), which is harmless: it writes the same keys at the same cache position."""
+    records), which is harmless: it writes the same keys at the same cache position.
+
+    The graphs share one memory pool: they replay one at a time and what outlives a replay
+    (inputs, output) stays referenced. Where a capture fails, the step runs uncaptured from
+    then on, with one warning naming the error (decoding slower, the same tokens)."""
     graphs: dict[tuple, tuple[Any, list[Tensor], Tensor]] = {}
+    pool: list[Any] = []
+    failed: list[str] = []
 
     def run(*args: Any) -> Tensor:
         key = tuple(a for a in args if not isinstance(a, Tensor))
+        if failed:
+            return step(*args)
         if key not in graphs:
             static = [a.clone() if isinstance(a, Tensor) else a for a in args]
             side = torch.cuda.Stream()
@@ -159,8 +168,15 @@ def cuda_graph(step: Any) -> Any:
                 step(*static)  # warm-up: kernels chosen, workspaces allocated
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = step(*static)
+            try:
+                with torch.cuda.graph(g, pool=pool[0] if pool else None):
+                    out = step(*static)
+            except RuntimeError as e:
+                failed.append(str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
+                warnings.warn(f"graph_decode: capturing the decode step failed ({failed[0]}); "
+                              "decoding without CUDA graphs", RuntimeWarning, stacklevel=2)
+                return step(*args)
+            pool[:] = [g.pool()]
             graphs[key] = (g, static, out)
         g, static, out = graphs[key]
         for dst, src in zip(static, args):
