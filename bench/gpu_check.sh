@@ -15,7 +15,7 @@
 #       every finished stage. DEVICE=cpu is the dry run on a CPU (8 x 16, float32).
 set -u
 cd "$(dirname "$0")/.."
-mode=${1:?usage: bench/gpu_check.sh kit [KIT] | run [KIT] [OUT] [DEVICE]}
+mode=${1:?usage: bench/gpu_check.sh kit [KIT] | run [KIT] [OUT] [DEVICE] [SECONDS] [STAGES]}
 kit=${2:-.gpu}
 
 if [ "$mode" = kit ]; then
