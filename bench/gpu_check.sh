@@ -9,8 +9,9 @@
 #       on the device (the device tool's `run`, carry [".gpu"], OUT=$OUT): installs the wheels
 #       under /tmp/site, builds the model, then the STAGES (default all, comma-separated):
 #       tests: the CUDA tests (tests-cuda.log); bench: bench/vs_trl_real.py at 256 x 256 and
-#       at 32 x 64 (bench-*.md, bench-*.log); ab: at 256 x 256 grpolab with graph_decode off
-#       (ab-*); micro: with micro_batch 64 (micro64-*). Each stage's time limit is cut to what
+#       at 32 x 64 (bench-*.md, bench-*.log); profile: bench/decode_profile.py at 256 x 256
+#       (profile-*.log); ab: grpolab with graph_decode off (ab-*); micro: with micro_batch 64
+#       (micro64-*). Each stage's time limit is cut to what
 #       is left of SECONDS (default 540), so a call within the device's 600 s limit brings back
 #       every finished stage. DEVICE=cpu is the dry run on a CPU (8 x 16, float32).
 set -u
@@ -37,7 +38,7 @@ fi
 out=${3:-gpu-out}
 device=${4:-cuda}
 end=$((SECONDS + ${5:-540}))
-stages=,${6:-tests,bench,ab,micro},
+stages=,${6:-tests,bench,profile,ab,micro},
 mkdir -p "$out"
 limit() {  # SECONDS: the stage's limit, cut to what is left (0: no time left)
     local left=$((end - SECONDS - 5))
@@ -97,6 +98,16 @@ big=${sizes##* } small=${sizes%% *}
 if [[ $stages == *,bench,* ]]; then  # the targets' size first
     bench "bench-$big" "$big" 300 --rounds 1
     [ "$small" != "$big" ] && bench "bench-$small" "$small" 300 --rounds 1
+fi
+if [[ $stages == *,profile,* ]]; then  # where a decode step's time goes, at the larger size
+    t=$(limit 120)
+    if [ "$t" = 0 ]; then echo "profile: skipped, out of time"; else
+        timeout "$t" python3 bench/decode_profile.py /tmp/gpu-model --device "$device" \
+            --dtype "$dtype" --rows "${big%x*}" --new "${big#*x}" --lora \
+            > "$out/profile-$big.log" 2>&1
+        echo "profile (limit ${t}s, exit $?):"
+        grep -E "^(sampling|one step)" "$out/profile-$big.log"
+    fi
 fi
 # at the larger size, grpolab alone: what the captured decode buys (one process, steps
 # alternating with graph_decode off), and the update in 64-row parts (its peak memory)

@@ -1,9 +1,10 @@
 """bench/gpu_memory.py: the replay of a torch.cuda allocation trace to its peak, by hand on the
 CPU, and on a GPU against torch's own peak; bench/saved_tensors.py's count of what autograd
-keeps for backward."""
+keeps for backward; bench/decode_profile.py's report, on the CPU and on a GPU."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from decode_profile import main as decode_profile
 from gpu_memory import owner, peak_owners, trace_step
 from saved_tensors import saved_by_owner
 
@@ -79,3 +81,24 @@ def test_saved_by_owner_counts_each_storage_once_by_line() -> None:
     assert sum(by.values()) == 512 + 256 + 256
     assert all(who.startswith("tests/test_gpu_memory.py:") for who in by)
     assert sorted(by.values()) == [256, 256, 512]  # by line: h.sin(), y * h, x @ w
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_decode_profile_reports_the_step(tmp_path, capsys: pytest.CaptureFixture,
+                                         device: str) -> None:
+    """The decode profile on a tiny model: tokens/s is rows x new tokens over the sampling
+    time, a step's kernels (CUDA, with the replayed step) or operators (CPU) counted."""
+    from grpolab.rollout.tinyhf import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", hidden=32, heads=4, kv_heads=2)
+    assert decode_profile([path, "--device", device, "--dtype", "float32", "--rows", "12",
+                           "--new", "10", "--lora", "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "12 rows x 10 tokens" in out
+    secs, rate = re.search(r"sampling: ([0-9.]+) s, ([0-9,]+) tokens/s", out).groups()
+    assert abs(float(rate.replace(",", "")) - 120 / float(secs)) <= 0.01 * 120 / float(secs) + 1
+    unit = "kernels" if device == "cuda" else "operators"
+    n = int(re.search(rf"; ([0-9]+) {unit} a step", out).group(1))
+    assert n > 20  # two layers' projections, norms and attention at least
+    assert ("replayed" in out) == (device == "cuda")
