@@ -11,7 +11,8 @@
 #       tests: the CUDA tests (tests-cuda.log); bench: bench/vs_trl_real.py at 256 x 256 and
 #       at 32 x 64 (bench-*.md, bench-*.log); profile: bench/decode_profile.py at 256 x 256
 #       (profile-*.log); ab: grpolab with graph_decode off (ab-*); micro: with micro_batch 64
-#       (micro64-*). Each stage's time limit is cut to what
+#       (micro64-*); big (only when named): a random-init model of Qwen2-1.5B's shape
+#       (SmolLM2's vocabulary), benched at 64 x 128 (bench-big-*). Each stage's time limit is cut to what
 #       is left of SECONDS (default 540), so a call within the device's 600 s limit brings back
 #       every finished stage. DEVICE=cpu is the dry run on a CPU (8 x 16, float32).
 set -u
@@ -56,24 +57,30 @@ else
     sizes="8x16"
     dtype=float32
 fi
-python3 - "$kit/model" /tmp/gpu-model > "$out/model.log" 2>&1 <<'EOF'
+build() {  # DST [CONFIG_OVERRIDES_JSON]: a random-init model of SmolLM2's config (overridden)
+    python3 - "$kit/model" "$1" "${2:-{\}}" <<'EOF'
+import json
 import sys
 
 import torch
 import transformers
 
-src, dst = sys.argv[1:3]
-cfg = transformers.AutoConfig.from_pretrained(src)
+src, dst, over = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+cfg = transformers.AutoConfig.from_pretrained(src, **over)
 torch.manual_seed(0)
-transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(dst)
+model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+model.save_pretrained(dst)
 transformers.AutoTokenizer.from_pretrained(src).save_pretrained(dst)
 transformers.GenerationConfig.from_pretrained(src).save_pretrained(dst)
-print(torch.__version__, transformers.__version__,
+print(dst, f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters,",
+      torch.__version__, transformers.__version__,
       torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU",
       "cuDNN", torch.backends.cudnn.version(), "SDPA cuDNN/flash/efficient enabled:",
       torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
       torch.backends.cuda.mem_efficient_sdp_enabled())
 EOF
+}
+build /tmp/gpu-model > "$out/model.log" 2>&1
 cat "$out/model.log"
 if [[ $stages == *,tests,* ]]; then
     t=$(limit 240)
@@ -88,7 +95,8 @@ bench() {  # NAME SIZE SECONDS ARGS...: one bench run at SIZE (rows x new tokens
     t=$(limit "$3")
     shift 3
     if [ "$t" = 0 ]; then echo "$name: skipped, out of time"; return; fi
-    timeout "$t" python3 bench/vs_trl_real.py --model /tmp/gpu-model --device "$device" \
+    timeout "$t" python3 bench/vs_trl_real.py --model "${model:-/tmp/gpu-model}" \
+        --device "$device" \
         --dtype "$dtype" --fixed-length --batch "${size%x*}" --max-new-tokens "${size#*x}" \
         --steps 2 --warmup 1 --out "$out/$name.md" "$@" > "$out/$name.log" 2>&1
     echo "$name (limit ${t}s, exit $?):"
@@ -113,4 +121,16 @@ fi
 # alternating with graph_decode off), and the update in 64-row parts (its peak memory)
 [[ $stages == *,ab,* ]] && bench "ab-no-graph-$big" "$big" 200 --ab no-graph --rounds 2
 [[ $stages == *,micro,* ]] && bench "micro64-$big" "$big" 150 --levers micro64 --rounds 1
+if [[ $stages == *,big,* ]]; then  # only when named: a 1.5B model of Qwen2-1.5B's shape
+    t=$(limit 90)
+    if [ "$t" = 0 ]; then echo "big: skipped, out of time"; else
+        over='{"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+               "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128}'
+        timeout "$t" bash -c "$(declare -f build); kit=$kit; build /tmp/gpu-model-big '$over'" \
+            > "$out/model-big.log" 2>&1
+        tail -n 1 "$out/model-big.log"
+        [ "$device" = cpu ] && size=8x8 || size=64x128
+        model=/tmp/gpu-model-big bench "bench-big-$size" "$size" 300 --rounds 1
+    fi
+fi
 exit 0
