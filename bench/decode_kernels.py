@@ -39,6 +39,17 @@ class Kernels(TorchDispatchMode):
         return out
 
 
+def bench_backend(model: str, device: str, dtype: str, lora: bool) -> Any:
+    """The GPU benches' policy: ``HFBackend`` on ``model`` without a reference, with LoRA r=8
+    on q/k/v/o as bench/vs_trl_real.py trains it when ``lora``."""
+    from grpolab.rollout.hf import HFBackend
+    from grpolab.rollout.models import load_model
+
+    kw = {"lora": True, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    return HFBackend(*load_model(model, device=device, dtype=dtype), reference=False,
+                     **(kw if lora else {}))
+
+
 def per_step(be: Any, ids: torch.Tensor, mask: torch.Tensor, steps: int = 4) -> float:
     """Operations per ``GraphDecoder.step`` (greedy tokens fed back), averaged over ``steps``."""
     from grpolab.rollout.batch import shared_prompts
@@ -60,12 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--lora", action="store_true", help="LoRA r=8 on q/k/v/o, as the bench")
     a = p.parse_args(argv)
-    from grpolab.rollout.hf import HFBackend
-    from grpolab.rollout.models import load_model
-
-    kw = {"lora": True, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
-    be = HFBackend(*load_model(a.model, device="cpu", dtype=a.dtype), reference=False,
-                   **(kw if a.lora else {}))
+    be = bench_backend(a.model, "cpu", a.dtype, a.lora)
     ids, mask = be.encode_prompts([f"What is {i} + {2 * i + 7}?" for i in range(a.rows)])
     got = {}
     for layout in (False, True):

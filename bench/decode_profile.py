@@ -22,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from decode_kernels import bench_backend
+
 
 def timed(fn: Any, cuda: bool) -> tuple[Any, float]:
     if cuda:
@@ -66,13 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from grpolab.rollout.batch import shared_prompts
     from grpolab.rollout.graphdecode import GraphDecoder, cuda_graph, make_step
-    from grpolab.rollout.hf import HFBackend
-    from grpolab.rollout.models import load_model
 
     cuda = a.device == "cuda"
-    kw = {"lora": True, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
-    be = HFBackend(*load_model(a.model, device=a.device, dtype=a.dtype), reference=False,
-                   **(kw if a.lora else {}))
+    be = bench_backend(a.model, a.device, a.dtype, a.lora)
     be.eos_ids = [-1]  # every answer runs to --new tokens
     prompts = [f"Question {i}: what is {i} + {2 * i + 7}? Think step by step, then answer."
                for i in range(-(-a.rows // 8)) for _ in range(8)][: a.rows]

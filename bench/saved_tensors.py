@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from decode_kernels import bench_backend
 from gpu_memory import owner
 
 
@@ -58,11 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", default="both", choices=["cpu", "cuda", "both"])
     p.add_argument("--top", type=int, default=12)
     a = p.parse_args(argv)
-    from grpolab.rollout.hf import HFBackend
-    from grpolab.rollout.models import load_model
-
-    be = HFBackend(*load_model(a.model, device="cpu", dtype=a.dtype), reference=False,
-                   lora=True, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    be = bench_backend(a.model, "cpu", a.dtype, lora=True)
     be.eos_ids = [-1]  # every answer runs to --tokens
     prompts = [f"What is {i} + {3 * i + 11}?" for i in range(a.rows // 8) for _ in range(8)]
     ro = be.generate(prompts, 1.0, a.tokens, torch.Generator().manual_seed(0))
