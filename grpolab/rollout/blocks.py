@@ -131,16 +131,16 @@ def silu_mul(g: Tensor, u: Tensor) -> Tensor:
     return _SiluMul.apply(g, u) if torch.is_grad_enabled() else F.silu(g) * u
 
 
-def recomputed(f: Fn, random: bool = False) -> Fn:
-    """``f`` that, under autograd, keeps only its input for backward and runs again there
+def recomputed(f: Callable[..., Tensor], random: bool = False) -> Callable[..., Tensor]:
+    """``f`` that, under autograd, keeps only its inputs for backward and runs again there
     (``torch.utils.checkpoint``, non-reentrant): the tensors ``f`` would keep, for one more
     forward of ``f`` in backward. ``random``: ``f`` draws random numbers (dropout), replayed in
     backward from the saved generator state (which on CUDA costs a host sync a call)."""
 
-    def run(x: Tensor) -> Tensor:
+    def run(*args: Any) -> Tensor:
         if not torch.is_grad_enabled():
-            return f(x)
-        return checkpoint(f, x, use_reentrant=False, preserve_rng_state=random)
+            return f(*args)
+        return checkpoint(f, *args, use_reentrant=False, preserve_rng_state=random)
 
     return run
 

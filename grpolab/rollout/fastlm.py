@@ -167,6 +167,9 @@ def _repeated_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: fl
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+_recomputed_attention = recomputed(_repeated_attention)
+
+
 class FastLM:
     """The lean forward of one HF model (plain or peft-wrapped); see the module docstring."""
 
@@ -339,13 +342,10 @@ class FastLM:
                 o = F.scaled_dot_product_attention(q.reshape(b, self.kv_heads, rep, -1), k, v,
                                                    attn_mask=mask, scale=scale)
                 return o.to(dt).reshape(b, t, self.heads * self.head_dim)
-            if torch.is_grad_enabled() and not self.checkpoint:
-                # for backward keep q, k and v as they are, not the repeated keys and the
-                # output: the attention is recomputed there
-                o = checkpoint(_repeated_attention, q, k, v, mask, scale, rep,
-                               use_reentrant=False, preserve_rng_state=False)  # (no dropout)
-            else:
-                o = _repeated_attention(q, k, v, mask, scale, rep)
+            # for backward keep q, k and v as they are, not the repeated keys and the
+            # output: the attention (no dropout) is recomputed there
+            attend = _repeated_attention if self.checkpoint else _recomputed_attention
+            o = attend(q, k, v, mask, scale, rep)
             return o.to(dt).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         causal = mask is None and t > 1 and k.shape[2] == t
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,

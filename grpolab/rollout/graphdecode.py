@@ -153,13 +153,12 @@ def cuda_graph(step: Any) -> Any:
     (inputs, output) stays referenced. Where a capture fails, the step runs uncaptured from
     then on, with one warning naming the error (decoding slower, the same tokens)."""
     graphs: dict[tuple, tuple[Any, list[Tensor], Tensor]] = {}
-    pool: list[Any] = []
     failed: list[str] = []
 
     def run(*args: Any) -> Tensor:
-        key = tuple(a for a in args if not isinstance(a, Tensor))
         if failed:
             return step(*args)
+        key = tuple(a for a in args if not isinstance(a, Tensor))
         if key not in graphs:
             static = [a.clone() if isinstance(a, Tensor) else a for a in args]
             side = torch.cuda.Stream()
@@ -168,15 +167,15 @@ def cuda_graph(step: Any) -> Any:
                 step(*static)  # warm-up: kernels chosen, workspaces allocated
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
+            pool = next(iter(graphs.values()))[0].pool() if graphs else None
             try:
-                with torch.cuda.graph(g, pool=pool[0] if pool else None):
+                with torch.cuda.graph(g, pool=pool):
                     out = step(*static)
             except RuntimeError as e:
                 failed.append(str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
                 warnings.warn(f"graph_decode: capturing the decode step failed ({failed[0]}); "
                               "decoding without CUDA graphs", RuntimeWarning, stacklevel=2)
                 return step(*args)
-            pool[:] = [g.pool()]
             graphs[key] = (g, static, out)
         g, static, out = graphs[key]
         for dst, src in zip(static, args):
