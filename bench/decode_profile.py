@@ -79,11 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"{a.model}: {a.rows} rows x {a.new} tokens, prompts of {ids.shape[1]}, {a.dtype}, "
              f"{'LoRA r=8 q/k/v/o' if a.lora else 'no LoRA'}, {a.device}"
              + (f" ({torch.cuda.get_device_name()})" if cuda else "")]
-    # the sampling call as training makes it (prefill, captures on CUDA, the loop)
+    # the sampling call as training makes it: the first builds the decoder (and on CUDA
+    # captures its graphs), the second (same shape) prefills into it and replays
     first = timed(lambda: be._sample(ids, mask, 1.0, a.new, seed=0), cuda)[1]
     out, again = timed(lambda: be._sample(ids, mask, 1.0, a.new, seed=1), cuda)
     lines.append(f"sampling: {again:.4g} s, {out.numel() / again:,.0f} tokens/s (first call "
-                 f"{first:.3f} s){'' if cuda and be.speed.graph_decode else ', uncaptured'}")
+                 f"{first:.3f} s; graph decoders built in the two: {be._graphs.builds})"
+                 f"{'' if cuda and be.speed.graph_decode else ', uncaptured'}")
     # one step at the widest attention, replayed (CUDA) and eager, and its kernels
     with torch.inference_mode():
         dec = GraphDecoder(be._fast, ids, mask, a.new, shared_prompts(ids, mask))

@@ -269,9 +269,10 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
         gradient_checkpointing=args.variant == "ckpt",
     ))
     if args.variant == "no-share":
+        import grpolab.rollout.graphdecode as gd
         import grpolab.rollout.hf as hb
 
-        hb.shared_prompts = lambda ids, mask: None  # sampling: one prefill per row
+        hb.shared_prompts = gd.shared_prompts = lambda ids, mask: None  # one prefill per row
         hb.HFBackend.share_prompts = property(lambda self: False)  # scoring: one pass per row
     model, tok = load_model(model_dir, device=args.device, dtype=lab_dtype(args))
     backend = make_backend(cfg, model, tok)
@@ -286,7 +287,9 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
 
     def counted(prompts: Any, temperature: float, max_new_tokens: int, generator: Any = None
                 ) -> Any:
+        built = backend._graphs.builds
         ro = gen(prompts, temperature, max_new_tokens, generator)
+        split.add("graph_builds", backend._graphs.builds - built)  # CUDA: captures this call
         tokens.append((int(ro.completion_mask.sum()), int(ro.completion_ids.shape[1]),
                        int(ro.prompt_ids.shape[1])))
         split.add("tokens", tokens[-1][0])
@@ -367,6 +370,7 @@ def child_main(args: argparse.Namespace) -> int:
             # the allocator's own peak: allocated + cached, CUDA graphs' private pools included
             "reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
             "prompt_len": statistics.mean(s.get("prompt", 0) for s in timed),
+            "graph_builds": sum(s.get("graph_builds", 0) for s in timed),
         }
         res["split"] = {k: sum(phases(args.child, s)[k] for s in timed)
                         for k in ("gen", "ref", "pol")}
@@ -615,6 +619,9 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
         lines.append(f"GPU memory reserved at the peak (allocated + the allocator's cache, "
                      f"CUDA graph pools included): TRL {held['trl']:.0f} MiB, grpolab "
                      f"{held['lab']:.0f} MiB ({held['lab'] / held['trl']:.2f}x TRL's)")
+        lines.append("graph decoders built (each capturing its graphs) in grpolab's timed "
+                     f"steps: {sum(r.get('graph_builds', 0) for r in res['lab'])} in "
+                     f"{sum(r['steps'] for r in res['lab'])} steps (else the kept one replayed)")
     lines.append(f"peak RSS after model load + trainer build (before any step): TRL "
                  f"{trl['built']:.0f} MiB, grpolab {lab['built']:.0f} MiB; trainable params: "
                  f"TRL {res['trl'][0]['trainable']}, grpolab {res['lab'][0]['trainable']}")

@@ -141,7 +141,8 @@ def test_real_model_bench_ab_alternates_levers_in_one_process(tiny_chat_model: s
 
 def test_real_model_report_on_cuda_by_hand() -> None:
     """The report of a CUDA run from made-up children: GPU memory in the table and as a ratio,
-    the allocator's reserved peak beside it, the generated tokens/s; numbers by hand."""
+    the allocator's reserved peak beside it, the generated tokens/s, how often graphs were
+    captured; numbers by hand."""
     import argparse
 
     sys.path.insert(0, str(BENCH.parent))
@@ -155,7 +156,7 @@ def test_real_model_report_on_cuda_by_hand() -> None:
                                                     "pol": 0.2 * time_s}}
 
     res = {"trl": [child("trl", 24.0, 50000.0, 52000.0)],
-           "lab": [child("lab", 4.0, 20000.0, 26000.0)]}
+           "lab": [child("lab", 4.0, 20000.0, 26000.0) | {"graph_builds": 1}]}
     args = argparse.Namespace(device="cuda", threads=16, dtype="bfloat16")
     out = print_report(args, res, None, {"cpu": "a GPU host", "nproc": 16})
     lab = [c.strip() for c in next(ln for ln in out.splitlines()
@@ -164,3 +165,4 @@ def test_real_model_report_on_cuda_by_hand() -> None:
     assert lab[1:3] == ["0.5000", "2.0"] and lab[8:10] == ["32768.0", "20000"]  # 131072 / 4 s
     assert "6.00x steps/s" in out and "peak GPU 0.40x TRL's" in out
     assert "TRL 52000 MiB, grpolab 26000 MiB (0.50x TRL's)" in out
+    assert "capturing its graphs) in grpolab's timed steps: 1 in 2 steps" in out

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 from helpers import same_answers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from grpolab.rollout.batch import shared_prompts
 from grpolab.rollout.graphdecode import GraphDecoder, draw, graph_decode, make_step
@@ -166,6 +168,38 @@ def test_cuda_graph_decoding_equals_hf_generate(tmp_path, name: str) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kept_cuda_graphs_follow_new_prompts_and_weights(tmp_path) -> None:
+    """On a GPU the backend keeps its graphs between sampling calls: after an in-place update
+    of the adapters, other prompts of the same padded shape replay the kept graphs and decode
+    greedily what the plain loop decodes, and sample what graphs captured afresh sample."""
+    from grpolab.config import Speed
+    from grpolab.rollout.graphdecode import GraphSampler
+
+    path = make_tiny_model(tmp_path / "gqa", hidden=32, heads=4, **TINY["gqa"])
+    be = HFBackend(*load_model(path, device="cuda"), lora=True, reference=False)
+    batches = [be.encode_prompts([p for p in PROMPTS for _ in range(3)]),
+               be.encode_prompts([p for p in reversed(PROMPTS) for _ in range(3)])]
+    got, dec = [], None
+    for i, (ids, mask) in enumerate(batches):
+        with torch.no_grad():
+            for n, p in be.model.named_parameters():
+                if "lora_B" in n:
+                    p.add_(torch.randn_like(p), alpha=0.1 * (i + 1))
+        got.append(be._sample(ids, mask, 0.0, 12, seed=0))
+        assert dec is None or be._graphs.kept[1] is dec, "the second call replays the first's"
+        dec = be._graphs.kept[1]
+    be.speed = Speed(graph_decode=False)
+    assert same_answers(got[1], be._sample(*batches[1], 0.0, 12, seed=0), be.pad_id)
+    with torch.inference_mode():
+        ids, mask = (t.cuda() for t in batches[0])
+        drawn = [s.sample(be._fast, ids, mask, 12, 1.0, be.eos_ids, be.pad_id,
+                          torch.Generator(device="cuda").manual_seed(3))
+                 for s in (be._graphs, GraphSampler())]
+    assert be._graphs.kept[1] is not dec  # temperature 1: graphs of their own
+    assert torch.equal(drawn[0], drawn[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("shape", "dtype"), [
     ({"hidden": 32, "heads": 4}, "float32"),
     # SmolLM2's head size and grouping in bfloat16: the kernels its decode runs on a GPU
@@ -286,3 +320,149 @@ def test_capture_shares_one_pool_and_falls_back_uncaptured(monkeypatch: pytest.M
         assert torch.equal(run(x, 5), x * 5)
     assert torch.equal(run(x + 1, 2), (x + 1) * 2)  # eager now: the new input counts
     assert len(pools) == 3
+
+
+class Reads(TorchDispatchMode):
+    """The storages a function's operations read that it did not make itself: what a CUDA
+    graph captured from it reads again, at the same addresses, on every replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: set[int] = set()
+        self.read: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        for t in tree_leaves((args, kwargs or {})):
+            if isinstance(t, torch.Tensor) and t.numel():
+                p = t.untyped_storage().data_ptr()
+                if p not in self.made:
+                    self.read.add(p)
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel():
+                p = t.untyped_storage().data_ptr()
+                if p not in self.read:
+                    self.made.add(p)
+        return out
+
+
+def replay_checked(log: list[str]) -> Any:
+    """A stand-in for ``cuda_graph`` on the CPU: inputs copied into the first call's tensors
+    (as a graph's static inputs), the step run on them, and each later run's reads checked to
+    be the first run's storages: a replay reads nothing else."""
+
+    def capture(step: Any) -> Any:
+        first: dict[tuple, tuple[list, set[int] | None]] = {}
+
+        def run(*args: Any) -> torch.Tensor:
+            key = tuple(a for a in args if not isinstance(a, torch.Tensor))
+            if key not in first:
+                first[key] = ([a.clone() if isinstance(a, torch.Tensor) else a
+                               for a in args], None)
+            static, reads = first[key]
+            for dst, src in zip(static, args, strict=True):
+                if isinstance(src, torch.Tensor):
+                    dst.copy_(src)
+            with Reads() as r:
+                out = step(*static)
+            if reads is None:
+                first[key] = (static, r.read)
+                log.append("captured")
+            else:
+                log.append("replayed" if r.read == reads else
+                           f"read {len(r.read - reads)} other storages")
+            return out
+
+        return run
+
+    return capture
+
+
+def test_kept_graphs_read_new_prompts_and_weights_where_they_were(tmp_path) -> None:
+    """GraphSampler keeps its decoder and graphs between calls. On the GPU's layout, with LoRA
+    adapters (merged into float32 copies for decoding), a second call with other prompts of
+    the same padded shape, after an optimiser-like in-place update, reuses the decoder; its
+    replayed steps read only the storages captured in the first call, and it draws what a
+    decoder built afresh draws. A parameter moved elsewhere, or another length, builds anew."""
+    from grpolab.rollout.graphdecode import PROMPT_BUCKET, GraphSampler
+
+    path = make_tiny_model(tmp_path / "gqa", hidden=32, heads=4, **TINY["gqa"])
+    be = HFBackend(*load_model(path, device="cpu", dtype="bfloat16"), lora=True,
+                   reference=False)
+    lm = be._fast
+    lm.cuda_layout = True  # the decode weights a GPU builds: merged, upcast, q/k/v stacked
+    log: list[str] = []
+    kept = GraphSampler(replay_checked(log), bucket=4)
+
+    def update() -> None:  # as an optimiser step: in place
+        with torch.no_grad():
+            for n, p in be.model.named_parameters():
+                if "lora_B" in n:
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))),
+                           alpha=0.05)
+
+    def sample(sampler: GraphSampler, prompts: list[str], max_new: int = 13) -> torch.Tensor:
+        ids, mask = be.encode_prompts(prompts)
+        with torch.inference_mode():
+            return sampler.sample(lm, ids, mask, max_new, 1.0, [-1], be.pad_id,
+                                  torch.Generator().manual_seed(5))
+
+    def afresh(prompts: list[str], max_new: int = 13) -> torch.Tensor:
+        return sample(GraphSampler(lambda step: step, bucket=4), prompts, max_new)
+
+    first = [p for p in PROMPTS for _ in range(3)]
+    other = [p for p in reversed(PROMPTS) for _ in range(2)] + ["What is 9 - 4?"] * 4
+    assert be.encode_prompts(first)[0].shape[1] < PROMPT_BUCKET  # both pad to one shape
+    update()
+    got = sample(kept, first)
+    dec = kept.kept[1]
+    assert torch.equal(got, afresh(first)) and log.count("captured") == 3  # widths 4, 8, 12
+    log.clear()
+    update()
+    got = sample(kept, other)
+    assert kept.kept[1] is dec, "the same shape reuses the decoder"
+    assert log and set(log) == {"replayed"}, log
+    want = afresh(other)
+    assert torch.equal(got, want)
+    with torch.no_grad():  # the same weights are another draw: the update above was read
+        for n, p in be.model.named_parameters():
+            if "lora_B" in n:
+                p.zero_()
+    assert not torch.equal(afresh(other), want)
+    assert torch.equal(sample(kept, other), afresh(other))
+    p = next(p for n, p in be.model.named_parameters() if "lora_A" in n)
+    p.data = p.data.clone()  # moved: a replay would read the old place
+    log.clear()
+    assert torch.equal(sample(kept, first), afresh(first)) and kept.kept[1] is not dec
+    assert "captured" in log
+    dec = kept.kept[1]
+    sample(kept, first, max_new=5)
+    assert kept.kept[1] is not dec
+
+
+def test_refill_pairs_held_tensors_and_never_writes_a_parameter() -> None:
+    """``refill`` copies tensors closures hold (as ``Weights``' functions do) pair by pair, and
+    refuses, writing nothing, where shapes differ or the tensor written over is a parameter."""
+    from grpolab.rollout.blocks import Weights
+    from grpolab.rollout.graphdecode import held_tensors, refill
+
+    lin = torch.nn.Linear(3, 2)
+
+    def build(scale: float) -> Weights:
+        merged = lin.weight.detach() * scale
+        return Weights(lambda x: x @ merged.T, [], lambda x, w=lin.weight: x * w.sum(), None)
+
+    old, new = build(1.0), build(2.0)
+    assert [t.shape for t in held_tensors(old)] == [(2, 3), (2, 3)]
+    assert held_tensors(old)[1] is lin.weight  # a parameter, read where it is
+    keep = {lin.weight.untyped_storage().data_ptr()}
+    merged = held_tensors(old)[0]
+    assert refill(old, new, keep) and torch.equal(merged, lin.weight.detach() * 2)
+    assert held_tensors(old)[0] is merged  # written over in place
+    w0 = lin.weight.detach().clone()
+    assert not refill(old, Weights(lambda x: x, [], lambda x, w=lin.weight * 3: x, None), keep)
+    assert torch.equal(lin.weight, w0)
+    odd = torch.ones(3, 2)  # another shape in the merged copy's place
+    assert not refill(old, Weights(lambda x: x @ odd, [], new.norm, None), keep)
+    assert torch.equal(merged, lin.weight.detach() * 2)

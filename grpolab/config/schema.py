@@ -80,7 +80,9 @@ class Speed:
     early_exit: bool = True  # finished answers leave the decode batch
     length_buckets: bool = True  # answers of unequal length scored in length buckets
     head_grad_in_forward: bool = True  # a frozen LM head's input gradient made in forward
-    graph_decode: bool = True  # CUDA: decoding at a fixed shape, each step a replayed CUDA graph
+    # CUDA: decoding at a fixed shape, each step a replayed CUDA graph; the decoder and its
+    # graphs kept between sampling calls of one padded shape (its cache stays allocated)
+    graph_decode: bool = True
 
 
 @dataclass

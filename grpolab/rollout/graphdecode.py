@@ -15,7 +15,9 @@ every token, which on a GPU leaves the step's time to kernel launches and syncs.
 * each row's uniform for each step is drawn up front from the run's private generator (one per
   row per step, as ``sample_next`` draws), and the token is found on the device by inverse CDF
   in float64 over the softmax: exactly softmax(logits / T), argmax at T = 0;
-* the host checks whether every answer has ended only every ``SYNC_EVERY`` steps.
+* the host checks whether every answer has ended only every ``SYNC_EVERY`` steps;
+* ``GraphSampler`` keeps the decoder and its graphs for the next call of the same shape, which
+  prefills into the same tensors (``GraphDecoder.load``): captures are paid once, not per call.
 
 Shared prompts (GRPO's groups) are prefilled once, as in the plain loop. ``GraphDecoder.step``
 is a pure function of tensors of fixed shape: ``torch.compile(fullgraph=True)`` traces it
@@ -24,12 +26,16 @@ whole (the tests check this on the CPU).
 
 from __future__ import annotations
 
+import functools
+import types
 import warnings
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from grpolab.rollout.batch import shared_prompts
+from grpolab.rollout.blocks import Layer, Weights
 from grpolab.rollout.kvcache import StaticKV, additive, decode_kv_dtype, prefill
 from grpolab.rollout.sampling import _inverse_cdf
 
@@ -42,12 +48,22 @@ class GraphKV:
     tensor) and returns the first ``width`` positions' keys and values."""
 
     def __init__(self, static: StaticKV) -> None:
+        self.static = static
         self.k, self.v = static.k, static.v
-        # positions not written yet are attended with weight 0, but must be finite: 0 * NaN
-        # (left over in new memory) would poison the row
-        static.buf.narrow(4, static.len, static.buf.shape[4] - static.len).zero_()
         self.at: Tensor | None = None
         self.width = static.buf.shape[4]
+        self._clear_new()
+
+    def _clear_new(self) -> None:
+        # positions not written yet are attended with weight 0, but must be finite: 0 * NaN
+        # (left over in new memory) would poison the row
+        s = self.static
+        s.buf.narrow(4, s.len, s.buf.shape[4] - s.len).zero_()
+
+    def load(self, prefix: list[tuple[Tensor, Tensor]], rows: Tensor | None) -> None:
+        """New prompts' keys and values in front, in place; the new positions cleared."""
+        self.static.fill(prefix, rows)
+        self._clear_new()
 
     def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self.k[i].index_copy_(2, self.at, k.to(self.k[i].dtype))
@@ -56,25 +72,44 @@ class GraphKV:
 
 
 class GraphDecoder:
-    """Prefill, then ``step(tokens, t)`` at one fixed shape for up to ``max_new`` tokens."""
+    """Prefill, then ``step(tokens, t)`` at one fixed shape for up to ``max_new`` tokens;
+    ``load`` prefills new prompts of the same shape into the same tensors."""
 
     def __init__(self, lm: Any, ids: Tensor, mask: Tensor, max_new: int,
                  shared: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
         self.lm = lm
+        self.tp, self.max_new = ids.shape[1], max_new
+        self.keys = torch.arange(self.tp + max_new, device=ids.device)
+        self.kv_dtype = decode_kv_dtype(lm.dtype, ids.device) if lm.pack else lm.dtype
+        self.cache: GraphKV | None = None
+        self.load(ids, mask, shared)
+
+    def load(self, ids: Tensor, mask: Tensor,
+             shared: tuple[Tensor, Tensor, Tensor] | None = None) -> bool:
+        """Prefill prompts ``ids`` [B, tp] with the model's current weights. After the first
+        load every tensor ``step`` reads stays where it is, written over in place (the cache,
+        positions, rotary tables, decode weights), so a step captured before reads the new
+        prompts and weights when replayed. False, and nothing written, where the new state
+        does not pair with the old one (another shape, or weights built differently)."""
         b, tp = ids.shape
-        self.logits, pre, (_, _, rows), tables, x = prefill(lm, ids, mask, max_new, shared,
-                                                             lm.weights())
-        kv_dtype = decode_kv_dtype(lm.dtype, ids.device) if lm.pack else lm.dtype
-        self.cache = GraphKV(StaticKV(pre.kv, rows, tp + max_new, kv_dtype))
-        self.tp = tp
+        logits, pre, (_, _, rows), tables, x = prefill(self.lm, ids, mask, self.max_new,
+                                                       shared, self.lm.weights())
         # step t's position for each row, and which keys it may see: the real prompt keys,
         # then the new tokens up to its own (the rest are hidden by ``at`` in ``step``)
-        self.pos = mask.sum(dim=1, keepdim=True) + torch.arange(max_new, device=ids.device)
-        self.seen = torch.cat([mask.bool(), mask.new_ones((b, max_new), dtype=torch.bool)], 1)
-        self.keys = torch.arange(tp + max_new, device=ids.device)
-        self.kv_dtype = kv_dtype
-        self.cos_sin = None if tables is None else lm.rotary(self.pos, x, tables)
-        self.w = lm.decode_weights(b)
+        pos = mask.sum(dim=1, keepdim=True) + torch.arange(self.max_new, device=ids.device)
+        seen = torch.cat([mask.bool(), mask.new_ones((b, self.max_new), dtype=torch.bool)], 1)
+        state = (pos, seen, None if tables is None else self.lm.rotary(pos, x, tables),
+                 self.lm.decode_weights(b))
+        if self.cache is None:
+            self.cache = GraphKV(StaticKV(pre.kv, rows, tp + self.max_new, self.kv_dtype))
+            self.pos, self.seen, self.cos_sin, self.w = state
+        elif tp != self.tp or not refill((self.pos, self.seen, self.cos_sin, self.w), state,
+                                         model_storages(self.lm)):
+            return False
+        else:
+            self.cache.load(pre.kv, rows)
+        self.logits = logits
+        return True
 
     def step(self, tokens: Tensor, t: Tensor, width: int | None = None) -> Tensor:
         """Feed ``tokens`` [B] at new position ``t`` (a [1] long tensor), attending over the
@@ -88,6 +123,56 @@ class GraphDecoder:
                else tuple(c.index_select(1, t) for c in self.cos_sin))
         pos = self.pos.index_select(1, t)
         return self.lm.forward(tokens[:, None], pos, mask, self.cache, rot=rot, w=self.w)[:, -1]
+
+
+def held_tensors(obj: Any, seen: set[int] | None = None) -> list[Tensor]:
+    """The tensors ``obj`` holds, in a fixed order: through lists, tuples, dicts, partials,
+    closures and their defaults (``Weights``' functions close over their merged copies) and
+    attributes of plain objects (``Weights``, ``Layer``); not into modules, whose parameters
+    a step reads where they are. Two builds of the same weights list theirs pair by pair."""
+    if isinstance(obj, Tensor):
+        return [obj]
+    seen = set() if seen is None else seen
+    if obj is None or id(obj) in seen or isinstance(obj, (nn.Module, type, str, int, float)):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        parts = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        parts = list(obj)
+    elif isinstance(obj, functools.partial):
+        parts = [obj.func, obj.args, obj.keywords]
+    elif isinstance(obj, types.FunctionType):
+        parts = [c.cell_contents for c in obj.__closure__ or ()] + list(obj.__defaults__ or ())
+    elif isinstance(obj, (Weights, Layer)):
+        names = getattr(obj, "__slots__", None) or list(vars(obj))
+        parts = [getattr(obj, n, None) for n in names]
+    else:
+        return []
+    return [t for p in parts for t in held_tensors(p, seen)]
+
+
+def model_storages(lm: Any) -> set[int]:
+    """Where the model's parameters and buffers are (``refill`` never writes there)."""
+    return {t.untyped_storage().data_ptr() for t in (*lm.model.parameters(),
+                                                     *lm.model.buffers())}
+
+
+def refill(old: Any, new: Any, keep: set[int]) -> bool:
+    """Copy the tensors ``new`` holds over those ``old`` holds, pair by pair (``held_tensors``),
+    where they are different tensors: False, and nothing written, unless every pair has one
+    shape, dtype, device and strided layout and no written one is in storages ``keep``."""
+    olds, news = held_tensors(old), held_tensors(new)
+    if len(olds) != len(news) or any(
+            (a.shape, a.dtype, a.device, a.layout) != (b.shape, b.dtype, b.device, torch.strided)
+            for a, b in zip(olds, news, strict=True)):
+        return False
+    pairs = [(a, b) for a, b in zip(olds, news, strict=True) if a is not b]
+    if any(a.untyped_storage().data_ptr() in keep for a, _ in pairs):
+        return False
+    for a, b in pairs:
+        a.copy_(b)
+    return True
 
 
 def draw(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
@@ -185,3 +270,44 @@ def cuda_graph(step: Any) -> Any:
         return out
 
     return run
+
+
+PROMPT_BUCKET = 32  # prompts are left-padded to a multiple of this: one shape serves many
+
+
+class GraphSampler:
+    """``graph_decode`` with the decoder and its captured step kept from one sampling call to
+    the next: a call whose prompts pad to the same shape (``PROMPT_BUCKET``), with the same
+    settings and the model's weights where they were, prefills into the kept decoder
+    (``GraphDecoder.load``) and replays the graphs captured before. Capturing costs a few eager
+    steps per attention width, and ``torch.cuda.graph`` empties the allocator's cache each
+    time; kept, a call costs its prefill and replays. The price: the cache and the graphs'
+    pool stay allocated between calls (B x (prompt + max_new) x 23 KB for SmolLM2-135M in
+    bfloat16: about 2 GB at 256 x 256). Anything else builds a new decoder, freeing the old.
+
+    ``capture``: what makes the step's replayable form (``cuda_graph``; tests pass stand-ins);
+    ``bucket``: as ``graph_decode``'s."""
+
+    def __init__(self, capture: Any = None, bucket: int = KEY_BUCKET) -> None:
+        self.capture, self.bucket = capture or cuda_graph, bucket
+        self.kept: tuple[tuple, GraphDecoder, Any] | None = None
+        self.builds = 0  # decoders built (each then captures its graphs): for benches
+
+    def sample(self, lm: Any, ids: Tensor, mask: Tensor, max_new: int, temperature: float,
+               eos_ids: list[int], pad_id: int, generator: torch.Generator | None) -> Tensor:
+        """Completion ids [B, steps] for prompts ``ids``/``mask`` [B, tp] (left-padded), as
+        ``graph_decode`` draws them from ``generator``."""
+        extra = -ids.shape[1] % PROMPT_BUCKET
+        ids = torch.nn.functional.pad(ids, (extra, 0), value=pad_id)
+        mask = torch.nn.functional.pad(mask, (extra, 0), value=0)
+        shared = shared_prompts(ids, mask)
+        key = (id(lm), tuple(ids.shape), max_new, temperature, tuple(eos_ids), pad_id,
+               tuple(t.data_ptr() for t in (*lm.model.parameters(), *lm.model.buffers())))
+        if self.kept is None or self.kept[0] != key or not self.kept[1].load(ids, mask, shared):
+            self.kept = None  # the old cache and graphs go before new ones are made
+            dec = GraphDecoder(lm, ids, mask, max_new, shared)
+            self.kept = (key, dec, self.capture(make_step(dec, temperature, eos_ids, pad_id)))
+            self.builds += 1
+        _, dec, step = self.kept
+        return graph_decode(dec, max_new, temperature, eos_ids, pad_id, generator, step,
+                            self.bucket)

@@ -49,7 +49,7 @@ from grpolab.config import ConfigError, Speed
 from grpolab.rollout.backend import LMBackend, frozen_copy
 from grpolab.rollout.batch import pos_ids, shared_prompts
 from grpolab.rollout.fastlm import FastLM, base_model
-from grpolab.rollout.graphdecode import GraphDecoder, cuda_graph, graph_decode, make_step
+from grpolab.rollout.graphdecode import GraphSampler
 from grpolab.rollout.models import disable_dropout, eos_ids, wrap_lora
 from grpolab.rollout.sampling import decode, draw_seed, drop_due
 
@@ -226,6 +226,7 @@ class HFBackend(LMBackend):
         # The lean forward (grpolab.rollout.fastlm) for supported architectures, else None: HF forward.
         self._fast: FastLM | None = None
         self._fast_ref: FastLM | None = None
+        self._graphs = GraphSampler()  # CUDA: graph decoding's state, kept between calls
         if self._lean and self.speed.lean_forward:
             try:
                 self._fast = FastLM(self.model)  # with LoRA also the reference (adapters off)
@@ -366,10 +367,8 @@ class HFBackend(LMBackend):
         lm = self.forward_of(self.model, tp + max_new)
         with torch.inference_mode():
             if dev.type == "cuda" and self.speed.graph_decode and isinstance(lm, FastLM):
-                dec = GraphDecoder(lm, ids, mask, max_new, shared_prompts(ids, mask))
-                step = cuda_graph(make_step(dec, temperature, self.eos_ids, self.pad_id))
-                out = graph_decode(dec, max_new, temperature, self.eos_ids, self.pad_id, gen,
-                                   step)
+                out = self._graphs.sample(lm, ids, mask, max_new, temperature, self.eos_ids,
+                                          self.pad_id, gen)
             else:
                 dec = lm.decoder(ids, mask, max_new, shared_prompts(ids, mask))
                 out = decode(dec, max_new, temperature, self.eos_ids, self.pad_id, gen,

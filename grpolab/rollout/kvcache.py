@@ -53,7 +53,11 @@ class StaticKV:
         self.buf = k0.new_empty(shape, dtype=dtype or k0.dtype)
         self.k = list(self.buf[:, 0].unbind(0))
         self.v = list(self.buf[:, 1].unbind(0))
-        self.len = k0.shape[2]
+        self.fill(prefix, rows)
+
+    def fill(self, prefix: list[tuple[Tensor, Tensor]], rows: Tensor | None) -> None:
+        """Write prompts' keys/values ``prefix`` in front, in place (the rest is left as it is)."""
+        self.len = prefix[0][0].shape[2]
         for i, (k, v) in enumerate(prefix):
             if rows is not None:  # each distinct prompt's keys/values go to its rows
                 k, v = k[rows], v[rows]
