@@ -379,28 +379,29 @@ def replay_checked(log: list[str]) -> Any:
     return capture
 
 
-def test_kept_graphs_read_new_prompts_and_weights_where_they_were(tmp_path) -> None:
-    """GraphSampler keeps its decoder and graphs between calls. On the GPU's layout, with LoRA
-    adapters (merged into float32 copies for decoding), a second call with other prompts of
-    the same padded shape, after an optimiser-like in-place update, reuses the decoder; its
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_kept_graphs_read_new_prompts_and_weights_where_they_were(tmp_path, lora: bool) -> None:
+    """GraphSampler keeps its decoder and graphs between calls. On the GPU's layout (LoRA
+    merged into float32 copies, q/k/v stacked into one copy), a second call with other prompts
+    of the same padded shape, after an optimiser-like in-place update, reuses the decoder; its
     replayed steps read only the storages captured in the first call, and it draws what a
     decoder built afresh draws. A parameter moved elsewhere, or another length, builds anew."""
     from grpolab.rollout.graphdecode import PROMPT_BUCKET, GraphSampler
 
     path = make_tiny_model(tmp_path / "gqa", hidden=32, heads=4, **TINY["gqa"])
-    be = HFBackend(*load_model(path, device="cpu", dtype="bfloat16"), lora=True,
+    be = HFBackend(*load_model(path, device="cpu", dtype="bfloat16"), lora=lora,
                    reference=False)
     lm = be._fast
-    lm.cuda_layout = True  # the decode weights a GPU builds: merged, upcast, q/k/v stacked
+    lm.cuda_layout = True  # the decode weights a GPU builds
     log: list[str] = []
     kept = GraphSampler(replay_checked(log), bucket=4)
 
-    def update() -> None:  # as an optimiser step: in place
+    def update(seed: int) -> None:  # as an optimiser step: the trained weights, in place
         with torch.no_grad():
-            for n, p in be.model.named_parameters():
-                if "lora_B" in n:
-                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))),
-                           alpha=0.05)
+            gen = torch.Generator().manual_seed(seed)
+            for p in be.model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=gen).to(p.dtype), alpha=0.05)
 
     def sample(sampler: GraphSampler, prompts: list[str], max_new: int = 13) -> torch.Tensor:
         ids, mask = be.encode_prompts(prompts)
@@ -414,24 +415,21 @@ def test_kept_graphs_read_new_prompts_and_weights_where_they_were(tmp_path) -> N
     first = [p for p in PROMPTS for _ in range(3)]
     other = [p for p in reversed(PROMPTS) for _ in range(2)] + ["What is 9 - 4?"] * 4
     assert be.encode_prompts(first)[0].shape[1] < PROMPT_BUCKET  # both pad to one shape
-    update()
+    update(0)
     got = sample(kept, first)
     dec = kept.kept[1]
     assert torch.equal(got, afresh(first)) and log.count("captured") == 3  # widths 4, 8, 12
     log.clear()
-    update()
+    update(1)
     got = sample(kept, other)
     assert kept.kept[1] is dec, "the same shape reuses the decoder"
     assert log and set(log) == {"replayed"}, log
     want = afresh(other)
     assert torch.equal(got, want)
-    with torch.no_grad():  # the same weights are another draw: the update above was read
-        for n, p in be.model.named_parameters():
-            if "lora_B" in n:
-                p.zero_()
+    update(2)  # another draw with these weights: the update is read
     assert not torch.equal(afresh(other), want)
-    assert torch.equal(sample(kept, other), afresh(other))
-    p = next(p for n, p in be.model.named_parameters() if "lora_A" in n)
+    assert torch.equal(sample(kept, other), afresh(other)) and kept.kept[1] is dec
+    p = next(p for p in be.model.parameters() if p.requires_grad)
     p.data = p.data.clone()  # moved: a replay would read the old place
     log.clear()
     assert torch.equal(sample(kept, first), afresh(first)) and kept.kept[1] is not dec
