@@ -774,6 +774,26 @@ def test_rms_norm_keeping_its_bfloat16_input() -> None:
     assert not copies[0] and copies[1]  # HF's sequence keeps a float32 copy of x
 
 
+def test_fused_rms_norm_is_hfs(device: str) -> None:
+    """The decode layout's RMSNorm (``fused``: one ``F.rms_norm`` on the bfloat16 input, then
+    the weight) gives HF's output: bit for bit on the CPU, to bfloat16 rounding on CUDA (whose
+    reductions run in another order than HF's mean)."""
+    from grpolab.rollout.blocks import rms_norm
+
+    norm_mod = in_memory("qwen2").model.norm.to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm_mod.weight.copy_(torch.linspace(0.5, 1.5, 32))
+    x = (3 * torch.randn(64, 7, 32, generator=torch.Generator().manual_seed(0))).bfloat16()
+    x = x.to(device)
+    with torch.no_grad():
+        got, want = rms_norm(norm_mod, fused=True)(x), norm_mod(x)
+    assert got.dtype == torch.bfloat16
+    if device == "cpu":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 def test_stacked_linear_is_the_projections_side_by_side() -> None:
     """q, k and v (qwen2: with biases) as one matmul give the three outputs side by side; with

@@ -80,7 +80,10 @@ class GraphDecoder:
         self.lm = lm
         self.tp, self.max_new = ids.shape[1], max_new
         self.keys = torch.arange(self.tp + max_new, device=ids.device)
-        self.kv_dtype = decode_kv_dtype(lm.dtype, ids.device) if lm.pack else lm.dtype
+        # the model's dtype on the GPU's layout, also where tests force it on the CPU
+        # (decode_kv_dtype's float32 is for the CPU's own kernels)
+        self.kv_dtype = (decode_kv_dtype(lm.dtype, ids.device)
+                         if lm.pack and not lm.on_cuda_layout() else lm.dtype)
         self.cache: GraphKV | None = None
         self.load(ids, mask, shared)
 
