@@ -67,14 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=15)
     a = p.parse_args(argv)
     from grpolab.rollout.batch import shared_prompts
-    from grpolab.rollout.graphdecode import GraphDecoder, cuda_graph, make_step
+    from grpolab.rollout.graphdecode import GraphDecoder, cuda_graph, make_step, padded_prompts
 
     cuda = a.device == "cuda"
     be = bench_backend(a.model, a.device, a.dtype, a.lora)
     be.eos_ids = [-1]  # every answer runs to --new tokens
     prompts = [f"Question {i}: what is {i} + {2 * i + 7}? Think step by step, then answer."
                for i in range(-(-a.rows // 8)) for _ in range(8)][: a.rows]
-    ids, mask = be.encode_prompts(prompts)
+    # padded as graph decoding pads them (the sampling calls would pad them the same)
+    ids, mask = padded_prompts(*be.encode_prompts(prompts), be.pad_id)
     ids, mask = ids.to(a.device), mask.to(a.device)
     lines = [f"{a.model}: {a.rows} rows x {a.new} tokens, prompts of {ids.shape[1]}, {a.dtype}, "
              f"{'LoRA r=8 q/k/v/o' if a.lora else 'no LoRA'}, {a.device}"

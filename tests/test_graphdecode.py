@@ -168,35 +168,47 @@ def test_cuda_graph_decoding_equals_hf_generate(tmp_path, name: str) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.filterwarnings("error:graph_decode:RuntimeWarning")  # a failed capture fails it
 def test_kept_cuda_graphs_follow_new_prompts_and_weights(tmp_path) -> None:
     """On a GPU the backend keeps its graphs between sampling calls: after an in-place update
-    of the adapters, other prompts of the same padded shape replay the kept graphs and decode
-    greedily what the plain loop decodes, and sample what graphs captured afresh sample."""
-    from grpolab.config import Speed
+    of the adapters, other prompts of the same padded shape replay the kept graphs, decode
+    greedily what the plain loop decodes and sample what graphs captured afresh sample."""
+    import dataclasses
+
     from grpolab.rollout.graphdecode import GraphSampler
 
     path = make_tiny_model(tmp_path / "gqa", hidden=32, heads=4, **TINY["gqa"])
     be = HFBackend(*load_model(path, device="cuda"), lora=True, reference=False)
     batches = [be.encode_prompts([p for p in PROMPTS for _ in range(3)]),
                be.encode_prompts([p for p in reversed(PROMPTS) for _ in range(3)])]
-    got, dec = [], None
-    for i, (ids, mask) in enumerate(batches):
+
+    def update(scale: float) -> None:  # as an optimiser step: in place
         with torch.no_grad():
             for n, p in be.model.named_parameters():
                 if "lora_B" in n:
-                    p.add_(torch.randn_like(p), alpha=0.1 * (i + 1))
-        got.append(be._sample(ids, mask, 0.0, 12, seed=0))
-        assert dec is None or be._graphs.kept[1] is dec, "the second call replays the first's"
-        dec = be._graphs.kept[1]
-    be.speed = Speed(graph_decode=False)
-    assert same_answers(got[1], be._sample(*batches[1], 0.0, 12, seed=0), be.pad_id)
-    with torch.inference_mode():
-        ids, mask = (t.cuda() for t in batches[0])
-        drawn = [s.sample(be._fast, ids, mask, 12, 1.0, be.eos_ids, be.pad_id,
-                          torch.Generator(device="cuda").manual_seed(3))
-                 for s in (be._graphs, GraphSampler())]
-    assert be._graphs.kept[1] is not dec  # temperature 1: graphs of their own
-    assert torch.equal(drawn[0], drawn[1])
+                    p.add_(torch.randn_like(p), alpha=scale)
+
+    def drawn(sampler: GraphSampler, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return sampler.sample(be._fast, ids.cuda(), mask.cuda(), 12, 1.0, be.eos_ids,
+                                  be.pad_id, torch.Generator(device="cuda").manual_seed(3))
+
+    for i, (ids, mask) in enumerate(batches):
+        update(0.1 * (i + 1))
+        runs = []
+        for graphs in (True, False):
+            be.speed = dataclasses.replace(be.speed, graph_decode=graphs)
+            runs.append(be._sample(ids, mask, 0.0, 12, seed=0))
+        assert same_answers(runs[0], runs[1], be.pad_id)
+        if i == 0:
+            dec = be._graphs.kept[1]
+    assert be._graphs.builds == 1 and be._graphs.kept[1] is dec, "the second call replays"
+    kept = GraphSampler()
+    drawn(kept, *batches[0])
+    update(0.1)
+    got = drawn(kept, *batches[1])
+    assert kept.builds == 1
+    assert torch.equal(got, drawn(GraphSampler(), *batches[1]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -380,15 +392,21 @@ def replay_checked(log: list[str]) -> Any:
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_kept_graphs_read_new_prompts_and_weights_where_they_were(tmp_path, lora: bool) -> None:
+@pytest.mark.parametrize("name", ["gqa", "gpt2"])
+def test_kept_graphs_read_new_prompts_and_weights_where_they_were(tmp_path, name: str,
+                                                                  lora: bool) -> None:
     """GraphSampler keeps its decoder and graphs between calls. On the GPU's layout (LoRA
     merged into float32 copies, q/k/v stacked into one copy), a second call with other prompts
     of the same padded shape, after an optimiser-like in-place update, reuses the decoder; its
     replayed steps read only the storages captured in the first call, and it draws what a
-    decoder built afresh draws. A parameter moved elsewhere, or another length, builds anew."""
-    from grpolab.rollout.graphdecode import PROMPT_BUCKET, GraphSampler
+    decoder built afresh draws. A parameter moved elsewhere, or another length, builds anew,
+    and the old decoder is freed at once (no cycle left for the collector)."""
+    import gc
+    import weakref
 
-    path = make_tiny_model(tmp_path / "gqa", hidden=32, heads=4, **TINY["gqa"])
+    from grpolab.rollout.graphdecode import PROMPT_BUCKET, GraphSampler, held_tensors
+
+    path = make_tiny_model(tmp_path / name, hidden=32, heads=4, **TINY[name])
     be = HFBackend(*load_model(path, device="cpu", dtype="bfloat16"), lora=lora,
                    reference=False)
     lm = be._fast
@@ -421,9 +439,11 @@ def test_kept_graphs_read_new_prompts_and_weights_where_they_were(tmp_path, lora
     assert torch.equal(got, afresh(first)) and log.count("captured") == 3  # widths 4, 8, 12
     log.clear()
     update(1)
+    where = [t.data_ptr() for t in held_tensors(dec.w)]
     got = sample(kept, other)
     assert kept.kept[1] is dec, "the same shape reuses the decoder"
     assert log and set(log) == {"replayed"}, log
+    assert [t.data_ptr() for t in held_tensors(dec.w)] == where
     want = afresh(other)
     assert torch.equal(got, want)
     update(2)  # another draw with these weights: the update is read
@@ -432,11 +452,22 @@ def test_kept_graphs_read_new_prompts_and_weights_where_they_were(tmp_path, lora
     p = next(p for p in be.model.parameters() if p.requires_grad)
     p.data = p.data.clone()  # moved: a replay would read the old place
     log.clear()
-    assert torch.equal(sample(kept, first), afresh(first)) and kept.kept[1] is not dec
-    assert "captured" in log
-    dec = kept.kept[1]
-    sample(kept, first, max_new=5)
-    assert kept.kept[1] is not dec
+
+    def made(dec: Any) -> list[weakref.ref]:  # what a decoder allocated: cache, merges, ...
+        held = held_tensors([dec.w, dec.pos, dec.seen, dec.cos_sin, dec.cache.static.buf])
+        return [weakref.ref(t) for t in held if not isinstance(t, torch.nn.Parameter)]
+
+    old = made(dec)
+    del dec
+    gc.disable()
+    try:
+        assert torch.equal(sample(kept, first), afresh(first)) and "captured" in log
+        assert not any(r() is not None for r in old), "the old decoder's tensors are freed"
+        old = made(kept.kept[1])
+        sample(kept, first, max_new=5)
+        assert not any(r() is not None for r in old)
+    finally:
+        gc.enable()
 
 
 def test_refill_pairs_held_tensors_and_never_writes_a_parameter() -> None:

@@ -305,9 +305,10 @@ class FastLM:
                          else lambda g, u, act=r.act: act(g) * u)
                 # training on the CUDA layout keeps the MLP's input for backward, not its
                 # [tokens, 2 x intermediate] gate and up: recomputed there (a GPU runs short
-                # of memory before it runs short of time in the update)
-                r.ffn = (recomputed(r.gated, has_dropout(mlp))
-                         if training_layout and not self.checkpoint else r.gated)
+                # of memory before it runs short of time in the update). Given the layer: a
+                # bound method would make the layer hold itself (freed only by gc.collect)
+                r.ffn = (recomputed(Layer.gated, has_dropout(mlp))
+                         if training_layout and not self.checkpoint else Layer.gated)
             else:
                 at, mlp = lay.attn, lay.mlp
                 r.norm1, r.norm2 = layer_norm(lay.ln_1), layer_norm(lay.ln_2)
@@ -366,7 +367,7 @@ class FastLM:
             k = rope(r.k(h).view(b, t, hk, d), cos, sin)
             v = r.v(h).view(b, t, hk, d)
         x = x + r.o(self._attention(i, q, k, v, mask, kv, r.scale))
-        return x + r.down(r.ffn(x))
+        return x + r.down(r.ffn(r, x))
 
     def _gpt2_layer(self, i: int, r: Layer, x: Tensor, mask: Tensor | None,
                     kv: Any) -> Tensor:

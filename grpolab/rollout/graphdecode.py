@@ -278,15 +278,25 @@ def cuda_graph(step: Any) -> Any:
 PROMPT_BUCKET = 32  # prompts are left-padded to a multiple of this: one shape serves many
 
 
+def padded_prompts(ids: Tensor, mask: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-padded prompts [B, tp] padded further on the left to a multiple of
+    ``PROMPT_BUCKET`` (the padding masked: positions and answers are those of ``ids``)."""
+    extra = -ids.shape[1] % PROMPT_BUCKET
+    return (torch.nn.functional.pad(ids, (extra, 0), value=pad_id),
+            torch.nn.functional.pad(mask, (extra, 0), value=0))
+
+
 class GraphSampler:
     """``graph_decode`` with the decoder and its captured step kept from one sampling call to
     the next: a call whose prompts pad to the same shape (``PROMPT_BUCKET``), with the same
     settings and the model's weights where they were, prefills into the kept decoder
     (``GraphDecoder.load``) and replays the graphs captured before. Capturing costs a few eager
     steps per attention width, and ``torch.cuda.graph`` empties the allocator's cache each
-    time; kept, a call costs its prefill and replays. The price: the cache and the graphs'
-    pool stay allocated between calls (B x (prompt + max_new) x 23 KB for SmolLM2-135M in
-    bfloat16: about 2 GB at 256 x 256). Anything else builds a new decoder, freeing the old.
+    time; kept, a call costs its prefill and replays. The price: the cache, the graphs' pool
+    and the decode weights' merged copies stay allocated between calls (for SmolLM2-135M in
+    bfloat16 the cache is B x (prompt + max_new) x 23 KB: about 2 GB at 256 x 256; the float32
+    LoRA merges of q/k/v/o 0.1 GB). Anything else builds a new decoder, freeing the old first.
+    A capture that failed (``cuda_graph``) leaves the kept decoder uncaptured until rebuilt.
 
     ``capture``: what makes the step's replayable form (``cuda_graph``; tests pass stand-ins);
     ``bucket``: as ``graph_decode``'s."""
@@ -300,11 +310,10 @@ class GraphSampler:
                eos_ids: list[int], pad_id: int, generator: torch.Generator | None) -> Tensor:
         """Completion ids [B, steps] for prompts ``ids``/``mask`` [B, tp] (left-padded), as
         ``graph_decode`` draws them from ``generator``."""
-        extra = -ids.shape[1] % PROMPT_BUCKET
-        ids = torch.nn.functional.pad(ids, (extra, 0), value=pad_id)
-        mask = torch.nn.functional.pad(mask, (extra, 0), value=0)
+        ids, mask = padded_prompts(ids, mask, pad_id)
         shared = shared_prompts(ids, mask)
-        key = (id(lm), tuple(ids.shape), max_new, temperature, tuple(eos_ids), pad_id,
+        key = (id(lm), lm.pack, lm.on_cuda_layout(), lm.head_off, tuple(ids.shape), max_new,
+               temperature, tuple(eos_ids), pad_id,
                tuple(t.data_ptr() for t in (*lm.model.parameters(), *lm.model.buffers())))
         if self.kept is None or self.kept[0] != key or not self.kept[1].load(ids, mask, shared):
             self.kept = None  # the old cache and graphs go before new ones are made
