@@ -106,8 +106,9 @@ class GraphDecoder:
         if self.cache is None:
             self.cache = GraphKV(StaticKV(pre.kv, rows, tp + self.max_new, self.kv_dtype))
             self.pos, self.seen, self.cos_sin, self.w = state
-        elif tp != self.tp or not refill((self.pos, self.seen, self.cos_sin, self.w), state,
-                                         model_storages(self.lm)):
+        elif tp != self.tp or not refill(
+                (self.pos, self.seen, self.cos_sin, self.w), state,
+                {t.untyped_storage().data_ptr() for t in model_tensors(self.lm)}):
             return False
         else:
             self.cache.load(pre.kv, rows)
@@ -155,10 +156,9 @@ def held_tensors(obj: Any, seen: set[int] | None = None) -> list[Tensor]:
     return [t for p in parts for t in held_tensors(p, seen)]
 
 
-def model_storages(lm: Any) -> set[int]:
-    """Where the model's parameters and buffers are (``refill`` never writes there)."""
-    return {t.untyped_storage().data_ptr() for t in (*lm.model.parameters(),
-                                                     *lm.model.buffers())}
+def model_tensors(lm: Any) -> tuple[Tensor, ...]:
+    """The model's parameters and buffers: a step reads them where they are."""
+    return (*lm.model.parameters(), *lm.model.buffers())
 
 
 def refill(old: Any, new: Any, keep: set[int]) -> bool:
@@ -166,8 +166,9 @@ def refill(old: Any, new: Any, keep: set[int]) -> bool:
     where they are different tensors: False, and nothing written, unless every pair has one
     shape, dtype, device and strided layout and no written one is in storages ``keep``."""
     olds, news = held_tensors(old), held_tensors(new)
-    if len(olds) != len(news) or any(
-            (a.shape, a.dtype, a.device, a.layout) != (b.shape, b.dtype, b.device, torch.strided)
+    if len(olds) != len(news) or not all(
+            a.layout == b.layout == torch.strided
+            and (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
             for a, b in zip(olds, news, strict=True)):
         return False
     pairs = [(a, b) for a, b in zip(olds, news, strict=True) if a is not b]
@@ -314,7 +315,7 @@ class GraphSampler:
         shared = shared_prompts(ids, mask)
         key = (id(lm), lm.pack, lm.on_cuda_layout(), lm.head_off, tuple(ids.shape), max_new,
                temperature, tuple(eos_ids), pad_id,
-               tuple(t.data_ptr() for t in (*lm.model.parameters(), *lm.model.buffers())))
+               tuple(t.data_ptr() for t in model_tensors(lm)))
         if self.kept is None or self.kept[0] != key or not self.kept[1].load(ids, mask, shared):
             self.kept = None  # the old cache and graphs go before new ones are made
             dec = GraphDecoder(lm, ids, mask, max_new, shared)
