@@ -470,6 +470,39 @@ def test_kept_graphs_read_new_prompts_and_weights_where_they_were(tmp_path, name
         gc.enable()
 
 
+def test_kept_decoder_takes_narrower_prompts(backends: dict[str, HFBackend]) -> None:
+    """Prompts narrower than the kept decoder's are padded to its width and replay its graphs
+    (drawing what a decoder built afresh on the same padding draws); wider ones build anew."""
+    from grpolab.rollout.graphdecode import PROMPT_BUCKET, GraphSampler, padded_prompts
+
+    be = backends["llama"]
+    lm = be._fast
+    wide = be.encode_prompts([f"Please think about this {p}" * 4 for p in PROMPTS[:2]] * 2)
+    narrow = be.encode_prompts(PROMPTS)
+    assert wide[0].shape[1] > PROMPT_BUCKET >= narrow[0].shape[1]
+    log: list[str] = []
+    kept = GraphSampler(replay_checked(log), bucket=4)
+
+    def sample(sampler: GraphSampler, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return sampler.sample(lm, ids, mask, 8, 1.0, [-1], be.pad_id,
+                                  torch.Generator().manual_seed(1))
+
+    lm.cuda_layout = True  # the GPU's decode weights (the CPU's prepacked ones are rebuilt)
+    try:
+        sample(kept, *narrow)
+        sample(kept, *wide)
+        width = kept.kept[1].tp
+        assert kept.builds == 2 and width == -(-wide[0].shape[1] // PROMPT_BUCKET) * PROMPT_BUCKET
+        log.clear()
+        got = sample(kept, *narrow)
+        assert kept.builds == 2 and log and set(log) == {"replayed"}, log
+        afresh = GraphSampler(lambda step: step, bucket=4)
+        assert torch.equal(got, sample(afresh, *padded_prompts(*narrow, be.pad_id, width)))
+    finally:
+        lm.cuda_layout = None
+
+
 def test_refill_pairs_held_tensors_and_never_writes_a_parameter() -> None:
     """``refill`` copies tensors closures hold (as ``Weights``' functions do) pair by pair, and
     refuses, writing nothing, where shapes differ or the tensor written over is a parameter."""

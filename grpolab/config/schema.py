@@ -81,7 +81,7 @@ class Speed:
     length_buckets: bool = True  # answers of unequal length scored in length buckets
     head_grad_in_forward: bool = True  # a frozen LM head's input gradient made in forward
     # CUDA: decoding at a fixed shape, each step a replayed CUDA graph; the decoder and its
-    # graphs kept between sampling calls of one padded shape (its cache stays allocated)
+    # graphs kept for later sampling calls of as many rows (its cache stays allocated)
     graph_decode: bool = True
 
 

@@ -279,25 +279,31 @@ def cuda_graph(step: Any) -> Any:
 PROMPT_BUCKET = 32  # prompts are left-padded to a multiple of this: one shape serves many
 
 
-def padded_prompts(ids: Tensor, mask: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
+def padded_prompts(ids: Tensor, mask: Tensor, pad_id: int,
+                   width: int = 0) -> tuple[Tensor, Tensor]:
     """Left-padded prompts [B, tp] padded further on the left to a multiple of
-    ``PROMPT_BUCKET`` (the padding masked: positions and answers are those of ``ids``)."""
-    extra = -ids.shape[1] % PROMPT_BUCKET
+    ``PROMPT_BUCKET``, or to ``width`` if wider (the padding masked: positions and answers are
+    those of ``ids``)."""
+    extra = max(-ids.shape[1] % PROMPT_BUCKET, width - ids.shape[1])
     return (torch.nn.functional.pad(ids, (extra, 0), value=pad_id),
             torch.nn.functional.pad(mask, (extra, 0), value=0))
 
 
 class GraphSampler:
     """``graph_decode`` with the decoder and its captured step kept from one sampling call to
-    the next: a call whose prompts pad to the same shape (``PROMPT_BUCKET``), with the same
-    settings and the model's weights where they were, prefills into the kept decoder
-    (``GraphDecoder.load``) and replays the graphs captured before. Capturing costs a few eager
-    steps per attention width, and ``torch.cuda.graph`` empties the allocator's cache each
-    time; kept, a call costs its prefill and replays. The price: the cache, the graphs' pool
-    and the decode weights' merged copies stay allocated between calls (for SmolLM2-135M in
-    bfloat16 the cache is B x (prompt + max_new) x 23 KB: about 2 GB at 256 x 256; the float32
-    LoRA merges of q/k/v/o 0.1 GB). Anything else builds a new decoder, freeing the old first.
-    A capture that failed (``cuda_graph``) leaves the kept decoder uncaptured until rebuilt.
+    the next. Capturing costs two eager steps per attention width, and ``torch.cuda.graph``
+    empties the allocator's cache each time; kept, a call costs its prefill and replays. A call
+    of as many rows, with prompts no wider than the kept ones (padded on the left to their
+    width; else to a multiple of ``PROMPT_BUCKET``), the same settings and the model's weights
+    where they were, prefills into the kept decoder (``GraphDecoder.load``) and replays the
+    graphs captured before; anything else builds a new decoder, freeing the old first. With
+    prompts of varied length the kept width soon is the widest batch's: masked padding costs
+    attention far less than capturing again.
+
+    The price: the cache, the graphs' pool and the decode weights' merged copies stay allocated
+    between calls (SmolLM2-135M in bfloat16: the cache is B x (prompt + max_new) x 23 KB, about
+    2 GB at 256 x 256; the float32 LoRA merges of q/k/v/o 0.1 GB). A capture that failed
+    (``cuda_graph``) leaves the kept decoder uncaptured until it is rebuilt.
 
     ``capture``: what makes the step's replayable form (``cuda_graph``; tests pass stand-ins);
     ``bucket``: as ``graph_decode``'s."""
@@ -311,7 +317,7 @@ class GraphSampler:
                eos_ids: list[int], pad_id: int, generator: torch.Generator | None) -> Tensor:
         """Completion ids [B, steps] for prompts ``ids``/``mask`` [B, tp] (left-padded), as
         ``graph_decode`` draws them from ``generator``."""
-        ids, mask = padded_prompts(ids, mask, pad_id)
+        ids, mask = padded_prompts(ids, mask, pad_id, self.kept[1].tp if self.kept else 0)
         shared = shared_prompts(ids, mask)
         key = (id(lm), lm.pack, lm.on_cuda_layout(), lm.head_off, tuple(ids.shape), max_new,
                temperature, tuple(eos_ids), pad_id,
