@@ -428,7 +428,7 @@ def test_kept_graphs_read_new_prompts_and_weights_where_they_were(tmp_path, name
                                   torch.Generator().manual_seed(5))
 
     def afresh(prompts: list[str], max_new: int = 13) -> torch.Tensor:
-        return sample(GraphSampler(lambda step: step, bucket=4), prompts, max_new)
+        return sample(GraphSampler(bucket=4), prompts, max_new)
 
     first = [p for p in PROMPTS for _ in range(3)]
     other = [p for p in reversed(PROMPTS) for _ in range(2)] + ["What is 9 - 4?"] * 4
@@ -497,10 +497,70 @@ def test_kept_decoder_takes_narrower_prompts(backends: dict[str, HFBackend]) -> 
         log.clear()
         got = sample(kept, *narrow)
         assert kept.builds == 2 and log and set(log) == {"replayed"}, log
-        afresh = GraphSampler(lambda step: step, bucket=4)
+        afresh = GraphSampler(bucket=4)
         assert torch.equal(got, sample(afresh, *padded_prompts(*narrow, be.pad_id, width)))
     finally:
         lm.cuda_layout = None
+
+
+def test_kept_graphs_through_grpo_training(tmp_path) -> None:
+    """GRPO steps as a GPU runs them, on the CPU: LoRA, a KL term (the reference pass with the
+    adapters off between samplings), AdamW's updates, held-out evaluation (greedy: a decoder of
+    its own, then one for training again). A call of the kept kind replays the steps captured
+    before, reading only their storages; every call draws what a decoder built afresh on the
+    same padded prompts and generator state draws."""
+    import itertools
+
+    from helpers import digit_reward
+
+    from grpolab.app.commands import make_backend
+    from grpolab.config import make_config
+    from grpolab.rollout.graphdecode import GraphSampler, padded_prompts
+    from grpolab.run.trainer import GRPOTrainer
+
+    class Checked(GraphSampler):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self.calls: list[tuple[float, int]] = []  # (temperature, decoders built so far)
+
+        def sample(self, lm: Any, ids: torch.Tensor, mask: torch.Tensor, max_new: int,
+                   temperature: float, eos_ids: list[int], pad_id: int,
+                   generator: torch.Generator | None) -> torch.Tensor:
+            state = generator.get_state()
+            got = super().sample(lm, ids, mask, max_new, temperature, eos_ids, pad_id,
+                                 generator)
+            again = torch.Generator().set_state(state)
+            ids, mask = padded_prompts(ids, mask, pad_id, self.kept[1].tp)
+            want = GraphSampler(bucket=self.bucket).sample(lm, ids, mask, max_new, temperature,
+                                                           eos_ids, pad_id, again)
+            assert torch.equal(got, want)
+            self.calls.append((temperature, self.builds))
+            return got
+
+    path = make_tiny_model(tmp_path / "gqa", hidden=32, heads=4, **TINY["gqa"])
+    cfg = make_config(None, {"model_path": str(path), "lora": True, "beta": 0.04, "steps": 3,
+                             "budget": 8, "group_size": 4, "max_new_tokens": 9, "lr": 0.05,
+                             "eval_every": 2, "eval_size": 4, "progress": False,
+                             "checkpoint_every": 0, "out_dir": str(tmp_path / "run")},
+                      command="train")
+    be = make_backend(cfg, *load_model(str(path), device="cpu"))
+    be._fast.cuda_layout = True  # the GPU's layout: graph decoding, here uncaptured
+    log: list[str] = []
+    be._graphs = Checked(replay_checked(log), bucket=4)
+    rows = [{"prompt": p, "answer": "5"} for p in PROMPTS] * 4
+    trainer = GRPOTrainer(cfg, be, rows, [digit_reward], rows[:4], out_dir=tmp_path / "run")
+    before = [p.detach().clone() for p in be.model.parameters() if p.requires_grad]
+    for _ in range(3):
+        trainer.step()
+    after = [p for p in be.model.parameters() if p.requires_grad]
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    temps, builds = zip(*be._graphs.calls, strict=True)
+    assert temps.count(1.0) == 3 and 0.0 in temps  # three steps, evaluation between
+    # a decoder is built only where the call's kind changes (training <-> evaluation)
+    changes = [0] + [int(a != b) for a, b in itertools.pairwise(temps)]
+    assert list(builds) == list(itertools.accumulate(changes, initial=1))[1:]
+    assert builds[1] == 1  # the second training call replayed the first's steps
+    assert set(log) == {"captured", "replayed"} and log.count("captured") == 2 * builds[-1]
 
 
 def test_refill_pairs_held_tensors_and_never_writes_a_parameter() -> None:

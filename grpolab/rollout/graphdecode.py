@@ -276,6 +276,10 @@ def cuda_graph(step: Any) -> Any:
     return run
 
 
+def uncaptured(step: Any) -> Any:
+    return step
+
+
 PROMPT_BUCKET = 32  # prompts are left-padded to a multiple of this: one shape serves many
 
 
@@ -305,11 +309,11 @@ class GraphSampler:
     2 GB at 256 x 256; the float32 LoRA merges of q/k/v/o 0.1 GB). A capture that failed
     (``cuda_graph``) leaves the kept decoder uncaptured until it is rebuilt.
 
-    ``capture``: what makes the step's replayable form (``cuda_graph``; tests pass stand-ins);
-    ``bucket``: as ``graph_decode``'s."""
+    ``capture``: what makes the step's replayable form (default ``cuda_graph`` on CUDA, none
+    elsewhere; tests pass stand-ins); ``bucket``: as ``graph_decode``'s."""
 
     def __init__(self, capture: Any = None, bucket: int = KEY_BUCKET) -> None:
-        self.capture, self.bucket = capture or cuda_graph, bucket
+        self.capture, self.bucket = capture, bucket
         self.kept: tuple[tuple, GraphDecoder, Any] | None = None
         self.builds = 0  # decoders built (each then captures its graphs): for benches
 
@@ -325,7 +329,8 @@ class GraphSampler:
         if self.kept is None or self.kept[0] != key or not self.kept[1].load(ids, mask, shared):
             self.kept = None  # the old cache and graphs go before new ones are made
             dec = GraphDecoder(lm, ids, mask, max_new, shared)
-            self.kept = (key, dec, self.capture(make_step(dec, temperature, eos_ids, pad_id)))
+            capture = self.capture or (cuda_graph if ids.is_cuda else uncaptured)
+            self.kept = (key, dec, capture(make_step(dec, temperature, eos_ids, pad_id)))
             self.builds += 1
         _, dec, step = self.kept
         return graph_decode(dec, max_new, temperature, eos_ids, pad_id, generator, step,

@@ -366,7 +366,9 @@ class HFBackend(LMBackend):
         gen = torch.Generator(device=dev).manual_seed(seed)
         lm = self.forward_of(self.model, tp + max_new)
         with torch.inference_mode():
-            if dev.type == "cuda" and self.speed.graph_decode and isinstance(lm, FastLM):
+            # the GPU's layout (on the CPU where tests force it: uncaptured) decodes at one
+            # fixed shape, each step a replayed CUDA graph
+            if self.speed.graph_decode and isinstance(lm, FastLM) and lm.on_cuda_layout():
                 out = self._graphs.sample(lm, ids, mask, max_new, temperature, self.eos_ids,
                                           self.pad_id, gen)
             else:
