@@ -321,12 +321,13 @@ class GraphSampler:
                eos_ids: list[int], pad_id: int, generator: torch.Generator | None) -> Tensor:
         """Completion ids [B, steps] for prompts ``ids``/``mask`` [B, tp] (left-padded), as
         ``graph_decode`` draws them from ``generator``."""
-        ids, mask = padded_prompts(ids, mask, pad_id, self.kept[1].tp if self.kept else 0)
-        shared = shared_prompts(ids, mask)
-        key = (id(lm), lm.pack, lm.on_cuda_layout(), lm.head_off, tuple(ids.shape), max_new,
+        key = (id(lm), lm.pack, lm.on_cuda_layout(), lm.head_off, len(ids), max_new,
                temperature, tuple(eos_ids), pad_id,
                tuple(t.data_ptr() for t in model_tensors(lm)))
-        if self.kept is None or self.kept[0] != key or not self.kept[1].load(ids, mask, shared):
+        same = self.kept is not None and self.kept[0] == key
+        ids, mask = padded_prompts(ids, mask, pad_id, self.kept[1].tp if same else 0)
+        shared = shared_prompts(ids, mask)
+        if not same or not self.kept[1].load(ids, mask, shared):  # (False if wider)
             self.kept = None  # the old cache and graphs go before new ones are made
             dec = GraphDecoder(lm, ids, mask, max_new, shared)
             capture = self.capture or (cuda_graph if ids.is_cuda else uncaptured)
