@@ -95,6 +95,8 @@ class GraphDecoder:
         prompts and weights when replayed. False, and nothing written, where the new state
         does not pair with the old one (another shape, or weights built differently)."""
         b, tp = ids.shape
+        if self.cache is not None and tp != self.tp:
+            return False
         logits, pre, (_, _, rows), tables, x = prefill(self.lm, ids, mask, self.max_new,
                                                        shared, self.lm.weights())
         # step t's position for each row, and which keys it may see: the real prompt keys,
@@ -106,9 +108,8 @@ class GraphDecoder:
         if self.cache is None:
             self.cache = GraphKV(StaticKV(pre.kv, rows, tp + self.max_new, self.kv_dtype))
             self.pos, self.seen, self.cos_sin, self.w = state
-        elif tp != self.tp or not refill(
-                (self.pos, self.seen, self.cos_sin, self.w), state,
-                {t.untyped_storage().data_ptr() for t in model_tensors(self.lm)}):
+        elif not refill((self.pos, self.seen, self.cos_sin, self.w), state,
+                        {t.untyped_storage().data_ptr() for t in model_tensors(self.lm)}):
             return False
         else:
             self.cache.load(pre.kv, rows)
