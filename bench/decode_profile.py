@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     be.eos_ids = [-1]  # every answer runs to --new tokens
     prompts = [f"Question {i}: what is {i} + {2 * i + 7}? Think step by step, then answer."
                for i in range(-(-a.rows // 8)) for _ in range(8)][: a.rows]
-    # padded as graph decoding pads them (the sampling calls would pad them the same)
-    ids, mask = padded_prompts(*be.encode_prompts(prompts), be.pad_id)
+    ids, mask = be.encode_prompts(prompts)
+    if cuda:  # padded as graph decoding pads them (the sampling calls pad them the same)
+        ids, mask = padded_prompts(ids, mask, be.pad_id)
     ids, mask = ids.to(a.device), mask.to(a.device)
     lines = [f"{a.model}: {a.rows} rows x {a.new} tokens, prompts of {ids.shape[1]}, {a.dtype}, "
              f"{'LoRA r=8 q/k/v/o' if a.lora else 'no LoRA'}, {a.device}"

@@ -322,6 +322,11 @@ class GraphSampler:
                eos_ids: list[int], pad_id: int, generator: torch.Generator | None) -> Tensor:
         """Completion ids [B, steps] for prompts ``ids``/``mask`` [B, tp] (left-padded), as
         ``graph_decode`` draws them from ``generator``."""
+        with torch.inference_mode():  # the kept tensors are inference tensors
+            return self._sample(lm, ids, mask, max_new, temperature, eos_ids, pad_id, generator)
+
+    def _sample(self, lm: Any, ids: Tensor, mask: Tensor, max_new: int, temperature: float,
+                eos_ids: list[int], pad_id: int, generator: torch.Generator | None) -> Tensor:
         key = (id(lm), lm.pack, lm.on_cuda_layout(), lm.head_off, len(ids), max_new,
                temperature, tuple(eos_ids), pad_id,
                tuple(t.data_ptr() for t in model_tensors(lm)))

@@ -357,7 +357,8 @@ class HFBackend(LMBackend):
 
     def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, temperature: float,
                 max_new: int, seed: int) -> Tensor:
-        """``sampling.decode`` over fastlm or the HF forward, from a private generator."""
+        """``sampling.decode`` over fastlm or the HF forward, from a private generator; on the
+        GPU's layout the fixed-shape loop of kept CUDA graphs (``graphdecode.GraphSampler``)."""
         dev = self.device
         ids, mask = prompt_ids.to(dev), prompt_mask.to(dev)
         b, tp = ids.shape
@@ -366,8 +367,6 @@ class HFBackend(LMBackend):
         gen = torch.Generator(device=dev).manual_seed(seed)
         lm = self.forward_of(self.model, tp + max_new)
         with torch.inference_mode():
-            # the GPU's layout (on the CPU where tests force it: uncaptured) decodes at one
-            # fixed shape, each step a replayed CUDA graph
             if self.speed.graph_decode and isinstance(lm, FastLM) and lm.on_cuda_layout():
                 out = self._graphs.sample(lm, ids, mask, max_new, temperature, self.eos_ids,
                                           self.pad_id, gen)
