@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     out, again = timed(lambda: be._sample(ids, mask, 1.0, a.new, seed=1), cuda)
     lines.append(f"sampling: {again:.4g} s, {out.numel() / again:,.0f} tokens/s (first call "
                  f"{first:.3f} s; graph decoders built in the two: {be._graphs.builds})"
-                 f"{'' if cuda and be.speed.graph_decode else ', uncaptured'}")
+                 f"{'' if cuda and be.speed.graph_decode else ', uncaptured'}"
+                 + (f"; CUDA GRAPH CAPTURE FAILED ({be._graphs.capture_failed}), uncaptured"
+                    if be._graphs.capture_failed else ""))
     # one step at the widest attention, replayed (CUDA) and eager, and its kernels
     with torch.inference_mode():
         dec = GraphDecoder(be._fast, ids, mask, a.new, shared_prompts(ids, mask))

@@ -118,6 +118,7 @@ class Split:
         self.cur: dict[str, float] = {}
         self.steps: list[dict[str, float]] = []
         self.begin: list[tuple[float, float]] = []  # (wall, cpu) at each step's start
+        self.notes: dict[str, str] = {}  # what the report must say beside the times
 
     def add(self, key: str, dt: float) -> None:
         self.cur[key] = self.cur.get(key, 0.0) + dt
@@ -290,6 +291,8 @@ def child_lab(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
         built = backend._graphs.builds
         ro = gen(prompts, temperature, max_new_tokens, generator)
         split.add("graph_builds", backend._graphs.builds - built)  # CUDA: captures this call
+        if backend._graphs.capture_failed:  # decoded uncaptured: slower, and said so
+            split.notes["graph_failed"] = backend._graphs.capture_failed
         tokens.append((int(ro.completion_mask.sum()), int(ro.completion_ids.shape[1]),
                        int(ro.prompt_ids.shape[1])))
         split.add("tokens", tokens[-1][0])
@@ -371,6 +374,7 @@ def child_main(args: argparse.Namespace) -> int:
             "reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
             "prompt_len": statistics.mean(s.get("prompt", 0) for s in timed),
             "graph_builds": sum(s.get("graph_builds", 0) for s in timed),
+            "graph_failed": split.notes.get("graph_failed"),
         }
         res["split"] = {k: sum(phases(args.child, s)[k] for s in timed)
                         for k in ("gen", "ref", "pol")}
@@ -622,6 +626,9 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
         lines.append("graph decoders built (each capturing its graphs) in grpolab's timed "
                      f"steps: {sum(r.get('graph_builds', 0) for r in res['lab'])} in "
                      f"{sum(r['steps'] for r in res['lab'])} steps (else the kept one replayed)")
+        failed = next((r["graph_failed"] for r in res["lab"] if r.get("graph_failed")), None)
+        if failed:
+            lines.append(f"CUDA GRAPH CAPTURE FAILED ({failed}): grpolab decoded uncaptured")
     lines.append(f"peak RSS after model load + trainer build (before any step): TRL "
                  f"{trl['built']:.0f} MiB, grpolab {lab['built']:.0f} MiB; trainable params: "
                  f"TRL {res['trl'][0]['trainable']}, grpolab {res['lab'][0]['trainable']}")

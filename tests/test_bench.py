@@ -142,7 +142,7 @@ def test_real_model_bench_ab_alternates_levers_in_one_process(tiny_chat_model: s
 def test_real_model_report_on_cuda_by_hand() -> None:
     """The report of a CUDA run from made-up children: GPU memory in the table and as a ratio,
     the allocator's reserved peak beside it, the generated tokens/s, how often graphs were
-    captured; numbers by hand."""
+    captured and, loudly, a capture that failed; numbers by hand."""
     import argparse
 
     sys.path.insert(0, str(BENCH.parent))
@@ -166,3 +166,8 @@ def test_real_model_report_on_cuda_by_hand() -> None:
     assert "6.00x steps/s" in out and "peak GPU 0.40x TRL's" in out
     assert "TRL 52000 MiB, grpolab 26000 MiB (0.50x TRL's)" in out
     assert "capturing its graphs) in grpolab's timed steps: 1 in 2 steps" in out
+    assert "CAPTURE FAILED" not in out
+    res["lab"][0]["graph_failed"] = "operation not permitted when stream is capturing"
+    out = print_report(args, res, None, {"cpu": "a GPU host", "nproc": 16})
+    assert ("CUDA GRAPH CAPTURE FAILED (operation not permitted when stream is capturing): "
+            "grpolab decoded uncaptured") in out

@@ -334,6 +334,10 @@ def test_capture_shares_one_pool_and_falls_back_uncaptured(monkeypatch: pytest.M
         assert torch.equal(run(x, 5), x * 5)
     assert torch.equal(run(x + 1, 2), (x + 1) * 2)  # eager now: the new input counts
     assert len(pools) == 3
+    kept = graphdecode.GraphSampler()  # what the bench reports: why decoding ran uncaptured
+    assert kept.capture_failed is None
+    kept.kept = ((), None, run)
+    assert kept.capture_failed == "operation not permitted when stream is capturing"
 
 
 class Reads(TorchDispatchMode):

@@ -274,6 +274,7 @@ def cuda_graph(step: Any) -> Any:
         g.replay()
         return out
 
+    run.failed = failed  # type: ignore[attr-defined]  # the capture's error, for reports
     return run
 
 
@@ -317,6 +318,12 @@ class GraphSampler:
         self.capture, self.bucket = capture, bucket
         self.kept: tuple[tuple, GraphDecoder, Any] | None = None
         self.builds = 0  # decoders built (each then captures its graphs): for benches
+
+    @property
+    def capture_failed(self) -> str | None:
+        """Why the kept decoder's step could not be captured (it then runs uncaptured)."""
+        failed = getattr(self.kept[2], "failed", None) if self.kept else None
+        return failed[0] if failed else None
 
     def sample(self, lm: Any, ids: Tensor, mask: Tensor, max_new: int, temperature: float,
                eos_ids: list[int], pad_id: int, generator: torch.Generator | None) -> Tensor:
