@@ -302,14 +302,19 @@ class GraphSampler:
     of as many rows, with prompts no wider than the kept ones (padded on the left to their
     width; else to a multiple of ``PROMPT_BUCKET``), the same settings and the model's weights
     where they were, prefills into the kept decoder (``GraphDecoder.load``) and replays the
-    graphs captured before; anything else builds a new decoder, freeing the old first. With
-    prompts of varied length the kept width soon is the widest batch's: masked padding costs
-    attention far less than capturing again.
+    graphs captured before. With prompts of varied length the kept width soon is the widest
+    batch's: masked padding costs attention far less than capturing again.
+
+    Any other call builds a decoder of its own. It replaces the kept one (freed first) when its
+    kind repeats (the previous call had its settings) or the kept one can serve no more (the
+    weights moved), else it is dropped after the call: a held-out evaluation between training
+    steps costs one build, and the training decoder stays.
 
     The price: the cache, the graphs' pool and the decode weights' merged copies stay allocated
     between calls (SmolLM2-135M in bfloat16: the cache is B x (prompt + max_new) x 23 KB, about
     2 GB at 256 x 256; the float32 LoRA merges of q/k/v/o 0.1 GB). A capture that failed
-    (``cuda_graph``) leaves the kept decoder uncaptured until it is rebuilt.
+    (``cuda_graph``) leaves the kept decoder uncaptured until it is rebuilt; ``capture_failed``
+    says why, for the last call.
 
     ``capture``: what makes the step's replayable form (default ``cuda_graph`` on CUDA, none
     elsewhere; tests pass stand-ins); ``bucket``: as ``graph_decode``'s."""
@@ -317,35 +322,38 @@ class GraphSampler:
     def __init__(self, capture: Any = None, bucket: int = KEY_BUCKET) -> None:
         self.capture, self.bucket = capture, bucket
         self.kept: tuple[tuple, GraphDecoder, Any] | None = None
+        self.last: tuple | None = None  # the previous call's settings
         self.builds = 0  # decoders built (each then captures its graphs): for benches
-
-    @property
-    def capture_failed(self) -> str | None:
-        """Why the kept decoder's step could not be captured (it then runs uncaptured)."""
-        failed = getattr(self.kept[2], "failed", None) if self.kept else None
-        return failed[0] if failed else None
+        self.capture_failed: str | None = None  # the last call's failed capture, if any
 
     def sample(self, lm: Any, ids: Tensor, mask: Tensor, max_new: int, temperature: float,
                eos_ids: list[int], pad_id: int, generator: torch.Generator | None) -> Tensor:
         """Completion ids [B, steps] for prompts ``ids``/``mask`` [B, tp] (left-padded), as
         ``graph_decode`` draws them from ``generator``."""
-        with torch.inference_mode():  # the kept tensors are inference tensors
-            return self._sample(lm, ids, mask, max_new, temperature, eos_ids, pad_id, generator)
-
-    def _sample(self, lm: Any, ids: Tensor, mask: Tensor, max_new: int, temperature: float,
-                eos_ids: list[int], pad_id: int, generator: torch.Generator | None) -> Tensor:
-        key = (id(lm), lm.pack, lm.on_cuda_layout(), lm.head_off, len(ids), max_new,
-               temperature, tuple(eos_ids), pad_id,
-               tuple(t.data_ptr() for t in model_tensors(lm)))
+        where = (id(lm), tuple(t.data_ptr() for t in model_tensors(lm)))  # model, weights
+        key = (where, lm.pack, lm.on_cuda_layout(), lm.head_off, len(ids), max_new,
+               temperature, tuple(eos_ids), pad_id)
         same = self.kept is not None and self.kept[0] == key
-        ids, mask = padded_prompts(ids, mask, pad_id, self.kept[1].tp if same else 0)
-        shared = shared_prompts(ids, mask)
-        if not same or not self.kept[1].load(ids, mask, shared):  # (False if wider)
-            self.kept = None  # the old cache and graphs go before new ones are made
-            dec = GraphDecoder(lm, ids, mask, max_new, shared)
-            capture = self.capture or (cuda_graph if ids.is_cuda else uncaptured)
-            self.kept = (key, dec, capture(make_step(dec, temperature, eos_ids, pad_id)))
-            self.builds += 1
-        _, dec, step = self.kept
-        return graph_decode(dec, max_new, temperature, eos_ids, pad_id, generator, step,
-                            self.bucket)
+        with torch.inference_mode():  # the kept tensors are inference tensors
+            ids, mask = padded_prompts(ids, mask, pad_id, self.kept[1].tp if same else 0)
+            shared = shared_prompts(ids, mask)
+            if same and self.kept[1].load(ids, mask, shared):  # (False if wider)
+                _, dec, step = self.kept
+            else:
+                # kept, unless another kind comes once; a kept decoder of another model or
+                # of weights since moved can never serve again
+                keep = self.kept is None or self.last == key or self.kept[0][0] != where
+                if keep:
+                    self.kept = None  # the old cache and graphs go before new ones are made
+                dec = GraphDecoder(lm, ids, mask, max_new, shared)
+                capture = self.capture or (cuda_graph if ids.is_cuda else uncaptured)
+                step = capture(make_step(dec, temperature, eos_ids, pad_id))
+                self.builds += 1
+                if keep:
+                    self.kept = (key, dec, step)
+            self.last = key
+            out = graph_decode(dec, max_new, temperature, eos_ids, pad_id, generator, step,
+                               self.bucket)
+        failed = getattr(step, "failed", None)
+        self.capture_failed = failed[0] if failed else None
+        return out
