@@ -127,6 +127,13 @@ def metric_steps(out: Path) -> list[int]:
     return [r["step"] for r in read_metrics(out / "metrics.jsonl")]
 
 
+def computed(rows: list[dict]) -> list[dict]:
+    """Metrics lines without what is measured rather than computed (timings, the process's
+    memory high-water marks) and the run id: what two runs of the same work must share."""
+    return [{k: v for k, v in r.items()
+             if not k.startswith(("time_", "peak_")) and k != "run_id"} for r in rows]
+
+
 # ------------------------------------------------------------------- decoding --
 
 

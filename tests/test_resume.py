@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import files_under
+from helpers import computed, files_under
 
 from grpolab.config import Config
 from grpolab.run.trainer import CheckpointError, GRPOTrainer
@@ -104,8 +104,7 @@ def _metrics(out: Path) -> list[dict]:
     """The metrics lines without timings and run id (two runs compared have two ids)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len({r["run_id"] for r in rows}) == 1, "one run's lines carry one run id"
-    return [{k: v for k, v in r.items() if not k.startswith("time_") and k != "run_id"}
-            for r in rows]
+    return computed(rows)
 
 
 def _last_step(out: Path) -> int:

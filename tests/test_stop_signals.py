@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import metric_steps, run_cli, tiny_trainer, weights
+from helpers import computed, metric_steps, run_cli, tiny_trainer, weights
 
 from grpolab.run import checkpoint
 from grpolab.run.report import read_metrics
@@ -49,11 +49,8 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes_bitwise(tmp_path: Pat
     again.train(resume=True)
     for k, v in weights(plain).items():
         assert torch.equal(weights(again)[k], v), k
-    strip = [{k: v for k, v in r.items() if not k.startswith("time_") and k != "run_id"}
-             for r in read_metrics(tmp_path / "plain" / "metrics.jsonl")]
-    got = [{k: v for k, v in r.items() if not k.startswith("time_") and k != "run_id"}
-           for r in read_metrics(tmp_path / "stop" / "metrics.jsonl")]
-    assert got == strip
+    want = computed(read_metrics(tmp_path / "plain" / "metrics.jsonl"))
+    assert computed(read_metrics(tmp_path / "stop" / "metrics.jsonl")) == want
 
 
 def test_a_second_signal_abandons_the_step_and_keeps_what_was_written(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ import struct
 from pathlib import Path
 
 import pytest
+from helpers import computed
 
 from grpolab.app.cli import main
 from grpolab.run.report import read_metrics
@@ -104,8 +105,7 @@ def test_short_run_is_deterministic_per_seed(tmp_path) -> None:
         out = tmp_path / name
         assert main(["workshop", *TINY, "--seed", str(seed), "--cache-dir",
                      str(tmp_path / f"cache-{name}"), "--out-dir", str(out)]) == 0
-        return [{k: v for k, v in r.items() if not k.startswith("time_") and k != "run_id"}
-                for r in read_metrics(out / "metrics.jsonl")]
+        return computed(read_metrics(out / "metrics.jsonl"))
 
     a, b, c = run(0, "a"), run(0, "b"), run(1, "c")
     assert a == b
