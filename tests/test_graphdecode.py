@@ -191,9 +191,8 @@ def test_kept_cuda_graphs_follow_new_prompts_and_weights(tmp_path, dtype: str) -
                     p.add_(torch.randn_like(p), alpha=scale)
 
     def drawn(sampler: GraphSampler, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            return sampler.sample(be._fast, ids.cuda(), mask.cuda(), 12, 1.0, be.eos_ids,
-                                  be.pad_id, torch.Generator(device="cuda").manual_seed(3))
+        return sampler.sample(be._fast, ids.cuda(), mask.cuda(), 12, 1.0, be.eos_ids,
+                              be.pad_id, torch.Generator(device="cuda").manual_seed(3))
 
     for i, (ids, mask) in enumerate(batches):
         update(0.1 * (i + 1))
@@ -427,9 +426,8 @@ def test_kept_graphs_read_new_prompts_and_weights_where_they_were(tmp_path, name
 
     def sample(sampler: GraphSampler, prompts: list[str], max_new: int = 13) -> torch.Tensor:
         ids, mask = be.encode_prompts(prompts)
-        with torch.inference_mode():
-            return sampler.sample(lm, ids, mask, max_new, 1.0, [-1], be.pad_id,
-                                  torch.Generator().manual_seed(5))
+        return sampler.sample(lm, ids, mask, max_new, 1.0, [-1], be.pad_id,
+                              torch.Generator().manual_seed(5))
 
     def afresh(prompts: list[str], max_new: int = 13) -> torch.Tensor:
         return sample(GraphSampler(bucket=4), prompts, max_new)
@@ -491,9 +489,8 @@ def test_kept_decoder_takes_narrower_prompts(backends: dict[str, HFBackend]) -> 
     kept = GraphSampler(replay_checked(log), bucket=4)
 
     def sample(sampler: GraphSampler, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            return sampler.sample(lm, ids, mask, 8, 1.0, [-1], be.pad_id,
-                                  torch.Generator().manual_seed(1))
+        return sampler.sample(lm, ids, mask, 8, 1.0, [-1], be.pad_id,
+                              torch.Generator().manual_seed(1))
 
     lm.cuda_layout = True  # the GPU's decode weights (the CPU's prepacked ones are rebuilt)
     try:
