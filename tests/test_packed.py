@@ -6,6 +6,9 @@ Each is checked against the plain computation it replaces (same maths, other rou
 
 from __future__ import annotations
 
+import logging
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -279,6 +282,38 @@ def test_frozen_linear_gives_f_linears_values_and_input_gradient(
     torch.testing.assert_close(got, x.grad, atol=1e-5, rtol=1e-5)
     assert (id(w), True) in packed._PACKED
     assert packed.frozen_linear(w.clone().requires_grad_(True), b, 10) is None  # trains
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")
+def test_kept_copies_stop_at_the_memory_budget(monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Kept copies take at most ``keep_budget()`` bytes: a frozen weight beyond it runs on
+    F.linear (no frozen_linear), its input gradient on g @ W where the W.T copy does not fit,
+    with one warning a process; a copy redone after an update replaces its own bytes, and a
+    copy goes (with its bytes) when its weight does."""
+    machine = packed.keep_budget()  # a share of this machine's memory
+    assert 0 < machine <= packed.KEEP_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_PHYS_PAGES")
+    monkeypatch.setattr(packed, "PACK_MIN", 0)
+    monkeypatch.setattr(packed, "_PACKED", {})
+    monkeypatch.setattr(packed, "keep_budget", lambda: 2 * 16 * 8 * 4 + 100)  # two copies
+    packed._say_budget_reached.cache_clear()
+    g = torch.Generator().manual_seed(0)
+    w1, w2, w3 = (torch.randn(16, 8, generator=g) for _ in range(3))
+    assert packed.packed_weight(w1, 4) is not None and packed.packed_weight(w2, 4) is not None
+    with caplog.at_level(logging.WARNING, logger=packed.__name__):
+        assert packed.packed_weight(w3, 4) is None
+        assert packed.frozen_linear(w3, None, 4) is None
+    assert [r.getMessage()[:36] for r in caplog.records] == [
+        "oneDNN copies of frozen weights stop"]
+    w1.add_(1.0)  # stale: its new copy takes the old one's place
+    assert packed.packed_weight(w1, 4) is not None
+    x = torch.randn(3, 8, generator=g, requires_grad=True)
+    packed.frozen_linear(w2, None, 4)(x).sum().backward()  # no room for W2.T's copy
+    assert (id(w2), True) not in packed._PACKED
+    torch.testing.assert_close(x.grad, w2.sum(0).expand(3, 8), atol=1e-6, rtol=1e-6)
+    del w1
+    assert packed.packed_weight(w3, 4) is not None
 
 
 @pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")

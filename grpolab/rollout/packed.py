@@ -24,6 +24,8 @@ afterwards by the training forward, so the loss never mixes the two.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 Fn = Callable[[Tensor], Tensor]
+log = logging.getLogger(__name__)
 
 PACK_MIN = 1 << 19  # elements; below it oneDNN's per-call overhead outweighs its gain
 PACK_MIN_BF16 = 1 << 16  # bfloat16 (Zen 4, 32 rows: even SmolLM2's 576 x 192 gains 1.17x)
@@ -150,34 +153,69 @@ def _bf16_cpu() -> bool:
 
 
 # (id(frozen weight), transposed?) -> (weak reference to it, (version counter, address), its
-# oneDNN copy); an entry goes when its weight does (a tensor's == is elementwise: no
-# WeakKeyDictionary)
-_PACKED: dict[tuple[int, bool], tuple[weakref.ref, tuple[int, int], Tensor]] = {}
+# oneDNN copy, the copy's bytes); an entry goes when its weight does (a tensor's == is
+# elementwise: no WeakKeyDictionary)
+_PACKED: dict[tuple[int, bool], tuple[weakref.ref, tuple[int, int], Tensor, int]] = {}
+
+# Kept copies stop at this share of the machine's memory: each costs its weight's bytes again,
+# which is little beside a small model's activations but, for a 1.4B-parameter float32 model,
+# 9 GB of forward and W.T copies beside 5.5 GB of weights (where TRL peaks at 9 GB). Forward
+# copies are made first (sampling and both scoring passes use them), the input gradient's after.
+KEEP_SHARE = 0.25
+
+
+@functools.cache
+def keep_budget() -> float:
+    """Bytes the kept copies may take: ``KEEP_SHARE`` of this process's memory (the machine's,
+    or its cgroup's limit where lower); unbounded where neither can be read."""
+    try:
+        total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        total = float("inf")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit) as f:
+                total = min(total, float(f.read()))
+        except (OSError, ValueError):  # absent, or "max"
+            pass
+    return KEEP_SHARE * total
+
+
+@functools.cache
+def _say_budget_reached(budget: float) -> None:  # once a process
+    log.warning("oneDNN copies of frozen weights stop at %.1f GB (%d%% of this machine's "
+                "memory): the other weights run without one (slower); --speed cpu_pack=false "
+                "makes none", budget / 2**30, round(100 * KEEP_SHARE))
 
 
 def packed_weight(w: Tensor, rows: int, transposed: bool = False) -> Tensor | None:
     """A oneDNN copy of ``w`` laid out for about ``rows`` rows a call, or None (``can_pack``
-    false, or oneDNN refused it). A frozen weight keeps its copy, checked against its version
-    counter and address, so the head and base weights under LoRA are reordered once a run;
-    weights being trained are reordered per call rather than holding a second copy between
-    steps. Writes through ``.data`` bypass the version counter: call ``clear_packed()`` after
+    false, oneDNN refused it, or the kept copies' ``keep_budget()`` is spent). A frozen weight
+    keeps its copy, checked against its version counter and address, so the head and base
+    weights under LoRA are reordered once a run; weights being trained are reordered per call
+    rather than holding a second copy between steps. Writes through ``.data`` bypass the version counter: call ``clear_packed()`` after
     them."""
     if not can_pack(w):
         return None
     keep = not w.requires_grad and not w.is_inference()
     key = (w._version, w.data_ptr()) if keep else None
     slot = (id(w), transposed)
+    nbytes = w.numel() * w.element_size()
     if keep:
         hit = _PACKED.get(slot)
         if hit is not None and hit[0]() is w and hit[1] == key:
             return hit[2]
+        if sum(e[3] for s, e in _PACKED.items() if s != slot) + nbytes > keep_budget():
+            _say_budget_reached(keep_budget())
+            return None
     try:
         src = w.detach().t().contiguous() if transposed else w.detach()
         wp = torch.ops.mkldnn._reorder_linear_weight(src, rows)
     except RuntimeError:
         return None
     if keep:
-        _PACKED[slot] = (weakref.ref(w, lambda _, s=slot: _PACKED.pop(s, None)), key, wp)
+        _PACKED[slot] = (weakref.ref(w, lambda _, s=slot: _PACKED.pop(s, None)), key, wp,
+                         nbytes)
     return wp
 
 
@@ -302,5 +340,5 @@ def decode_proj(m: nn.Module, rows: int, fallback: Callable[[nn.Module], Fn],
 
 
 __all__ = ["PACK_MIN", "PACK_MIN_BF16", "can_pack", "cast_linear", "clear_packed",
-           "decode_proj", "frozen_linear", "lora_parts", "lowrank_linear", "merged_weight",
-           "packed_linear", "packed_weight", "stacked_linear", "stacked_lora"]
+           "decode_proj", "frozen_linear", "keep_budget", "lora_parts", "lowrank_linear",
+           "merged_weight", "packed_linear", "packed_weight", "stacked_linear", "stacked_lora"]
