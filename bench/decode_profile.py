@@ -8,6 +8,12 @@ Answers run to ``--new`` tokens (no EOS), rows in groups of 8 sharing a prompt, 
 On CUDA a replayed step's time beside the summed device time of its kernels says what the
 graph's launches cost over the kernels' own work; the table names the kernels that dominate.
 On the CPU (a dry run) the step is not captured and the profile lists operators.
+
+``--compile`` also times the step compiled by torch.compile (inductor: elementwise chains
+fused into generated kernels; on CUDA then captured as the shipped step is), with its compile
+time and kernel count: whether fusing kernels pays where a replayed step costs about a launch
+per kernel. An experiment, not a speed option: nothing in grpolab compiles. On the CPU the
+step section then runs on the GPU's layout (oneDNN's packed weights do not compile).
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--lora", action="store_true", help="LoRA r=8 on q/k/v/o, as the bench")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--compile", action="store_true",
+                   help="also time the step compiled by torch.compile (inductor)")
     a = p.parse_args(argv)
     from grpolab.rollout.batch import shared_prompts
     from grpolab.rollout.graphdecode import GraphDecoder, cuda_graph, make_step, padded_prompts
@@ -78,19 +86,21 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:  # padded as graph decoding pads them (the sampling calls pad them the same)
         ids, mask = padded_prompts(ids, mask, be.pad_id)
     ids, mask = ids.to(a.device), mask.to(a.device)
-    lines = [f"{a.model}: {a.rows} rows x {a.new} tokens, prompts of {ids.shape[1]}, {a.dtype}, "
-             f"{'LoRA r=8 q/k/v/o' if a.lora else 'no LoRA'}, {a.device}"
-             + (f" ({torch.cuda.get_device_name()})" if cuda else "")]
+    say(f"{a.model}: {a.rows} rows x {a.new} tokens, prompts of {ids.shape[1]}, {a.dtype}, "
+        f"{'LoRA r=8 q/k/v/o' if a.lora else 'no LoRA'}, {a.device}"
+        + (f" ({torch.cuda.get_device_name()})" if cuda else ""))
     # the sampling call as training makes it: the first builds the decoder (and on CUDA
     # captures its graphs), the second (same shape) prefills into it and replays
     first = timed(lambda: be._sample(ids, mask, 1.0, a.new, seed=0), cuda)[1]
     out, again = timed(lambda: be._sample(ids, mask, 1.0, a.new, seed=1), cuda)
-    lines.append(f"sampling: {again:.4g} s, {out.numel() / again:,.0f} tokens/s (first call "
-                 f"{first:.3f} s; graph decoders built in the two: {be._graphs.builds})"
-                 f"{'' if cuda and be.speed.graph_decode else ', uncaptured'}"
-                 + (f"; CUDA GRAPH CAPTURE FAILED ({be._graphs.capture_failed}), uncaptured"
-                    if be._graphs.capture_failed else ""))
+    say(f"sampling: {again:.4g} s, {out.numel() / again:,.0f} tokens/s (first call "
+        f"{first:.3f} s; graph decoders built in the two: {be._graphs.builds})"
+        f"{'' if cuda and be.speed.graph_decode else ', uncaptured'}"
+        + (f"; CUDA GRAPH CAPTURE FAILED ({be._graphs.capture_failed}), uncaptured"
+           if be._graphs.capture_failed else ""))
     # one step at the widest attention, replayed (CUDA) and eager, and its kernels
+    if a.compile and not cuda:  # oneDNN's packed weights do not compile: the GPU's layout
+        be._fast.cuda_layout = True
     with torch.inference_mode():
         dec = GraphDecoder(be._fast, ids, mask, a.new, shared_prompts(ids, mask))
         step = make_step(dec, 1.0, be.eos_ids, be.pad_id)
@@ -106,16 +116,42 @@ def main(argv: list[str] | None = None) -> int:
             fn(*args)  # warm-up (and the capture)
             per[name] = timed(lambda fn=fn: [fn(*args) for _ in range(reps)], cuda)[1] / reps
         table, count, busy = profile_steps(step, args, cuda)
-    unit = "kernels" if cuda else "operators"
-    lines.append("one step at full width: " + ", ".join(
-        f"{k} {v * 1e3:.2f} ms" for k, v in per.items())
-        + f"; {count} {unit} a step, {busy:.2f} ms of {'device' if cuda else 'CPU'} time"
-        + (f"; a replay spends {per['replayed'] * 1e3 - busy:.2f} ms beyond its kernels' time"
-           if "replayed" in per else ""))
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    lines.append(table.table(sort_by=key, row_limit=a.top, max_name_column_width=60))
-    print("\n".join(lines))
+        unit = "kernels" if cuda else "operators"
+        say("one step at full width: " + ", ".join(
+            f"{k} {v * 1e3:.2f} ms" for k, v in per.items())
+            + f"; {count} {unit} a step, {busy:.2f} ms of {'device' if cuda else 'CPU'} time"
+            + (f"; a replay spends {per['replayed'] * 1e3 - busy:.2f} ms beyond its kernels' "
+               "time" if "replayed" in per else ""))
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        say(table.table(sort_by=key, row_limit=a.top, max_name_column_width=60))
+        if a.compile:
+            say(compiled_step(step, args, cuda, reps))
     return 0
+
+
+def say(line: str) -> None:  # at once: a stage cut by its time limit keeps what was said
+    print(line, flush=True)
+
+
+def compiled_step(step: Any, args: tuple, cuda: bool, reps: int) -> str:
+    """The step compiled by inductor: its compile time, its kernels (or operators) a step, and
+    a call's time after it (on CUDA replayed, captured as the shipped step is)."""
+    from grpolab.rollout.graphdecode import cuda_graph
+
+    try:
+        fn = torch.compile(step, fullgraph=True, dynamic=False)
+        _, first = timed(lambda: fn(*args), cuda)
+        _, count, busy = profile_steps(fn, args, cuda)
+        run = cuda_graph(fn) if cuda else fn
+        run(*args)  # the capture
+        _, t = timed(lambda: [run(*args) for _ in range(reps)], cuda)
+    except Exception as e:  # noqa: BLE001 - an experiment: its failure is a finding
+        return f"compiled step: FAILED ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    how = ("" if not cuda else ", replayed" if not run.failed
+           else f", CAPTURE FAILED ({run.failed[0]}), uncaptured")
+    return (f"compiled step: {1e3 * t / reps:.2f} ms a call{how}; {count} "
+            f"{'kernels' if cuda else 'operators'} a step, {busy:.2f} ms of "
+            f"{'device' if cuda else 'CPU'} time; compiling took {first:.1f} s")
 
 
 if __name__ == "__main__":

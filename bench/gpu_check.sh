@@ -12,9 +12,11 @@
 #       at 32 x 64 (bench-*.md, bench-*.log); profile: bench/decode_profile.py at 256 x 256
 #       (profile-*.log); ab: grpolab with graph_decode off (ab-*); micro: with micro_batch 64
 #       (micro64-*); big (only when named): a random-init model of Qwen2-1.5B's shape
-#       (SmolLM2's vocabulary), benched at 64 x 128 (bench-big-*). Each stage's time limit is cut to what
-#       is left of SECONDS (default 540), so a call within the device's 600 s limit brings back
-#       every finished stage. DEVICE=cpu is the dry run on a CPU (8 x 16, float32).
+#       (SmolLM2's vocabulary), benched at 64 x 128 (bench-big-*); fuse (only when named): the
+#       profile with the decode step also compiled by inductor (fuse-*.log: its kernels, time
+#       and compile time). Each stage's time limit is cut to what is left of SECONDS (default
+#       540), so a call within the device's 600 s limit brings back every finished stage.
+#       DEVICE=cpu is the dry run on a CPU (8 x 16, float32).
 set -u
 cd "$(dirname "$0")/.."
 mode=${1:?usage: bench/gpu_check.sh kit [KIT] | run [KIT] [OUT] [DEVICE] [SECONDS] [STAGES]}
@@ -107,16 +109,19 @@ if [[ $stages == *,bench,* ]]; then  # the targets' size first
     bench "bench-$big" "$big" 300 --rounds 1
     [ "$small" != "$big" ] && bench "bench-$small" "$small" 300 --rounds 1
 fi
-if [[ $stages == *,profile,* ]]; then  # where a decode step's time goes, at the larger size
-    t=$(limit 120)
-    if [ "$t" = 0 ]; then echo "profile: skipped, out of time"; else
-        timeout "$t" python3 bench/decode_profile.py /tmp/gpu-model --device "$device" \
-            --dtype "$dtype" --rows "${big%x*}" --new "${big#*x}" --lora \
-            > "$out/profile-$big.log" 2>&1
-        echo "profile (limit ${t}s, exit $?):"
-        grep -E "^(sampling|one step)" "$out/profile-$big.log"
-    fi
-fi
+profile() {  # NAME SECONDS ARGS...: where a decode step's time goes, at the larger size
+    local name=$1 t
+    t=$(limit "$2")
+    shift 2
+    if [ "$t" = 0 ]; then echo "$name: skipped, out of time"; return; fi
+    timeout "$t" python3 bench/decode_profile.py /tmp/gpu-model --device "$device" \
+        --dtype "$dtype" --rows "${big%x*}" --new "${big#*x}" --lora "$@" \
+        > "$out/$name-$big.log" 2>&1
+    echo "$name (limit ${t}s, exit $?):"
+    grep -E "^(sampling|one step|compiled)" "$out/$name-$big.log"
+}
+[[ $stages == *,profile,* ]] && profile profile 120
+[[ $stages == *,fuse,* ]] && profile fuse 240 --compile  # only when named
 # at the larger size, grpolab alone: what the captured decode buys (one process, steps
 # alternating with graph_decode off), and the update in 64-row parts (its peak memory)
 [[ $stages == *,ab,* ]] && bench "ab-no-graph-$big" "$big" 200 --ab no-graph --rounds 2

@@ -102,3 +102,23 @@ def test_decode_profile_reports_the_step(tmp_path, capsys: pytest.CaptureFixture
     n = int(re.search(rf"; ([0-9]+) {unit} a step", out).group(1))
     assert n > 20  # two layers' projections, norms and attention at least
     assert ("replayed" in out) == (device == "cuda")
+
+
+@pytest.mark.slow
+def test_decode_profile_compiles_the_step_with_fewer_operators(
+        tmp_path, capsys: pytest.CaptureFixture) -> None:
+    """``--compile`` (an experiment for the GPU: do fused kernels pay?) compiles the step with
+    inductor on the GPU's layout and reports fewer operators a step than the eager step's."""
+    from grpolab.rollout.tinyhf import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", hidden=32, heads=4, kv_heads=2)
+    try:
+        assert decode_profile([path, "--device", "cpu", "--dtype", "float32", "--rows", "8",
+                               "--new", "6", "--lora", "--top", "3", "--compile"]) == 0
+    finally:
+        torch._dynamo.reset()  # no compiled code left for later tests
+    out = capsys.readouterr().out
+    eager = int(re.search(r"; ([0-9]+) operators a step", out).group(1))
+    fused = re.search(r"compiled step: [0-9.]+ ms a call; ([0-9]+) operators a step", out)
+    assert fused is not None, out[-400:]
+    assert int(fused.group(1)) < eager
