@@ -127,6 +127,17 @@ def test_speed_options_from_yaml_flags_and_the_old_key(tmp_path: Path) -> None:
     assert make_config(None, to_dict(c)).speed == c.speed
 
 
+def test_speed_options_are_offered_where_a_backend_takes_them() -> None:
+    """The world's backend takes no speed path and no chunked head: the workshop offers
+    neither flag (a flag that does nothing would be recorded as if it had); train and eval do
+    (eval samples through the fast paths; only train scores)."""
+    from grpolab.app.cli import command_fields
+
+    assert {"speed", "logit_chunk"} <= set(command_fields("train"))
+    assert "speed" in command_fields("eval") and "logit_chunk" not in command_fields("eval")
+    assert not {"speed", "logit_chunk"} & set(command_fields("workshop"))
+
+
 def test_speed_options_reach_the_backend_and_are_recorded(tmp_path: Path) -> None:
     from grpolab.app.commands import make_backend
     from grpolab.rollout.models import load_model

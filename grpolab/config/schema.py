@@ -75,7 +75,9 @@ class Speed:
     and is on by default; switching one off measures what it buys. Recorded with the run."""
 
     lean_forward: bool = True  # Llama-family and GPT-2 models on grpolab's forward (fastlm)
-    cpu_pack: bool = True  # CPU: sample on LoRA-merged, oneDNN-prepacked weights
+    # CPU: sample on LoRA-merged, oneDNN-prepacked weights; CUDA: the GPU's decode and
+    # training layouts (merged q/k/v, stacked adapters; fastlm.FastLM.cuda_layout)
+    cpu_pack: bool = True
     score_pack: bool = True  # CPU: scoring's frozen linears on oneDNN copies (with cpu_pack)
     early_exit: bool = True  # finished answers leave the decode batch
     length_buckets: bool = True  # answers of unequal length scored in length buckets
@@ -264,12 +266,12 @@ class Config:
         False, MODEL,
         "recompute each layer in backward: memory for time")
     speed: Speed = opt(
-        Speed(), RUN,
+        Speed(), MODEL_EVAL,
         "speed paths, each on by default, recorded with the run: lean_forward, cpu_pack, "
         "score_pack, early_exit, length_buckets, head_grad_in_forward, graph_decode (--speed "
         "early_exit=false,cpu_pack=false)")
     logit_chunk: int = opt(
-        256, RUN,
+        256, MODEL,
         "answer tokens scored through the LM head at a time (0 = all at once)")
     max_prompt_tokens: int = opt(
         1024, MODEL_EVAL,

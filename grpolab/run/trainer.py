@@ -147,8 +147,9 @@ class GRPOTrainer:
         if start == 0 and not resume:  # (a run stopped at step 0 has its line already)
             rec0 = {"step": 0, "heldout_acc": self.evaluate(),
                     "heldout_pass_prob": self.heldout_pass_prob(),
-                    "train_pass_prob": self.train_pass_prob(),
-                    "speed": dataclasses.asdict(cfg.speed)}  # the paths this run takes
+                    "train_pass_prob": self.train_pass_prob()}
+            if cfg.model_path:  # the paths a real model's run takes (the world has none)
+                rec0["speed"] = dataclasses.asdict(cfg.speed)
             if self.watch.check_acc:
                 rec0["heldout_check_acc"] = self.watch.check_acc[-1]
             if self.heldout_by_difficulty:
