@@ -12,10 +12,11 @@
 #       at 32 x 64 (bench-*.md, bench-*.log); profile: bench/decode_profile.py at 256 x 256
 #       (profile-*.log); ab: grpolab with graph_decode off (ab-*); micro: with micro_batch 64
 #       (micro64-*); big (only when named): a random-init model of Qwen2-1.5B's shape
-#       (SmolLM2's vocabulary), benched at 64 x 128 (bench-big-*); fuse (only when named): the
-#       profile with the decode step also compiled by inductor (fuse-*.log: its kernels, time
-#       and compile time). Each stage's time limit is cut to what is left of SECONDS (default
-#       540), so a call within the device's 600 s limit brings back every finished stage.
+#       (SmolLM2's vocabulary), benched at 64 x 128 (bench-big-*); fuse (last, in what time is
+#       left): the profile with the decode step also compiled by inductor (fuse-*.log: its
+#       kernels, time and compile time). Each stage's time limit is cut to what is left of
+#       SECONDS (default 540), so a call within the device's 600 s limit brings back every
+#       finished stage.
 #       DEVICE=cpu is the dry run on a CPU (8 x 16, float32).
 set -u
 cd "$(dirname "$0")/.."
@@ -41,7 +42,7 @@ fi
 out=${3:-gpu-out}
 device=${4:-cuda}
 end=$((SECONDS + ${5:-540}))
-stages=,${6:-tests,bench,profile,ab,micro},
+stages=,${6:-tests,bench,profile,ab,micro,fuse},
 mkdir -p "$out"
 limit() {  # SECONDS: the stage's limit, cut to what is left (0: no time left)
     local left=$((end - SECONDS - 5))
@@ -121,11 +122,12 @@ profile() {  # NAME SECONDS ARGS...: where a decode step's time goes, at the lar
     grep -E "^(sampling|one step|compiled)" "$out/$name-$big.log"
 }
 [[ $stages == *,profile,* ]] && profile profile 120
-[[ $stages == *,fuse,* ]] && profile fuse 240 --compile  # only when named
 # at the larger size, grpolab alone: what the captured decode buys (one process, steps
 # alternating with graph_decode off), and the update in 64-row parts (its peak memory)
 [[ $stages == *,ab,* ]] && bench "ab-no-graph-$big" "$big" 200 --ab no-graph --rounds 2
 [[ $stages == *,micro,* ]] && bench "micro64-$big" "$big" 150 --levers micro64 --rounds 1
+# last, in what time is left: whether fused kernels would pay (the step compiled by inductor)
+[[ $stages == *,fuse,* ]] && profile fuse 240 --compile
 if [[ $stages == *,big,* ]]; then  # only when named: a 1.5B model of Qwen2-1.5B's shape
     t=$(limit 90)
     if [ "$t" = 0 ]; then echo "big: skipped, out of time"; else
