@@ -193,8 +193,8 @@ def packed_weight(w: Tensor, rows: int, transposed: bool = False) -> Tensor | No
     false, oneDNN refused it, or the kept copies' ``keep_budget()`` is spent). A frozen weight
     keeps its copy, checked against its version counter and address, so the head and base
     weights under LoRA are reordered once a run; weights being trained are reordered per call
-    rather than holding a second copy between steps. Writes through ``.data`` bypass the version counter: call ``clear_packed()`` after
-    them."""
+    rather than holding a second copy between steps. Writes through ``.data`` bypass the
+    version counter: call ``clear_packed()`` after them."""
     if not can_pack(w):
         return None
     keep = not w.requires_grad and not w.is_inference()
