@@ -656,7 +656,9 @@ def test_cuda_layout_scores_as_peft_does(paths: dict[str, str], device: str, lor
     low = dtype == "bfloat16"
     for other in [k for k in got if k is not True]:
         lp, g = got[other]
-        torch.testing.assert_close(lp_on[m], lp[m], atol=2e-3 if low else 2e-5, rtol=1e-5)
+        # bfloat16: one rounding of a logit near 0.5 is 2e-3; CUDA's kernels round elsewhere
+        atol = (4e-3 if device == "cuda" else 2e-3) if low else 2e-5
+        torch.testing.assert_close(lp_on[m], lp[m], atol=atol, rtol=1e-5)
         assert g.keys() == g_on.keys()
         for n in g:
             if low:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from helpers import same_answers
 from transformers import AutoModelForCausalLM
 
 from grpolab.app import cli, commands
@@ -184,11 +185,13 @@ def test_micro_batches_take_the_same_step(
 ) -> None:
     """--micro-batch 3 (groups of 4 cut across parts) takes the whole-batch step, and a run may
     resume with another micro-batch size without a config-change warning."""
+    # CUDA draws another random stream than the CPU's (where seed 0's step is live): 4 groups
+    live = {"budget": 16} if device == "cuda" else {}
     whole_yaml, whole = write_config(tmp_path / "a", llama, lora=False, steps=1, eval_dataset="",
-                                     device=device)
+                                     device=device, **live)
     run_cli(monkeypatch, ["train", "--config", whole_yaml])
     mb_yaml, mb = write_config(tmp_path / "b", llama, lora=False, steps=1, eval_dataset="",
-                               device=device)
+                               device=device, **live)
     trainer = run_cli(monkeypatch, ["train", "--config", mb_yaml, "--micro-batch", "3"])
     assert trainer.cfg.micro_batch == 3
     a, b = read_metrics(whole)[1], read_metrics(mb)[1]
@@ -234,11 +237,12 @@ def test_gradient_checkpointing_takes_the_same_step(
 ) -> None:
     """--gradient-checkpointing recomputes each layer in backward (the lean forward, prompts
     still shared) and takes the step a plain run takes."""
+    live = {"budget": 16} if device == "cuda" else {}  # as in test_micro_batches_take_...
     plain_yaml, plain = write_config(tmp_path / "a", llama, lora=lora, steps=1, eval_dataset="",
-                                     device=device)
+                                     device=device, **live)
     run_cli(monkeypatch, ["train", "--config", plain_yaml])
     ckpt_yaml, ckpt = write_config(tmp_path / "b", llama, lora=lora, steps=1, eval_dataset="",
-                                   device=device)
+                                   device=device, **live)
     trainer = run_cli(monkeypatch, ["train", "--config", ckpt_yaml, "--gradient-checkpointing"])
     be = trainer.backend
     # (transformers 5.17 has no is_activation_checkpointing; fastlm.checkpointing reads either)
@@ -522,7 +526,7 @@ def test_lean_sampler_matches_hf_generate_greedy(
     ids, mask = backend.encode_prompts(prompts)
     lean = backend._sample(ids, mask, 0.0, 12, seed=0)
     ref = backend._hf_generate(ids, mask, 0.0, 12, seed=0)
-    assert torch.equal(lean, ref)
+    assert same_answers(lean, ref, backend.pad_id)  # (on CUDA the fixed-shape loop)
 
 
 def test_sample_next_draws_from_softmax() -> None:
