@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from math import comb
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from grpolab.app import cli
+from grpolab.config import Speed
 from grpolab.core.passk import ks_up_to, pass_at_k
 from grpolab.rollout.tinyhf import make_tiny_model
 
@@ -42,11 +44,13 @@ def test_eval_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     out = tmp_path / "eval"
     argv = ["eval", "--model-path", model, "--eval-dataset", str(data), "--prompt-column", "q",
             "--answer-column", "a", "--rewards", f"{rewards}:first_digit_odd", "--eval-samples",
-            "6", "--budget", "8", "--max-new-tokens", "6", "--out-dir", str(out)]
+            "6", "--budget", "8", "--max-new-tokens", "6", "--out-dir", str(out),
+            "--speed", "early_exit=false"]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     res = json.loads((out / "eval.json").read_text())
     assert res["prompts"] == 7 and res["samples_per_prompt"] == 6
+    assert res["speed"] == {**dataclasses.asdict(Speed()), "early_exit": False}  # recorded
     assert 0 <= res["greedy_accuracy"] <= 1 and res["reward_problems"] == 0
     assert res["rewards/first_digit_odd"] == pytest.approx(res["greedy_accuracy"])
     passes = [res[f"pass@{k}"] for k in (1, 2, 4, 6)]

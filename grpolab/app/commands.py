@@ -257,6 +257,7 @@ def run_eval(cfg: Config) -> dict[str, Any]:
         **{f"rewards/{name}": float(per_fn[:, j].mean()) for j, name in enumerate(greedy.names)},
         "reward_problems": greedy.problems,
         "greedy_correct": ok.int().tolist(),  # per prompt, for paired comparisons
+        "speed": dataclasses.asdict(cfg.speed),  # the sampling paths taken
     }
     if (by := by_difficulty(rows, ok.float())) is not None:
         out["greedy_accuracy_by_difficulty"] = by
