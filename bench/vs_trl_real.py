@@ -14,7 +14,8 @@ settings:
   optimisation pass, no gradient accumulation, at most L new tokens, temperature 1, no
   top-k/top-p, beta (KL to the reference), Adam(W) at a constant lr, no weight decay, gradient
   clipping at 1, float32 (``--dtype bfloat16``: both in bfloat16, TRL with ``bf16=True``,
-  grpolab with ``dtype: bfloat16``; the LoRA adapters stay float32 in both), no gradient
+  grpolab with ``dtype: bfloat16``; the LoRA adapters stay float32 in both; on CUDA grpolab
+  samples with them folded into float32 copies of q/k/v/o, which run in float32), no gradient
   checkpointing;
 * LoRA r=8, alpha 16, dropout 0 on q_proj, k_proj, v_proj, o_proj for both (peft); the reference
   is the model with the adapters off in both (no copy);
@@ -168,6 +169,8 @@ def child_trl(args: argparse.Namespace, model_dir: str, out: str, split: Split) 
             split.begin.append((time.perf_counter(), time.process_time()))
 
         def on_step_end(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
+            if split.sync:  # the optimizer's kernels belong to this step
+                split.sync()
             m = self.trainer._metrics["train"]
             split.close_step(end=time.perf_counter(), cpu=time.process_time(),
                              tokens=m["completions/mean_length"][-1] * args.batch,
@@ -456,8 +459,9 @@ def decode_bytes(cfg: dict[str, Any], dtype: str, rows: int, prompt: int, new: i
     h, layers, inter, vocab = (cfg["hidden_size"], cfg["num_hidden_layers"],
                                cfg["intermediate_size"], cfg["vocab_size"])
     heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads", heads) * h // heads
-    weights = (layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + vocab * h) * size
+    dim = cfg.get("head_dim") or h // heads
+    q, kv = heads * dim, cfg.get("num_key_value_heads", heads) * dim
+    weights = (layers * (2 * h * q + 2 * h * kv + 3 * h * inter) + vocab * h) * size
     kv_bytes = sum(rows * layers * 2 * kv * (prompt + t) * size for t in range(new))
     return new * weights + kv_bytes
 
@@ -467,6 +471,18 @@ def loadavg() -> float:
         return float(Path("/proc/loadavg").read_text().split()[0])
     except OSError:
         return float("nan")
+
+
+def versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def one(name: str) -> str:
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            return f"no {name}"
+
+    return ", ".join(one(n) for n in ("torch", "transformers", "peft", "trl"))
 
 
 def gpu_name() -> str:
@@ -528,7 +544,7 @@ def run_child(args: argparse.Namespace, who: str, rnd: int, flops: bool,
             res["wall_child"] = time.perf_counter() - t0
             res["variant"], res["max_new"] = variant, max_new or args.max_new_tokens
             print(f"  round {rnd} {who:3s} {variant:10s}: {res['steps'] / res['time']:.4f} steps/s, "
-                  f"{res['time'] / res['steps']:.1f} s/step, peak RSS "
+                  f"{res['time'] / res['steps']:.3g} s/step, {memory_label(args)[:-4]} "
                   f"{res['peak_rss_mib']:.0f} MiB, {res['tokens'] / res['steps']:.0f} tok/step, "
                   f"build {res['build_s']:.0f} s, load {la0:.2f}->{res['load'][1]:.2f}, "
                   f"child {res['wall_child']:.0f} s", flush=True)
@@ -572,6 +588,7 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
              "built": max(r["rss_after_build_mib"] for r in rs)}
         a["other"] = a["s"] - a["gen"] - a["ref"] - a["pol"]
         a["tok_s"] = a["tok"] * steps / t
+        a["gen_tok_s"] = a["tok"] / a["gen"] if a["gen"] else float("nan")
         fl = [r["flops"] for r in rs if "flops" in r]
         if fl and rate:
             a["gflop"] = fl[-1] / 1e9
@@ -580,36 +597,42 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
     name = {"trl": "TRL GRPOTrainer", "lab": "grpolab"}
     mem = memory_label(args)
     hdr = ("| trainer | steps/s | s/step | gen s | ref s | policy fwd+bwd s | other s | "
-           f"tokens/step | gen tokens/s | {mem} | GFLOP/step | floor s/step | x floor |")
+           f"tokens/step | tokens/s (step) | tokens/s (gen) | {mem} | GFLOP/step | "
+           "floor s/step | x floor |")
+    f = ".3f" if args.device == "cuda" else ".1f"  # a GPU's seconds are small
     lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for who in ("trl", "lab"):
         a = agg[who]
-        floor = (f"{a['gflop']:.0f} | {a['floor']:.1f} | {a['t'] / a['steps'] / a['floor']:.1f}"
-                 if "floor" in a else "- | - | -")
-        lines.append(f"| {name[who]} | {a['sps']:.4f} | {1 / a['sps']:.1f} | {a['gen']:.1f} | "
-                     f"{a['ref']:.1f} | {a['pol']:.1f} | {a['other']:.1f} | {a['tok']:.0f} | "
-                     f"{a['tok_s']:.1f} | {a['peak']:.0f} | {floor} |")
+        floor = (f"{a['gflop']:.0f} | {a['floor']:{f}} | "
+                 f"{a['t'] / a['steps'] / a['floor']:.1f}" if "floor" in a else "- | - | -")
+        lines.append(f"| {name[who]} | {a['sps']:.4f} | {1 / a['sps']:{f}} | {a['gen']:{f}} | "
+                     f"{a['ref']:{f}} | {a['pol']:{f}} | {a['other']:{f}} | {a['tok']:.0f} | "
+                     f"{a['tok_s']:.1f} | {a['gen_tok_s']:.1f} | {a['peak']:.0f} | {floor} |")
     lab, trl = agg["lab"], agg["trl"]
     per = [lr["steps"] / lr["time"] / (tr["steps"] / tr["time"])
            for lr, tr in zip(res["lab"], res["trl"])]
     lines += [
         "",
         f"ratio grpolab / TRL: {lab['sps'] / trl['sps']:.2f}x steps/s (per round: "
-        + ", ".join(f"{x:.2f}" for x in per) + f"); {lab['cpu_sps'] / trl['cpu_sps']:.2f}x "
-        f"steps per CPU-second; {lab['tok_s'] / trl['tok_s']:.2f}x generated tokens/s; "
+        + ", ".join(f"{x:.2f}" for x in per) + "); "
+        # (on a GPU the host spins in synchronize: CPU time is wall time)
+        + (f"{lab['cpu_sps'] / trl['cpu_sps']:.2f}x steps per CPU-second; "
+           if args.device != "cuda" else "")
+        + f"{lab['gen_tok_s'] / trl['gen_tok_s']:.2f}x generation's tokens/s; "
         f"{mem[:-4]} {lab['peak'] / trl['peak']:.2f}x TRL's",
     ]
     if "floor" in lab and "floor" in trl:
         where = (f"{args.device}" if args.device == "cuda" else f"here at {args.threads} threads")
-        plus = (f" + the decode's bytes / the measured bandwidth ({memory_s:.2f} s)"
-                if memory_s else "")
+        plus = (f" + the decode's bytes / the measured bandwidth ({memory_s:.3f} s; added, "
+                "no overlap assumed; every row's prompt keys counted)" if memory_s else "")
         lines.append(f"floor: matmul+attention FLOPs of one step (torch.utils.flop_counter) / "
                      f"{rate / 1e9:.0f} GFLOP/s (best {args.dtype} matmul {where}){plus}; TRL does {trl['gflop'] / lab['gflop']:.2f}x grpolab's counted "
-                     f"work (sampled lengths differ); TRL's measured time / grpolab's floor = "
-                     f"{trl['t'] / trl['steps'] / lab['floor']:.2f}x (the most any trainer "
-                     f"doing grpolab's work could reach)")
+                     f"work{'' if args.fixed_length else ' (sampled lengths differ)'}; "
+                     f"TRL's measured time / grpolab's floor = "
+                     f"{trl['t'] / trl['steps'] / lab['floor']:.2f}x (about the most any "
+                     f"trainer doing grpolab's work could reach)")
     lines.append(f"machine: {info['cpu']}, {info['nproc']} CPUs visible, torch threads "
-                 f"{args.threads}; 1-min load before/after each child: " + ", ".join(
+                 f"{args.threads}; {info['versions']}; 1-min load before/after each child: " + ", ".join(
                      f"{r['trainer']}{r['round']} {r['load'][0]:.2f}/{r['load'][1]:.2f}"
                      for rr in zip(res["trl"], res["lab"]) for r in rr))
     for who in ("trl", "lab"):
@@ -629,7 +652,7 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
         failed = next((r["graph_failed"] for r in res["lab"] if r.get("graph_failed")), None)
         if failed:
             lines.append(f"CUDA GRAPH CAPTURE FAILED ({failed}): grpolab decoded uncaptured")
-    lines.append(f"peak RSS after model load + trainer build (before any step): TRL "
+    lines.append(f"{mem[:-4]} after model load + trainer build (before any step): TRL "
                  f"{trl['built']:.0f} MiB, grpolab {lab['built']:.0f} MiB; trainable params: "
                  f"TRL {res['trl'][0]['trainable']}, grpolab {res['lab'][0]['trainable']}")
     return "\n".join(lines)
@@ -814,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.model = resolve_model(args.model)
     cfg = json.loads((Path(args.model) / "config.json").read_text())
-    info = {"cpu": cpu_name(), "nproc": os.cpu_count()}
+    info = {"cpu": cpu_name(), "nproc": os.cpu_count(), "versions": versions()}
     print(f"model {args.model}\nGRPO: G={args.group_size}, {args.batch} completions/step, max "
           f"{args.max_new_tokens} new tokens{' (no EOS)' if args.fixed_length else ''}, T=1, "
           f"beta={args.beta}, LoRA r=8 alpha 16 on {','.join(TARGETS)}, {args.dtype}, "

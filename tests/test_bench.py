@@ -141,8 +141,9 @@ def test_real_model_bench_ab_alternates_levers_in_one_process(tiny_chat_model: s
 
 def test_real_model_report_on_cuda_by_hand() -> None:
     """The report of a CUDA run from made-up children: GPU memory in the table and as a ratio,
-    the allocator's reserved peak beside it, the generated tokens/s, how often graphs were
-    captured and, loudly, a capture that failed; numbers by hand."""
+    the allocator's reserved peak beside it, tokens/s of the step and of generation, seconds to
+    the millisecond, no CPU-time ratio (the host spins in synchronize), the versions, how often
+    graphs were captured and, loudly, a capture that failed; numbers by hand."""
     import argparse
 
     sys.path.insert(0, str(BENCH.parent))
@@ -157,17 +158,22 @@ def test_real_model_report_on_cuda_by_hand() -> None:
 
     res = {"trl": [child("trl", 24.0, 50000.0, 52000.0)],
            "lab": [child("lab", 4.0, 20000.0, 26000.0) | {"graph_builds": 1}]}
-    args = argparse.Namespace(device="cuda", threads=16, dtype="bfloat16")
-    out = print_report(args, res, None, {"cpu": "a GPU host", "nproc": 16})
+    args = argparse.Namespace(device="cuda", threads=16, dtype="bfloat16", fixed_length=True)
+    info = {"cpu": "a GPU host", "nproc": 16, "versions": "torch 2.11.0, trl 1.16.0"}
+    out = print_report(args, res, None, info)
     lab = [c.strip() for c in next(ln for ln in out.splitlines()
                                    if ln.startswith("| grpolab ")).split("|")[1:-1]]
     assert "| peak GPU MiB |" in out
-    assert lab[1:3] == ["0.5000", "2.0"] and lab[8:10] == ["32768.0", "20000"]  # 131072 / 4 s
+    assert lab[1:3] == ["0.5000", "2.000"] and lab[4] == "0.200"  # ref: 0.1 x 4 s / 2 steps
+    # 131072 tokens / 4 s; generation: 65536 a step in 1 s; then the peak
+    assert lab[8:11] == ["32768.0", "65536.0", "20000"]
     assert "6.00x steps/s" in out and "peak GPU 0.40x TRL's" in out
+    assert "6.00x generation's tokens/s" in out and "CPU-second" not in out  # TRL: 65536 / 6 s
+    assert "torch threads 16; torch 2.11.0, trl 1.16.0;" in out
     assert "TRL 52000 MiB, grpolab 26000 MiB (0.50x TRL's)" in out
     assert "capturing its graphs) in grpolab's timed steps: 1 in 2 steps" in out
     assert "CAPTURE FAILED" not in out
     res["lab"][0]["graph_failed"] = "operation not permitted when stream is capturing"
-    out = print_report(args, res, None, {"cpu": "a GPU host", "nproc": 16})
+    out = print_report(args, res, None, info)
     assert ("CUDA GRAPH CAPTURE FAILED (operation not permitted when stream is capturing): "
             "grpolab decoded uncaptured") in out
