@@ -146,7 +146,8 @@ def compiled_step(step: Any, args: tuple, cuda: bool, reps: int) -> str:
         run(*args)  # the capture
         _, t = timed(lambda: [run(*args) for _ in range(reps)], cuda)
     except Exception as e:  # noqa: BLE001 - an experiment: its failure is a finding
-        return f"compiled step: FAILED ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        said = (str(e).strip().splitlines() or [""])[0][:200]
+        return f"compiled step: FAILED ({type(e).__name__}: {said})"
     how = ("" if not cuda else ", replayed" if not run.failed
            else f", CAPTURE FAILED ({run.failed[0]}), uncaptured")
     return (f"compiled step: {1e3 * t / reps:.2f} ms a call{how}; {count} "
