@@ -631,10 +631,11 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
                      f"TRL's measured time / grpolab's floor = "
                      f"{trl['t'] / trl['steps'] / lab['floor']:.2f}x (about the most any "
                      f"trainer doing grpolab's work could reach)")
+    loads = ", ".join(f"{r['trainer']}{r['round']} {r['load'][0]:.2f}/{r['load'][1]:.2f}"
+                      for rr in zip(res["trl"], res["lab"]) for r in rr)
     lines.append(f"machine: {info['cpu']}, {info['nproc']} CPUs visible, torch threads "
-                 f"{args.threads}; {info['versions']}; 1-min load before/after each child: " + ", ".join(
-                     f"{r['trainer']}{r['round']} {r['load'][0]:.2f}/{r['load'][1]:.2f}"
-                     for rr in zip(res["trl"], res["lab"]) for r in rr))
+                 f"{args.threads}; {info['versions']}; 1-min load before/after each child: "
+                 f"{loads}")
     for who in ("trl", "lab"):
         traced = [r["memory"] for r in res[who] if "memory" in r]
         if traced:

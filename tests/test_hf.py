@@ -237,7 +237,7 @@ def test_gradient_checkpointing_takes_the_same_step(
 ) -> None:
     """--gradient-checkpointing recomputes each layer in backward (the lean forward, prompts
     still shared) and takes the step a plain run takes."""
-    live = {"budget": 16} if device == "cuda" else {}  # as in test_micro_batches_take_...
+    live = {"budget": 16} if device == "cuda" else {}  # see test_micro_batches_take_the_same_step
     plain_yaml, plain = write_config(tmp_path / "a", llama, lora=lora, steps=1, eval_dataset="",
                                      device=device, **live)
     run_cli(monkeypatch, ["train", "--config", plain_yaml])
