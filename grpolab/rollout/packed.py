@@ -183,9 +183,9 @@ def keep_budget() -> float:
 
 @functools.cache
 def _say_budget_reached(budget: float) -> None:  # once a process
-    log.warning("oneDNN copies of frozen weights stop at %.1f GB (%d%% of this machine's "
-                "memory): the other weights run without one (slower); --speed cpu_pack=false "
-                "makes none", budget / 2**30, round(100 * KEEP_SHARE))
+    log.warning("oneDNN copies of frozen weights stop at %.1f GB (%d%% of the memory this "
+                "process may use): the other weights run without one (slower); --speed "
+                "cpu_pack=false makes none", budget / 2**30, round(100 * KEEP_SHARE))
 
 
 def packed_weight(w: Tensor, rows: int, transposed: bool = False) -> Tensor | None:
