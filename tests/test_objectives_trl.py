@@ -13,15 +13,16 @@ import pytest
 import torch
 from helpers import agree, pair
 
-from grpolab.config import Config, make_config
-from grpolab.config.trl import TRL_ALIASES, TRL_VALUES
+from grpolab.config import Config, ConfigError, make_config
+from grpolab.config import trl as trl_names
+from grpolab.config.trl import TRL_ALIASES, TRL_FIXED, TRL_IGNORED, TRL_VALUES
 from grpolab.core import advantages as A
 from grpolab.core import losses as L
 from grpolab.core.losses import grpo_loss
 from grpolab.rollout import head as H
 
 trl = pytest.importorskip("trl")
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, ModelConfig
 from trl.trainer.utils import entropy_from_logits
 from trl_harness import bare_trainer, trl_advantages, trl_loss
 
@@ -187,5 +188,64 @@ def test_entropy_bonus_and_selection_match_trl(loss_type: str, agg: str) -> None
 
 def test_trl_aliases_are_trl_fields() -> None:
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    assert set(TRL_ALIASES) | set(TRL_VALUES) <= fields
+    model = {f.name for f in dataclasses.fields(ModelConfig)}
+    named = {*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *TRL_IGNORED, *trl_names._BATCH,
+             "num_train_epochs"}
+    assert named <= fields | model
+    assert {k for k in named if k not in fields} == {"model_name_or_path", "use_peft",
+                                                      "model_revision"}
     assert all(v in Config.__dataclass_fields__ for v in TRL_ALIASES.values())
+
+
+def test_trl_defaults_load() -> None:
+    """Every TRL setting grpolab reads, at TRL's default value, loads (a YAML written from
+    TRL's defaults is accepted, but for disable_dropout: false) and means what TRL's default
+    means."""
+    trl_default = {f.name: (f.default if f.default is not dataclasses.MISSING
+                            else f.default_factory())
+                   for f in dataclasses.fields(GRPOConfig)
+                   if f.default is not dataclasses.MISSING
+                   or f.default_factory is not dataclasses.MISSING}
+    named = {*TRL_VALUES, *TRL_FIXED, *trl_names._BATCH} - {"disable_dropout"}  # (always on)
+    given = {k: trl_default[k] for k in named}
+    c = make_config(None, {**given, "max_steps": 5}, "train")
+    # TRL's defaults: 8 answers a step (8 per device, no accumulation), each forward all 8,
+    # no held-out evaluation (eval_strategy "no"), checkpoints on, float32 weights, HF sampling
+    assert (c.budget, c.micro_batch, c.eval_size, c.steps) == (8, 8, 0, 5)
+    assert c.checkpoint_every > 0 and c.dtype == "float32" and c.rollout_backend == "hf"
+
+
+# grpolab train's defaults that are not TRL's (docs/real-models.md#trl-configs lists them)
+TRAIN_DEFAULTS_DIFFER = {
+    "beta", "loss_type", "use_bias_correction_kl", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "use_peft", "lora_r", "lora_alpha", "lora_dropout",
+    "learning_rate", "lr_scheduler_type", "max_completion_length", "gradient_checkpointing",
+    "max_steps", "save_steps", "eval_strategy", "seed", "disable_dropout"}
+
+
+def test_train_defaults_against_trl(monkeypatch) -> None:
+    """Each TRL setting grpolab reads, at TRL's default, against ``grpolab train``'s default:
+    the ones that differ are the documented ones (fails when TRL moves a default)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def defaults(cls: type) -> dict:
+        return {f.name: (f.default if f.default is not dataclasses.MISSING
+                         else f.default_factory()) for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING
+                or f.default_factory is not dataclasses.MISSING}
+
+    trl_default = {**defaults(GRPOConfig), **defaults(ModelConfig)}
+    named = ({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *trl_names._BATCH}
+             | set(Config.__dataclass_fields__)) & set(trl_default)
+    ours = dataclasses.asdict(make_config(None, {}, "train"))
+    differ = set()
+    for name in named:
+        try:
+            theirs = dataclasses.asdict(make_config(None, {name: trl_default[name]}, "train"))
+        except ConfigError:  # max_steps -1: TRL counts epochs, grpolab steps
+            differ.add(name)
+            continue
+        theirs["report_to"] = [n for n in theirs["report_to"] if n != "none"]
+        if theirs != ours:
+            differ.add(name)
+    assert differ == TRAIN_DEFAULTS_DIFFER

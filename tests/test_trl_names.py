@@ -4,6 +4,9 @@ loss: test_objectives_trl.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from grpolab.config import ConfigError, make_config
@@ -54,3 +57,99 @@ def test_trl_conflicts_are_one_line(trl_keys: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as e:
         make_config(None, trl_keys)
     assert "\n" not in str(e.value)
+
+
+def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None:
+    """A TRL GRPO YAML as people write them (TrainingArguments and ModelConfig names beside
+    GRPOConfig's) loads: batch, precision, saving, evaluation, model and LoRA translated, the
+    logging and Hub settings left aside with one notice naming them."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    y = tmp_path / "trl.yaml"
+    y.write_text("model_name_or_path: runs/tiny\nuse_peft: true\nlora_r: 16\nbf16: true\n"
+                 "per_device_train_batch_size: 8\ngradient_accumulation_steps: 4\n"
+                 "num_generations: 8\nmax_steps: 100\nnum_train_epochs: 1\n"
+                 "save_strategy: steps\nsave_steps: 25\neval_strategy: steps\n"
+                 "eval_steps: 20\nlogging_steps: 1\nlog_completions: true\n"
+                 "push_to_hub: false\nreport_to: none\noptim: adamw_torch\n"
+                 "weight_decay: 0.0\ntop_p: 1.0\nuse_vllm: false\nseed: 42\n")
+    with caplog.at_level("WARNING", logger="grpolab"):
+        c = make_config(y, None, "train")
+    assert (c.model_path, c.lora, c.lora_r, c.dtype) == ("runs/tiny", True, 16, "bfloat16")
+    # TRL: 8 per device x 4 accumulated = 32 answers an optimiser step, 8 rows a backward
+    assert (c.budget, c.micro_batch, c.group_size, c.steps) == (32, 8, 8, 100)
+    assert (c.checkpoint_every, c.eval_every, c.seed) == (25, 20, 42)
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 1
+    assert notes[0].endswith("log_completions, logging_steps, push_to_hub")
+    monkeypatch.setenv("WORLD_SIZE", "4")  # torchrun's processes each take 8 x 4
+    assert make_config(y, None, "train").budget == 128
+
+
+@pytest.mark.parametrize(("trl_keys", "want"), [
+    ({"fp16": True}, {"dtype": "float16"}),
+    ({"bf16": False, "fp16": False}, {"dtype": "float32"}),
+    ({"use_peft": False}, {"lora": False}),
+    ({"use_vllm": True}, {"rollout_backend": "vllm"}),
+    ({"save_strategy": "no"}, {"checkpoint_every": 0}),
+    ({"eval_strategy": "no"}, {"eval_size": 0}),
+    ({"disable_tqdm": True}, {"progress": False}),
+    ({"disable_dropout": True, "use_peft": True}, {"lora_dropout": 0.0, "lora": True}),
+    ({"gradient_accumulation_steps": 2}, {"budget": 16, "micro_batch": 8}),  # TRL's 8 each
+    ({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4,
+      "steps_per_generation": 4}, {"budget": 16}),
+    ({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4,
+      "generation_batch_size": 16}, {"budget": 16}),
+    ({"max_steps": 7, "num_train_epochs": 3}, {"steps": 7}),  # TRL: max_steps wins
+])
+def test_trl_training_values(trl_keys: dict, want: dict, monkeypatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    c = make_config(None, trl_keys, "train")
+    assert {k: getattr(c, k) for k in want} == want
+
+
+@pytest.mark.parametrize(("trl_keys", "message"), [
+    ({"top_p": 0.9}, "top_p: 0.9 .TRL. has no grpolab equivalent: grpolab samples the whole"),
+    ({"top_k": 50}, "top_k: 50 .TRL."),
+    ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"weight_decay": 0.01}, "weight_decay: 0.01 .TRL.* Adam"),
+    ({"optim": "adafactor"}, "optim: 'adafactor' .TRL. has no grpolab equivalent"),
+    ({"num_train_epochs": 2}, "num_train_epochs / max_steps: -1 .TRL"),
+    ({"max_steps": -1}, "set max_steps"),
+    ({"steps_per_generation": 4}, "steps_per_generation / generation_batch_size"),
+    ({"per_device_train_batch_size": 4, "generation_batch_size": 64}, "generation_batch_size"),
+    ({"steps_per_generation": 1, "generation_batch_size": 8}, "set one or neither"),
+    ({"per_device_train_batch_size": 4, "budget": 64}, "sets budget to 4, but budget"),
+    ({"bf16": True, "dtype": "float32"}, "bf16: True .TRL. sets dtype"),
+    ({"push_to_hub": True}, "does not upload"),
+    ({"save_strategy": "epoch"}, "save_strategy: 'epoch'"),
+    ({"vllm_mode": "server"}, "vllm_mode: 'server'"),
+    ({"disable_dropout": False}, "disable_dropout: False .TRL. has no grpolab equivalent"),
+    ({"disable_dropout": True, "lora_dropout": 0.05}, "sets lora_dropout to 0.0, but lora_dro"),
+])
+def test_trl_training_refusals_are_one_line(trl_keys: dict, message: str, monkeypatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match=message) as e:
+        make_config(None, trl_keys, "train")
+    assert "\n" not in str(e.value)
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_example_configs_load(name: str) -> None:
+    make_config(EXAMPLES / name, None, "train")
+
+
+def test_trl_named_example_is_hf_tiny(monkeypatch) -> None:
+    """examples/trl_tiny.yaml, in TRL's names, is examples/hf_tiny.yaml's run: the same
+    settings but the folder and the backward's rows (the same step, to float rounding)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from grpolab.rewards.builtin import THINK_ANSWER_PATTERN
+
+    ours = dataclasses.asdict(make_config(EXAMPLES / "hf_tiny.yaml", None, "train"))
+    trl = dataclasses.asdict(make_config(EXAMPLES / "trl_tiny.yaml", None, "train"))
+    trl["format_pattern"] = trl["format_pattern"] or THINK_ANSWER_PATTERN  # "" = the default
+    trl["report_to"] = [n for n in trl["report_to"] if n != "none"]
+    differ = {k: (ours[k], trl[k]) for k in ours if ours[k] != trl[k]}
+    assert differ == {"out_dir": ("runs/hf-tiny", "runs/trl-tiny"), "micro_batch": (0, 8)}
