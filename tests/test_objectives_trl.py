@@ -11,11 +11,12 @@ import dataclasses
 
 import pytest
 import torch
+import yaml
 from helpers import agree, pair
 
 from grpolab.config import Config, ConfigError, make_config
 from grpolab.config import trl as trl_names
-from grpolab.config.trl import TRL_ALIASES, TRL_FIXED, TRL_IGNORED, TRL_VALUES
+from grpolab.config.trl import TRL_ALIASES, TRL_FIXED, TRL_KEYS, TRL_VALUES
 from grpolab.core import advantages as A
 from grpolab.core import losses as L
 from grpolab.core.losses import grpo_loss
@@ -189,30 +190,41 @@ def test_entropy_bonus_and_selection_match_trl(loss_type: str, agg: str) -> None
 def test_trl_aliases_are_trl_fields() -> None:
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     model = {f.name for f in dataclasses.fields(ModelConfig)}
-    named = {*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *TRL_IGNORED, *trl_names._BATCH,
-             "num_train_epochs"}
-    assert named <= fields | model
-    assert {k for k in named if k not in fields} == {"model_name_or_path", "use_peft",
-                                                      "model_revision"}
+    assert TRL_KEYS <= fields | model
+    assert {k for k in TRL_KEYS if k not in fields} == {
+        "model_name_or_path", "use_peft", "model_revision", "attn_implementation"}
     assert all(v in Config.__dataclass_fields__ for v in TRL_ALIASES.values())
 
 
-def test_trl_defaults_load() -> None:
+def trl_defaults() -> dict:
+    """TRL 1.16's defaults: GRPOConfig's fields (its TrainingArguments') and ModelConfig's."""
+    return {f.name: (f.default if f.default is not dataclasses.MISSING
+                     else f.default_factory())
+            for cls in (GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING
+            or f.default_factory is not dataclasses.MISSING}
+
+
+def load_as_yaml(tmp_path, keys: dict) -> Config:  # (None stays None, as TRL's "unset")
+    y = tmp_path / "trl.yaml"
+    y.write_text(yaml.safe_dump(keys))
+    return make_config(y, None, "train")
+
+
+def test_trl_defaults_load(tmp_path, monkeypatch) -> None:
     """Every TRL setting grpolab reads, at TRL's default value, loads (a YAML written from
     TRL's defaults is accepted, but for disable_dropout: false) and means what TRL's default
     means."""
-    trl_default = {f.name: (f.default if f.default is not dataclasses.MISSING
-                            else f.default_factory())
-                   for f in dataclasses.fields(GRPOConfig)
-                   if f.default is not dataclasses.MISSING
-                   or f.default_factory is not dataclasses.MISSING}
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    trl_default = trl_defaults()
     named = {*TRL_VALUES, *TRL_FIXED, *trl_names._BATCH} - {"disable_dropout"}  # (always on)
-    given = {k: trl_default[k] for k in named}
-    c = make_config(None, {**given, "max_steps": 5}, "train")
+    c = load_as_yaml(tmp_path, {**{k: trl_default[k] for k in named}, "max_steps": 5})
     # TRL's defaults: 8 answers a step (8 per device, no accumulation), each forward all 8,
-    # no held-out evaluation (eval_strategy "no"), checkpoints on, float32 weights, HF sampling
+    # no held-out evaluation (eval_strategy "no"), checkpoints on, bfloat16 (bf16 unset is on),
+    # the advantage over the sample std + 1e-4, HF sampling
     assert (c.budget, c.micro_batch, c.eval_size, c.steps) == (8, 8, 0, 5)
-    assert c.checkpoint_every > 0 and c.dtype == "float32" and c.rollout_backend == "hf"
+    assert (c.scale, c.std, c.std_eps, c.dtype) == ("std", "sample", 1e-4, "bfloat16")
+    assert c.checkpoint_every > 0 and c.rollout_backend == "hf"
 
 
 # grpolab train's defaults that are not TRL's (docs/real-models.md#trl-configs lists them)
@@ -220,28 +232,23 @@ TRAIN_DEFAULTS_DIFFER = {
     "beta", "loss_type", "use_bias_correction_kl", "per_device_train_batch_size",
     "gradient_accumulation_steps", "use_peft", "lora_r", "lora_alpha", "lora_dropout",
     "learning_rate", "lr_scheduler_type", "max_completion_length", "gradient_checkpointing",
-    "max_steps", "save_steps", "eval_strategy", "seed", "disable_dropout"}
+    "max_steps", "save_steps", "eval_strategy", "seed", "disable_dropout", "bf16",
+    "scale_rewards"}
 
 
-def test_train_defaults_against_trl(monkeypatch) -> None:
+def test_train_defaults_against_trl(tmp_path, monkeypatch) -> None:
     """Each TRL setting grpolab reads, at TRL's default, against ``grpolab train``'s default:
     the ones that differ are the documented ones (fails when TRL moves a default)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-
-    def defaults(cls: type) -> dict:
-        return {f.name: (f.default if f.default is not dataclasses.MISSING
-                         else f.default_factory()) for f in dataclasses.fields(cls)
-                if f.default is not dataclasses.MISSING
-                or f.default_factory is not dataclasses.MISSING}
-
-    trl_default = {**defaults(GRPOConfig), **defaults(ModelConfig)}
-    named = ({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *trl_names._BATCH}
-             | set(Config.__dataclass_fields__)) & set(trl_default)
+    trl_default = trl_defaults()
+    named = ({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *trl_names._BATCH} | {
+        k for k in Config.__dataclass_fields__ if trl_default.get(k) is not None}
+             ) & set(trl_default)  # (None for one of grpolab's own keys is not TRL's "unset")
     ours = dataclasses.asdict(make_config(None, {}, "train"))
     differ = set()
     for name in named:
         try:
-            theirs = dataclasses.asdict(make_config(None, {name: trl_default[name]}, "train"))
+            theirs = dataclasses.asdict(load_as_yaml(tmp_path, {name: trl_default[name]}))
         except ConfigError:  # max_steps -1: TRL counts epochs, grpolab steps
             differ.add(name)
             continue

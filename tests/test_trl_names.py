@@ -89,7 +89,8 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"fp16": True}, {"dtype": "float16"}),
     ({"bf16": False, "fp16": False}, {"dtype": "float32"}),
     ({"use_peft": False}, {"lora": False}),
-    ({"use_vllm": True}, {"rollout_backend": "vllm"}),
+    ({"use_vllm": True, "vllm_importance_sampling_correction": False},
+     {"rollout_backend": "vllm"}),
     ({"save_strategy": "no"}, {"checkpoint_every": 0}),
     ({"eval_strategy": "no"}, {"eval_size": 0}),
     ({"disable_tqdm": True}, {"progress": False}),
@@ -100,6 +101,20 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4,
       "generation_batch_size": 16}, {"budget": 16}),
     ({"max_steps": 7, "num_train_epochs": 3}, {"steps": 7}),  # TRL: max_steps wins
+    ({"save_strategy": "no", "save_steps": 500}, {"checkpoint_every": 0}),  # TRL ignores it
+    ({"eval_strategy": "no", "eval_steps": 5}, {"eval_size": 0}),
+    # transformers: eval_steps unset = logging_steps
+    ({"eval_strategy": "steps", "logging_steps": 5}, {"eval_every": 5}),
+    ({"eval_strategy": "steps", "logging_steps": 5, "eval_steps": 4}, {"eval_every": 4}),
+    # TRL counts optimiser steps, num_iterations of them per sampled batch; grpolab batches
+    ({"num_iterations": 2, "max_steps": 10, "save_steps": 4, "eval_steps": 2},
+     {"epochs": 2, "steps": 5, "checkpoint_every": 2, "eval_every": 1}),
+    ({"scale_rewards": "group"}, {"scale": "std", "std": "sample", "std_eps": 1e-4}),
+    ({"scale_rewards": "batch"}, {"scale": "batch", "std": "sample", "std_eps": 1e-4}),
+    ({"loss_type": "bnpo"}, {"loss_agg": "token_mean"}),  # one micro-batch: exact
+    ({"bf16": True, "use_peft": True}, {"dtype": "bfloat16", "lora": True}),
+    ({"bf16": None, "fp16": True, "use_peft": True}, {"dtype": "float16"}),
+    ({"use_vllm": False, "vllm_mode": "server"}, {"rollout_backend": "hf"}),
 ])
 def test_trl_training_values(trl_keys: dict, want: dict, monkeypatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -121,8 +136,16 @@ def test_trl_training_values(trl_keys: dict, want: dict, monkeypatch) -> None:
     ({"per_device_train_batch_size": 4, "budget": 64}, "sets budget to 4, but budget"),
     ({"bf16": True, "dtype": "float32"}, "bf16: True .TRL. sets dtype"),
     ({"push_to_hub": True}, "does not upload"),
+    ({"num_iterations": 2, "max_steps": 9}, "max_steps: 9 .TRL. counts optimiser steps, 2 per"),
+    ({"loss_type": "bnpo", "gradient_accumulation_steps": 2}, "use loss_type: dapo"),
+    ({"bf16": True, "use_peft": False}, "bf16 .TRL. with full fine-tuning"),
+    ({"fp16": True, "lora": False}, "fp16 .TRL. with full fine-tuning"),
+    ({"model_revision": "v2"}, "model_revision: 'v2'"),
+    ({"gradient_accumulation_steps": 1.5}, "must be a whole number"),
     ({"save_strategy": "epoch"}, "save_strategy: 'epoch'"),
-    ({"vllm_mode": "server"}, "vllm_mode: 'server'"),
+    ({"use_vllm": True, "vllm_importance_sampling_correction": False, "vllm_mode": "server"},
+     "vllm_mode: 'server'"),
+    ({"use_vllm": True}, "vllm_importance_sampling_correction: True .TRL. has no grpolab"),
     ({"disable_dropout": False}, "disable_dropout: False .TRL. has no grpolab equivalent"),
     ({"disable_dropout": True, "lora_dropout": 0.05}, "sets lora_dropout to 0.0, but lora_dro"),
 ])
@@ -153,3 +176,22 @@ def test_trl_named_example_is_hf_tiny(monkeypatch) -> None:
     trl["report_to"] = [n for n in trl["report_to"] if n != "none"]
     differ = {k: (ours[k], trl[k]) for k in ours if ours[k] != trl[k]}
     assert differ == {"out_dir": ("runs/hf-tiny", "runs/trl-tiny"), "micro_batch": (0, 8)}
+
+
+def test_trl_yaml_numbers_and_later_keys(tmp_path, monkeypatch, caplog) -> None:
+    """PyYAML reads 1e-8 (no dot) as a string: TRL's default still loads. A step count given
+    on the command line completes a YAML that counts epochs. The logging_steps that set the
+    evaluation's interval is not in the notice of settings left aside."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    y = tmp_path / "trl.yaml"
+    y.write_text("adam_epsilon: 1e-8\nnum_train_epochs: 2\neval_strategy: steps\n"
+                 "logging_steps: 3\nattn_implementation: sdpa\n")
+    with pytest.raises(ConfigError, match="num_train_epochs"):
+        make_config(y, None, "train")
+    with caplog.at_level("WARNING", logger="grpolab"):
+        c = make_config(y, {"steps": 6}, "train")
+    assert (c.steps, c.eval_every) == (6, 3)
+    assert [r.getMessage().rsplit(": ", 1)[1] for r in caplog.records] == ["attn_implementation"]
+    y.write_text("top_k: null\n")  # unset: generate's own default, 50
+    with pytest.raises(ConfigError, match="top_k: None .TRL. has no grpolab equivalent"):
+        make_config(y, None, "train")

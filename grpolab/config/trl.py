@@ -1,10 +1,11 @@
 """TRL's GRPOConfig names for grpolab's settings (the TrainingArguments it inherits and
-ModelConfig's model and LoRA names included): a TRL YAML file loads as it is.
+ModelConfig's model and LoRA names included): a TRL YAML file loads as it is, meaning what it
+means to TRL 1.16, or is refused in one line where grpolab has no equivalent.
 
 ``TRL_ALIASES`` renames keys one to one; ``TRL_VALUES`` maps TRL values that choose several
-grpolab settings at once; ``TRL_FIXED`` are settings grpolab has at TRL's default value only;
-``TRL_IGNORED`` change nothing that is trained (logging, the Hub, data loading) and are left
-aside with one notice; ``from_trl`` translates a dict and refuses contradictions.
+grpolab settings at once; ``TRL_FIXED`` are settings grpolab has at one value only;
+``TRL_ASIDE`` change nothing that is trained (logging, the Hub, data loading, vLLM's engine)
+and are left aside with one notice; ``from_trl`` translates a dict and refuses contradictions.
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ TRL_ALIASES: dict[str, str] = {
     "learning_rate": "lr",
     "lr_scheduler_type": "lr_schedule",
     "max_grad_norm": "grad_clip",
-    "max_steps": "steps",
-    "output_dir": "out_dir",
+    "max_steps": "steps",  # these three count optimiser steps: / num_iterations
     "save_steps": "checkpoint_every",
     "eval_steps": "eval_every",
+    "output_dir": "out_dir",
     "model_name_or_path": "model_path",  # ModelConfig's
     "use_peft": "lora",  # ModelConfig's
 }
+_OPT_STEPS = ("max_steps", "save_steps", "eval_steps")
+# TRL's trainer divides by the sample std plus this constant
+_TRL_STD = {"std": "sample", "std_eps": 1e-4}
 # TRL settings whose values become other grpolab settings.
 TRL_VALUES: dict[str, dict[str, dict[str, Any]]] = {
     "loss_type": {
@@ -45,59 +49,77 @@ TRL_VALUES: dict[str, dict[str, dict[str, Any]]] = {
         "dr_grpo": {"loss_agg": "seq_mean_token_sum_norm"},
         "cispo": {"policy_loss": "cispo", "loss_agg": "token_mean"},
     },
-    "scale_rewards": {"group": {"scale": "std"}, "true": {"scale": "std"},
-                      "batch": {"scale": "batch"}, "none": {"scale": "none"},
+    "scale_rewards": {"group": {"scale": "std", **_TRL_STD}, "true": {"scale": "std", **_TRL_STD},
+                      "batch": {"scale": "batch", **_TRL_STD}, "none": {"scale": "none"},
                       "false": {"scale": "none"}},
     "importance_sampling_level": {"token": {}, "sequence": {"policy_loss": "gspo"}},
     "use_cpu": {"true": {"device": "cpu"}, "false": {}},
-    # TRL's bf16/fp16 autocast over the loaded weights; here the weights themselves (LoRA
-    # adapters stay float32)
-    "bf16": {"true": {"dtype": "bfloat16"}, "false": {}, "none": {}},
+    # TRL autocasts over float32 weights; here the weights themselves (LoRA adapters stay
+    # float32), so full fine-tuning is refused (``from_trl``). Unset (None) is on in TRL.
+    "bf16": {"true": {"dtype": "bfloat16"}, "none": {"dtype": "bfloat16"}, "false": {}},
     "fp16": {"true": {"dtype": "float16"}, "false": {}},
     "use_vllm": {"true": {"rollout_backend": "vllm"}, "false": {}},
-    "vllm_mode": {"colocate": {}},  # grpolab's vLLM engine runs in the training process
     "save_strategy": {"steps": {}, "no": {"checkpoint_every": 0}},
     "eval_strategy": {"steps": {}, "no": {"eval_size": 0}},
-    "disable_tqdm": {"true": {"progress": False}, "false": {}},
+    "disable_tqdm": {"true": {"progress": False}, "false": {}, "none": {}},
     "optim": {"adamw_torch": {}, "adamw_torch_fused": {}},  # AdamW at weight_decay 0 is Adam
-    # TRL's true turns every dropout off, LoRA's too; grpolab turns the model's own off, always
+    # TRL's true zeroes every nn.Dropout after wrapping, LoRA's included; grpolab always zeroes
+    # the model's own
     "disable_dropout": {"true": {"lora_dropout": 0.0}},
 }
 _SAMPLING = "grpolab samples the whole softmax at `temperature`"
 _ADAM = "grpolab's optimiser is torch's Adam at its defaults (TRL's AdamW at weight_decay 0)"
-# TRL settings grpolab has at one value, TRL's default: (the values that mean it, why).
+# TRL settings grpolab has at one value: (the values that mean it, why).
 TRL_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "top_p": ((1.0,), _SAMPLING), "top_k": ((0, None), _SAMPLING),
+    "top_p": ((1.0,), _SAMPLING), "top_k": ((0,), _SAMPLING),  # None: generate's 50
     "min_p": ((None, 0.0), _SAMPLING), "repetition_penalty": ((1.0,), _SAMPLING),
     "weight_decay": ((0.0,), _ADAM), "adam_beta1": ((0.9,), _ADAM),
     "adam_beta2": ((0.999,), _ADAM), "adam_epsilon": ((1e-8,), _ADAM),
+    "model_revision": (("main",), "grpolab loads model_path as it is"),
+}
+# TRL's vLLM settings: with use_vllm, grpolab's engine runs in the training process, samples
+# the plain softmax and has no importance-sampling correction, so these must say so.
+_VLLM_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "vllm_mode": (("colocate",), "grpolab's engine runs in the training process"),
+    "vllm_importance_sampling_correction": (
+        (False,), "grpolab does not correct for the engine's rounding; set it to false"),
+    "vllm_structured_outputs_regex": ((None,), _SAMPLING),
 }
 # TRL settings that change nothing that is trained: read, left aside, named in one notice.
-TRL_IGNORED = frozenset({
-    "logging_steps", "logging_strategy", "logging_first_step", "log_level",
-    "log_completions", "num_completions_to_print", "run_name",
-    "save_total_limit", "save_only_model", "push_to_hub", "hub_model_id", "hub_strategy",
-    "hub_private_repo", "do_train", "do_eval", "dataloader_num_workers",
-    "dataloader_pin_memory", "remove_unused_columns", "gradient_checkpointing_kwargs",
-    "ddp_find_unused_parameters", "model_revision",
+TRL_ASIDE = frozenset({
+    "logging_strategy", "logging_first_step", "log_level", "log_completions",
+    "num_completions_to_print", "run_name", "save_total_limit", "save_only_model",
+    "push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo", "do_train", "do_eval",
+    "per_device_eval_batch_size", "dataloader_num_workers", "dataloader_pin_memory",
+    "remove_unused_columns", "gradient_checkpointing_kwargs", "ddp_find_unused_parameters",
+    "attn_implementation", "logging_steps",  # (logging_steps: the evaluation's, see below)
+    "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
+    "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
+    "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
 })
 # TRL's batch: answers per optimiser step = per device x accumulation x processes (TRL's
 # defaults: 8, 1); each process's forward/backward takes per_device rows at a time.
 _BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps",
           "generation_batch_size", "steps_per_generation")
+TRL_KEYS = frozenset({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *_VLLM_FIXED, *TRL_ASIDE,
+                      *_BATCH, "num_train_epochs"})
 log = logging.getLogger("grpolab")
 
 
-def from_trl(d: dict[str, Any]) -> dict[str, Any]:
-    """Translate TRL GRPOConfig keys in ``d`` to grpolab's (other keys pass unchanged).
+def from_trl(d: dict[str, Any], later: frozenset[str] | set[str] = frozenset()
+             ) -> dict[str, Any]:
+    """Translate TRL keys in ``d`` to grpolab's (other keys pass unchanged).
 
     ``epsilon`` without ``epsilon_high`` sets both clips, as in TRL; ``delta: null`` is 0 (off).
     A TRL key and the grpolab key it maps to (or two TRL keys) that disagree are an error.
+    ``later``: keys given after ``d`` (command-line overrides), which may supply what ``d``
+    lacks.
     """
-    trl_keys = {*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *TRL_IGNORED, *_BATCH, "num_train_epochs"}
-    if not any(k in trl_keys for k in d):
+    if not any(k in TRL_KEYS for k in d):
         return dict(d)
-    out = {k: v for k, v in d.items() if k not in trl_keys}
+    out = {k: v for k, v in d.items() if k not in TRL_KEYS}
     source: dict[str, str] = {}  # grpolab key -> the TRL key that set it
 
     def put(key: str, value: Any, trl_key: str) -> None:
@@ -108,71 +130,138 @@ def from_trl(d: dict[str, Any]) -> dict[str, Any]:
         out.setdefault(key, value)
         source.setdefault(key, trl_key)
 
-    cispo = str(d.get("loss_type", "")).strip().lower() == "cispo"
+    _refuse(d)
+    per_sample = _whole(d, "num_iterations", 1)  # optimiser steps per sampled batch
+    skip = {"save_steps" if _word(d.get("save_strategy")) == "no" else "",
+            "eval_steps" if _word(d.get("eval_strategy")) == "no" else "",
+            "bf16" if d.get("bf16") is None and _word(d.get("fp16")) == "true" else ""}
+    cispo = _word(d.get("loss_type")) == "cispo"
     for trl_key, value in d.items():
-        if trl_key in TRL_FIXED and value not in TRL_FIXED[trl_key][0]:
-            raise ConfigError(f"{trl_key}: {value!r} (TRL) has no grpolab equivalent: "
-                              f"{TRL_FIXED[trl_key][1]}")
-        if trl_key == "push_to_hub" and value:
-            raise ConfigError("push_to_hub: true (TRL): grpolab does not upload; the final "
-                              "model is saved to out_dir/final")
+        if trl_key in skip:
+            continue
         if trl_key in TRL_VALUES:
             table = TRL_VALUES[trl_key]
-            word = str(value).strip().lower()
-            if word not in table:
+            if _word(value) not in table:
                 raise ConfigError(f"{trl_key}: {value!r} (TRL) has no grpolab equivalent; "
                                   f"grpolab reads {', '.join(table)}")
-            for key, v in table[word].items():
+            for key, v in table[_word(value)].items():
                 put(key, v, trl_key)
         elif trl_key in TRL_ALIASES:
-            if trl_key == "max_steps" and value == -1:  # TRL: num_train_epochs decides
+            if trl_key == "max_steps" and _number(value) == -1:  # TRL: num_train_epochs
                 continue
             if value is None:  # TRL's "unset": delta off, epsilon_high = epsilon
                 if trl_key == "delta":
                     put("dual_clip", 0.0, trl_key)
                 continue
+            if trl_key in _OPT_STEPS and per_sample > 1:
+                value = _per_sample(trl_key, value, per_sample)
             key = "cispo_max" if trl_key == "epsilon_high" and cispo else TRL_ALIASES[trl_key]
             put(key, value, trl_key)
     if (d.get("epsilon") is not None and d.get("epsilon_high") is None and not cispo
             and "eps_high" not in out):
         put("eps_high", d["epsilon"], "epsilon")
-    if cispo and str(d.get("importance_sampling_level", "token")).lower() == "sequence":
-        raise ConfigError("loss_type: cispo with importance_sampling_level: sequence (TRL) has no "
-                          "grpolab equivalent: grpolab's cispo weights each token")
-    if ("num_train_epochs" in d or d.get("max_steps") == -1) and "steps" not in out:
+    if (_word(d.get("eval_strategy")) == "steps" and d.get("eval_steps") is None
+            and "logging_steps" in d):  # transformers: eval_steps defaults to logging_steps
+        put("eval_every", _per_sample("logging_steps", d["logging_steps"], per_sample),
+            "logging_steps")
+    if ("num_train_epochs" in d or _number(d.get("max_steps")) == -1) and not (
+            "steps" in out or {"steps", "max_steps"} & set(later)):
         raise ConfigError("num_train_epochs / max_steps: -1 (TRL: epochs over the dataset): "
                           "grpolab runs a number of optimiser steps; set max_steps (or steps)")
-    batch = [k for k in _BATCH if k in d]
+    batch = [k for k in _BATCH if d.get(k) is not None]
     if batch:
         for key, value in _trl_batch(d).items():
             put(key, value, batch[0])
-    ignored = sorted(k for k in d if k in TRL_IGNORED)
-    if ignored:
+    aside = sorted(k for k in d if (k in TRL_ASIDE or (k in _VLLM_FIXED and not _vllm(d)))
+                   and k not in source.values())
+    if aside:
         log.warning("TRL settings left aside (they change nothing that is trained here): %s",
-                    ", ".join(ignored))
+                    ", ".join(aside))
     return out
+
+
+def _refuse(d: dict[str, Any]) -> None:
+    """The TRL settings grpolab cannot honour, each a one-line ConfigError."""
+    fixed = {**TRL_FIXED, **(_VLLM_FIXED if _vllm(d) else {})}
+    if _vllm(d) and "vllm_importance_sampling_correction" not in d:
+        d = {**d, "vllm_importance_sampling_correction": True}  # TRL's default
+    for key, (values, why) in fixed.items():
+        if key in d and _number(d[key]) not in values and d[key] not in values:
+            raise ConfigError(f"{key}: {d[key]!r} (TRL) has no grpolab equivalent: {why}")
+    if d.get("push_to_hub"):
+        raise ConfigError("push_to_hub: true (TRL): grpolab does not upload; the final model "
+                          "is saved to out_dir/final")
+    half = ("fp16" if _word(d.get("fp16")) == "true" else
+            "bf16" if "bf16" in d and _word(d["bf16"]) in ("true", "none") else None)
+    if half and _word(d.get("use_peft", d.get("lora"))) == "false":
+        raise ConfigError(f"{half} (TRL) with full fine-tuning: TRL keeps float32 weights "
+                          "under autocast, grpolab would train the weights in that precision; "
+                          "drop it and set dtype: float32 (or dtype: bfloat16 knowingly)")
+    if _word(d.get("loss_type")) == "bnpo" and (
+            _whole(d, "gradient_accumulation_steps", 1) * _world() > 1):
+        raise ConfigError("loss_type: bnpo (TRL) with several micro-batches averages each "
+                          "one's token mean; grpolab's token mean is the whole batch's (TRL's "
+                          "dapo): use loss_type: dapo")
 
 
 def _trl_batch(d: dict[str, Any]) -> dict[str, int]:
     """TRL's batch settings as grpolab's ``budget`` (answers per optimiser step, over all
     processes) and ``micro_batch`` (rows per forward/backward): exact where TRL samples each
     optimiser step's answers afresh (``steps_per_generation`` = the accumulation, its default)."""
-    try:
-        per = int(d.get("per_device_train_batch_size", 8))
-        acc = int(d.get("gradient_accumulation_steps", 1))
-    except (TypeError, ValueError):
-        raise ConfigError("per_device_train_batch_size and gradient_accumulation_steps (TRL) "
-                          "must be whole numbers") from None
-    answers = per * acc * int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
-    if d.get("steps_per_generation") is not None and d.get("generation_batch_size") is not None:
+    per = _whole(d, "per_device_train_batch_size", 8)
+    acc = _whole(d, "gradient_accumulation_steps", 1)
+    answers = per * acc * _world()
+    spg, gbs = d.get("steps_per_generation"), d.get("generation_batch_size")
+    if spg is not None and gbs is not None:
         raise ConfigError("steps_per_generation and generation_batch_size (TRL): set one or "
                           "neither (TRL refuses both)")
-    if (d.get("steps_per_generation") not in (None, acc)
-            or d.get("generation_batch_size") not in (None, answers)):
+    if (spg is not None and _number(spg) != acc) or (gbs is not None and _number(gbs) != answers):
         raise ConfigError("steps_per_generation / generation_batch_size (TRL): answers sampled "
                           "once for several optimiser steps have no grpolab equivalent (its "
                           "epochs reuse a step's answers within the step)")
     return {"budget": answers, "micro_batch": per}
+
+
+def _per_sample(key: str, value: Any, per_sample: int) -> int:
+    """TRL's count of optimiser steps as grpolab's count of sampled batches (each taken
+    through ``num_iterations`` optimiser steps)."""
+    n = _number(value)
+    if not isinstance(n, int) or n % per_sample:
+        raise ConfigError(f"{key}: {value!r} (TRL) counts optimiser steps, {per_sample} per "
+                          f"sampled batch (num_iterations); grpolab counts sampled batches: "
+                          f"use a multiple of {per_sample}")
+    return n // per_sample
+
+
+def _whole(d: dict[str, Any], key: str, default: int) -> int:
+    n = _number(d.get(key, default))
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{key}: {d.get(key)!r} (TRL) must be a whole number >= 1")
+    return n
+
+
+def _vllm(d: dict[str, Any]) -> bool:
+    return _word(d.get("use_vllm")) == "true" or _word(d.get("rollout_backend")) == "vllm"
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
+
+
+def _number(value: Any) -> Any:
+    """A YAML number as one: PyYAML reads 1e-8 (no dot) as a string. Integral values as int;
+    anything else as it was."""
+    try:
+        x = float(value) if isinstance(value, str) else value
+    except ValueError:
+        return value
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    return x
+
+
+def _word(value: Any) -> str:
+    return str(value).strip().lower()
 
 
 def _same(key: str, a: Any, b: Any) -> bool | None:
