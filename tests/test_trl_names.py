@@ -115,6 +115,8 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"bf16": True, "use_peft": True}, {"dtype": "bfloat16", "lora": True}),
     ({"bf16": None, "fp16": True, "use_peft": True}, {"dtype": "float16"}),
     ({"use_vllm": False, "vllm_mode": "server"}, {"rollout_backend": "hf"}),
+    # grpolab's own vLLM switch beside a TRL name: TRL's correction default does not apply
+    ({"rollout_backend": "vllm", "num_generations": 8}, {"rollout_backend": "vllm"}),
 ])
 def test_trl_training_values(trl_keys: dict, want: dict, monkeypatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -146,6 +148,7 @@ def test_trl_training_values(trl_keys: dict, want: dict, monkeypatch) -> None:
     ({"use_vllm": True, "vllm_importance_sampling_correction": False, "vllm_mode": "server"},
      "vllm_mode: 'server'"),
     ({"use_vllm": True}, "vllm_importance_sampling_correction: True .TRL. has no grpolab"),
+    ({"rollout_backend": "vllm", "vllm_mode": "server"}, "vllm_mode: 'server'"),
     ({"disable_dropout": False}, "disable_dropout: False .TRL. has no grpolab equivalent"),
     ({"disable_dropout": True, "lora_dropout": 0.05}, "sets lora_dropout to 0.0, but lora_dro"),
 ])

@@ -167,7 +167,7 @@ def from_trl(d: dict[str, Any], later: frozenset[str] | set[str] = frozenset()
     if ("num_train_epochs" in d or _number(d.get("max_steps")) == -1) and not (
             "steps" in out or {"steps", "max_steps"} & set(later)):
         raise ConfigError("num_train_epochs / max_steps: -1 (TRL: epochs over the dataset): "
-                          "grpolab runs a number of optimiser steps; set max_steps (or steps)")
+                          "grpolab runs a number of steps; set max_steps (or steps)")
     batch = [k for k in _BATCH if d.get(k) is not None]
     if batch:
         for key, value in _trl_batch(d).items():
@@ -183,7 +183,7 @@ def from_trl(d: dict[str, Any], later: frozenset[str] | set[str] = frozenset()
 def _refuse(d: dict[str, Any]) -> None:
     """The TRL settings grpolab cannot honour, each a one-line ConfigError."""
     fixed = {**TRL_FIXED, **(_VLLM_FIXED if _vllm(d) else {})}
-    if _vllm(d) and "vllm_importance_sampling_correction" not in d:
+    if _word(d.get("use_vllm")) == "true" and "vllm_importance_sampling_correction" not in d:
         d = {**d, "vllm_importance_sampling_correction": True}  # TRL's default
     for key, (values, why) in fixed.items():
         if key in d and _number(d[key]) not in values and d[key] not in values:
