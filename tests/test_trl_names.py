@@ -22,7 +22,9 @@ def test_trl_config_translates_line_for_line(tmp_path) -> None:
                  "max_completion_length: 16\nlearning_rate: 1.0e-5\nmax_grad_norm: 0.5\n")
     c = make_config(y)
     assert (c.group_size, c.epochs, c.eps_low, c.eps_high, c.beta) == (4, 2, 0.1, 0.3, 0.02)
-    assert (c.loss_agg, c.scale, c.policy_loss) == ("seq_mean_token_sum_norm", "batch", "gspo")
+    # normalize_then_sum: TRL scales each reward over its group, whatever scale_rewards says
+    assert (c.loss_agg, c.scale, c.policy_loss) == ("seq_mean_token_sum_norm", "std", "gspo")
+    assert (c.std, c.std_eps) == ("sample", 1e-4)
     assert c.kl_is_correction and c.dual_clip == 3.0 and c.mask_truncated
     assert (c.top_entropy_quantile, c.entropy_coef) == (0.2, 0.01)
     assert c.reward_aggregation == "normalize_then_sum"
@@ -33,11 +35,16 @@ def test_trl_config_translates_line_for_line(tmp_path) -> None:
     ({"loss_type": "grpo"}, {"loss_agg": "seq_mean_token_mean"}),
     ({"loss_type": "bnpo"}, {"loss_agg": "token_mean"}),
     ({"loss_type": "dapo"}, {"loss_agg": "token_mean"}),
-    ({"loss_type": "cispo", "epsilon_high": 5.0},
-     {"policy_loss": "cispo", "loss_agg": "token_mean", "cispo_max": 5.0, "eps_high": 0.2}),
+    ({"loss_type": "cispo", "epsilon_high": 4.0},
+     {"policy_loss": "cispo", "loss_agg": "token_mean", "cispo_max": 4.0, "eps_high": 0.2}),
+    # TRL's cap is epsilon_high, unset = epsilon (0.2 by default)
+    ({"loss_type": "cispo"}, {"policy_loss": "cispo", "cispo_max": 0.2}),
+    ({"loss_type": "cispo", "epsilon": 0.3}, {"cispo_max": 0.3}),
     ({"epsilon": 0.1}, {"eps_low": 0.1, "eps_high": 0.1}),  # TRL: epsilon_high = epsilon
     ({"epsilon": 0.1, "epsilon_high": None}, {"eps_low": 0.1, "eps_high": 0.1}),
-    ({"scale_rewards": True}, {"scale": "std"}),
+    ({"scale_rewards": True}, {"scale": "std", "std": "sample", "std_eps": 1e-4}),
+    ({"multi_objective_aggregation": "normalize_then_sum", "scale_rewards": "none"},
+     {"reward_aggregation": "normalize_then_sum", "scale": "std", "std": "sample"}),
     ({"scale_rewards": False}, {"scale": "none"}),
     ({"delta": None}, {"dual_clip": 0.0}),
     ({"num_generations": 8, "group_size": 8}, {"group_size": 8}),  # agreeing is fine
@@ -115,6 +122,17 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"bf16": True, "use_peft": True}, {"dtype": "bfloat16", "lora": True}),
     ({"bf16": None, "fp16": True, "use_peft": True}, {"dtype": "float16"}),
     ({"use_vllm": False, "vllm_mode": "server"}, {"rollout_backend": "hf"}),
+    ({"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 3},
+     {"lr_schedule": "constant", "warmup_steps": 3}),
+    ({"num_iterations": 2, "max_steps": 10, "warmup_steps": 4}, {"steps": 5, "warmup_steps": 2}),
+    # eval_steps unset: logging_steps, 10 optimiser steps by default = 5 sampled batches
+    ({"eval_strategy": "steps", "num_iterations": 2, "max_steps": 10}, {"eval_every": 5}),
+    ({"max_steps": "1e1"}, {"steps": 10}),  # (PyYAML's reading of 1e1)
+    ({"push_to_hub": "false"}, {"steps": 40}),
+    ({"use_vllm": True, "vllm_importance_sampling_correction": "false"},
+     {"rollout_backend": "vllm"}),
+    # ModelConfig's dtype bfloat16 loads bfloat16 weights: grpolab's full fine-tuning too
+    ({"bf16": True, "use_peft": False, "dtype": "bfloat16"}, {"dtype": "bfloat16", "lora": False}),
     # grpolab's own vLLM switch beside a TRL name: TRL's correction default does not apply
     ({"rollout_backend": "vllm", "num_generations": 8}, {"rollout_backend": "vllm"}),
 ])
@@ -144,6 +162,8 @@ def test_trl_training_values(trl_keys: dict, want: dict, monkeypatch) -> None:
     ({"fp16": True, "lora": False}, "fp16 .TRL. with full fine-tuning"),
     ({"model_revision": "v2"}, "model_revision: 'v2'"),
     ({"gradient_accumulation_steps": 1.5}, "must be a whole number"),
+    ({"lr_scheduler_type": "constant", "warmup_steps": 3}, "use constant_with_warmup"),
+    ({"save_steps": 0.5}, "save_steps: 0.5 .TRL, grpolab's checkpoint_every."),
     ({"save_strategy": "epoch"}, "save_strategy: 'epoch'"),
     ({"use_vllm": True, "vllm_importance_sampling_correction": False, "vllm_mode": "server"},
      "vllm_mode: 'server'"),
@@ -198,3 +218,32 @@ def test_trl_yaml_numbers_and_later_keys(tmp_path, monkeypatch, caplog) -> None:
     y.write_text("top_k: null\n")  # unset: generate's own default, 50
     with pytest.raises(ConfigError, match="top_k: None .TRL. has no grpolab equivalent"):
         make_config(y, None, "train")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("max_completion_length: null\n", "max_completion_length: null .TRL's unset."),  # no cap
+    ("use_peft: null\n", "use_peft: null"),
+    ("scale_rewards: null\n", "scale_rewards: None .TRL. has no grpolab equivalent"),
+])
+def test_trl_unset_values_are_refused(tmp_path, text: str, message: str) -> None:
+    y = tmp_path / "trl.yaml"
+    y.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        make_config(y, None, "train")
+
+
+def test_trl_refusals_see_the_command_line(tmp_path, monkeypatch, caplog) -> None:
+    """bf16 in the file and full fine-tuning on the command line is TRL's float32 training,
+    refused; bnpo over several processes too; unused vLLM settings are named aside."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    y = tmp_path / "trl.yaml"
+    y.write_text("bf16: true\n")
+    with pytest.raises(ConfigError, match="bf16 .TRL. with full fine-tuning"):
+        make_config(y, {"lora": False}, "train")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="use loss_type: dapo"):
+        make_config(None, {"loss_type": "bnpo"}, "train")
+    monkeypatch.delenv("WORLD_SIZE")
+    with caplog.at_level("WARNING", logger="grpolab"):
+        make_config(None, {"use_vllm": False, "vllm_mode": "server"}, "train")
+    assert caplog.records[-1].getMessage().endswith(": vllm_mode")

@@ -41,7 +41,7 @@ def make_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] |
     ``loss_type: dapo``...) are accepted in either and translated first (``from_trl``).
     """
     kwargs: dict[str, Any] = dict(command_defaults(command))
-    later = {str(k).replace("-", "_") for k, v in (overrides or {}).items() if v is not None}
+    later = {str(k).replace("-", "_"): v for k, v in (overrides or {}).items() if v is not None}
     if yaml_path:
         try:  # name the file: the user has to find the bad line
             kwargs.update(_read(load_yaml(yaml_path), later))
@@ -51,10 +51,10 @@ def make_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] |
     return resolve(Config(**kwargs))
 
 
-def _read(given: dict[str, Any], later: set[str] | None = None) -> dict[str, Any]:
+def _read(given: dict[str, Any], later: dict[str, Any] | None = None) -> dict[str, Any]:
     """Keys in grpolab's names (dashes as underscores, TRL's translated), values coerced;
-    ``later``: the keys overrides will give."""
-    given = trl.from_trl({str(k).replace("-", "_"): v for k, v in given.items()}, later or set())
+    ``later``: the overrides to come."""
+    given = trl.from_trl({str(k).replace("-", "_"): v for k, v in given.items()}, later)
     if "cpu_pack" in given:  # its earlier place, before the speed options
         speed = dataclasses.asdict(coerce("speed", given.get("speed", {})))
         given["speed"] = {**speed, "cpu_pack": given.pop("cpu_pack")}

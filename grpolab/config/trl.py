@@ -24,11 +24,9 @@ TRL_ALIASES: dict[str, str] = {
     "epsilon_high": "eps_high",  # cispo_max when loss_type is cispo
     "delta": "dual_clip",
     "use_bias_correction_kl": "kl_is_correction",
-    "multi_objective_aggregation": "reward_aggregation",
     "mask_truncated_completions": "mask_truncated",
     "max_completion_length": "max_new_tokens",
     "learning_rate": "lr",
-    "lr_scheduler_type": "lr_schedule",
     "max_grad_norm": "grad_clip",
     "max_steps": "steps",  # these three count optimiser steps: / num_iterations
     "save_steps": "checkpoint_every",
@@ -37,11 +35,14 @@ TRL_ALIASES: dict[str, str] = {
     "model_name_or_path": "model_path",  # ModelConfig's
     "use_peft": "lora",  # ModelConfig's
 }
-_OPT_STEPS = ("max_steps", "save_steps", "eval_steps")
+_OPT_STEPS = ("max_steps", "save_steps", "eval_steps", "warmup_steps")
+# aliases whose None (TRL's "unset") grpolab reads: delta off, epsilon_high = epsilon,
+# eval_steps = logging_steps, TRL's own output folder
+_UNSET_OK = ("delta", "epsilon_high", "eval_steps", "output_dir")
 # TRL's trainer divides by the sample std plus this constant
 _TRL_STD = {"std": "sample", "std_eps": 1e-4}
 # TRL settings whose values become other grpolab settings.
-TRL_VALUES: dict[str, dict[str, dict[str, Any]]] = {
+TRL_VALUES: dict[str, dict[str | None, dict[str, Any]]] = {
     "loss_type": {
         "grpo": {"loss_agg": "seq_mean_token_mean"},
         "bnpo": {"loss_agg": "token_mean"},
@@ -53,15 +54,24 @@ TRL_VALUES: dict[str, dict[str, dict[str, Any]]] = {
                       "batch": {"scale": "batch", **_TRL_STD}, "none": {"scale": "none"},
                       "false": {"scale": "none"}},
     "importance_sampling_level": {"token": {}, "sequence": {"policy_loss": "gspo"}},
+    # GDPO in TRL: each reward over its group's sample std + 1e-4, the sum over the batch's
+    "multi_objective_aggregation": {
+        "sum_then_normalize": {"reward_aggregation": "sum_then_normalize"},
+        "normalize_then_sum": {"reward_aggregation": "normalize_then_sum", "scale": "std",
+                               **_TRL_STD}},
+    # transformers' constant schedule has no warm-up (``_refuse``); constant_with_warmup has
+    "lr_scheduler_type": {"linear": {"lr_schedule": "linear"}, "cosine": {"lr_schedule": "cosine"},
+                          "constant": {"lr_schedule": "constant"},
+                          "constant_with_warmup": {"lr_schedule": "constant"}},
     "use_cpu": {"true": {"device": "cpu"}, "false": {}},
     # TRL autocasts over float32 weights; here the weights themselves (LoRA adapters stay
-    # float32), so full fine-tuning is refused (``from_trl``). Unset (None) is on in TRL.
-    "bf16": {"true": {"dtype": "bfloat16"}, "none": {"dtype": "bfloat16"}, "false": {}},
+    # float32), so full fine-tuning is refused (``_refuse``). Unset (None) is on in TRL.
+    "bf16": {"true": {"dtype": "bfloat16"}, None: {"dtype": "bfloat16"}, "false": {}},
     "fp16": {"true": {"dtype": "float16"}, "false": {}},
     "use_vllm": {"true": {"rollout_backend": "vllm"}, "false": {}},
     "save_strategy": {"steps": {}, "no": {"checkpoint_every": 0}},
     "eval_strategy": {"steps": {}, "no": {"eval_size": 0}},
-    "disable_tqdm": {"true": {"progress": False}, "false": {}, "none": {}},
+    "disable_tqdm": {"true": {"progress": False}, "false": {}, None: {}},
     "optim": {"adamw_torch": {}, "adamw_torch_fused": {}},  # AdamW at weight_decay 0 is Adam
     # TRL's true zeroes every nn.Dropout after wrapping, LoRA's included; grpolab always zeroes
     # the model's own
@@ -108,21 +118,25 @@ TRL_KEYS = frozenset({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *_VLLM_FIXED, *TRL_
 log = logging.getLogger("grpolab")
 
 
-def from_trl(d: dict[str, Any], later: frozenset[str] | set[str] = frozenset()
-             ) -> dict[str, Any]:
+def from_trl(d: dict[str, Any], later: dict[str, Any] | None = None) -> dict[str, Any]:
     """Translate TRL keys in ``d`` to grpolab's (other keys pass unchanged).
 
     ``epsilon`` without ``epsilon_high`` sets both clips, as in TRL; ``delta: null`` is 0 (off).
     A TRL key and the grpolab key it maps to (or two TRL keys) that disagree are an error.
-    ``later``: keys given after ``d`` (command-line overrides), which may supply what ``d``
-    lacks.
+    ``later``: the settings given after ``d`` (command-line overrides), which may supply what
+    ``d`` lacks.
     """
+    later = later or {}
     if not any(k in TRL_KEYS for k in d):
         return dict(d)
     out = {k: v for k, v in d.items() if k not in TRL_KEYS}
     source: dict[str, str] = {}  # grpolab key -> the TRL key that set it
 
     def put(key: str, value: Any, trl_key: str) -> None:
+        try:
+            coerce(key, value)
+        except ConfigError as e:  # named as the user wrote it
+            raise ConfigError(f"{trl_key}: {d[trl_key]!r} (TRL, grpolab's {key}): {e}") from None
         if key in out and _same(key, out[key], value) is False:
             was = f"{source[key]} (TRL)" if key in source else key
             raise ConfigError(f"{trl_key}: {d[trl_key]!r} (TRL) sets {key} to {value!r}, but "
@@ -130,26 +144,33 @@ def from_trl(d: dict[str, Any], later: frozenset[str] | set[str] = frozenset()
         out.setdefault(key, value)
         source.setdefault(key, trl_key)
 
-    _refuse(d)
+    _refuse(d, later)
     per_sample = _whole(d, "num_iterations", 1)  # optimiser steps per sampled batch
     skip = {"save_steps" if _word(d.get("save_strategy")) == "no" else "",
             "eval_steps" if _word(d.get("eval_strategy")) == "no" else "",
-            "bf16" if d.get("bf16") is None and _word(d.get("fp16")) == "true" else ""}
+            "bf16" if d.get("bf16") is None and _word(d.get("fp16")) == "true" else "",
+            # TRL's GDPO scales each reward over its group whatever scale_rewards says
+            "scale_rewards" if _word(d.get("multi_objective_aggregation")) == "normalize_then_sum"
+            else ""}
     cispo = _word(d.get("loss_type")) == "cispo"
     for trl_key, value in d.items():
         if trl_key in skip:
             continue
         if trl_key in TRL_VALUES:
-            table = TRL_VALUES[trl_key]
-            if _word(value) not in table:
+            table, word = TRL_VALUES[trl_key], None if value is None else _word(value)
+            if word not in table:
                 raise ConfigError(f"{trl_key}: {value!r} (TRL) has no grpolab equivalent; "
-                                  f"grpolab reads {', '.join(table)}")
-            for key, v in table[_word(value)].items():
+                                  f"grpolab reads {', '.join(k for k in table if k)}")
+            for key, v in table[word].items():
                 put(key, v, trl_key)
         elif trl_key in TRL_ALIASES:
-            if trl_key == "max_steps" and _number(value) == -1:  # TRL: num_train_epochs
+            value = _number(value)
+            if trl_key == "max_steps" and value == -1:  # TRL: num_train_epochs decides
                 continue
-            if value is None:  # TRL's "unset": delta off, epsilon_high = epsilon
+            if value is None:
+                if trl_key not in _UNSET_OK:
+                    raise ConfigError(f"{trl_key}: null (TRL's unset) has no grpolab "
+                                      "equivalent; give it a value")
                 if trl_key == "delta":
                     put("dual_clip", 0.0, trl_key)
                 continue
@@ -157,13 +178,17 @@ def from_trl(d: dict[str, Any], later: frozenset[str] | set[str] = frozenset()
                 value = _per_sample(trl_key, value, per_sample)
             key = "cispo_max" if trl_key == "epsilon_high" and cispo else TRL_ALIASES[trl_key]
             put(key, value, trl_key)
-    if (d.get("epsilon") is not None and d.get("epsilon_high") is None and not cispo
-            and "eps_high" not in out):
-        put("eps_high", d["epsilon"], "epsilon")
-    if (_word(d.get("eval_strategy")) == "steps" and d.get("eval_steps") is None
-            and "logging_steps" in d):  # transformers: eval_steps defaults to logging_steps
-        put("eval_every", _per_sample("logging_steps", d["logging_steps"], per_sample),
-            "logging_steps")
+    if d.get("epsilon_high") is None:  # TRL: epsilon_high = epsilon (0.2), cispo's cap too
+        if cispo:
+            put("cispo_max", d.get("epsilon", 0.2), "loss_type")
+        elif d.get("epsilon") is not None and "eps_high" not in out:
+            put("eps_high", d["epsilon"], "epsilon")
+    if "warmup_steps" in d and "warmup_steps" not in source and per_sample > 1:
+        out["warmup_steps"] = _per_sample("warmup_steps", d["warmup_steps"], per_sample)
+    if _word(d.get("eval_strategy")) == "steps" and d.get("eval_steps") is None:
+        # transformers: eval_steps unset = logging_steps (10 by default)
+        put("eval_every", _per_sample("logging_steps", d.get("logging_steps", 10), per_sample),
+            "logging_steps" if "logging_steps" in d else "eval_strategy")
     if ("num_train_epochs" in d or _number(d.get("max_steps")) == -1) and not (
             "steps" in out or {"steps", "max_steps"} & set(later)):
         raise ConfigError("num_train_epochs / max_steps: -1 (TRL: epochs over the dataset): "
@@ -172,31 +197,40 @@ def from_trl(d: dict[str, Any], later: frozenset[str] | set[str] = frozenset()
     if batch:
         for key, value in _trl_batch(d).items():
             put(key, value, batch[0])
-    aside = sorted(k for k in d if (k in TRL_ASIDE or (k in _VLLM_FIXED and not _vllm(d)))
-                   and k not in source.values())
+    aside = sorted(k for k in d if (k in TRL_ASIDE or (k in _VLLM_FIXED and not _vllm(d))
+                                    or k in skip) and k not in source.values())
     if aside:
         log.warning("TRL settings left aside (they change nothing that is trained here): %s",
                     ", ".join(aside))
     return out
 
 
-def _refuse(d: dict[str, Any]) -> None:
-    """The TRL settings grpolab cannot honour, each a one-line ConfigError."""
+def _refuse(d: dict[str, Any], later: dict[str, Any]) -> None:
+    """The TRL settings grpolab cannot honour, each a one-line ConfigError (``later``: the
+    overrides, which the run will take)."""
     fixed = {**TRL_FIXED, **(_VLLM_FIXED if _vllm(d) else {})}
     if _word(d.get("use_vllm")) == "true" and "vllm_importance_sampling_correction" not in d:
         d = {**d, "vllm_importance_sampling_correction": True}  # TRL's default
     for key, (values, why) in fixed.items():
-        if key in d and _number(d[key]) not in values and d[key] not in values:
+        if key in d and _number(d[key]) not in values and _word(d[key]) not in {
+                _word(v) for v in values}:
             raise ConfigError(f"{key}: {d[key]!r} (TRL) has no grpolab equivalent: {why}")
-    if d.get("push_to_hub"):
+    if _word(d.get("push_to_hub")) == "true":
         raise ConfigError("push_to_hub: true (TRL): grpolab does not upload; the final model "
                           "is saved to out_dir/final")
     half = ("fp16" if _word(d.get("fp16")) == "true" else
             "bf16" if "bf16" in d and _word(d["bf16"]) in ("true", "none") else None)
-    if half and _word(d.get("use_peft", d.get("lora"))) == "false":
+    lora = later.get("lora", d.get("use_peft", d.get("lora")))
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(half or "")
+    if half and _word(lora) == "false" and _word(later.get("dtype", d.get("dtype"))) != dtype:
         raise ConfigError(f"{half} (TRL) with full fine-tuning: TRL keeps float32 weights "
                           "under autocast, grpolab would train the weights in that precision; "
-                          "drop it and set dtype: float32 (or dtype: bfloat16 knowingly)")
+                          f"drop it and set dtype: float32 (or dtype: {dtype}, knowingly)")
+    if (_word(d.get("lr_scheduler_type")) == "constant"
+            and _number(d.get("warmup_steps", 0)) not in (0, None)):
+        raise ConfigError("lr_scheduler_type: constant (TRL) has no warm-up (transformers "
+                          "ignores warmup_steps there): use constant_with_warmup, or drop "
+                          "warmup_steps")
     if _word(d.get("loss_type")) == "bnpo" and (
             _whole(d, "gradient_accumulation_steps", 1) * _world() > 1):
         raise ConfigError("loss_type: bnpo (TRL) with several micro-batches averages each "
