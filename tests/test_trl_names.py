@@ -128,6 +128,7 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     # eval_steps unset: logging_steps, 10 optimiser steps by default = 5 sampled batches
     ({"eval_strategy": "steps", "num_iterations": 2, "max_steps": 10}, {"eval_every": 5}),
     ({"max_steps": "1e1"}, {"steps": 10}),  # (PyYAML's reading of 1e1)
+    ({"output_dir": "1e1", "model_name_or_path": "007"}, {"out_dir": "1e1", "model_path": "007"}),
     ({"push_to_hub": "false"}, {"steps": 40}),
     ({"use_vllm": True, "vllm_importance_sampling_correction": "false"},
      {"rollout_backend": "vllm"}),

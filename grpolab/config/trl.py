@@ -164,7 +164,7 @@ def from_trl(d: dict[str, Any], later: dict[str, Any] | None = None) -> dict[str
             for key, v in table[word].items():
                 put(key, v, trl_key)
         elif trl_key in TRL_ALIASES:
-            value = _number(value)
+            value = value if trl_key in ("output_dir", "model_name_or_path") else _number(value)
             if trl_key == "max_steps" and value == -1:  # TRL: num_train_epochs decides
                 continue
             if value is None:
