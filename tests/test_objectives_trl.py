@@ -24,6 +24,7 @@ from grpolab.rollout import head as H
 
 trl = pytest.importorskip("trl")
 from trl import GRPOConfig, GRPOTrainer, ModelConfig
+from trl import rewards as trl_rewards
 from trl.trainer.utils import entropy_from_logits
 from trl_harness import bare_trainer, trl_advantages, trl_loss
 
@@ -190,9 +191,15 @@ def test_entropy_bonus_and_selection_match_trl(loss_type: str, agg: str) -> None
 def test_trl_aliases_are_trl_fields() -> None:
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     model = {f.name for f in dataclasses.fields(ModelConfig)}
-    assert TRL_KEYS <= fields | model
+    from trl.scripts.grpo import GRPOScriptArguments
+
+    script = {f.name for f in dataclasses.fields(GRPOScriptArguments)}
+    assert TRL_KEYS <= fields | model | script
     assert {k for k in TRL_KEYS if k not in fields} == {
-        "model_name_or_path", "use_peft", "model_revision", "attn_implementation"}
+        "model_name_or_path", "use_peft", "model_revision", "attn_implementation",
+        "reward_funcs", "reward_model_name_or_path", "dataset_name", "dataset_config",
+        "dataset_train_split", "dataset_test_split", "dataset_streaming"}
+    assert all(getattr(trl_rewards, name) for name in trl_names.TRL_REWARDS)
     assert all(v in Config.__dataclass_fields__ for v in TRL_ALIASES.values())
 
 

@@ -132,6 +132,11 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"push_to_hub": "false"}, {"steps": 40}),
     ({"use_vllm": True, "vllm_importance_sampling_correction": "false"},
      {"rollout_backend": "vllm"}),
+    # `trl grpo`'s reward functions: its registry names and dotted paths; a reward model first
+    ({"reward_funcs": ["accuracy_reward", "think_format_reward"]},
+     {"rewards": ["trl.rewards:accuracy_reward", "trl.rewards:think_format_reward"]}),
+    ({"reward_funcs": ["my_lib.rewards.custom"], "reward_model_name_or_path": "runs/rm"},
+     {"rewards": ["rm:runs/rm", "my_lib.rewards:custom"]}),
     # ModelConfig's dtype bfloat16 loads bfloat16 weights: grpolab's full fine-tuning too
     ({"bf16": True, "use_peft": False, "dtype": "bfloat16"}, {"dtype": "bfloat16", "lora": False}),
     # grpolab's own vLLM switch beside a TRL name: TRL's correction default does not apply
@@ -164,6 +169,9 @@ def test_trl_training_values(trl_keys: dict, want: dict, monkeypatch) -> None:
     ({"model_revision": "v2"}, "model_revision: 'v2'"),
     ({"gradient_accumulation_steps": 1.5}, "must be a whole number"),
     ({"lr_scheduler_type": "constant", "warmup_steps": 3}, "use constant_with_warmup"),
+    ({"reward_funcs": ["get_soft_overlong_punishment"]}, "reward_funcs: 'get_soft_overlong"),
+    ({"reward_funcs": ["accuracy_reward"], "rewards": ["math"]}, "sets rewards to"),
+    ({"dataset_name": "trl-lib/DeepMath-103K"}, "set dataset .and eval_dataset."),
     ({"save_steps": 0.5}, "save_steps: 0.5 .TRL, grpolab's checkpoint_every."),
     ({"save_strategy": "epoch"}, "save_strategy: 'epoch'"),
     ({"use_vllm": True, "vllm_importance_sampling_correction": False, "vllm_mode": "server"},

@@ -103,6 +103,7 @@ TRL_ASIDE = frozenset({
     "per_device_eval_batch_size", "dataloader_num_workers", "dataloader_pin_memory",
     "remove_unused_columns", "gradient_checkpointing_kwargs", "ddp_find_unused_parameters",
     "attn_implementation", "logging_steps",  # (logging_steps: the evaluation's, see below)
+    "dataset_config", "dataset_train_split", "dataset_test_split", "dataset_streaming",
     "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
     "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
     "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
@@ -113,8 +114,13 @@ TRL_ASIDE = frozenset({
 # defaults: 8, 1); each process's forward/backward takes per_device rows at a time.
 _BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps",
           "generation_batch_size", "steps_per_generation")
+# `trl grpo`'s script arguments: its reward functions (as grpolab's reward specs) and reward
+# model, which it puts first
+_SCRIPT = ("reward_funcs", "reward_model_name_or_path", "dataset_name")
+TRL_REWARDS = {name: f"trl.rewards:{name}" for name in
+               ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward")}
 TRL_KEYS = frozenset({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *_VLLM_FIXED, *TRL_ASIDE,
-                      *_BATCH, "num_train_epochs"})
+                      *_BATCH, *_SCRIPT, "num_train_epochs"})
 log = logging.getLogger("grpolab")
 
 
@@ -193,6 +199,10 @@ def from_trl(d: dict[str, Any], later: dict[str, Any] | None = None) -> dict[str
             "steps" in out or {"steps", "max_steps"} & set(later)):
         raise ConfigError("num_train_epochs / max_steps: -1 (TRL: epochs over the dataset): "
                           "grpolab runs a number of steps; set max_steps (or steps)")
+    rewards = _trl_rewards(d)
+    if rewards:
+        put("rewards", rewards, "reward_funcs" if "reward_funcs" in d
+            else "reward_model_name_or_path")
     batch = [k for k in _BATCH if d.get(k) is not None]
     if batch:
         for key, value in _trl_batch(d).items():
@@ -236,6 +246,26 @@ def _refuse(d: dict[str, Any], later: dict[str, Any]) -> None:
         raise ConfigError("loss_type: bnpo (TRL) with several micro-batches averages each "
                           "one's token mean; grpolab's token mean is the whole batch's (TRL's "
                           "dapo): use loss_type: dapo")
+
+
+def _trl_rewards(d: dict[str, Any]) -> list[str]:
+    """`trl grpo`'s ``reward_model_name_or_path`` and ``reward_funcs`` as grpolab's ``rewards``
+    (TRL's registry names, dotted import paths)."""
+    if d.get("dataset_name"):
+        raise ConfigError(f"dataset_name: {d['dataset_name']!r} (TRL's script): grpolab reads "
+                          "local files and reasoning_gym tasks; set dataset (and eval_dataset)")
+    out = [f"rm:{d['reward_model_name_or_path']}"] if d.get("reward_model_name_or_path") else []
+    funcs = d.get("reward_funcs") or []
+    for name in [funcs] if isinstance(funcs, str) else funcs:
+        if name in TRL_REWARDS:
+            out.append(TRL_REWARDS[name])
+        elif "." in str(name) and name != "get_soft_overlong_punishment":
+            module, _, fn = str(name).rpartition(".")
+            out.append(f"{module}:{fn}")
+        else:
+            raise ConfigError(f"reward_funcs: {name!r} (TRL's script) has no grpolab equivalent; "
+                              f"grpolab reads {', '.join(TRL_REWARDS)} or a dotted import path")
+    return out
 
 
 def _trl_batch(d: dict[str, Any]) -> dict[str, int]:
