@@ -125,6 +125,9 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 3},
      {"lr_schedule": "constant", "warmup_steps": 3}),
     ({"num_iterations": 2, "max_steps": 10, "warmup_steps": 4}, {"steps": 5, "warmup_steps": 2}),
+    # below 1, a share of max_steps, rounded up (transformers' get_warmup_steps)
+    ({"max_steps": 50, "warmup_steps": 0.05, "num_generations": 8}, {"warmup_steps": 3}),
+    ({"max_steps": 40, "warmup_steps": 0.1, "num_iterations": 2}, {"warmup_steps": 2}),
     # eval_steps unset: logging_steps, 10 optimiser steps by default = 5 sampled batches
     ({"eval_strategy": "steps", "num_iterations": 2, "max_steps": 10}, {"eval_every": 5}),
     ({"max_steps": "1e1"}, {"steps": 10}),  # (PyYAML's reading of 1e1)
@@ -169,6 +172,7 @@ def test_trl_training_values(trl_keys: dict, want: dict, monkeypatch) -> None:
     ({"model_revision": "v2"}, "model_revision: 'v2'"),
     ({"gradient_accumulation_steps": 1.5}, "must be a whole number"),
     ({"lr_scheduler_type": "constant", "warmup_steps": 3}, "use constant_with_warmup"),
+    ({"num_generations": 8, "warmup_steps": 0.1}, "warmup_steps: 0.1 .TRL: a share of max_st"),
     ({"reward_funcs": ["get_soft_overlong_punishment"]}, "reward_funcs: 'get_soft_overlong"),
     ({"reward_funcs": ["accuracy_reward"], "rewards": ["math"]}, "sets rewards to"),
     ({"dataset_name": "trl-lib/DeepMath-103K"}, "set dataset .and eval_dataset."),

@@ -11,6 +11,7 @@ and are left aside with one notice; ``from_trl`` translates a dict and refuses c
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -189,8 +190,8 @@ def from_trl(d: dict[str, Any], later: dict[str, Any] | None = None) -> dict[str
             put("cispo_max", d.get("epsilon", 0.2), "loss_type")
         elif d.get("epsilon") is not None and "eps_high" not in out:
             put("eps_high", d["epsilon"], "epsilon")
-    if "warmup_steps" in d and "warmup_steps" not in source and per_sample > 1:
-        out["warmup_steps"] = _per_sample("warmup_steps", d["warmup_steps"], per_sample)
+    if "warmup_steps" in d:  # TRL's: optimiser steps, or below 1 a share of max_steps
+        out["warmup_steps"] = _trl_warmup(d, per_sample)
     if _word(d.get("eval_strategy")) == "steps" and d.get("eval_steps") is None:
         # transformers: eval_steps unset = logging_steps (10 by default)
         put("eval_every", _per_sample("logging_steps", d.get("logging_steps", 10), per_sample),
@@ -284,6 +285,18 @@ def _trl_batch(d: dict[str, Any]) -> dict[str, int]:
                           "once for several optimiser steps have no grpolab equivalent (its "
                           "epochs reuse a step's answers within the step)")
     return {"budget": answers, "micro_batch": per}
+
+
+def _trl_warmup(d: dict[str, Any], per_sample: int) -> Any:
+    """TRL's ``warmup_steps`` in sampled batches; below 1 it is a share of ``max_steps``
+    (rounded up, as transformers does)."""
+    w = _number(d["warmup_steps"])
+    if isinstance(w, float) and 0 < w < 1:
+        total = _number(d.get("max_steps"))
+        if not isinstance(total, int) or total < 1:
+            raise ConfigError(f"warmup_steps: {w} (TRL: a share of max_steps) needs max_steps")
+        w = math.ceil(total * w)
+    return _per_sample("warmup_steps", w, per_sample) if per_sample > 1 else w
 
 
 def _per_sample(key: str, value: Any, per_sample: int) -> int:
