@@ -1,6 +1,7 @@
-"""TRL's GRPOConfig names for grpolab's settings (the TrainingArguments it inherits and
-ModelConfig's model and LoRA names included): a TRL YAML file loads as it is, meaning what it
-means to TRL 1.16, or is refused in one line where grpolab has no equivalent.
+"""TRL's GRPOConfig names for grpolab's settings (the TrainingArguments it inherits,
+ModelConfig's model and LoRA names and `trl grpo`'s rewards included): a TRL YAML file loads
+as it is, meaning what it means to TRL 1.16, or is refused in one line where grpolab has no
+equivalent.
 
 ``TRL_ALIASES`` renames keys one to one; ``TRL_VALUES`` maps TRL values that choose several
 grpolab settings at once; ``TRL_FIXED`` are settings grpolab has at one value only;
@@ -36,7 +37,7 @@ TRL_ALIASES: dict[str, str] = {
     "model_name_or_path": "model_path",  # ModelConfig's
     "use_peft": "lora",  # ModelConfig's
 }
-_OPT_STEPS = ("max_steps", "save_steps", "eval_steps", "warmup_steps")
+_OPT_STEPS = ("max_steps", "save_steps", "eval_steps")  # (warmup_steps: ``_trl_warmup``)
 # aliases whose None (TRL's "unset") grpolab reads: delta off, epsilon_high = epsilon,
 # eval_steps = logging_steps, TRL's own output folder
 _UNSET_OK = ("delta", "epsilon_high", "eval_steps", "output_dir")
