@@ -47,7 +47,7 @@ def make_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] |
             kwargs.update(_read(load_yaml(yaml_path), later))
         except ConfigError as e:
             raise ConfigError(f"{yaml_path}: {e}") from None
-    kwargs.update(_read({k: v for k, v in (overrides or {}).items() if v is not None}))
+    kwargs.update(_read(later))
     return resolve(Config(**kwargs))
 
 
