@@ -12,6 +12,12 @@ import pytest
 from grpolab.config import ConfigError, make_config
 
 
+@pytest.fixture(autouse=True)
+def one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL's batch counts torchrun's processes (WORLD_SIZE): one, unless a test says."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
 def test_trl_config_translates_line_for_line(tmp_path) -> None:
     y = tmp_path / "trl.yaml"
     y.write_text("num_generations: 4\nnum_iterations: 2\nepsilon: 0.1\nepsilon_high: 0.3\n"
@@ -70,7 +76,6 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     """A TRL GRPO YAML as people write them (TrainingArguments and ModelConfig names beside
     GRPOConfig's) loads: batch, precision, saving, evaluation, model and LoRA translated, the
     logging and Hub settings left aside with one notice naming them."""
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     y = tmp_path / "trl.yaml"
     y.write_text("model_name_or_path: runs/tiny\nuse_peft: true\nlora_r: 16\nbf16: true\n"
                  "per_device_train_batch_size: 8\ngradient_accumulation_steps: 4\n"
@@ -145,8 +150,7 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     # grpolab's own vLLM switch beside a TRL name: TRL's correction default does not apply
     ({"rollout_backend": "vllm", "num_generations": 8}, {"rollout_backend": "vllm"}),
 ])
-def test_trl_training_values(trl_keys: dict, want: dict, monkeypatch) -> None:
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     c = make_config(None, trl_keys, "train")
     assert {k: getattr(c, k) for k in want} == want
 
@@ -185,8 +189,7 @@ def test_trl_training_values(trl_keys: dict, want: dict, monkeypatch) -> None:
     ({"disable_dropout": False}, "disable_dropout: False .TRL. has no grpolab equivalent"),
     ({"disable_dropout": True, "lora_dropout": 0.05}, "sets lora_dropout to 0.0, but lora_dro"),
 ])
-def test_trl_training_refusals_are_one_line(trl_keys: dict, message: str, monkeypatch) -> None:
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+def test_trl_training_refusals_are_one_line(trl_keys: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as e:
         make_config(None, trl_keys, "train")
     assert "\n" not in str(e.value)
@@ -200,10 +203,9 @@ def test_example_configs_load(name: str) -> None:
     make_config(EXAMPLES / name, None, "train")
 
 
-def test_trl_named_example_is_hf_tiny(monkeypatch) -> None:
+def test_trl_named_example_is_hf_tiny() -> None:
     """examples/trl_tiny.yaml, in TRL's names, is examples/hf_tiny.yaml's run: the same
     settings but the folder and the backward's rows (the same step, to float rounding)."""
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     from grpolab.rewards.builtin import THINK_ANSWER_PATTERN
 
     ours = dataclasses.asdict(make_config(EXAMPLES / "hf_tiny.yaml", None, "train"))
@@ -214,11 +216,10 @@ def test_trl_named_example_is_hf_tiny(monkeypatch) -> None:
     assert differ == {"out_dir": ("runs/hf-tiny", "runs/trl-tiny"), "micro_batch": (0, 8)}
 
 
-def test_trl_yaml_numbers_and_later_keys(tmp_path, monkeypatch, caplog) -> None:
+def test_trl_yaml_numbers_and_later_keys(tmp_path, caplog) -> None:
     """PyYAML reads 1e-8 (no dot) as a string: TRL's default still loads. A step count given
     on the command line completes a YAML that counts epochs. The logging_steps that set the
     evaluation's interval is not in the notice of settings left aside."""
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     y = tmp_path / "trl.yaml"
     y.write_text("adam_epsilon: 1e-8\nnum_train_epochs: 2\neval_strategy: steps\n"
                  "logging_steps: 3\nattn_implementation: sdpa\n")
@@ -248,7 +249,6 @@ def test_trl_unset_values_are_refused(tmp_path, text: str, message: str) -> None
 def test_trl_refusals_see_the_command_line(tmp_path, monkeypatch, caplog) -> None:
     """bf16 in the file and full fine-tuning on the command line is TRL's float32 training,
     refused; bnpo over several processes too; unused vLLM settings are named aside."""
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     y = tmp_path / "trl.yaml"
     y.write_text("bf16: true\n")
     with pytest.raises(ConfigError, match="bf16 .TRL. with full fine-tuning"):
