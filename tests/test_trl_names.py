@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import yaml
 
 from grpolab.config import ConfigError, make_config
 
@@ -260,3 +261,45 @@ def test_trl_refusals_see_the_command_line(tmp_path, monkeypatch, caplog) -> Non
     with caplog.at_level("WARNING", logger="grpolab"):
         make_config(None, {"use_vllm": False, "vllm_mode": "server"}, "train")
     assert caplog.records[-1].getMessage().endswith(": vllm_mode")
+
+
+@pytest.mark.parametrize(("text", "later", "want"), [
+    # TRL's batch is the product of per-device rows and accumulation, wherever each is given
+    ("per_device_train_batch_size: 4\n", {"gradient_accumulation_steps": 2},
+     {"budget": 8, "micro_batch": 4}),
+    ("gradient_accumulation_steps: 2\n", {"per_device_train_batch_size": 4},
+     {"budget": 8, "micro_batch": 4}),
+    # optimiser steps over num_iterations, from the file or the call
+    ("max_steps: 100\nsave_steps: 20\n", {"num_iterations": 2},
+     {"steps": 50, "checkpoint_every": 10, "epochs": 2}),
+    ("num_iterations: 2\n", {"max_steps": 100}, {"steps": 50, "epochs": 2}),
+    ("warmup_steps: 0.1\nmax_steps: 100\n", {"max_steps": 200}, {"warmup_steps": 20, "steps": 200}),
+    ("loss_type: cispo\n", {"epsilon_high": 5.0}, {"policy_loss": "cispo", "cispo_max": 5.0}),
+    ("epsilon_high: 5.0\n", {"loss_type": "cispo"}, {"policy_loss": "cispo", "cispo_max": 5.0}),
+    ("reward_funcs: [accuracy_reward]\n", {"reward_model_name_or_path": "runs/rm"},
+     {"rewards": ["rm:runs/rm", "trl.rewards:accuracy_reward"]}),
+    # the call overrides the file, in either naming, without a conflict
+    ("num_generations: 4\ngroup_size: 4\n", {"num_generations": 8}, {"group_size": 8}),
+    ("group_size: 4\n", {"num_generations": 8}, {"group_size": 8}),
+    ("num_generations: 4\n", {"group_size": 8}, {"group_size": 8}),
+    ("bf16: true\nuse_peft: false\ndtype: float32\n", {"bf16": False}, {"dtype": "float32"}),
+])
+def test_trl_keys_combine_across_file_and_call(tmp_path, text: str, later: dict,
+                                               want: dict) -> None:
+    """The Python API's keywords and a TRL YAML (or a dict in its place, as grpolab.train
+    takes) are read together, as TRL reads one config."""
+    y = tmp_path / "trl.yaml"
+    y.write_text(text)
+    for base in (y, yaml.safe_load(text)):
+        c = make_config(base, later, "train")
+        assert {k: getattr(c, k) for k in want} == want
+
+
+def test_trl_refusals_read_file_and_call_together(tmp_path) -> None:
+    """A file's use_peft: true overridden by the call's lora: false is full fine-tuning: with
+    the file's bf16 it is refused, as TRL would train float32 weights under autocast."""
+    y = tmp_path / "trl.yaml"
+    y.write_text("bf16: true\nuse_peft: true\n")
+    with pytest.raises(ConfigError, match="bf16 .TRL. with full fine-tuning"):
+        make_config(y, {"lora": False}, "train")
+    assert make_config(y, {"use_peft": False, "dtype": "bfloat16"}, "train").dtype == "bfloat16"

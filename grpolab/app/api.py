@@ -50,15 +50,15 @@ def _spec(fn: Any) -> str:
 def _config(config: Config | dict | str | Path | None, overrides: dict[str, Any],
             command: str) -> Config:
     """Defaults, then the config (YAML path, dict or Config), then keyword overrides."""
-    yaml_path = None
-    given: dict[str, Any] = {}
-    if isinstance(config, Config):
-        given = to_dict(config)
-    elif isinstance(config, dict):
-        given = dict(config)
-    elif config is not None:
-        yaml_path = str(config)
-    given.update(overrides)
+    base: dict[str, Any] | str | None = (
+        to_dict(config) if isinstance(config, Config) else
+        _callables(dict(config)) if isinstance(config, dict) else
+        None if config is None else str(config))
+    return make_config(base, _callables(dict(overrides)), command)
+
+
+def _callables(given: dict[str, Any]) -> dict[str, Any]:
+    """Reward functions given as Python callables, as reward specs."""
     specs = given.get("rewards")
     if specs is not None:
         specs = [specs] if callable(specs) or isinstance(specs, str) else list(specs)
@@ -66,7 +66,7 @@ def _config(config: Config | dict | str | Path | None, overrides: dict[str, Any]
     watch = given.get("watch_reward")
     if callable(watch):
         given["watch_reward"] = _spec(watch)
-    return make_config(yaml_path, given, command)
+    return given
 
 
 def _out_dir(cfg: Config, command: str, resume: bool) -> Config:

@@ -33,28 +33,38 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def make_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None,
-                command: str = "workshop") -> Config:
-    """The command's defaults, then the YAML file, then overrides; resolved and validated.
+def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
+                overrides: dict[str, Any] | None = None, command: str = "workshop") -> Config:
+    """The command's defaults, then the YAML file (or a dict of its keys), then overrides;
+    resolved and validated.
 
     TRL's names for the same settings (``TRL_ALIASES``, ``num_generations: 8``,
     ``loss_type: dapo``...) are accepted in either and translated first (``from_trl``).
     """
     kwargs: dict[str, Any] = dict(command_defaults(command))
-    later = {str(k).replace("-", "_"): v for k, v in (overrides or {}).items() if v is not None}
-    if yaml_path:
+    later = {k: v for k, v in _names(overrides or {}).items() if v is not None}
+    if isinstance(yaml_path, dict):
+        earlier = _names(yaml_path)
+        kwargs.update(_read(earlier, later=later))
+    else:
+        earlier = _names(load_yaml(yaml_path)) if yaml_path else {}
         try:  # name the file: the user has to find the bad line
-            kwargs.update(_read(load_yaml(yaml_path), later))
+            kwargs.update(_read(earlier, later=later))
         except ConfigError as e:
             raise ConfigError(f"{yaml_path}: {e}") from None
-    kwargs.update(_read(later))
+    kwargs.update(_read(later, earlier=earlier))
     return resolve(Config(**kwargs))
 
 
-def _read(given: dict[str, Any], later: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Keys in grpolab's names (dashes as underscores, TRL's translated), values coerced;
-    ``later``: the overrides to come."""
-    given = trl.from_trl({str(k).replace("-", "_"): v for k, v in given.items()}, later)
+def _names(given: dict[Any, Any]) -> dict[str, Any]:
+    return {str(k).replace("-", "_"): v for k, v in given.items()}
+
+
+def _read(given: dict[str, Any], later: dict[str, Any] | None = None,
+          earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Keys in grpolab's names (TRL's translated), values coerced; ``earlier`` and ``later``:
+    the file before them and the overrides after (TRL combines some keys)."""
+    given = trl.from_trl(given, later, earlier)
     if "cpu_pack" in given:  # its earlier place, before the speed options
         speed = dataclasses.asdict(coerce("speed", given.get("speed", {})))
         given["speed"] = {**speed, "cpu_pack": given.pop("cpu_pack")}

@@ -126,18 +126,23 @@ TRL_KEYS = frozenset({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *_VLLM_FIXED, *TRL_
 log = logging.getLogger("grpolab")
 
 
-def from_trl(d: dict[str, Any], later: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Translate TRL keys in ``d`` to grpolab's (other keys pass unchanged).
+def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
+             earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Translate TRL keys in ``given`` to grpolab's (other keys pass unchanged).
 
     ``epsilon`` without ``epsilon_high`` sets both clips, as in TRL; ``delta: null`` is 0 (off).
     A TRL key and the grpolab key it maps to (or two TRL keys) that disagree are an error.
-    ``later``: the settings given after ``d`` (command-line overrides), which may supply what
-    ``d`` lacks.
+    ``earlier`` (a YAML file) and ``later`` (overrides): the settings given before and after
+    ``given``, read where TRL combines several keys (the batch, ``num_iterations``' step
+    counts, the clips, warm-up, the rewards): a file's ``per_device_train_batch_size`` and an
+    override's ``gradient_accumulation_steps`` multiply as in TRL. Only ``given``'s keys are
+    translated, less those ``later`` sets again.
     """
-    later = later or {}
-    if not any(k in TRL_KEYS for k in d):
-        return dict(d)
-    out = {k: v for k, v in d.items() if k not in TRL_KEYS}
+    later, earlier = later or {}, earlier or {}
+    if not any(k in TRL_KEYS for k in given):
+        return dict(given)
+    d = {**earlier, **given, **later}  # what the run is given: read for what TRL combines
+    out = {k: v for k, v in given.items() if k not in TRL_KEYS}
     source: dict[str, str] = {}  # grpolab key -> the TRL key that set it
 
     def put(key: str, value: Any, trl_key: str) -> None:
@@ -152,7 +157,7 @@ def from_trl(d: dict[str, Any], later: dict[str, Any] | None = None) -> dict[str
         out.setdefault(key, value)
         source.setdefault(key, trl_key)
 
-    _refuse(d, later)
+    _refuse(given, d, (earlier, given, later))
     per_sample = _whole(d, "num_iterations", 1)  # optimiser steps per sampled batch
     skip = {"save_steps" if _word(d.get("save_strategy")) == "no" else "",
             "eval_steps" if _word(d.get("eval_strategy")) == "no" else "",
@@ -161,8 +166,8 @@ def from_trl(d: dict[str, Any], later: dict[str, Any] | None = None) -> dict[str
             "scale_rewards" if _word(d.get("multi_objective_aggregation")) == "normalize_then_sum"
             else ""}
     cispo = _word(d.get("loss_type")) == "cispo"
-    for trl_key, value in d.items():
-        if trl_key in skip:
+    for trl_key, value in given.items():
+        if trl_key in skip or trl_key in later:
             continue
         if trl_key in TRL_VALUES:
             table, word = TRL_VALUES[trl_key], None if value is None else _word(value)
@@ -186,30 +191,32 @@ def from_trl(d: dict[str, Any], later: dict[str, Any] | None = None) -> dict[str
                 value = _per_sample(trl_key, value, per_sample)
             key = "cispo_max" if trl_key == "epsilon_high" and cispo else TRL_ALIASES[trl_key]
             put(key, value, trl_key)
-    if d.get("epsilon_high") is None:  # TRL: epsilon_high = epsilon (0.2), cispo's cap too
+    if ({"epsilon", "epsilon_high", "loss_type"} & given.keys()
+            and d.get("epsilon_high") is None):  # TRL: epsilon_high = epsilon, cispo's cap too
         if cispo:
             put("cispo_max", d.get("epsilon", 0.2), "loss_type")
         elif d.get("epsilon") is not None and "eps_high" not in out:
             put("eps_high", d["epsilon"], "epsilon")
-    if "warmup_steps" in d:  # TRL's: optimiser steps, or below 1 a share of max_steps
+    if "warmup_steps" in given:  # TRL's: optimiser steps, or below 1 a share of max_steps
         out["warmup_steps"] = _trl_warmup(d, per_sample)
-    if _word(d.get("eval_strategy")) == "steps" and d.get("eval_steps") is None:
+    if ({"eval_strategy", "eval_steps", "logging_steps"} & given.keys()
+            and _word(d.get("eval_strategy")) == "steps" and d.get("eval_steps") is None):
         # transformers: eval_steps unset = logging_steps (10 by default)
         put("eval_every", _per_sample("logging_steps", d.get("logging_steps", 10), per_sample),
             "logging_steps" if "logging_steps" in d else "eval_strategy")
-    if ("num_train_epochs" in d or _number(d.get("max_steps")) == -1) and not (
-            "steps" in out or {"steps", "max_steps"} & set(later)):
+    if ("num_train_epochs" in given or _number(given.get("max_steps")) == -1) and not (
+            "steps" in out or "steps" in d or _number(d.get("max_steps", -1)) != -1):
         raise ConfigError("num_train_epochs / max_steps: -1 (TRL: epochs over the dataset): "
                           "grpolab runs a number of steps; set max_steps (or steps)")
-    rewards = _trl_rewards(d)
+    rewards = _trl_rewards(d) if set(_SCRIPT) & given.keys() else []
     if rewards:
         put("rewards", rewards, "reward_funcs" if "reward_funcs" in d
             else "reward_model_name_or_path")
-    batch = [k for k in _BATCH if d.get(k) is not None]
+    batch = [k for k in _BATCH if given.get(k) is not None]
     if batch:
         for key, value in _trl_batch(d).items():
             put(key, value, batch[0])
-    aside = sorted(k for k in d if (k in TRL_ASIDE or (k in _VLLM_FIXED and not _vllm(d))
+    aside = sorted(k for k in given if (k in TRL_ASIDE or (k in _VLLM_FIXED and not _vllm(d))
                                     or k in skip) and k not in source.values())
     if aside:
         log.warning("TRL settings left aside (they change nothing that is trained here): %s",
@@ -217,24 +224,25 @@ def from_trl(d: dict[str, Any], later: dict[str, Any] | None = None) -> dict[str
     return out
 
 
-def _refuse(d: dict[str, Any], later: dict[str, Any]) -> None:
-    """The TRL settings grpolab cannot honour, each a one-line ConfigError (``later``: the
-    overrides, which the run will take)."""
+def _refuse(given: dict[str, Any], d: dict[str, Any],
+            layers: tuple[dict[str, Any], ...]) -> None:
+    """The TRL settings grpolab cannot honour, each a one-line ConfigError: ``given``'s own,
+    and those of what the run is given (``d``; ``layers``: the file, then overrides)."""
     fixed = {**TRL_FIXED, **(_VLLM_FIXED if _vllm(d) else {})}
-    if _word(d.get("use_vllm")) == "true" and "vllm_importance_sampling_correction" not in d:
-        d = {**d, "vllm_importance_sampling_correction": True}  # TRL's default
+    if _word(given.get("use_vllm")) == "true" and "vllm_importance_sampling_correction" not in d:
+        given = {**given, "vllm_importance_sampling_correction": True}  # TRL's default
     for key, (values, why) in fixed.items():
-        if key in d and _number(d[key]) not in values and _word(d[key]) not in {
+        if key in given and _number(given[key]) not in values and _word(given[key]) not in {
                 _word(v) for v in values}:
-            raise ConfigError(f"{key}: {d[key]!r} (TRL) has no grpolab equivalent: {why}")
-    if _word(d.get("push_to_hub")) == "true":
+            raise ConfigError(f"{key}: {given[key]!r} (TRL) has no grpolab equivalent: {why}")
+    if _word(given.get("push_to_hub")) == "true":
         raise ConfigError("push_to_hub: true (TRL): grpolab does not upload; the final model "
                           "is saved to out_dir/final")
     half = ("fp16" if _word(d.get("fp16")) == "true" else
             "bf16" if "bf16" in d and _word(d["bf16"]) in ("true", "none") else None)
-    lora = later.get("lora", d.get("use_peft", d.get("lora")))
+    lora = _last(layers, "lora", "use_peft")
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(half or "")
-    if half and _word(lora) == "false" and _word(later.get("dtype", d.get("dtype"))) != dtype:
+    if half and _word(lora) == "false" and _word(_last(layers, "dtype")) != dtype:
         raise ConfigError(f"{half} (TRL) with full fine-tuning: TRL keeps float32 weights "
                           "under autocast, grpolab would train the weights in that precision; "
                           f"drop it and set dtype: float32 (or dtype: {dtype}, knowingly)")
@@ -320,6 +328,15 @@ def _whole(d: dict[str, Any], key: str, default: int) -> int:
 
 def _vllm(d: dict[str, Any]) -> bool:
     return _word(d.get("use_vllm")) == "true" or _word(d.get("rollout_backend")) == "vllm"
+
+
+def _last(layers: tuple[dict[str, Any], ...], *keys: str) -> Any:
+    """The value of the last layer (file, then overrides) that sets one of ``keys``."""
+    for layer in reversed(layers):
+        for key in keys:
+            if key in layer:
+                return layer[key]
+    return None
 
 
 def _world() -> int:
