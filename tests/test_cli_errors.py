@@ -157,3 +157,11 @@ def test_resume_without_checkpoint_exits_1(tmp_path: Path, world_args: list[str]
                       *world_args], capsys)
     assert code == 1
     assert len(err) == 1 and "no checkpoint to resume from" in err[0], err
+
+
+def test_resume_into_a_missing_folder_makes_nothing(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "typo"
+    code, err = _cli(["workshop", "--steps", "2", "--resume", "--out-dir", str(out)], capsys)
+    assert code == 2 and len(err) == 1 and "does not exist" in err[0], err
+    assert not out.exists()

@@ -59,6 +59,15 @@ def test_eval_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "greedy accuracy" in printed and "pass@6" in printed
     assert cli.main(argv) == 0  # seeded: the same numbers again
     assert json.loads((out / "eval.json").read_text()) == res
+    # --compare with an evaluation of other prompts: refused before any work or write
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**res, "prompts": 5}))
+    out2 = tmp_path / "eval2"
+    capsys.readouterr()
+    assert cli.main([*argv[:-4], "--out-dir", str(out2), "--compare", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "5 prompts" in err[0] and "7 of" in err[0], err
+    assert not (out2 / "eval.json").exists()
 
 
 def test_eval_needs_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ refused on resume, and the README's command works twice."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -43,6 +44,8 @@ def test_a_new_run_never_wipes_or_mixes_with_an_old_one(tmp_path: Path, world_ar
     assert not (out / "checkpoints" / "last.pt").exists()
     lines = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in lines] == [0] and lines[0]["run_id"] != old_id
+    # nothing of the replaced run is left looking current beside the new one's files
+    assert not (out / "summary.json").exists() and (out / "config.json").exists()
     code, err = run_cli([*args, "--steps", "2", "--resume"], capsys)
     assert code == 1 and len(err) == 1 and "no checkpoint to resume from" in err[0], err
 
@@ -76,3 +79,21 @@ def test_the_readme_command_works_twice(tmp_path: Path, world_args: list[str],
     assert "wrote runs/workshop-2/metrics.jsonl" in out
     assert files_under(tmp_path / "runs" / "workshop") == first
     assert metric_steps(tmp_path / "runs" / "workshop-2") == [0, 1]
+
+
+def test_a_resume_with_changed_settings_keeps_the_old_config(
+        tmp_path: Path, world_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """config.json is the config that trains the steps to come; the one that trained the steps
+    before a changed resume is kept beside it, and a resume that trains nothing changes none."""
+    out = tmp_path / "run"
+    args = ["workshop", "--out-dir", str(out), "--checkpoint-every", "1", *world_args]
+    assert run_cli([*args, "--steps", "2", "--lr", "0.001"], capsys)[0] == 0
+    code, err = run_cli([*args, "--steps", "3", "--lr", "0.01", "--resume"], capsys)
+    assert code == 0 and len(err) == 1 and "at step 2" in err[0] and "lr 0.001 -> 0.01" in err[0]
+    lr = {p.name: json.loads(p.read_text())["lr"] for p in out.glob("config*.json")}
+    assert lr == {"config.json": 0.01, "config.until-step-2.json": 0.001}
+    assert metric_steps(out) == [0, 1, 2, 3]
+    before = files_under(out)
+    assert run_cli([*args, "--steps", "3", "--lr", "0.5", "--resume"], capsys)[0] == 0
+    assert json.loads((out / "config.json").read_text())["lr"] == 0.01
+    assert files_under(out)["config.json"] == before["config.json"]

@@ -82,3 +82,37 @@ def test_sigterm_from_the_cli_exits_143_with_one_line(
     assert code == 128 + signal.SIGUSR1 and len(err) == 1, err
     assert "stopped by SIGUSR1 after step 2 of 6" in err[0] and "--resume" in err[0]
     assert checkpoint.read(out / "checkpoints" / "last.pt")["step"] == 2  # 0 steps lost
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_signal_while_the_final_files_are_written(
+        tmp_path: Path, world_args: list[str], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, signals: int) -> None:
+    """A preemption after the last step waits for the plot and summary (a model's save can
+    take minutes), then exits 143 in one line; a second signal abandons them, and --resume
+    writes them."""
+    from grpolab.world import workshop
+
+    real = workshop.finish_run
+
+    def signalled_finish(*args, **kwargs):
+        for _ in range(signals):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(workshop, "finish_run", signalled_finish)
+    out = tmp_path / "run"
+    args = ["workshop", "--out-dir", str(out), "--steps", "2", *world_args]
+    code, err = run_cli(args, capsys)
+    assert code == 128 + signal.SIGTERM and len(err) == 1, err
+    if signals == 1:
+        assert "after the last step" in err[0] and "the run is complete" in err[0]
+        assert (out / "summary.json").exists()
+    else:
+        assert "writing the final model and summary was abandoned" in err[0]
+        assert not (out / "summary.json").exists()
+        monkeypatch.undo()
+        assert run_cli([*args, "--resume"], capsys)[0] == 0
+        assert (out / "summary.json").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

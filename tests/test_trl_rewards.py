@@ -98,7 +98,10 @@ def test_grpolab_train_with_trl_rewards_unchanged(llama: str, tmp_path: Path) ->
     assert "`trl.rewards:accuracy_reward`" in card
     summary = json.loads((out / "summary.json").read_text())
     assert f"| held-out accuracy (greedy) | {summary['start_heldout_acc']:.3f} | " in card
-    assert "steps: 2" in card  # the config that differs from the defaults
+    # the config that differs from grpolab train's defaults: what this test set, no more
+    changed = yaml.safe_load(card.split("```yaml")[1].split("```")[0])
+    assert changed == {k: v for k, v in cfg.items() if k not in ("out_dir", "progress", "seed")}
+    assert f"`{cfg['eval_dataset']}` (4 prompts)" in card
 
 
 def test_python_api_train_with_a_callable_reward(llama: str, tmp_path: Path) -> None:

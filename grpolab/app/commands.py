@@ -23,7 +23,7 @@ from grpolab.config.schema import command_defaults
 from grpolab.rewards.scorer import load_rewards, make_scorer, score_answers
 from grpolab.rollout.templates import check_render
 from grpolab.run import dist, shard
-from grpolab.run.checkpoint import busy_error, holds_run, lock_holder, out_dir_lock
+from grpolab.run.checkpoint import busy_error, holds_run, lock_holder, new_dir, out_dir_lock
 from grpolab.run.report import finish_run, read_metrics
 from grpolab.run.trackers import Reporter
 from grpolab.run.trainer import GRPOTrainer
@@ -173,18 +173,28 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
     # report_to, and the plot redrawn with a status line at each evaluation
     trainer.reporter = Reporter(trainer.out_dir / "train.png", title, lengths=True)
     trainer.train(resume=resume)
+    with trainer.stop.finishing(trainer.out_dir):  # a preemption waits for the final model
+        _finish_train(cfg, trainer, title, heldout)
+    return trainer
+
+
+def _finish_train(cfg: Config, trainer: GRPOTrainer, title: str, heldout: list) -> None:
+    """The final model (LoRA merged), plot, summary and model card; the closing lines."""
+    backend = trainer.backend
     # sharded weights are gathered to rank 0 (collective) for the final model
     full = shard.full_state_dict(backend.model) if trainer.sharded else None
     if not dist.is_main():  # under torchrun rank 0 alone writes the model, plot and summary
-        return trainer
+        return
     out = trainer.out_dir
-    backend.save_pretrained(str(out / "final"), state_dict=full)
     summary = finish_run(out, "train.png", title, lengths=True, model_path=cfg.model_path,
                          lora=cfg.lora, calibration_title="Dead-group prediction: "
                          f"{Path(cfg.model_path).name}")
     from grpolab.run.model_card import write_model_card
 
-    write_model_card(out / "final", cfg, summary, read_metrics(out / "metrics.jsonl"))
+    with new_dir(out / "final") as final:  # whole or absent, whenever the run is stopped
+        backend.save_pretrained(str(final), state_dict=full)
+        write_model_card(final, cfg, summary, read_metrics(out / "metrics.jsonl"),
+                         len(heldout[: cfg.eval_size]))
     acc = (f", held-out accuracy {summary['start_heldout_acc']:.3f} -> "
            f"{summary['final_heldout_acc']:.3f}" if heldout else " (no eval_dataset)")
     if "start_heldout_check_acc" in summary:
@@ -199,7 +209,6 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
               f"see {out}/calibration.png")
     print(f"trained {summary['steps']} steps: mean reward {summary['mean_reward']:.3f}{acc}")
     print(f"wrote {out}/metrics.jsonl, {out}/train.png and the model in {out}/final")
-    return trainer
 
 
 def train(cfg: Config, resume: bool) -> int:
@@ -215,11 +224,13 @@ def train(cfg: Config, resume: bool) -> int:
 # ----------------------------------------------------------------------------- eval
 
 
-def run_eval(cfg: Config) -> dict[str, Any]:
+def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, Any]:
     """Greedy accuracy and per-reward means on the first ``eval_size`` rows of eval_dataset (or
     dataset); with ``eval_samples`` n > 0 also pass@k for k = 1, 2, 4, ... n at ``temperature``.
     Writes ``<out_dir>/eval.json`` (by difficulty too, when the rows have a ``difficulty``
-    column) and every answer judged to ``<out_dir>/completions.jsonl``; returns eval.json's."""
+    column) and every answer judged to ``<out_dir>/completions.jsonl``; returns eval.json's.
+    ``same_as``: an earlier eval.json to compare with, checked to be of the same prompts
+    before any work."""
     from grpolab.core.passk import ks_up_to, pass_at_k, standard_error
     from grpolab.data.files import run_rows
     from grpolab.run.report import by_difficulty
@@ -231,6 +242,12 @@ def run_eval(cfg: Config) -> dict[str, Any]:
         hf_logging.disable_progress_bar()
     train_rows, held = run_rows(cfg)
     rows = (held or train_rows)[: cfg.eval_size]
+    dataset = cfg.eval_dataset or cfg.dataset
+    if same_as is not None and (same_as.get("dataset"), same_as.get("prompts")) != (
+            dataset, len(rows)):
+        raise ConfigError(f"--compare: that evaluation is of {same_as.get('prompts')} prompts "
+                          f"of {same_as.get('dataset')!r}, this one would be of {len(rows)} of "
+                          f"{dataset!r}; compare evaluations of the same prompts")
     scorer = make_scorer(cfg)
     model, tok = _load(cfg)
     # The training backend's settings (chat template, prompt limit, seed), minus what only
@@ -251,7 +268,7 @@ def run_eval(cfg: Config) -> dict[str, Any]:
         scorer.close()
     ok, per_fn = greedy.ok, greedy.per_fn
     out: dict[str, Any] = {
-        "model_path": cfg.model_path, "dataset": cfg.eval_dataset or cfg.dataset,
+        "model_path": cfg.model_path, "dataset": dataset,
         "prompts": len(rows), "greedy_accuracy": float(ok.float().mean()),
         "greedy_accuracy_se": standard_error(ok.double()),
         **{f"rewards/{name}": float(per_fn[:, j].mean()) for j, name in enumerate(greedy.names)},
@@ -298,7 +315,7 @@ def evaluate(cfg: Config, compare_to: str | None = None) -> int:
             before = json.loads(Path(compare_to).read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"--compare {compare_to}: cannot read it ({e})") from None
-    res = run_eval(cfg)
+    res = run_eval(cfg, before)
     line = f"{res['prompts']} prompts: greedy accuracy {res['greedy_accuracy']:.3f}"
     ks = [k for k in res if k.startswith("pass@")]
     if ks:
@@ -349,6 +366,9 @@ def choose_out_dir(cfg: Config, command: str, resume: bool = False) -> Config:
     default = cfg.out_dir == command_defaults(command).get("out_dir", Config.out_dir)
     if busy is not None and (resume or cfg.overwrite or not default):
         raise busy_error(cfg.out_dir, busy)  # (the run's own lock decides; this is early)
+    if resume and not out.is_dir():  # (nothing made: the folder named may be a typo)
+        raise ConfigError(f"--resume: out_dir {cfg.out_dir} does not exist, so there is no "
+                          "run to continue; check --out-dir, or start without --resume")
     if resume or cfg.overwrite:
         return cfg
     if in_use:

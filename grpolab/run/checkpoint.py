@@ -28,6 +28,7 @@ import pickle
 import shutil
 import struct
 import uuid
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ log = logging.getLogger("grpolab")
 
 LAST, PREV = "last.pt", "prev.pt"
 RUN_FILES = ("metrics.jsonl", "samples.jsonl")  # what a run writes beside checkpoints/
+# what a finished run leaves besides (--overwrite deletes these too, so that a replacing run
+# that fails leaves nothing of the old one looking current); trackers' folders are per run_id
+RUN_OUTPUTS = ("config.json", "summary.json", "train.png", "workshop.png", "calibration.png")
 LOCK_FILE = ".grpolab.lock"  # flock'ed by the live run; never deleted (unlinking races)
 
 
@@ -117,6 +121,22 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def new_dir(path: Path) -> Iterator[Path]:
+    """A folder written in full or not at all: the block fills a temporary sibling, which then
+    takes ``path``'s place (a reader, or a run killed mid-write, never sees half of it)."""
+    tmp = path.with_name(f".{path.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)  # (a killed earlier attempt's)
+    tmp.mkdir(parents=True)
+    yield tmp
+    old = path.with_name(f".{path.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save(state: dict[str, Any], ckpt_dir: Path) -> Path:
     """Write ``state`` (plus its ``sha256``) as last.pt atomically; the old last.pt becomes
     prev.pt.
@@ -165,9 +185,15 @@ def save(state: dict[str, Any], ckpt_dir: Path) -> Path:
 def read(path: str | os.PathLike) -> dict[str, Any]:
     """A checkpoint's content, checked: tensors and built-in types only (``weights_only``),
     and, when it carries one, a matching content hash. Raises CheckpointError otherwise."""
+    if Path(path).is_file() and not zipfile.is_zipfile(path):  # torch.save's format is a zip
+        raise CheckpointError("not a checkpoint file (not torch's zip format: truncated, "
+                              "overwritten or another kind of file)")
     try:
         st = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # any unreadable file is reported the same way
+    except pickle.UnpicklingError as e:  # weights_only refused an object: never run
+        raise CheckpointError("refused: it holds objects other than tensors and plain values, "
+                              "which could run code when loaded") from e
+    except Exception as e:  # any other unreadable file is reported the same way
         first = (str(e).splitlines() or [""])[0][:120]
         raise CheckpointError(f"{type(e).__name__}: {first}") from e
     if not isinstance(st, dict) or "step" not in st:
@@ -207,11 +233,17 @@ def holds_run(out_dir: str | os.PathLike) -> bool:
 
 
 def clear_run(out_dir: str | os.PathLike) -> None:
-    """Remove what a run wrote in ``out_dir`` (metrics, samples, checkpoints) and nothing
-    else: ``--overwrite`` replaces a run; it does not empty the folder."""
+    """Remove what a run wrote in ``out_dir`` (metrics, samples, checkpoints, its config,
+    summary, plots and final model) and nothing else: ``--overwrite`` replaces a run; it does
+    not empty the folder."""
     d = Path(out_dir)
-    for n in RUN_FILES:
+    for n in (*RUN_FILES, *RUN_OUTPUTS):
         (d / n).unlink(missing_ok=True)
+    for n in ("final", *(p.name for p in d.glob("config.until-step-*.json"))):
+        if (d / n).is_dir():
+            shutil.rmtree(d / n)
+        else:
+            (d / n).unlink(missing_ok=True)
     ckpt = d / "checkpoints"
     if ckpt.is_dir():
         for p in ckpt.iterdir():

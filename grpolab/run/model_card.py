@@ -2,7 +2,7 @@
 
 YAML metadata (base_model, library, tags, datasets) on top, then what a reader needs to trust
 or reproduce the model: the base model, the data and rewards, the config that differs from
-grpolab's defaults, and the final metrics, read from the run's own files.
+``grpolab train``'s defaults, and the final metrics, read from the run's own files.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from grpolab.config import Config
+from grpolab.config.schema import command_defaults
 
 # grpolab's names for models -> their Hugging Face repositories
 KNOWN_BASES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -42,8 +43,10 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def model_card(cfg: Config, summary: dict[str, Any], records: list[dict]) -> str:
-    """The card's text (Markdown with YAML front matter)."""
+def model_card(cfg: Config, summary: dict[str, Any], records: list[dict],
+               heldout: int | None = None) -> str:
+    """The card's text (Markdown with YAML front matter); ``heldout``: the number of held-out
+    prompts evaluated (at most ``eval_size``)."""
     base = base_model_id(cfg.model_path)
     meta: dict[str, Any] = {"library_name": "transformers",
                             "tags": ["grpolab", "grpo", "reinforcement-learning", "rlvr"]}
@@ -51,7 +54,7 @@ def model_card(cfg: Config, summary: dict[str, Any], records: list[dict]) -> str
         meta["base_model"] = base
     if cfg.dataset.startswith("reasoning_gym:"):
         meta["tags"].append(cfg.dataset.replace(":", "-"))
-    defaults = dataclasses.asdict(Config())
+    defaults = dataclasses.asdict(Config(**command_defaults("train")))  # grpolab train's
     changed = {k: v for k, v in dataclasses.asdict(cfg).items()
                if v != defaults.get(k) and k not in ("out_dir", "progress", "overwrite")}
     last = next((r for r in reversed(records) if r.get("step", 0) >= 1), {})
@@ -67,7 +70,8 @@ def model_card(cfg: Config, summary: dict[str, Any], records: list[dict]) -> str
         "## Data and rewards", "",
         (f"- training prompts: `{cfg.dataset}` (column `{cfg.prompt_column}`, answers from "
         f"`{cfg.answer_column}`)"),
-        f"- held-out prompts: `{cfg.eval_dataset or 'none'}` (first {cfg.eval_size})",
+        f"- held-out prompts: `{cfg.eval_dataset or 'none'}`"
+        + (f" ({heldout} prompts)" if cfg.eval_dataset and heldout is not None else ""),
         f"- rewards: {', '.join(f'`{r}`' for r in cfg.rewards)}"
         + (f" (weights {cfg.reward_weights})" if cfg.reward_weights else ""),
         "", "## Final metrics", "",
@@ -92,7 +96,7 @@ def model_card(cfg: Config, summary: dict[str, Any], records: list[dict]) -> str
     if summary.get("hacking_suspected_steps"):
         lines += ["", (f"**Reward hacking suspected** at steps {summary['hacking_suspected_steps']}"
                   " (training reward rose beyond the strict held-out check).")]
-    lines += ["", "## Config (keys that differ from grpolab's defaults)", "", "```yaml",
+    lines += ["", "## Config (keys that differ from `grpolab train`'s defaults)", "", "```yaml",
               yaml.safe_dump(changed, sort_keys=True).strip(), "```", "",
               "## Use", "", "```python",
               "from transformers import AutoModelForCausalLM, AutoTokenizer",
@@ -105,9 +109,9 @@ def model_card(cfg: Config, summary: dict[str, Any], records: list[dict]) -> str
 
 
 def write_model_card(final_dir: str | Path, cfg: Config, summary: dict[str, Any],
-                     records: list[dict]) -> Path:
+                     records: list[dict], heldout: int | None = None) -> Path:
     """Write ``final_dir/README.md``; returns its path."""
     path = Path(final_dir) / "README.md"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(model_card(cfg, summary, records))
+    path.write_text(model_card(cfg, summary, records, heldout))
     return path

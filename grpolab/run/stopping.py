@@ -38,8 +38,9 @@ class StopSignals:
         self.signum = 0
 
     @contextlib.contextmanager
-    def handlers(self, out_dir: Path) -> Iterator[None]:
-        """SIGTERM/SIGUSR1 handlers for the length of a run (main thread only)."""
+    def handlers(self, out_dir: Path, doing: str = "the step in flight") -> Iterator[None]:
+        """SIGTERM/SIGUSR1 handlers for the length of a run (main thread only); ``doing``: what
+        a second signal abandons."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -47,9 +48,9 @@ class StopSignals:
         def handler(signum: int, frame: Any) -> None:
             if self.signum:
                 raise RunStopped(signum, (
-                    f"stopped by a second {signal.Signals(signum).name}: the step in flight "
-                    f"was abandoned; the checkpoints and metrics already in {out_dir} "
-                    "are kept; continue with --resume"))
+                    f"stopped by a second {signal.Signals(signum).name}: {doing} was "
+                    f"abandoned; the checkpoints and metrics already in {out_dir} are kept; "
+                    "continue with --resume"))
             self.signum = signum
 
         self.signum = 0
@@ -59,6 +60,18 @@ class StopSignals:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+
+    @contextlib.contextmanager
+    def finishing(self, out_dir: Path) -> Iterator[None]:
+        """The writes after the last step (the final model, plots, summary): a stop signal waits
+        for them, as one during a step waits for the step, then stops the run; a second one
+        abandons them (``--resume`` writes them again)."""
+        with self.handlers(out_dir, "writing the final model and summary"):
+            yield
+        if self.signum:
+            raise RunStopped(self.signum, (
+                f"stopped by {signal.Signals(self.signum).name} after the last step, once the "
+                f"final files in {out_dir} were written: the run is complete"))
 
     def asked(self) -> int:
         """The signal to stop for, asked on any rank (collective under torchrun), or 0."""

@@ -112,6 +112,8 @@ class GRPOTrainer:
         self.metrics: MetricsWriter | None = None
         self.samples: MetricsWriter | None = None  # samples.jsonl (cfg.log_samples groups a step)
         self.stop = StopSignals()
+        # settings a resume changed: {key: (the checkpoint's value, this run's)}
+        self.resumed_changes: dict[str, tuple[Any, Any]] = {}
 
     # ---------------------------------------------------------------------- the run --
     def train(self, resume: bool = False, on_step: Callable[[dict], None] | None = None) -> list:
@@ -139,8 +141,7 @@ class GRPOTrainer:
             self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl", after, self.run_id)
             if cfg.log_samples:
                 self.samples = MetricsWriter(self.out_dir / "samples.jsonl", after, self.run_id)
-            # the config as it runs now (after the writers accepted the folder's metrics)
-            checkpoint.write_json(self.out_dir / "config.json", to_dict(cfg))
+            self._write_config(start if resume else None)
         if self.reporter:
             self.reporter.start(self)
         records = []
@@ -322,6 +323,19 @@ class GRPOTrainer:
             self.backend.max_new_tokens = max(self.backend.max_new_tokens or 0,
                                               cfg.max_new_tokens)
 
+    def _write_config(self, resumed_at: int | None) -> None:
+        """config.json: the config as it runs now (after the writers accepted the folder's
+        metrics). A resume that trains nothing leaves it as it was; one with changed settings
+        first keeps the config that trained the steps so far as config.until-step-<N>.json."""
+        path = self.out_dir / "config.json"
+        if resumed_at is not None:
+            if resumed_at >= self.cfg.steps:
+                return
+            kept = path.with_name(f"config.until-step-{resumed_at}.json")
+            if self.resumed_changes and path.exists() and not kept.exists():
+                os.replace(path, kept)
+        checkpoint.write_json(path, to_dict(self.cfg))
+
     def _stop_if_asked(self, saved: bool) -> None:
         """Between steps: when a stop signal came (on any rank), checkpoint and stop."""
         signum = self.stop.asked()
@@ -377,14 +391,19 @@ class GRPOTrainer:
         except (ValueError, RuntimeError, KeyError) as e:
             shape = [f"{k}={saved[k]!r} (this run: {now[k]!r})" for k in SHAPE_KEYS
                      if k in changed]
-            why = (f"it was written with {', '.join(shape)}" if shape
-                   else " ".join(str(e).split())[:160])
+            if shape:  # a setting, not a damaged file: the settings' exit code
+                raise ConfigError(f"checkpoint {path or 'given'} does not fit this model: it "
+                                  f"was written with {', '.join(shape)}; resume with the run's "
+                                  "settings, or start a new run") from e
             raise CheckpointError(f"checkpoint {path or 'given'} does not fit this model: "
-                                  f"{why}; resume with the run's settings, or start a new run"
-                                  ) from e
+                                  f"{' '.join(str(e).split())[:160]}; resume with the run's "
+                                  "settings, or start a new run") from e
+        self.resumed_changes = {k: (saved[k], now[k]) for k in changed}
         if changed and dist.is_main():
-            log.warning("resuming with changed config keys %s: the continuation will differ "
-                        "from the original run", changed)
+            log.warning("resuming at step %d with changed settings (%s): the steps after it "
+                        "will differ from the original run's; config.json will hold the new "
+                        "ones once a step trains", int(st["step"]), ", ".join(
+                            f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed))
         gen, torch_rng = st["gen"], st["torch_rng"]
         per_rank = st.get("rank_rng") or []
         if len(per_rank) == dist.world_size():

@@ -222,5 +222,6 @@ def _run_workshop(cfg: Config, out_dir: str | Path | None, resume: bool) -> dict
     # report_to, and the plot redrawn with a status line at each evaluation
     trainer.reporter = Reporter(trainer.out_dir / "workshop.png", title)
     trainer.train(resume=resume)
-    return finish_run(trainer.out_dir, "workshop.png", title, group_size=cfg.group_size,
-                      prompts_per_step=cfg.prompts_per_step)
+    with trainer.stop.finishing(trainer.out_dir):
+        return finish_run(trainer.out_dir, "workshop.png", title, group_size=cfg.group_size,
+                          prompts_per_step=cfg.prompts_per_step)
