@@ -239,7 +239,8 @@ def clear_run(out_dir: str | os.PathLike) -> None:
     d = Path(out_dir)
     for n in (*RUN_FILES, *RUN_OUTPUTS):
         (d / n).unlink(missing_ok=True)
-    for n in ("final", *(p.name for p in d.glob("config.until-step-*.json"))):
+    for n in ("final", ".final.partial", ".final.old",
+              *(p.name for p in d.glob("config.until-step-*.json"))):
         if (d / n).is_dir():
             shutil.rmtree(d / n)
         else:
