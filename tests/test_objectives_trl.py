@@ -8,6 +8,7 @@ test_kl.py, test_entropy.py and test_advantage_options.py."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import pytest
 import torch
@@ -188,28 +189,36 @@ def test_entropy_bonus_and_selection_match_trl(loss_type: str, agg: str) -> None
 # --------------------------------------------------------------- TRL names --
 
 
-def test_trl_aliases_are_trl_fields() -> None:
-    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    model = {f.name for f in dataclasses.fields(ModelConfig)}
+def trl_classes() -> tuple[type, ...]:
     from trl.scripts.grpo import GRPOScriptArguments
 
-    script = {f.name for f in dataclasses.fields(GRPOScriptArguments)}
-    assert TRL_KEYS <= fields | model | script
-    assert {k for k in TRL_KEYS if k not in fields} == {
-        "model_name_or_path", "use_peft", "model_revision", "attn_implementation",
-        "reward_funcs", "reward_model_name_or_path", "dataset_name", "dataset_config",
-        "dataset_train_split", "dataset_test_split", "dataset_streaming"}
+    return GRPOConfig, ModelConfig, GRPOScriptArguments
+
+
+def test_trl_aliases_are_trl_fields() -> None:
+    """grpolab's TRL names are the fields of TRL 1.16's GRPOConfig (its TrainingArguments'
+    included), ModelConfig and `trl grpo`'s script arguments, and every one of those fields is
+    either one of them or grpolab's own key: none is unknown to grpolab."""
+    trl_fields = {f.name for cls in trl_classes() for f in dataclasses.fields(cls)}
+    ours = set(Config.__dataclass_fields__)
+    assert TRL_KEYS <= trl_fields
+    assert trl_fields - TRL_KEYS - ours == set()
+    assert not TRL_KEYS & ours  # (a key is translated, or grpolab's own: never both)
     assert all(getattr(trl_rewards, name) for name in trl_names.TRL_REWARDS)
     assert all(v in Config.__dataclass_fields__ for v in TRL_ALIASES.values())
 
 
 def trl_defaults() -> dict:
-    """TRL 1.16's defaults: GRPOConfig's fields (its TrainingArguments') and ModelConfig's."""
-    return {f.name: (f.default if f.default is not dataclasses.MISSING
-                     else f.default_factory())
-            for cls in (GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)
-            if f.default is not dataclasses.MISSING
-            or f.default_factory is not dataclasses.MISSING}
+    """TRL 1.16's defaults: GRPOConfig's fields (its TrainingArguments'), ModelConfig's and the
+    script's, as a YAML holds them (enums by their value)."""
+    out = {}
+    for cls in trl_classes():
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
+    return {k: v.value if isinstance(v, enum.Enum) else v for k, v in out.items()}
 
 
 def load_as_yaml(tmp_path, keys: dict) -> Config:  # (None stays None, as TRL's "unset")
@@ -218,20 +227,43 @@ def load_as_yaml(tmp_path, keys: dict) -> Config:  # (None stays None, as TRL's 
     return make_config(y, None, "train")
 
 
-def test_trl_defaults_load(tmp_path, monkeypatch) -> None:
-    """Every TRL setting grpolab reads, at TRL's default value, loads (a YAML written from
-    TRL's defaults is accepted, but for disable_dropout: false) and means what TRL's default
-    means."""
+# TRL's defaults that grpolab cannot run as they are, each refused in one line
+DEFAULTS_REFUSED = {
+    "max_steps": (5, "num_train_epochs / max_steps: -1"),  # TRL: 3 epochs over the dataset
+    "disable_dropout": (True, "disable_dropout: False"),  # grpolab's model has no dropout
+    "bf16": (False, "bf16 .TRL. with full fine-tuning"),  # float32 weights under autocast
+}
+
+
+def test_trl_defaults_load(tmp_path, monkeypatch, caplog) -> None:
+    """A YAML of every field of GRPOConfig, ModelConfig and the script at TRL's default loads
+    but for the three refused in one line, and runs TRL's defaults: only max_prompt_tokens
+    (TRL has no prompt limit) is named at grpolab's own default."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    trl_default = trl_defaults()
-    named = {*TRL_VALUES, *TRL_FIXED, *trl_names._BATCH} - {"disable_dropout"}  # (always on)
-    c = load_as_yaml(tmp_path, {**{k: trl_default[k] for k in named}, "max_steps": 5})
+    every = trl_defaults()
+    assert len(every) > 200
+    given = {**every, **{k: v for k, (v, _) in DEFAULTS_REFUSED.items()}}
+    for key, (_, message) in DEFAULTS_REFUSED.items():
+        with pytest.raises(ConfigError, match=message):
+            load_as_yaml(tmp_path, {**given, key: every[key]})
+    with caplog.at_level("WARNING", logger="grpolab"):
+        c = load_as_yaml(tmp_path, given)
     # TRL's defaults: 8 answers a step (8 per device, no accumulation), each forward all 8,
-    # no held-out evaluation (eval_strategy "no"), checkpoints on, bfloat16 (bf16 unset is on),
-    # the advantage over the sample std + 1e-4, HF sampling
-    assert (c.budget, c.micro_batch, c.eval_size, c.steps) == (8, 8, 0, 5)
-    assert (c.scale, c.std, c.std_eps, c.dtype) == ("std", "sample", 1e-4, "bfloat16")
-    assert c.checkpoint_every > 0 and c.rollout_backend == "hf"
+    # no held-out evaluation (eval_strategy "no"), full fine-tuning in float32 (bf16 false),
+    # the advantage over the sample std + 1e-4, dapo's token mean, HF sampling
+    assert (c.budget, c.micro_batch, c.group_size, c.eval_size, c.steps) == (8, 8, 8, 0, 5)
+    assert (c.scale, c.std, c.std_eps, c.dtype, c.lora) == ("std", "sample", 1e-4, "float32",
+                                                            False)
+    assert (c.beta, c.loss_agg, c.kl_is_correction, c.eps_low, c.eps_high) == (
+        0.0, "token_mean", True, 0.2, 0.2)
+    assert (c.lr, c.lr_schedule, c.warmup_steps, c.grad_clip, c.seed) == (
+        1e-6, "linear", 0, 1.0, 42)
+    assert (c.max_new_tokens, c.checkpoint_every, c.gradient_checkpointing) == (512, 500, True)
+    assert (c.lora_r, c.lora_alpha, c.lora_dropout) == (16, 32, 0.0)  # disable_dropout's 0
+    assert (c.reward_weights, c.lora_target_modules, c.rollout_backend) == ([], [], "hf")
+    left = [r.getMessage() for r in caplog.records if "grpolab's defaults" in r.getMessage()]
+    assert left == [("this TRL config leaves these at grpolab's defaults, not TRL's: "
+                    "max_prompt_tokens 1024 (TRL: whole prompts)")]
 
 
 # grpolab train's defaults that are not TRL's (docs/real-models.md#trl-configs lists them)
@@ -264,3 +296,6 @@ def test_train_defaults_against_trl(tmp_path, monkeypatch) -> None:
         if theirs != ours:
             differ.add(name)
     assert differ == TRAIN_DEFAULTS_DIFFER
+    # each is named, when a TRL config leaves it out, in the one warning (load.make_config)
+    named = {k for _, _, keys in trl_names.TRL_DEFAULTS_DIFFER for k in keys}
+    assert TRAIN_DEFAULTS_DIFFER <= named

@@ -91,7 +91,7 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     # TRL: 8 per device x 4 accumulated = 32 answers an optimiser step, 8 rows a backward
     assert (c.budget, c.micro_batch, c.group_size, c.steps) == (32, 8, 8, 100)
     assert (c.checkpoint_every, c.eval_every, c.seed) == (25, 20, 42)
-    notes = [r.getMessage() for r in caplog.records]
+    notes = [r.getMessage() for r in caplog.records if "left aside" in r.getMessage()]
     assert len(notes) == 1
     assert notes[0].endswith("log_completions, logging_steps, push_to_hub")
     monkeypatch.setenv("WORLD_SIZE", "4")  # torchrun's processes each take 8 x 4
@@ -188,7 +188,6 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"use_vllm": True}, "vllm_importance_sampling_correction: True .TRL. has no grpolab"),
     ({"rollout_backend": "vllm", "vllm_mode": "server"}, "vllm_mode: 'server'"),
     ({"disable_dropout": False}, "disable_dropout: False .TRL. has no grpolab equivalent"),
-    ({"disable_dropout": True, "lora_dropout": 0.05}, "sets lora_dropout to 0.0, but lora_dro"),
 ])
 def test_trl_training_refusals_are_one_line(trl_keys: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as e:
@@ -229,7 +228,8 @@ def test_trl_yaml_numbers_and_later_keys(tmp_path, caplog) -> None:
     with caplog.at_level("WARNING", logger="grpolab"):
         c = make_config(y, {"steps": 6}, "train")
     assert (c.steps, c.eval_every) == (6, 3)
-    assert [r.getMessage().rsplit(": ", 1)[1] for r in caplog.records] == ["attn_implementation"]
+    assert [r.getMessage().rsplit(": ", 1)[1] for r in caplog.records
+            if "left aside" in r.getMessage()] == ["attn_implementation"]
     y.write_text("top_k: null\n")  # unset: generate's own default, 50
     with pytest.raises(ConfigError, match="top_k: None .TRL. has no grpolab equivalent"):
         make_config(y, None, "train")
@@ -260,7 +260,8 @@ def test_trl_refusals_see_the_command_line(tmp_path, monkeypatch, caplog) -> Non
     monkeypatch.delenv("WORLD_SIZE")
     with caplog.at_level("WARNING", logger="grpolab"):
         make_config(None, {"use_vllm": False, "vllm_mode": "server"}, "train")
-    assert caplog.records[-1].getMessage().endswith(": vllm_mode")
+    assert [r.getMessage() for r in caplog.records if "left aside" in r.getMessage()
+            ][-1].endswith(": vllm_mode")
 
 
 @pytest.mark.parametrize(("text", "later", "want"), [
@@ -303,3 +304,113 @@ def test_trl_refusals_read_file_and_call_together(tmp_path) -> None:
     with pytest.raises(ConfigError, match="bf16 .TRL. with full fine-tuning"):
         make_config(y, {"lora": False}, "train")
     assert make_config(y, {"use_peft": False, "dtype": "bfloat16"}, "train").dtype == "bfloat16"
+
+
+def grpolab_defaults_note(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "grpolab's defaults" in r.getMessage()]
+
+
+def test_trl_config_names_grpolab_defaults_it_runs_on(tmp_path, caplog) -> None:
+    """A TRL config runs on grpolab train's defaults for the keys it leaves out: one warning
+    names each that is not TRL's, with both values; the keys the file or the call set, in
+    either naming, are not named, and LoRA's r, alpha and dropout only with LoRA on."""
+    y = tmp_path / "trl.yaml"
+    y.write_text("num_generations: 8\nmax_steps: 10\n")
+    with caplog.at_level("WARNING", logger="grpolab"):
+        make_config(y, None, "train")
+    assert grpolab_defaults_note(caplog) == [
+        ("this TRL config leaves these at grpolab's defaults, not TRL's: beta 0.04 (TRL 0.0), "
+        "loss_agg seq_mean_token_mean (TRL's loss_type dapo), kl_is_correction false (TRL's "
+        "use_bias_correction_kl true), std population + std_eps 0.0 (TRL's scale_rewards: the "
+        "sample std + 1e-4), budget 64 (TRL's per_device_train_batch_size 8 x "
+        "gradient_accumulation_steps 1), micro_batch 0 (TRL's per_device_train_batch_size 8), "
+        "lora true (TRL's use_peft false), lora_r 8 (TRL 16), lora_alpha 16 (TRL 32), "
+        "lora_dropout 0.0 (TRL 0.05), lr 1e-05 (TRL's learning_rate 1e-06), lr_schedule "
+        "constant (TRL's lr_scheduler_type linear), max_new_tokens 256 (TRL's "
+        "max_completion_length 512), gradient_checkpointing false (TRL true), checkpoint_every "
+        "10 (TRL's save_steps 500), eval_every 10 (TRL's eval_strategy no), seed 0 (TRL 42), "
+        "dtype float32 (TRL's bf16 autocast), the model's dropout off (TRL's disable_dropout "
+        "false), max_prompt_tokens 1024 (TRL: whole prompts)")]
+    caplog.clear()
+    y.write_text("num_generations: 8\nmax_steps: 10\nuse_peft: false\nbf16: false\n"
+                 "per_device_train_batch_size: 8\nloss_type: grpo\nscale_rewards: group\n"
+                 "learning_rate: 1.0e-6\ngradient_checkpointing: true\nsave_steps: 500\n"
+                 "eval_strategy: 'no'\nmax_completion_length: 512\n")
+    with caplog.at_level("WARNING", logger="grpolab"):
+        make_config(y, {"beta": 0.0, "kl_is_correction": True, "lr_schedule": "linear",
+                        "seed": 42, "disable_dropout": True}, "train")
+    assert grpolab_defaults_note(caplog) == [
+        ("this TRL config leaves these at grpolab's defaults, not TRL's: max_prompt_tokens 1024 "
+        "(TRL: whole prompts)")]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpolab"):  # grpolab's names; the workshop
+        make_config(None, {"group_size": 8}, "train")
+        make_config(None, {"num_generations": 8}, "workshop")
+    assert grpolab_defaults_note(caplog) == []
+
+
+@pytest.mark.parametrize(("command", "keys", "hint"), [
+    ("train", {"bogus_setting": 1}, "(grpolab train --help lists them)"),
+    ("eval", {"bogus_setting": 1}, "(grpolab eval --help lists them)"),
+    ("workshop", {"bogus_setting": 1}, "(grpolab workshop --help lists them)"),
+    ("train", {"num_generation": 8}, "(did you mean 'num_generations'?)"),  # TRL's names too
+    ("train", {"per_device_train_batchsize": 8}, "(did you mean 'per_device_train_batch_size'?)"),
+    ("train", {"group_sise": 8}, "(did you mean 'group_size'?)"),
+])
+def test_unknown_key_hint(tmp_path, command: str, keys: dict, hint: str) -> None:
+    """An unknown key names the help of the command in use, or the closest key, grpolab's or
+    TRL's, in the file or in the call."""
+    (key, value), = keys.items()
+    y = tmp_path / "run.yaml"
+    y.write_text(f"{key}: {value}\n")
+    for base, later in ((y, None), (None, keys)):
+        with pytest.raises(ConfigError) as e:
+            make_config(base, later, command)
+        assert str(e.value).endswith(f"unknown config key {key!r} {hint}")
+
+
+def test_overridden_rewards_drop_the_files_weights(tmp_path, caplog) -> None:
+    """Rewards given by the call without weights replace the file's rewards and weights: the
+    file's weights paired with its own rewards (one line says they are dropped)."""
+    y = tmp_path / "run.yaml"
+    y.write_text("rewards: [math, format]\nreward_weights: [1.0, 0.2]\n")
+    with caplog.at_level("WARNING", logger="grpolab"):
+        c = make_config(y, {"rewards": "exact"}, "train")
+    assert (c.rewards, c.reward_weights) == (["exact"], [])
+    assert [r.getMessage() for r in caplog.records] == [
+        ("the overrides' rewards replace the config's, so its reward_weights [1.0, 0.2] are "
+        "dropped (each reward weighs 1)")]
+    # weights given with them, or the file's own rewards again: the weights stand
+    c = make_config(y, {"rewards": "exact,format", "reward_weights": "2,1"}, "train")
+    assert (c.rewards, c.reward_weights) == (["exact", "format"], [2.0, 1.0])
+    c = make_config(y, {"rewards": ["math", "format"]}, "train")
+    assert c.reward_weights == [1.0, 0.2]
+    # TRL's reward_funcs in the call replace them too
+    c = make_config(y, {"reward_funcs": ["accuracy_reward"]}, "train")
+    assert (c.rewards, c.reward_weights) == (["trl.rewards:accuracy_reward"], [])
+
+
+@pytest.mark.parametrize(("text", "later", "world", "message"), [
+    ("per_device_train_batch_size: 3\nnum_generations: 4\n", None, "1",
+     ("per_device_train_batch_size 3 x gradient_accumulation_steps 1 x 1 process = 3 answers a "
+     "step .TRL's batch. is not divisible by num_generations 4; TRL refuses it too")),
+    ("per_device_train_batch_size: 3\n", {"gradient_accumulation_steps": 2,
+                                          "num_generations": 4}, "1",
+     "x gradient_accumulation_steps 2 x 1 process = 6 answers a step"),
+    ("per_device_train_batch_size: 3\ngroup_size: 4\n", None, "3",
+     "x 3 processes = 9 answers a step .TRL's batch. is not divisible by num_generations 4"),
+    ("per_device_train_batch_size: 4\n", None, "1", "= 4 answers a step .* num_generations 8"),
+])
+def test_trl_batch_refused_in_trls_terms(tmp_path, monkeypatch, text: str, later: dict | None,
+                                         world: str, message: str) -> None:
+    """A TRL batch that does not hold whole groups is refused in TRL's terms (grpolab's own
+    budget in its own)."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    y = tmp_path / "trl.yaml"
+    y.write_text(text)
+    with pytest.raises(ConfigError, match=message) as e:
+        make_config(y, later, "train")
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="group_size 4 does not divide the budget 6"):
+        make_config(None, {"budget": 6, "num_generations": 4}, "train")

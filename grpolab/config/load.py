@@ -4,14 +4,18 @@ keyword arguments), each TRL name translated (``grpolab.config.trl``); resolved 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from grpolab.config import trl, yamlsafe
-from grpolab.config.schema import Config, ConfigError, coerce, command_defaults
+from grpolab.config.schema import Config, ConfigError, coerce, command_defaults, field_types
 from grpolab.config.validate import resolve
+
+log = logging.getLogger("grpolab")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -39,21 +43,50 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     resolved and validated.
 
     TRL's names for the same settings (``TRL_ALIASES``, ``num_generations: 8``,
-    ``loss_type: dapo``...) are accepted in either and translated first (``from_trl``).
+    ``loss_type: dapo``...) are accepted in either and translated first (``from_trl``); for
+    ``train`` one warning names the grpolab defaults, not TRL's, that a TRL config leaves in
+    place. Rewards overridden without weights drop the file's weights (one line says so).
     """
     kwargs: dict[str, Any] = dict(command_defaults(command))
     later = {k: v for k, v in _names(overrides or {}).items() if v is not None}
+    _known(later, command)
     if isinstance(yaml_path, dict):
         earlier = _names(yaml_path)
+        _known(earlier, command)
         kwargs.update(_read(earlier, later=later))
     else:
         earlier = _names(load_yaml(yaml_path)) if yaml_path else {}
         try:  # name the file: the user has to find the bad line
+            _known(earlier, command)
             kwargs.update(_read(earlier, later=later))
         except ConfigError as e:
             raise ConfigError(f"{yaml_path}: {e}") from None
-    kwargs.update(_read(later, earlier=earlier))
-    return resolve(Config(**kwargs))
+    file_rewards = kwargs.get("rewards", Config.__dataclass_fields__["rewards"].default_factory())
+    ours = _read(later, earlier=earlier)
+    if ("rewards" in ours and "reward_weights" not in ours and kwargs.get("reward_weights")
+            and ours["rewards"] != file_rewards):
+        # the file's weights were for its own rewards: they no longer pair with these
+        log.warning("the overrides' rewards replace the config's, so its reward_weights %s are "
+                    "dropped (each reward weighs 1)", kwargs.pop("reward_weights"))
+    kwargs.update(ours)
+    cfg = resolve(Config(**kwargs))
+    given = earlier.keys() | later.keys()
+    if command == "train" and given & trl.TRL_KEYS:
+        left = trl.unset_defaults(given, cfg)
+        if left:
+            log.warning("this TRL config leaves these at grpolab's defaults, not TRL's: %s",
+                        ", ".join(left))
+    return cfg
+
+
+def _known(given: dict[str, Any], command: str) -> None:
+    """Every key is grpolab's or TRL's; a misspelt one is named with the closest of both."""
+    known = [*field_types(), "cpu_pack", *sorted(trl.TRL_KEYS)]
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"grpolab {command} --help lists them"
+            raise ConfigError(f"unknown config key {name!r} ({hint})")
 
 
 def _names(given: dict[Any, Any]) -> dict[str, Any]:

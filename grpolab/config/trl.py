@@ -1,12 +1,14 @@
 """TRL's GRPOConfig names for grpolab's settings (the TrainingArguments it inherits,
-ModelConfig's model and LoRA names and `trl grpo`'s rewards included): a TRL YAML file loads
-as it is, meaning what it means to TRL 1.16, or is refused in one line where grpolab has no
-equivalent.
+ModelConfig's and `trl grpo`'s script arguments included; every field of the three is
+classified): a TRL YAML file loads as it is, each key it sets meaning what it means to TRL
+1.16, or is refused in one line where grpolab has no equivalent. The keys it leaves out take
+grpolab's defaults; ``TRL_DEFAULTS_DIFFER`` names those that are not TRL's (one warning).
 
 ``TRL_ALIASES`` renames keys one to one; ``TRL_VALUES`` maps TRL values that choose several
 grpolab settings at once; ``TRL_FIXED`` are settings grpolab has at one value only;
-``TRL_ASIDE`` change nothing that is trained (logging, the Hub, data loading, vLLM's engine)
-and are left aside with one notice; ``from_trl`` translates a dict and refuses contradictions.
+``TRL_ASIDE`` change nothing that is trained (logging, the Hub, data loading, speed, vLLM's
+engine) and are left aside with one notice (those two tables: ``trl_fields``); ``from_trl``
+translates a dict and refuses contradictions.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 from typing import Any
 
 from grpolab.config.schema import ConfigError, coerce
+from grpolab.config.trl_fields import TRL_ASIDE, TRL_FIXED
+from grpolab.config.trl_fields import VLLM_FIXED as _VLLM_FIXED
 
 # TRL GRPOConfig names -> grpolab's, where they differ (same meaning, value as is).
 TRL_ALIASES: dict[str, str] = {
@@ -39,8 +43,11 @@ TRL_ALIASES: dict[str, str] = {
 }
 _OPT_STEPS = ("max_steps", "save_steps", "eval_steps")  # (warmup_steps: ``_trl_warmup``)
 # aliases whose None (TRL's "unset") grpolab reads: delta off, epsilon_high = epsilon,
-# eval_steps = logging_steps, TRL's own output folder
-_UNSET_OK = ("delta", "epsilon_high", "eval_steps", "output_dir")
+# eval_steps = logging_steps, TRL's own output folder, no model named here
+_UNSET_OK = ("delta", "epsilon_high", "eval_steps", "output_dir", "model_name_or_path")
+# grpolab's own keys, also TRL's, whose None is grpolab's []: every reward weighs 1; peft's
+# default modules for the architecture
+_NONE_IS_EMPTY = ("reward_weights", "lora_target_modules")
 # TRL's trainer divides by the sample std plus this constant
 _TRL_STD = {"std": "sample", "std_eps": 1e-4}
 # TRL settings whose values become other grpolab settings.
@@ -75,43 +82,10 @@ TRL_VALUES: dict[str, dict[str | None, dict[str, Any]]] = {
     "eval_strategy": {"steps": {}, "no": {"eval_size": 0}},
     "disable_tqdm": {"true": {"progress": False}, "false": {}, None: {}},
     "optim": {"adamw_torch": {}, "adamw_torch_fused": {}},  # AdamW at weight_decay 0 is Adam
-    # TRL's true zeroes every nn.Dropout after wrapping, LoRA's included; grpolab always zeroes
-    # the model's own
+    # TRL's true zeroes every nn.Dropout after wrapping, LoRA's included, whatever lora_dropout
+    # says (``from_trl``); grpolab always zeroes the model's own
     "disable_dropout": {"true": {"lora_dropout": 0.0}},
 }
-_SAMPLING = "grpolab samples the whole softmax at `temperature`"
-_ADAM = "grpolab's optimiser is torch's Adam at its defaults (TRL's AdamW at weight_decay 0)"
-# TRL settings grpolab has at one value: (the values that mean it, why).
-TRL_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "top_p": ((1.0,), _SAMPLING), "top_k": ((0,), _SAMPLING),  # None: generate's 50
-    "min_p": ((None, 0.0), _SAMPLING), "repetition_penalty": ((1.0,), _SAMPLING),
-    "weight_decay": ((0.0,), _ADAM), "adam_beta1": ((0.9,), _ADAM),
-    "adam_beta2": ((0.999,), _ADAM), "adam_epsilon": ((1e-8,), _ADAM),
-    "model_revision": (("main",), "grpolab loads model_path as it is"),
-}
-# TRL's vLLM settings: with use_vllm, grpolab's engine runs in the training process, samples
-# the plain softmax and has no importance-sampling correction, so these must say so.
-_VLLM_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "vllm_mode": (("colocate",), "grpolab's engine runs in the training process"),
-    "vllm_importance_sampling_correction": (
-        (False,), "grpolab does not correct for the engine's rounding; set it to false"),
-    "vllm_structured_outputs_regex": ((None,), _SAMPLING),
-}
-# TRL settings that change nothing that is trained: read, left aside, named in one notice.
-TRL_ASIDE = frozenset({
-    "logging_strategy", "logging_first_step", "log_level", "log_completions",
-    "num_completions_to_print", "run_name", "save_total_limit", "save_only_model",
-    "push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo", "do_train", "do_eval",
-    "per_device_eval_batch_size", "dataloader_num_workers", "dataloader_pin_memory",
-    "remove_unused_columns", "gradient_checkpointing_kwargs", "ddp_find_unused_parameters",
-    "attn_implementation", "logging_steps",  # (logging_steps: the evaluation's, see below)
-    "dataset_config", "dataset_train_split", "dataset_test_split", "dataset_streaming",
-    "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
-    "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
-    "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
-    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
-})
 # TRL's batch: answers per optimiser step = per device x accumulation x processes (TRL's
 # defaults: 8, 1); each process's forward/backward takes per_device rows at a time.
 _BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps",
@@ -123,7 +97,50 @@ TRL_REWARDS = {name: f"trl.rewards:{name}" for name in
                ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward")}
 TRL_KEYS = frozenset({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *_VLLM_FIXED, *TRL_ASIDE,
                       *_BATCH, *_SCRIPT, "num_train_epochs"})
+# grpolab train's defaults that are not TRL 1.16's (docs/real-models.md#trl-configs): grpolab's
+# value as the warning shows it (filled in from the config), TRL's, and the keys in either
+# naming that set it. A TRL config that sets none of an entry's keys runs on grpolab's value.
+TRL_DEFAULTS_DIFFER: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("beta {beta}", "TRL 0.0", ("beta",)),
+    ("loss_agg {loss_agg}", "TRL's loss_type dapo",
+     ("loss_type", "loss_agg", "token_level_loss", "dr_grpo")),
+    ("kl_is_correction {kl_is_correction}", "TRL's use_bias_correction_kl true",
+     ("use_bias_correction_kl", "kl_is_correction")),
+    ("std {std} + std_eps {std_eps}", "TRL's scale_rewards: the sample std + 1e-4",
+     ("scale_rewards", "std", "std_eps", "multi_objective_aggregation")),
+    ("budget {budget}", "TRL's per_device_train_batch_size 8 x gradient_accumulation_steps 1",
+     (*_BATCH, "budget")),
+    ("micro_batch {micro_batch}", "TRL's per_device_train_batch_size 8", (*_BATCH, "micro_batch")),
+    ("lora {lora}", "TRL's use_peft false", ("use_peft", "lora")),
+    ("lora_r {lora_r}", "TRL 16", ("lora_r",)),  # (these three with LoRA on only)
+    ("lora_alpha {lora_alpha}", "TRL 32", ("lora_alpha",)),
+    ("lora_dropout {lora_dropout}", "TRL 0.05", ("lora_dropout", "disable_dropout")),
+    ("lr {lr}", "TRL's learning_rate 1e-06", ("learning_rate", "lr")),
+    ("lr_schedule {lr_schedule}", "TRL's lr_scheduler_type linear",
+     ("lr_scheduler_type", "lr_schedule")),
+    ("max_new_tokens {max_new_tokens}", "TRL's max_completion_length 512",
+     ("max_completion_length", "max_new_tokens")),
+    ("gradient_checkpointing {gradient_checkpointing}", "TRL true", ("gradient_checkpointing",)),
+    ("steps {steps}", "TRL's num_train_epochs 3", ("max_steps", "steps", "num_train_epochs")),
+    ("checkpoint_every {checkpoint_every}", "TRL's save_steps 500",
+     ("save_steps", "save_strategy", "checkpoint_every")),
+    ("eval_every {eval_every}", "TRL's eval_strategy no",
+     ("eval_strategy", "eval_steps", "eval_every", "eval_size")),
+    ("seed {seed}", "TRL 42", ("seed",)),
+    ("dtype {dtype}", "TRL's bf16 autocast", ("bf16", "fp16", "dtype")),
+    ("the model's dropout off", "TRL's disable_dropout false", ("disable_dropout",)),
+    ("max_prompt_tokens {max_prompt_tokens}", "TRL: whole prompts", ("max_prompt_tokens",)),
+)
+_LORA_ONLY = ("lora_r", "lora_alpha", "lora_dropout")
 log = logging.getLogger("grpolab")
+
+
+def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
+    """``TRL_DEFAULTS_DIFFER``'s entries that none of ``given`` (the keys of the file and of
+    the overrides) sets, each as "grpolab's value (TRL's)"."""
+    shown = {k: str(v).lower() if isinstance(v, bool) else v for k, v in vars(cfg).items()}
+    return [f"{ours.format_map(shown)} ({theirs})" for ours, theirs, keys in TRL_DEFAULTS_DIFFER
+            if not set(given) & set(keys) and (cfg.lora or ours.split()[0] not in _LORA_ONLY)]
 
 
 def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
@@ -142,7 +159,10 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     if not any(k in TRL_KEYS for k in given):
         return dict(given)
     d = {**earlier, **given, **later}  # what the run is given: read for what TRL combines
-    out = {k: v for k, v in given.items() if k not in TRL_KEYS}
+    out = {k: [] if v is None and k in _NONE_IS_EMPTY else v
+           for k, v in given.items() if k not in TRL_KEYS}
+    if _word(d.get("disable_dropout")) == "true" and "disable_dropout" not in later:
+        out.pop("lora_dropout", None)  # TRL zeroes LoRA's dropout too, after lora_dropout
     source: dict[str, str] = {}  # grpolab key -> the TRL key that set it
 
     def put(key: str, value: Any, trl_key: str) -> None:
@@ -214,7 +234,9 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             else "reward_model_name_or_path")
     batch = [k for k in _BATCH if given.get(k) is not None]
     if batch:
-        for key, value in _trl_batch(d).items():
+        for key, value in _trl_batch(d, _last((earlier, given, later), "group_size",
+                                              "num_generations"),
+                                     "budget" not in given.keys() | later.keys()).items():
             put(key, value, batch[0])
     aside = sorted(k for k in given if (k in TRL_ASIDE or (k in _VLLM_FIXED and not _vllm(d))
                                     or k in skip) and k not in source.values())
@@ -245,7 +267,7 @@ def _refuse(given: dict[str, Any], d: dict[str, Any],
     if half and _word(lora) == "false" and _word(_last(layers, "dtype")) != dtype:
         raise ConfigError(f"{half} (TRL) with full fine-tuning: TRL keeps float32 weights "
                           "under autocast, grpolab would train the weights in that precision; "
-                          f"drop it and set dtype: float32 (or dtype: {dtype}, knowingly)")
+                          f"set {half}: false (TRL's unset is on) or dtype: {dtype}, knowingly")
     if (_word(d.get("lr_scheduler_type")) == "constant"
             and _number(d.get("warmup_steps", 0)) not in (0, None)):
         raise ConfigError("lr_scheduler_type: constant (TRL) has no warm-up (transformers "
@@ -278,10 +300,12 @@ def _trl_rewards(d: dict[str, Any]) -> list[str]:
     return out
 
 
-def _trl_batch(d: dict[str, Any]) -> dict[str, int]:
+def _trl_batch(d: dict[str, Any], group: Any, check: bool = True) -> dict[str, int]:
     """TRL's batch settings as grpolab's ``budget`` (answers per optimiser step, over all
     processes) and ``micro_batch`` (rows per forward/backward): exact where TRL samples each
-    optimiser step's answers afresh (``steps_per_generation`` = the accumulation, its default)."""
+    optimiser step's answers afresh (``steps_per_generation`` = the accumulation, its default).
+    ``group``: the run's group size (None: 8, TRL's and grpolab's default); with ``check``, it
+    must divide the batch, said in TRL's terms (the budget comes from them)."""
     per = _whole(d, "per_device_train_batch_size", 8)
     acc = _whole(d, "gradient_accumulation_steps", 1)
     answers = per * acc * _world()
@@ -293,6 +317,13 @@ def _trl_batch(d: dict[str, Any]) -> dict[str, int]:
         raise ConfigError("steps_per_generation / generation_batch_size (TRL): answers sampled "
                           "once for several optimiser steps have no grpolab equivalent (its "
                           "epochs reuse a step's answers within the step)")
+    g = _number(8 if group is None else group)
+    if check and isinstance(g, int) and g > 0 and answers % g:
+        n = _world()
+        raise ConfigError(
+            f"per_device_train_batch_size {per} x gradient_accumulation_steps {acc} x {n} "
+            f"process{'es' if n > 1 else ''} = {answers} answers a step (TRL's batch) is not "
+            f"divisible by num_generations {g}; TRL refuses it too (a step holds whole groups)")
     return {"budget": answers, "micro_batch": per}
 
 

@@ -1,0 +1,111 @@
+"""TRL 1.16's settings that grpolab has at one value (``TRL_FIXED``, ``VLLM_FIXED``) or that
+change nothing it trains (``TRL_ASIDE``): with ``grpolab.config.trl``'s translations, every field
+of GRPOConfig (its TrainingArguments' included), ModelConfig and `trl grpo`'s script arguments
+that is not one of grpolab's own keys."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SAMPLING = "grpolab samples the whole softmax at `temperature`"
+_ADAM = "grpolab's optimiser is torch's Adam at its defaults (TRL's AdamW at weight_decay 0)"
+_MODEL = "grpolab loads model_path as it is"
+_LORA = "grpolab's LoRA is peft's plain LoRA of a causal LM (scale lora_alpha / lora_r)"
+# TRL settings grpolab has at one value: (the values that mean it, why). Each changes what is
+# trained at another value, so that value is refused.
+TRL_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
+    # what is sampled
+    "top_p": ((1.0,), _SAMPLING), "top_k": ((0,), _SAMPLING),  # None: generate's 50
+    "min_p": ((None, 0.0), _SAMPLING), "repetition_penalty": ((1.0,), _SAMPLING),
+    "generation_kwargs": ((None, {}), _SAMPLING),
+    "chat_template_kwargs": ((None, {}), "grpolab applies the tokenizer's chat template as it is"),
+    # the optimiser, its schedule and batch
+    "weight_decay": ((0.0,), _ADAM), "adam_beta1": ((0.9,), _ADAM),
+    "adam_beta2": ((0.999,), _ADAM), "adam_epsilon": ((1e-8,), _ADAM),
+    "lr_scheduler_kwargs": ((None, {}), "grpolab's schedules take no options"),
+    "neftune_noise_alpha": ((None,), "grpolab adds no noise to the embeddings"),
+    "auto_find_batch_size": ((False,), "grpolab keeps its batch (no halving on out-of-memory)"),
+    # the prompts' order
+    "shuffle_dataset": ((True,), "grpolab draws the prompts in a seeded random order"),
+    "data_seed": ((None,), "grpolab's seed orders the prompts; set seed"),
+    "accelerator_config": ((None, {}), "grpolab batches without Accelerate's options"),
+    # the loss and the reference
+    "sync_ref_model": ((False,), "grpolab's reference is the starting model, kept as it is"),
+    "use_adaptive_entropy": ((False,), "grpolab's entropy_coef is fixed"),
+    "off_policy_mask_threshold": ((None,), "grpolab masks no answers by their KL"),
+    # None: the model's own coefficient, nothing for a dense model; grpolab adds no router loss
+    "router_aux_loss_coef": ((None, 0.0), "grpolab adds no MoE router loss"),
+    "cast_lm_head_to_fp32": ((False,), "grpolab runs the LM head in dtype (softmax in float32)"),
+    # the model and its LoRA
+    "model_revision": (("main",), _MODEL), "model_init_kwargs": ((None, {}), _MODEL),
+    "trust_remote_code": ((False,), "grpolab runs no model code shipped with the weights"),
+    "load_in_4bit": ((False,), "grpolab loads the weights unquantised, in dtype"),
+    "load_in_8bit": ((False,), "grpolab loads the weights unquantised, in dtype"),
+    "use_rslora": ((False,), _LORA), "use_dora": ((False,), _LORA),
+    "lora_task_type": (("CAUSAL_LM",), _LORA), "lora_target_parameters": ((None, []), _LORA),
+    "lora_modules_to_save": ((None, []), "grpolab trains the LoRA adapters only"),
+    # the run: grpolab resumes out_dir's checkpoint (--resume) and keeps the last step's model
+    "resume_from_checkpoint": ((None,), "grpolab resumes out_dir's checkpoint: --resume"),
+    "load_best_model_at_end": ((False,), "grpolab's final model is the last step's"),
+}
+# TRL's vLLM settings: with use_vllm, grpolab's engine runs in the training process, samples
+# the plain softmax and has no importance-sampling correction, so these must say so.
+VLLM_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "vllm_mode": (("colocate",), "grpolab's engine runs in the training process"),
+    "vllm_importance_sampling_correction": (
+        (False,), "grpolab does not correct for the engine's rounding; set it to false"),
+    "vllm_structured_outputs_regex": ((None,), _SAMPLING),
+}
+# TRL settings that change nothing that is trained: read, left aside, named in one notice.
+TRL_ASIDE = frozenset({
+    # logging and reporting
+    "logging_strategy", "logging_first_step", "log_level", "log_level_replica",
+    "log_on_each_node", "logging_nan_inf_filter", "include_num_input_tokens_seen",
+    "log_completions", "num_completions_to_print", "log_multimodal", "log_unique_prompts",
+    "log_completions_hub_repo", "run_name", "project", "trackio_space_id", "trackio_bucket_id",
+    "trackio_static_space_id", "skip_memory_metrics", "debug",
+    "logging_steps",  # (but as the evaluation's interval, see from_trl)
+    # saving, the Hub, resuming
+    "save_total_limit", "save_only_model", "save_on_each_node", "enable_jit_checkpoint",
+    "push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo", "hub_token",
+    "hub_always_push", "hub_revision", "ignore_data_skip", "restore_callback_states_from_checkpoint",
+    # the held-out evaluation's own settings (it scores, trains nothing)
+    "do_train", "do_eval", "do_predict", "per_device_eval_batch_size", "eval_delay",
+    "eval_on_start", "prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object",
+    "eval_accumulation_steps", "include_for_metrics", "batch_eval_metrics", "bf16_full_eval",
+    "fp16_full_eval", "num_generations_eval", "metric_for_best_model", "greater_is_better",
+    "label_names",
+    # speed and memory: the same maths (to float rounding), other kernels or layouts
+    "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
+    "liger_kernel_config", "tf32", "use_cache", "activation_checkpointing",
+    "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs", "torch_empty_cache_steps",
+    "pad_to_multiple_of", "cache_implementation", "attn_implementation", "full_determinism",
+    "use_transformers_continuous_batching", "transformers_continuous_batching_config",
+    "use_transformers_paged", "ds3_gather_for_generation",
+    # data loading and processes (TRL's GRPO samples prompts with its own sampler)
+    "dataloader_num_workers", "dataloader_pin_memory", "dataloader_drop_last",
+    "dataloader_persistent_workers", "dataloader_prefetch_factor",
+    "dataloader_multiprocessing_context", "dataloader_in_order", "remove_unused_columns",
+    "train_sampling_strategy", "length_column_name", "ddp_find_unused_parameters",
+    "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend",
+    "ddp_timeout", "local_rank", "ignore_bias_buffers", "fsdp", "fsdp_config", "deepspeed",
+    "parallelism_config",
+    "average_tokens_across_devices",  # (Trainer's compute_loss, which GRPO's replaces)
+    # read by TRL only beside a setting grpolab refuses at another value
+    "optim_args", "optim_target_modules",  # optimisers other than AdamW
+    "label_smoothing_factor",  # Trainer's own loss
+    "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
+    "vespo_k_neg", "vespo_lambda_neg",  # loss types sapo, vespo
+    "ref_model_mixup_alpha", "ref_model_sync_steps",  # sync_ref_model
+    "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+    "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage",  # load_in_4bit
+    "max_tool_calling_iterations",  # tools (GRPOTrainer's argument, not the config's)
+    "dataset_config", "dataset_train_split", "dataset_test_split",
+    "dataset_streaming",  # dataset_name
+    # vLLM's engine
+    "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
+    "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
+    "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
+})
