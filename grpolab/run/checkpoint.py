@@ -137,6 +137,16 @@ def new_dir(path: Path) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def write_config(out_dir: Path, config: dict[str, Any], changed_at: int | None = None) -> None:
+    """``config.json``; ``changed_at``: a resume at that step changed settings, so the config
+    that trained the steps before it is first kept as ``config.until-step-<N>.json``."""
+    path = out_dir / "config.json"
+    kept = out_dir / f"config.until-step-{changed_at}.json"
+    if changed_at is not None and path.exists() and not kept.exists():
+        os.replace(path, kept)
+    write_json(path, config)
+
+
 def save(state: dict[str, Any], ckpt_dir: Path) -> Path:
     """Write ``state`` (plus its ``sha256``) as last.pt atomically; the old last.pt becomes
     prev.pt.

@@ -141,7 +141,10 @@ class GRPOTrainer:
             self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl", after, self.run_id)
             if cfg.log_samples:
                 self.samples = MetricsWriter(self.out_dir / "samples.jsonl", after, self.run_id)
-            self._write_config(start if resume else None)
+            # the config as it runs now (after the writers accepted the folder's metrics)
+            if not resume or start < cfg.steps:  # (a resume with no step left: as it was)
+                checkpoint.write_config(self.out_dir, to_dict(cfg),
+                                        start if resume and self.resumed_changes else None)
         if self.reporter:
             self.reporter.start(self)
         records = []
@@ -323,19 +326,6 @@ class GRPOTrainer:
             self.backend.max_new_tokens = max(self.backend.max_new_tokens or 0,
                                               cfg.max_new_tokens)
 
-    def _write_config(self, resumed_at: int | None) -> None:
-        """config.json: the config as it runs now (after the writers accepted the folder's
-        metrics). A resume that trains nothing leaves it as it was; one with changed settings
-        first keeps the config that trained the steps so far as config.until-step-<N>.json."""
-        path = self.out_dir / "config.json"
-        if resumed_at is not None:
-            if resumed_at >= self.cfg.steps:
-                return
-            kept = path.with_name(f"config.until-step-{resumed_at}.json")
-            if self.resumed_changes and path.exists() and not kept.exists():
-                os.replace(path, kept)
-        checkpoint.write_json(path, to_dict(self.cfg))
-
     def _stop_if_asked(self, saved: bool) -> None:
         """Between steps: when a stop signal came (on any rank), checkpoint and stop."""
         signum = self.stop.asked()
@@ -391,13 +381,11 @@ class GRPOTrainer:
         except (ValueError, RuntimeError, KeyError) as e:
             shape = [f"{k}={saved[k]!r} (this run: {now[k]!r})" for k in SHAPE_KEYS
                      if k in changed]
-            if shape:  # a setting, not a damaged file: the settings' exit code
-                raise ConfigError(f"checkpoint {path or 'given'} does not fit this model: it "
-                                  f"was written with {', '.join(shape)}; resume with the run's "
-                                  "settings, or start a new run") from e
-            raise CheckpointError(f"checkpoint {path or 'given'} does not fit this model: "
-                                  f"{' '.join(str(e).split())[:160]}; resume with the run's "
-                                  "settings, or start a new run") from e
+            why = (f"it was written with {', '.join(shape)}" if shape
+                   else " ".join(str(e).split())[:160])
+            error = ConfigError if shape else CheckpointError  # (a setting: exit 2, as data)
+            raise error(f"checkpoint {path or 'given'} does not fit this model: {why}; resume "
+                        "with the run's settings, or start a new run") from e
         self.resumed_changes = {k: (saved[k], now[k]) for k in changed}
         if changed and dist.is_main():
             log.warning("resuming at step %d with changed settings (%s): the steps after it "
