@@ -157,3 +157,37 @@ def test_resume_without_checkpoint_exits_1(tmp_path: Path, world_args: list[str]
                       *world_args], capsys)
     assert code == 1
     assert len(err) == 1 and "no checkpoint to resume from" in err[0], err
+
+
+# ---------------------------------------------------------------- the Python API ----
+
+
+def test_python_api_raises_the_clis_config_error(tmp_path: Path) -> None:
+    """What the CLI reports with exit 2 (here a missing dataset file) is grpolab.ConfigError,
+    one line, found before anything is written."""
+    import grpolab
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # enough for the path check, which comes first
+    out = tmp_path / "run"
+    with pytest.raises(grpolab.ConfigError) as info:
+        grpolab.train({"model_path": str(model), "dataset": str(tmp_path / "nope.jsonl")},
+                      steps=1, out_dir=str(out))
+    msg = str(info.value)
+    assert "\n" not in msg and "nope.jsonl" in msg and "does not exist" in msg
+    assert isinstance(info.value.__cause__, FileNotFoundError)
+    assert not out.exists()
+
+
+def test_python_api_raises_run_error_where_the_cli_exits_1(llama: str, tmp_path: Path) -> None:
+    import grpolab
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                            for i in range(8)))
+    with pytest.raises(grpolab.RunError, match="no checkpoint to resume from") as info:
+        grpolab.train({"model_path": llama, "dataset": str(data)}, resume=True, steps=1,
+                      budget=4, group_size=2, out_dir=str(tmp_path / "run"), progress=False)
+    assert "\n" not in str(info.value)
+    assert type(info.value.__cause__).__name__ == "CheckpointError"

@@ -105,21 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             return commands.evaluate(cfg, args.compare)
         return commands.train(cfg, args.resume)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        return _fail(e, 2)
     except KeyboardInterrupt:
         print(f"grpolab: interrupted; {_kept(out_dir, args.command)}", file=sys.stderr)
         return 130
-    except OSError as e:  # a full disk, a folder made read-only mid-run: one line, exit 1
-        where = f" ({e.filename})" if e.filename else ""
-        return _fail(f"{e.strerror or e}{where}; files written before it are intact", 1)
-    except Exception as e:
-        from grpolab.run.checkpoint import CheckpointError
-        from grpolab.run.trainer import TrainingError
-
-        if isinstance(e, (TrainingError, CheckpointError)):
-            return _fail(e, 1)
-        raise
+    except Exception as e:  # the user's mistakes exit 2, a run that could not go on 1
+        err = commands.user_error(e)
+        if err is None:
+            raise
+        return _fail(err, 2 if isinstance(err, ConfigError) else 1)
     except BaseException as e:
         from grpolab.run.stopping import RunStopped
 

@@ -23,13 +23,40 @@ from grpolab.config.schema import command_defaults
 from grpolab.rewards.scorer import load_rewards, make_scorer, score_answers
 from grpolab.rollout.templates import check_render
 from grpolab.run import dist, shard
-from grpolab.run.checkpoint import busy_error, holds_run, lock_holder, out_dir_lock
+from grpolab.run.checkpoint import (
+    CheckpointError,
+    busy_error,
+    holds_run,
+    lock_holder,
+    out_dir_lock,
+)
 from grpolab.run.report import finish_run, read_metrics
 from grpolab.run.trackers import Reporter
-from grpolab.run.trainer import GRPOTrainer
+from grpolab.run.trainer import GRPOTrainer, TrainingError
 from grpolab.world.workshop import run_sweep, run_workshop, world_trainer
 
 log = logging.getLogger("grpolab")
+
+
+class RunError(RuntimeError):
+    """The run could not go on (the CLI's exit 1); files written before it are intact."""
+
+
+def user_error(e: BaseException) -> ConfigError | RunError | None:
+    """What the CLI reports for ``e``, and the Python API raises: ConfigError for a mistake in
+    the settings, data, a model folder or a reward (exit 2), RunError for a run that could not
+    go on (exit 1); each with a one-line message. None: not the user's (a bug), raised as is."""
+    one_line = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, (ConfigError, RunError)) and str(e) == one_line:
+        return e
+    if isinstance(e, (ConfigError, FileNotFoundError, ValueError)):
+        return ConfigError(one_line)
+    if isinstance(e, OSError):  # a full disk, a folder made read-only mid-run
+        where = f" ({e.filename})" if e.filename else ""
+        return RunError(f"{e.strerror or one_line}{where}; files written before it are intact")
+    if isinstance(e, (RunError, TrainingError, CheckpointError)):
+        return RunError(one_line)
+    return None
 
 
 # ----------------------------------------------------------------------------- workshop
@@ -74,6 +101,15 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- real models
+
+
+def need_hf(command: str) -> None:
+    """A one-line ConfigError with the install command when the [hf] extra is missing."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"grpolab {command} needs the Hugging Face extras ({e}): "
+                          "pip install 'grpolab[hf]'") from None
 
 
 def check_paths(cfg: Config, command: str = "train") -> None:
@@ -139,6 +175,7 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
     Writes ``metrics.jsonl``, ``checkpoints/last.pt``, ``train.png``, ``summary.json`` and the
     final model (LoRA merged) plus tokenizer in ``<out_dir>/final``.
     """
+    need_hf("train")
     check_paths(cfg)
     if cfg.rollout_backend == "vllm":
         from grpolab.rollout.vllm import check_vllm
@@ -204,10 +241,6 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
 
 def train(cfg: Config, resume: bool) -> int:
     """``grpolab train``."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(f"grpolab train needs the Hugging Face extras ({e})") from None
     run_train(cfg, resume=resume)
     return 0
 
@@ -224,6 +257,7 @@ def run_eval(cfg: Config) -> dict[str, Any]:
     from grpolab.data.files import run_rows
     from grpolab.run.report import by_difficulty
 
+    need_hf("eval")
     check_paths(cfg, "eval")
     if not cfg.progress:  # as in train: no weight-loading bars around a one-line error
         from transformers.utils import logging as hf_logging
@@ -286,10 +320,6 @@ def evaluate(cfg: Config, compare_to: str | None = None) -> int:
     """``grpolab eval``: print the measures (and, with --compare, the paired gains)."""
     if dist.is_dist():
         raise ConfigError("grpolab eval runs in one process; launch it without torchrun")
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(f"grpolab eval needs the Hugging Face extras ({e})") from None
     from grpolab.core.passk import compare
 
     before = None
