@@ -68,6 +68,19 @@ def test_eval_needs_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert len(err) == 1 and "grpolab eval needs model_path" in err[0]
 
 
+def test_eval_of_no_prompts_is_a_config_error(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # the size is refused before the model loads
+    data = tmp_path / "x.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    assert cli.main(["eval", "--model-path", str(model), "--eval-dataset", str(data),
+                     "--eval-size", "0", "--out-dir", str(tmp_path / "ev")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["grpolab: error: grpolab eval needs eval_size >= 1 (the prompts it measures)"]
+
+
 def test_compare_gives_paired_gains_and_standard_errors() -> None:
     """Hand values: per-prompt differences (1, 0, 1, 0) have mean 0.5 and sample sd 0.5774,
     so s.e. 0.2887; pass@k gains come from the per-prompt estimates."""

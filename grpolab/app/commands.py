@@ -259,6 +259,8 @@ def run_eval(cfg: Config) -> dict[str, Any]:
 
     need_hf("eval")
     check_paths(cfg, "eval")
+    if cfg.eval_size < 1:
+        raise ConfigError("grpolab eval needs eval_size >= 1 (the prompts it measures)")
     if not cfg.progress:  # as in train: no weight-loading bars around a one-line error
         from transformers.utils import logging as hf_logging
 
