@@ -75,6 +75,29 @@ def test_config_errors_are_one_line_exit_2(argv: list[str], words: list[str], tm
     assert not out.exists(), "nothing is written before the config is valid"
 
 
+def test_train_without_the_hf_extra_names_the_install(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    code, err = _cli(["train", "--model-path", str(tmp_path), "--out-dir", str(tmp_path / "r")],
+                     capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "needs the Hugging Face extras" in err[0]
+    assert err[0].endswith(": pip install 'grpolab[hf]'"), err
+
+
+def test_version_and_a_help_without_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    import grpolab
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"grpolab {grpolab.__version__}\n"
+    for argv in ([], ["workshop"], ["train"], ["eval"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        assert "`" not in capsys.readouterr().out, argv
+
+
 @pytest.mark.slow  # subprocesses / a full run: not in the quick subset
 def test_real_process_prints_exactly_one_line(tmp_path: Path) -> None:
     """No library warning or traceback sneaks onto stderr (imports included)."""

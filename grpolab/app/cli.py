@@ -50,7 +50,7 @@ def _add_config_flags(p: argparse.ArgumentParser, command: str) -> None:
             shown = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(value).items())
         else:
             shown = value
-        text = meta[name]["help"]
+        text = meta[name]["help"].replace("`", "")  # (markdown in the source, plain here)
         text = f"{text} (default: {shown!r})" if shown != "" else f'{text} (default: "")'
         text = text.replace("%", "%%")
         if tp is bool:
@@ -67,7 +67,13 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="grpolab", description=" ".join(__doc__.split("\n\n")[0].split()))
+    from grpolab import __version__
+
+    parser = _Parser(prog="grpolab", description=(
+        "GRPO and its fixes for RL with verifiable rewards: grpolab workshop (the built-in "
+        "experiment), grpolab train and grpolab eval (Hugging Face models). grpolab COMMAND "
+        "--help lists a command's settings."))
+    parser.add_argument("--version", action="version", version=f"grpolab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("workshop", help="GRPO on the built-in world at a fixed answer budget")
     w.add_argument("--config", help="YAML file of config keys")
