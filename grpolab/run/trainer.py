@@ -131,6 +131,10 @@ class GRPOTrainer:
         cfg = self.cfg
         self._check_start()
         start = self.load_checkpoint() if resume else 0
+        if resume and dist.is_main():  # where the run goes on from (as the out_dir notice)
+            left = "" if start < cfg.steps else "; nothing left to run (raise --steps to go on)"
+            print(f"grpolab: resumed {self.out_dir} at step {start} of {cfg.steps}{left}",
+                  flush=True)
         if not resume:
             checkpoint.claim_out_dir(self.out_dir, cfg.overwrite)
             self.run_id = checkpoint.new_run_id()
