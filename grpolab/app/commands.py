@@ -82,9 +82,10 @@ def workshop(cfg: Config, sweep: str | None, variants: str | None, seeds: str | 
     s = run_workshop(cfg, resume=resume)
     print(f"G={s['group_size']} ({s['prompts_per_step']} prompts/step): mean dead share "
           f"{s['mean_dead_share']:.3f} (predicted {s['mean_predicted_dead_share']:.3f}), "
-          f"held-out accuracy {s['start_heldout_pass_prob']:.3f} -> "
-          f"{s['final_heldout_pass_prob']:.3f} (T={cfg.temperature}, exact; greedy "
-          f"{s['start_heldout_acc']:.3f} -> {s['final_heldout_acc']:.3f}); "
+          # the status lines' and the sweep table's names: p(T) exact, acc greedy
+          f"held-out p(T={cfg.temperature:g}) {s['start_heldout_pass_prob']:.3f} -> "
+          f"{s['final_heldout_pass_prob']:.3f} (exact), held-out acc "
+          f"{s['start_heldout_acc']:.3f} -> {s['final_heldout_acc']:.3f} (greedy); "
           f"{s['all_right_share_of_dead']:.0%} of dead groups all right")
     print(f"wrote {cfg.out_dir}/metrics.jsonl and {cfg.out_dir}/workshop.png")
     return 0
@@ -222,8 +223,8 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
     from grpolab.run.model_card import write_model_card
 
     write_model_card(out / "final", cfg, summary, read_metrics(out / "metrics.jsonl"))
-    acc = (f", held-out accuracy {summary['start_heldout_acc']:.3f} -> "
-           f"{summary['final_heldout_acc']:.3f}" if heldout else " (no eval_dataset)")
+    acc = (f", held-out acc {summary['start_heldout_acc']:.3f} -> "
+           f"{summary['final_heldout_acc']:.3f} (greedy)" if heldout else " (no eval_dataset)")
     if "start_heldout_check_acc" in summary:
         acc += (f"; strict check ({cfg.watch_reward}) {summary['start_heldout_check_acc']:.3f} -> "
                 f"{summary['final_heldout_check_acc']:.3f}")
