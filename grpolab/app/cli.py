@@ -50,7 +50,8 @@ def _add_config_flags(p: argparse.ArgumentParser, command: str) -> None:
             shown = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(value).items())
         else:
             shown = value
-        text = meta[name]["help"].replace("`", "")  # (markdown in the source, plain here)
+        text = meta[name]["helps"].get(command, meta[name]["help"])
+        text = text.replace("`", "")  # (markdown in the source, plain here)
         text = f"{text} (default: {shown!r})" if shown != "" else f'{text} (default: "")'
         text = text.replace("%", "%%")
         if tp is bool:
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = None
     try:
         cfg = make_config(args.config, _overrides(args), args.command)
+        if args.command == "eval" and args.out_dir is None:  # a config file's is its training's
+            cfg = dataclasses.replace(cfg, out_dir=command_defaults("eval")["out_dir"])
         dist.init()  # joins torchrun's process group; nothing in a single process
         cfg = choose_out_dir(cfg, args.command, getattr(args, "resume", False))
         out_dir = cfg.out_dir
