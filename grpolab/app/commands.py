@@ -224,7 +224,8 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
 
     write_model_card(out / "final", cfg, summary, read_metrics(out / "metrics.jsonl"))
     acc = (f", held-out acc {summary['start_heldout_acc']:.3f} -> "
-           f"{summary['final_heldout_acc']:.3f} (greedy)" if heldout else " (no eval_dataset)")
+           f"{summary['final_heldout_acc']:.3f} (greedy)" if heldout and cfg.eval_size
+           else " (no eval_dataset)" if not heldout else " (no evaluation: eval_size 0)")
     if "start_heldout_check_acc" in summary:
         acc += (f"; strict check ({cfg.watch_reward}) {summary['start_heldout_check_acc']:.3f} -> "
                 f"{summary['final_heldout_check_acc']:.3f}")

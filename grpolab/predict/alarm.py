@@ -38,10 +38,10 @@ def diagnose(groups: int, dead: int, all_right: int, all_wrong: int,
             why = (f"{cut_off} and every group is dead: cut-off answers rarely contain a final "
                    "answer, so their rewards are equal and the advantages zero")
         else:  # live groups have advantages: say what they can come from, not that none exist
+            few = " and from the few answers that finished" if truncated_share < 1 else ""
             why = (f"{cut_off} ({dead}/{groups} groups dead): cut-off answers rarely contain a "
-                   f"final answer, so the {groups - dead} live group(s) differ mostly by the few "
-                   "answers that finished or by rewards that need no final answer (length, "
-                   "format)")
+                   f"final answer, so the {groups - dead} live group(s) draw their advantages "
+                   f"mostly from rewards that need none (length, format){few}")
         return "truncated", (
             f"{why}. Raise max_new_tokens, or ask for shorter answers (prompt_template / system "
             "prompt); mask_truncated drops them from the loss but does not bring the signal back")
