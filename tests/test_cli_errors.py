@@ -75,6 +75,29 @@ def test_config_errors_are_one_line_exit_2(argv: list[str], words: list[str], tm
     assert not out.exists(), "nothing is written before the config is valid"
 
 
+def test_train_without_the_hf_extra_names_the_install(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    code, err = _cli(["train", "--model-path", str(tmp_path), "--out-dir", str(tmp_path / "r")],
+                     capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "needs the Hugging Face extras" in err[0]
+    assert err[0].endswith(": pip install 'grpolab[hf]'"), err
+
+
+def test_version_and_a_help_without_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    import grpolab
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"grpolab {grpolab.__version__}\n"
+    for argv in ([], ["workshop"], ["train"], ["eval"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        assert "`" not in capsys.readouterr().out, argv
+
+
 @pytest.mark.slow  # subprocesses / a full run: not in the quick subset
 def test_real_process_prints_exactly_one_line(tmp_path: Path) -> None:
     """No library warning or traceback sneaks onto stderr (imports included)."""
@@ -165,3 +188,37 @@ def test_resume_into_a_missing_folder_makes_nothing(tmp_path: Path,
     code, err = _cli(["workshop", "--steps", "2", "--resume", "--out-dir", str(out)], capsys)
     assert code == 2 and len(err) == 1 and "does not exist" in err[0], err
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- the Python API ----
+
+
+def test_python_api_raises_the_clis_config_error(tmp_path: Path) -> None:
+    """What the CLI reports with exit 2 (here a missing dataset file) is grpolab.ConfigError,
+    one line, found before anything is written."""
+    import grpolab
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # enough for the path check, which comes first
+    out = tmp_path / "run"
+    with pytest.raises(grpolab.ConfigError) as info:
+        grpolab.train({"model_path": str(model), "dataset": str(tmp_path / "nope.jsonl")},
+                      steps=1, out_dir=str(out))
+    msg = str(info.value)
+    assert "\n" not in msg and "nope.jsonl" in msg and "does not exist" in msg
+    assert isinstance(info.value.__cause__, FileNotFoundError)
+    assert not out.exists()
+
+
+def test_python_api_raises_run_error_where_the_cli_exits_1(llama: str, tmp_path: Path) -> None:
+    import grpolab
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                            for i in range(8)))
+    with pytest.raises(grpolab.RunError, match="no checkpoint to resume from") as info:
+        grpolab.train({"model_path": llama, "dataset": str(data)}, resume=True, steps=1,
+                      budget=4, group_size=2, out_dir=str(tmp_path / "run"), progress=False)
+    assert "\n" not in str(info.value)
+    assert type(info.value.__cause__).__name__ == "CheckpointError"

@@ -121,9 +121,23 @@ def test_empty_and_malformed(tmp_path: Path) -> None:
         load_rows(str(broken))
 
 
+def test_a_bad_jsonl_line_is_named_by_its_line_number(tmp_path: Path) -> None:
+    rows = [json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(30)]
+    rows[24] = '{"prompt": "q24" "answer": "24"}'  # a missing comma on line 26 (one blank line)
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(rows[:3] + [""] + rows[3:]) + "\n")
+    with pytest.raises(ValueError) as info:
+        load_rows(str(path))
+    assert "line 26 is not valid JSON (Expecting ',' delimiter, column 18)" in str(info.value)
+    assert "\n" not in str(info.value)
+    path.write_text(rows[0] + "\n[1, 2]\n")
+    with pytest.raises(ValueError, match="line 2 is not a JSON object"):
+        load_rows(str(path))
+
+
 def test_non_text_prompt_is_rejected(tmp_path: Path) -> None:
     path = _write_jsonl(
         tmp_path / "d.jsonl", [{"prompt": "ok", "answer": 1}, {"prompt": 5, "answer": 2}]
     )
-    with pytest.raises(ValueError, match="row 1"):
+    with pytest.raises(ValueError, match="line 2 column 'prompt' is int"):
         load_rows(str(path))

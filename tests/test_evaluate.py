@@ -77,6 +77,46 @@ def test_eval_needs_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert len(err) == 1 and "grpolab eval needs model_path" in err[0]
 
 
+def test_eval_of_no_prompts_is_a_config_error(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # the size is refused before the model loads
+    data = tmp_path / "x.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    assert cli.main(["eval", "--model-path", str(model), "--eval-dataset", str(data),
+                     "--eval-size", "0", "--out-dir", str(tmp_path / "ev")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["grpolab: error: grpolab eval needs eval_size >= 1 (the prompts it measures)"]
+
+
+def test_eval_help_and_out_dir_are_evals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """eval's help says what a shared setting means to eval, and eval writes to --out-dir, else
+    runs/eval: never into the training run's out_dir that a --config file names."""
+    from grpolab.app import commands
+
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--out-dir OUT_DIR where eval.json and completions.jsonl go" in text
+    assert "checkpoints" not in text and "dynamic" not in text and "LoRA" not in text
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "where metrics, samples, checkpoints and the model go" in text
+    assert "comma-separated (q_proj,v_proj); all-linear = every" in text and "[all-" not in text
+
+    seen: list[str] = []
+    monkeypatch.setattr(commands, "evaluate", lambda cfg, compare: seen.append(cfg.out_dir) or 0)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run.yaml"
+    run.write_text("model_path: m\ndataset: d.jsonl\nout_dir: runs/train-x\n")
+    assert cli.main(["eval", "--config", str(run)]) == 0
+    assert cli.main(["eval", "--config", str(run), "--out-dir", "runs/after"]) == 0
+    assert seen == ["runs/eval", "runs/after"]
+
+
 def test_compare_gives_paired_gains_and_standard_errors() -> None:
     """Hand values: per-prompt differences (1, 0, 1, 0) have mean 0.5 and sample sd 0.5774,
     so s.e. 0.2887; pass@k gains come from the per-prompt estimates."""

@@ -6,6 +6,7 @@ New API is imported inside the tests, so on older code each test fails on its ow
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -175,10 +176,15 @@ def test_gold_answers_are_text_and_a_missing_one_is_refused(tmp_path: Path) -> N
                              for i, a in enumerate([4, 2.5, ["1", "one"]])))
     assert [r["answer"] for r in load_rows(str(jsonl))] == ["4", "2.5", ["1", "one"]]
     csv.write_text("prompt,answer\nq1,4\nq2,\nq3,5\n")
-    with pytest.raises(ValueError, match="row 1 has no gold answer"):
+    # named where a user finds them: a CSV's row counting from 1, a JSONL file's line number
+    with pytest.raises(ValueError, match=r"row 2 \(counting from 1, after the header\) has no "
+                                         "gold answer"):
         load_rows(str(csv))
     jsonl.write_text('{"prompt": "q0", "answer": null}\n{"prompt": "q1", "answer": "2"}\n')
-    with pytest.raises(ValueError, match="row 0 has no gold answer"):
+    with pytest.raises(ValueError, match="line 1 has no gold answer"):
+        load_rows(str(jsonl))
+    jsonl.write_text('{"prompt": "q0", "answer": "1"}\n\n{"prompt": "q1", "answer": null}\n')
+    with pytest.raises(ValueError, match="line 3 has no gold answer"):  # (blank lines count)
         load_rows(str(jsonl))
 
 
@@ -362,4 +368,10 @@ def test_a_folder_split_is_the_exact_stem_and_overlap_is_warned(
         cfg = make_config(None, {"dataset": str(folder), "eval_dataset": str(folder)}, "train")
         train, held = run_rows(cfg)
     assert len(train) == 2 and len(held) == 2
-    assert "1 of the 2 eval_dataset prompts are also training prompts" in caplog.text
+    assert "1 of the 2 eval_dataset prompts evaluated (eval_size) are also training" in caplog.text
+    caplog.clear()  # --eval-size 0: nothing is evaluated, so there is nothing to warn about
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        run_rows(dataclasses.replace(cfg, eval_size=0))
+        assert "also training prompts" not in caplog.text
+        run_rows(dataclasses.replace(cfg, eval_size=1))  # "a", the one evaluated, is trained on
+    assert "1 of the 1 eval_dataset prompts evaluated" in caplog.text

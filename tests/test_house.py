@@ -98,6 +98,9 @@ def test_every_field_carries_help_and_commands() -> None:
         assert f.metadata["help"] and "\n" not in f.metadata["help"], f.name
         assert f.metadata["commands"] and set(f.metadata["commands"]) <= set(COMMANDS), f.name
         assert set(f.metadata["defaults"]) <= set(COMMANDS) - {"workshop"}, f.name
+        helps = f.metadata["helps"]  # another command's reading of the field
+        assert set(helps) <= set(f.metadata["commands"]), f.name
+        assert all(h and "\n" not in h for h in helps.values()), f.name
 
 
 def test_train_has_a_real_models_defaults() -> None:

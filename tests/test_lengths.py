@@ -44,7 +44,7 @@ def test_a_100k_character_row_is_cut_to_the_prompt_limit(
 def test_a_row_no_model_can_take_is_a_one_line_dataset_error(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"prompt": "x" * 1_500_000, "answer": "1"}) + "\n")
-    with pytest.raises(ValueError, match=r"row 0 has a prompt of 1,500,000 characters"):
+    with pytest.raises(ValueError, match=r"line 1 has a prompt of 1,500,000 characters"):
         load_rows(str(path))
 
 

@@ -316,7 +316,10 @@ def test_alarm_diagnoses() -> None:
     assert diagnose(8, 8, 0, 0, None, 8)[0] == "all_dead"  # equal middling rewards
     cause, msg = diagnose(8, 8, 0, 8, 1.0, 16)
     assert cause == "truncated" and "max_new_tokens=16" in msg
-    assert diagnose(8, 2, 0, 2, 0.95, 16)[0] == "truncated"  # even with live groups
+    assert "advantages zero" in msg and "every group is dead" in msg
+    cause, msg = diagnose(8, 2, 0, 2, 0.95, 16)  # even with live groups (a length reward) ...
+    assert cause == "truncated" and "(2/8 groups dead)" in msg and "6 live group(s)" in msg
+    assert "advantages zero" not in msg and "rewards are equal" not in msg  # ... said truly
     assert diagnose(8, 2, 0, 2, 0.95, 16, truncated_threshold=1.01) is None  # off
 
 
@@ -326,6 +329,25 @@ def test_alarm_rate_limits(caplog: pytest.LogCaptureFixture) -> None:
         for step in range(1, 13):
             alarm.check(step, 4, 4, 0, 4, 0.0, 8)
     assert caplog.text.count("NO LEARNING SIGNAL") == 2  # steps 1 and 11
+
+
+def test_alarm_state_resumes_its_rate_limit(caplog: pytest.LogCaptureFixture) -> None:
+    """Stopped after step 5 and resumed from its state, the alarm warns at the steps an
+    uninterrupted one does (1 and 11), counting the steps without signal from the start."""
+    def warnings(alarms: list[tuple[NoSignalAlarm, range]]) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="grpolab"):
+            for alarm, steps in alarms:
+                for step in steps:
+                    alarm.check(step, 4, 4, 0, 4, 0.0, 8)
+        return [r.getMessage()[:50] for r in caplog.records]
+
+    whole = warnings([(NoSignalAlarm(), range(1, 13))])
+    first, second = NoSignalAlarm(), NoSignalAlarm()
+    before = warnings([(first, range(1, 6))])
+    second.load_state_dict(first.state_dict())
+    assert before + warnings([(second, range(6, 13))]) == whole
+    assert "at step 11 (11 step(s)" in whole[1]
 
 
 def world_trainer(tmp_path, reward=first_digit_odd, **over) -> GRPOTrainer:
@@ -520,3 +542,16 @@ def test_predict_group_by_names_a_column_of_every_row(tmp_path) -> None:
         spent = [sum(n for i, n in zip(idx, sizes) if kinds[i] == k) for k in range(len(quota))]
         assert spent == quota
         tr.step()
+
+
+def test_alarm_state_is_in_the_trainers_checkpoint(tmp_path, caplog) -> None:
+    """A resumed trainer does not warn again at step 2 about the cause it warned of at step 1."""
+    tr = world_trainer(tmp_path / "a", reward=never)
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        tr.step()
+        assert "NO LEARNING SIGNAL at step 1" in caplog.text
+        resumed = world_trainer(tmp_path / "b", reward=never)
+        resumed.load_state_dict(tr.state_dict())
+        caplog.clear()
+        assert resumed.step()["no_signal"] == "all_wrong"
+    assert "NO LEARNING SIGNAL" not in caplog.text

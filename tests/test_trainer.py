@@ -250,3 +250,12 @@ def test_heldout_accuracy_by_difficulty(tmp_path) -> None:
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["heldout_acc_by_difficulty"] for x in lines] == [
         r["heldout_acc_by_difficulty"] for r in evaluated]
+
+
+def test_resume_says_where_it_goes_on_from(tmp_path, capsys) -> None:
+    tiny_trainer(tmp_path, steps=2, checkpoint_every=2).train()
+    capsys.readouterr()
+    tiny_trainer(tmp_path, steps=3).train(resume=True)
+    assert f"grpolab: resumed {tmp_path} at step 2 of 3\n" in capsys.readouterr().out
+    tiny_trainer(tmp_path, steps=2).train(resume=True)
+    assert "at step 2 of 2; nothing left to run" in capsys.readouterr().out

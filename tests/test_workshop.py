@@ -42,7 +42,29 @@ def test_short_workshop_writes_metrics_and_png(tmp_path, capsys) -> None:
     assert summary["answers_generated"] == 3 * 64
     assert summary["peak_rss_mib"] == peaks[-1]
     assert (out / "checkpoints" / "last.pt").is_file()
-    assert "held-out accuracy" in capsys.readouterr().out
+    assert "held-out p(T=1) " in capsys.readouterr().out
+
+
+def test_final_line_names_the_two_accuracies_as_the_step_lines_do(monkeypatch, capsys) -> None:
+    """The exact pass probability at T is "held-out p(T=1)", greedy accuracy "held-out acc",
+    in the workshop's last line as in the status lines and the sweep table."""
+    from grpolab.app import commands
+    from grpolab.config import Config
+    from grpolab.run.trackers import Reporter
+
+    summary = {"group_size": 8, "prompts_per_step": 8, "mean_dead_share": 0.5,
+               "mean_predicted_dead_share": 0.5, "start_heldout_pass_prob": 0.641,
+               "final_heldout_pass_prob": 0.656, "start_heldout_acc": 0.4,
+               "final_heldout_acc": 0.45, "all_right_share_of_dead": 0.5}
+    monkeypatch.setattr(commands, "run_workshop", lambda cfg, resume: summary)
+    assert commands.workshop(Config(out_dir="x"), None, None, None, False) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert ("held-out p(T=1) 0.641 -> 0.656 (exact), held-out acc 0.400 -> 0.450 (greedy)"
+            in line), line
+    reporter = Reporter()
+    reporter.cfg = Config()
+    status = reporter.status_line({"step": 1, "heldout_acc": 0.45, "heldout_pass_prob": 0.656})
+    assert "held-out acc 0.450  held-out p(T=1) 0.656" in status
 
 
 @pytest.mark.slow

@@ -13,14 +13,18 @@ The config is a YAML path, a dict of config keys (TRL's names too) or a ``Config
 arguments override it, as flags do on the command line. A reward may be a Python callable
 (TRL's signature ``prompts, completions, **kwargs`` works unchanged). Both return the run's
 metrics records (one dict per step, step 0 first; what metrics.jsonl holds) as a list that
-also carries ``out_dir`` and ``summary``. The out_dir rules, errors and files are the CLI's.
+also carries ``out_dir`` and ``summary``. The out_dir rules and files are the CLI's, and so are
+the errors: ``grpolab.ConfigError`` where the CLI exits 2, ``grpolab.RunError`` where it exits 1,
+each with the CLI's one-line message (the original exception is its ``__cause__``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +73,20 @@ def _callables(given: dict[str, Any]) -> dict[str, Any]:
     return given
 
 
+@contextlib.contextmanager
+def _cli_errors() -> Iterator[None]:
+    """The CLI's errors (``commands.user_error``): ConfigError (exit 2) or RunError (exit 1)."""
+    try:
+        yield
+    except Exception as e:
+        from grpolab.app.commands import user_error
+
+        err = user_error(e)
+        if err is None or err is e:
+            raise
+        raise err from e
+
+
 def _out_dir(cfg: Config, command: str, resume: bool) -> Config:
     from grpolab.app.commands import choose_out_dir
 
@@ -88,8 +106,9 @@ def train(config: Config | dict | str | Path | None = None, *, resume: bool = Fa
     """``grpolab train`` in Python: GRPO on a Hugging Face model; returns the records."""
     from grpolab.app.commands import run_train
 
-    cfg = _out_dir(_config(config, overrides, "train"), "train", resume)
-    trainer = run_train(cfg, resume=resume)
+    with _cli_errors():
+        cfg = _out_dir(_config(config, overrides, "train"), "train", resume)
+        trainer = run_train(cfg, resume=resume)
     summary_file = Path(trainer.out_dir) / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     return _records(trainer.out_dir, summary)
@@ -105,14 +124,15 @@ def workshop(config: Config | dict | str | Path | None = None, *, resume: bool =
     """
     from grpolab.world.workshop import run_sweep, run_workshop
 
-    cfg = _out_dir(_config(config, overrides, "workshop"), "workshop", resume)
-    if not (sweep or variants or seeds):
-        summary = run_workshop(cfg, resume=resume)
-        return _records(Path(cfg.out_dir), summary)
-    if resume:
-        raise ConfigError("resume continues one run, not a sweep")
-    run_sweep(cfg, list(sweep or [cfg.group_size]), list(variants or ["grpo"]),
-              list(seeds) if seeds else None)
+    with _cli_errors():
+        cfg = _out_dir(_config(config, overrides, "workshop"), "workshop", resume)
+        if not (sweep or variants or seeds):
+            summary = run_workshop(cfg, resume=resume)
+            return _records(Path(cfg.out_dir), summary)
+        if resume:
+            raise ConfigError("resume continues one run, not a sweep")
+        run_sweep(cfg, list(sweep or [cfg.group_size]), list(variants or ["grpo"]),
+                  list(seeds) if seeds else None)
     root = Path(cfg.out_dir)
     return {d.name: _records(d, json.loads((d / "summary.json").read_text()))
             for d in sorted(root.iterdir()) if (d / "summary.json").is_file()}

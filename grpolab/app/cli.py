@@ -50,7 +50,8 @@ def _add_config_flags(p: argparse.ArgumentParser, command: str) -> None:
             shown = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(value).items())
         else:
             shown = value
-        text = meta[name]["help"]
+        text = meta[name]["helps"].get(command, meta[name]["help"])
+        text = text.replace("`", "")  # (markdown in the source, plain here)
         text = f"{text} (default: {shown!r})" if shown != "" else f'{text} (default: "")'
         text = text.replace("%", "%%")
         if tp is bool:
@@ -67,7 +68,13 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="grpolab", description=" ".join(__doc__.split("\n\n")[0].split()))
+    from grpolab import __version__
+
+    parser = _Parser(prog="grpolab", description=(
+        "GRPO and its fixes for RL with verifiable rewards: grpolab workshop (the built-in "
+        "experiment), grpolab train and grpolab eval (Hugging Face models). grpolab COMMAND "
+        "--help lists a command's settings."))
+    parser.add_argument("--version", action="version", version=f"grpolab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("workshop", help="GRPO on the built-in world at a fixed answer budget")
     w.add_argument("--config", help="YAML file of config keys")
@@ -97,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = None
     try:
         cfg = make_config(args.config, _overrides(args), args.command)
+        if args.command == "eval" and args.out_dir is None:  # a config file's is its training's
+            cfg = dataclasses.replace(cfg, out_dir=command_defaults("eval")["out_dir"])
         dist.init()  # joins torchrun's process group; nothing in a single process
         cfg = choose_out_dir(cfg, args.command, getattr(args, "resume", False))
         out_dir = cfg.out_dir
@@ -105,21 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             return commands.evaluate(cfg, args.compare)
         return commands.train(cfg, args.resume)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        return _fail(e, 2)
     except KeyboardInterrupt:
         print(f"grpolab: interrupted; {_kept(out_dir, args.command)}", file=sys.stderr)
         return 130
-    except OSError as e:  # a full disk, a folder made read-only mid-run: one line, exit 1
-        where = f" ({e.filename})" if e.filename else ""
-        return _fail(f"{e.strerror or e}{where}; files written before it are intact", 1)
-    except Exception as e:
-        from grpolab.run.checkpoint import CheckpointError
-        from grpolab.run.trainer import TrainingError
-
-        if isinstance(e, (TrainingError, CheckpointError)):
-            return _fail(e, 1)
-        raise
+    except Exception as e:  # the user's mistakes exit 2, a run that could not go on 1
+        err = commands.user_error(e)
+        if err is None:
+            raise
+        return _fail(err, 2 if isinstance(err, ConfigError) else 1)
     except BaseException as e:
         from grpolab.run.stopping import RunStopped
 

@@ -23,13 +23,44 @@ from grpolab.config.schema import command_defaults
 from grpolab.rewards.scorer import load_rewards, make_scorer, score_answers
 from grpolab.rollout.templates import check_render
 from grpolab.run import dist, shard
+<<<<<<< HEAD
 from grpolab.run.checkpoint import busy_error, holds_run, lock_holder, new_dir, out_dir_lock
+=======
+from grpolab.run.checkpoint import (
+    CheckpointError,
+    busy_error,
+    holds_run,
+    lock_holder,
+    out_dir_lock,
+)
+>>>>>>> qa-msgs
 from grpolab.run.report import finish_run, read_metrics
 from grpolab.run.trackers import Reporter
-from grpolab.run.trainer import GRPOTrainer
+from grpolab.run.trainer import GRPOTrainer, TrainingError
 from grpolab.world.workshop import run_sweep, run_workshop, world_trainer
 
 log = logging.getLogger("grpolab")
+
+
+class RunError(RuntimeError):
+    """The run could not go on (the CLI's exit 1); files written before it are intact."""
+
+
+def user_error(e: BaseException) -> ConfigError | RunError | None:
+    """What the CLI reports for ``e``, and the Python API raises: ConfigError for a mistake in
+    the settings, data, a model folder or a reward (exit 2), RunError for a run that could not
+    go on (exit 1); each with a one-line message. None: not the user's (a bug), raised as is."""
+    one_line = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, (ConfigError, RunError)) and str(e) == one_line:
+        return e
+    if isinstance(e, (ConfigError, FileNotFoundError, ValueError)):
+        return ConfigError(one_line)
+    if isinstance(e, OSError):  # a full disk, a folder made read-only mid-run
+        where = f" ({e.filename})" if e.filename else ""
+        return RunError(f"{e.strerror or one_line}{where}; files written before it are intact")
+    if isinstance(e, (RunError, TrainingError, CheckpointError)):
+        return RunError(one_line)
+    return None
 
 
 # ----------------------------------------------------------------------------- workshop
@@ -55,9 +86,10 @@ def workshop(cfg: Config, sweep: str | None, variants: str | None, seeds: str | 
     s = run_workshop(cfg, resume=resume)
     print(f"G={s['group_size']} ({s['prompts_per_step']} prompts/step): mean dead share "
           f"{s['mean_dead_share']:.3f} (predicted {s['mean_predicted_dead_share']:.3f}), "
-          f"held-out accuracy {s['start_heldout_pass_prob']:.3f} -> "
-          f"{s['final_heldout_pass_prob']:.3f} (T={cfg.temperature}, exact; greedy "
-          f"{s['start_heldout_acc']:.3f} -> {s['final_heldout_acc']:.3f}); "
+          # the status lines' and the sweep table's names: p(T) exact, acc greedy
+          f"held-out p(T={cfg.temperature:g}) {s['start_heldout_pass_prob']:.3f} -> "
+          f"{s['final_heldout_pass_prob']:.3f} (exact), held-out acc "
+          f"{s['start_heldout_acc']:.3f} -> {s['final_heldout_acc']:.3f} (greedy); "
           f"{s['all_right_share_of_dead']:.0%} of dead groups all right")
     print(f"wrote {cfg.out_dir}/metrics.jsonl and {cfg.out_dir}/workshop.png")
     return 0
@@ -74,6 +106,15 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- real models
+
+
+def need_hf(command: str) -> None:
+    """A one-line ConfigError with the install command when the [hf] extra is missing."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"grpolab {command} needs the Hugging Face extras ({e}): "
+                          "pip install 'grpolab[hf]'") from None
 
 
 def check_paths(cfg: Config, command: str = "train") -> None:
@@ -139,6 +180,7 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
     Writes ``metrics.jsonl``, ``checkpoints/last.pt``, ``train.png``, ``summary.json`` and the
     final model (LoRA merged) plus tokenizer in ``<out_dir>/final``.
     """
+    need_hf("train")
     check_paths(cfg)
     if cfg.rollout_backend == "vllm":
         from grpolab.rollout.vllm import check_vllm
@@ -191,12 +233,19 @@ def _finish_train(cfg: Config, trainer: GRPOTrainer, title: str, heldout: list) 
                          f"{Path(cfg.model_path).name}")
     from grpolab.run.model_card import write_model_card
 
+<<<<<<< HEAD
     with new_dir(out / "final") as final:  # whole or absent, whenever the run is stopped
         backend.save_pretrained(str(final), state_dict=full)
         write_model_card(final, cfg, summary, read_metrics(out / "metrics.jsonl"),
                          len(heldout[: cfg.eval_size]))
     acc = (f", held-out accuracy {summary['start_heldout_acc']:.3f} -> "
            f"{summary['final_heldout_acc']:.3f}" if heldout else " (no eval_dataset)")
+=======
+    write_model_card(out / "final", cfg, summary, read_metrics(out / "metrics.jsonl"))
+    acc = (f", held-out acc {summary['start_heldout_acc']:.3f} -> "
+           f"{summary['final_heldout_acc']:.3f} (greedy)" if heldout and cfg.eval_size
+           else " (no eval_dataset)" if not heldout else " (no evaluation: eval_size 0)")
+>>>>>>> qa-msgs
     if "start_heldout_check_acc" in summary:
         acc += (f"; strict check ({cfg.watch_reward}) {summary['start_heldout_check_acc']:.3f} -> "
                 f"{summary['final_heldout_check_acc']:.3f}")
@@ -213,10 +262,6 @@ def _finish_train(cfg: Config, trainer: GRPOTrainer, title: str, heldout: list) 
 
 def train(cfg: Config, resume: bool) -> int:
     """``grpolab train``."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(f"grpolab train needs the Hugging Face extras ({e})") from None
     run_train(cfg, resume=resume)
     return 0
 
@@ -235,7 +280,10 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
     from grpolab.data.files import run_rows
     from grpolab.run.report import by_difficulty
 
+    need_hf("eval")
     check_paths(cfg, "eval")
+    if cfg.eval_size < 1:
+        raise ConfigError("grpolab eval needs eval_size >= 1 (the prompts it measures)")
     if not cfg.progress:  # as in train: no weight-loading bars around a one-line error
         from transformers.utils import logging as hf_logging
 
@@ -303,10 +351,6 @@ def evaluate(cfg: Config, compare_to: str | None = None) -> int:
     """``grpolab eval``: print the measures (and, with --compare, the paired gains)."""
     if dist.is_dist():
         raise ConfigError("grpolab eval runs in one process; launch it without torchrun")
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(f"grpolab eval needs the Hugging Face extras ({e})") from None
     from grpolab.core.passk import compare
 
     before = None

@@ -56,10 +56,13 @@ class ConfigError(ValueError):
     """A user-facing configuration problem; the CLI prints it on one line and exits with 2."""
 
 
-def opt(default: Any, commands: tuple[str, ...], help: str, **per_command: Any) -> Any:
-    """A config field: its default (the workshop's), the commands that offer it, its help, and
-    other commands' defaults (``train=256``; ``eval`` takes train's)."""
-    meta = {"help": help, "commands": commands, "defaults": per_command}
+def opt(default: Any, commands: tuple[str, ...], help: str, eval_help: str = "",
+        **per_command: Any) -> Any:
+    """A config field: its default (the workshop's), the commands that offer it, its help (and
+    ``eval_help`` where the setting means something else to ``grpolab eval``), and other
+    commands' defaults (``train=256``; ``eval`` takes train's)."""
+    meta = {"help": help, "commands": commands, "defaults": per_command,
+            "helps": {"eval": eval_help} if eval_help else {}}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         return field(default_factory=lambda: _copy(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -93,21 +96,23 @@ class Config:
 
     # --- run ---
     out_dir: str = opt(
-        "runs/workshop", ALL,
-        "where metrics, samples, checkpoints and the model go", train="runs/train",
-        eval="runs/eval")
-    seed: int = opt(0, ALL, "seeds sampling, prompt order, LoRA init and the world")
+        "runs/workshop", ALL, "where metrics, samples, checkpoints and the model go",
+        "where eval.json and completions.jsonl go (--out-dir only: a --config file's out_dir is "
+        "its training run's)", train="runs/train", eval="runs/eval")
+    seed: int = opt(0, ALL, "seeds sampling, prompt order, LoRA init and the world",
+                    "seeds the eval_samples answers and a reasoning_gym: dataset")
     steps: int = opt(40, RUN, "GRPO steps (optimiser updates of one sampled batch each)")
-    budget: int = opt(64, ALL, "answers generated per step (before dynamic-sampling top-ups)")
+    budget: int = opt(64, ALL, "answers generated per step (before dynamic-sampling top-ups)",
+                      "answers generated at a time (bounds memory)")
     group_size: int = opt(8, RUN, "G: answers per prompt")
-    temperature: float = opt(1.0, ALL, "sampling temperature; log-probs are scored at the same one")
+    temperature: float = opt(1.0, ALL, "sampling temperature; log-probs are scored at the same one",
+                             "of the eval_samples answers (pass@k); greedy accuracy is at 0")
     max_new_tokens: int = opt(
-        8, ALL,
-        "longest answer (TRL max_completion_length); the Dr. GRPO length constant", train=256)
+        8, ALL, "longest answer (TRL max_completion_length); the Dr. GRPO length constant",
+        "longest answer (TRL max_completion_length)", train=256)
     lr: float = opt(1e-3, RUN, "Adam's learning rate (TRL learning_rate)", train=1e-5)
     lr_schedule: Literal["constant", "linear", "cosine"] = opt(
-        "constant", RUN,
-        "decay to 0 at `steps`")
+        "constant", RUN, "decay to 0 at `steps`")
     warmup_steps: int = opt(0, RUN, "linear ramp from lr / warmup_steps up to lr")
     grad_clip: float = opt(1.0, RUN, "largest gradient norm kept (TRL max_grad_norm)")
     epochs: int = opt(1, RUN, "mu: optimisation passes over one batch (old-policy ratio when > 1)")
@@ -116,7 +121,8 @@ class Config:
         "none", RUN,
         "torchrun: fsdp shards weights, grads, Adam (full FT)")
     eval_every: int = opt(1, RUN, "steps between held-out evaluations", train=10)
-    eval_size: int = opt(256, ALL, "held-out prompts evaluated (first rows of the split)")
+    eval_size: int = opt(256, ALL, "held-out prompts evaluated (first rows of the split)",
+                         "prompts measured: the first rows of eval_dataset, else of dataset")
     eval_samples: int = opt(0, EVAL, "grpolab eval: answers per prompt at `temperature` for pass@k")
     checkpoint_every: int = opt(10, RUN, "steps between checkpoints (0 = none)")
     log_samples: int = opt(
@@ -251,11 +257,11 @@ class Config:
         2.0, WORLD,
         "LoRA scale numerator of the world's policy (scale alpha/r; lora_alpha is the real "
         "models'): sets how fast RL moves it")
-    cache_dir: str = opt("", ALL, "where the fine-tuned start is cached; \"\" = ~/.cache/grpolab")
+    cache_dir: str = opt("", ALL, "where the world's fine-tuned start and converted .gguf models "
+                         "are cached; \"\" = ~/.cache/grpolab")
     # --- real models ---
     model_path: str = opt(
-        "", MODEL_EVAL,
-        "HF model folder, a .gguf file or smollm2-135m-instruct; \"\" = world")
+        "", MODEL_EVAL, "HF model folder, a .gguf file or smollm2-135m-instruct")
     dtype: Literal["float32", "bfloat16", "float16"] = opt(
         "float32", MODEL_EVAL,
         "of the model's weights")
@@ -277,8 +283,9 @@ class Config:
         1024, MODEL_EVAL,
         "longer prompts lose their first tokens (0 = model's limit)")
     dataset: str = opt(
-        "", MODEL_EVAL,
-        "local jsonl/parquet/csv file or folder, or reasoning_gym:<task>")
+        "", MODEL_EVAL, "local jsonl/parquet/csv file or folder, or reasoning_gym:<task>",
+        "local jsonl/parquet/csv file or folder, or reasoning_gym:<task>; measured when there "
+        "is no eval_dataset")
     eval_dataset: str = opt(
         "", MODEL_EVAL,
         "held-out prompts (same forms); reasoning_gym: uses another seed")
@@ -315,8 +322,8 @@ class Config:
     lora_dropout: float = opt(0.0, MODEL, "LoRA dropout")
     lora_target_modules: list[str] = opt(
         [], MODEL,
-        "modules given LoRA adapters ([] = peft's default for the architecture, e.g. q_proj "
-        "v_proj; [all-linear] = every linear layer but the head)")
+        "modules given LoRA adapters, comma-separated (q_proj,v_proj); all-linear = every linear "
+        "layer but the head; empty = peft's default for the architecture")
     use_chat_template: bool = opt(True, MODEL_EVAL, "wrap prompts in the tokenizer's chat template")
     rollout_backend: Literal["hf", "vllm"] = opt("hf", MODEL, "vllm: in-process engine on a GPU")
     # --- reliability ---

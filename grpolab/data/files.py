@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,9 @@ def _load(builder: str, files: list[str], split: str, where: str,
 
     bars_were_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
+    verbosity = datasets.utils.logging.get_verbosity()
+    # its own log line for a file it cannot parse would come before our one-line error
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
     try:
         # A throwaway cache dir keeps converted Arrow copies out of the user's HF cache.
         with tempfile.TemporaryDirectory(prefix="grpolab-data-") as cache_dir:
@@ -105,11 +109,59 @@ def _load(builder: str, files: list[str], split: str, where: str,
         return []
     except Exception as e:
         cause = e.__cause__ or e
-        detail = " ".join(str(cause).split())[:300]
+        detail = _bad_jsonl_line(files) or " ".join(str(cause).split())[:300]
         raise ValueError(f"dataset {where!r}: could not read {builder} data: {detail}") from e
     finally:
+        datasets.utils.logging.set_verbosity(verbosity)
         if bars_were_on:
             datasets.enable_progress_bars()
+
+
+def _jsonl_lines(files: list[str]) -> Iterator[tuple[str, int, str]]:
+    """(file, 1-based line number, text) of each JSONL line a reader keeps (blank ones are
+    skipped, as `datasets` skips them); nothing when a file is not .jsonl."""
+    if not all(f.lower().endswith(".jsonl") for f in files):
+        return
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    yield f, n, line
+
+
+def _line_name(files: list[str], file: str, n: int) -> str:
+    return f"line {n}" + (f" of {Path(file).name}" if len(files) > 1 else "")
+
+
+def _bad_jsonl_line(files: list[str]) -> str | None:
+    """The first JSONL line that is not a JSON object, by its line number (the reader's own
+    error gives a byte position or a 0-based row)."""
+    for f, n, line in _jsonl_lines(files):
+        try:
+            value = json.loads(line)
+        except ValueError as e:
+            why = getattr(e, "msg", str(e)).removesuffix(" at")  # ("Invalid ... at")
+            return (f"{_line_name(files, f, n)} is not valid JSON ({why}, column "
+                    f"{getattr(e, 'colno', '?')})")
+        if not isinstance(value, dict):
+            return f"{_line_name(files, f, n)} is not a JSON object"
+    return None
+
+
+class _RowName:
+    """Row ``index`` (0-based, over the files in order) as a user finds it in the file: a JSONL
+    line number, else the row counting from 1. Worked out when an error is formatted (it reads
+    the file again), never for a good row."""
+
+    def __init__(self, files: list[str], index: int) -> None:
+        self.files, self.index = files, index
+
+    def __str__(self) -> str:
+        for i, (f, n, _) in enumerate(_jsonl_lines(self.files)):
+            if i == self.index:
+                return _line_name(self.files, f, n)
+        csv = all(f.lower().endswith(".csv") for f in self.files)
+        return f"row {self.index + 1} (counting from 1{', after the header' if csv else ''})"
 
 
 def _header_only(file: str) -> bool:
@@ -123,7 +175,7 @@ def _header_only(file: str) -> bool:
     return True
 
 
-def _check_prompt(prompt: Any, index: int, column: str, where: str) -> None:
+def _check_prompt(prompt: Any, row: str, column: str, where: str) -> None:
     """Prompts are strings or chat messages; anything else would fail much later in the trainer."""
     if isinstance(prompt, str):
         return
@@ -132,7 +184,7 @@ def _check_prompt(prompt: Any, index: int, column: str, where: str) -> None:
     ):
         return
     raise ValueError(
-        f"dataset {where!r}: row {index} column {column!r} is {type(prompt).__name__} "
+        f"dataset {where!r}: {row} column {column!r} is {type(prompt).__name__} "
         f"{str(prompt)[:60]!r}; expected a string or a list of {{'role', 'content'}} messages"
     )
 
@@ -169,12 +221,13 @@ def load_rows(
     out = []
     for i, row in enumerate(rows):
         prompt = row[prompt_column]
-        _check_prompt(prompt, i, prompt_column, where)
+        _check_prompt(prompt, _RowName(files, i), prompt_column, where)
         size = len(prompt) if isinstance(prompt, str) else sum(len(str(m["content"]))
                                                                for m in prompt)
         if size > MAX_PROMPT_CHARS:
-            raise ValueError(f"dataset {where!r}: row {i} has a prompt of {size:,} characters "
-                             f"(over {MAX_PROMPT_CHARS:,}); remove or shorten it")
+            raise ValueError(f"dataset {where!r}: {_RowName(files, i)} has a prompt of "
+                             f"{size:,} characters (over {MAX_PROMPT_CHARS:,}); remove or "
+                             "shorten it")
         if isinstance(prompt, list):
             # Arrow unifies message structs, padding absent keys (e.g. `name`) with None;
             # drop those so chat templates do not render "None".
@@ -182,15 +235,17 @@ def load_rows(
         new = dict(row)
         new["prompt"] = prompt
         if answer_column is not None:
-            new["answer"] = gold_text(row[answer_column], i, answer_column, where)
+            new["answer"] = gold_text(row[answer_column], _RowName(files, i), answer_column,
+                                      where)
         out.append(new)
     return out
 
 
-def gold_text(value: Any, index: int, column: str, where: str) -> Any:
-    """A gold answer as text (lists and mappings as they are); a missing one is a ValueError."""
+def gold_text(value: Any, row: Any, column: str, where: str) -> Any:
+    """A gold answer as text (lists and mappings as they are); a missing one is a ValueError
+    naming ``row`` (where it is in the file)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        raise ValueError(f"dataset {where!r}: row {index} has no gold answer (column {column!r} "
+        raise ValueError(f"dataset {where!r}: {row} has no gold answer (column {column!r} "
                          "is empty or null); fill it in or drop the row")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return value
@@ -220,7 +275,7 @@ def run_rows(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         # a folder's held-out files are the ones named for the test split (test.jsonl, ...)
         held = load(cfg.eval_dataset, cfg.eval_size, cfg.seed + HELDOUT_SEED_OFFSET, asked,
                     "test")
-        _warn_overlap(train, held)
+        _warn_overlap(train, held[: cfg.eval_size])  # the prompts evaluated; none: no warning
     if cfg.prompt_template:
         for row in (*train, *held):
             if isinstance(row["prompt"], str):
@@ -237,5 +292,6 @@ def _warn_overlap(train: list[dict[str, Any]], held: list[dict[str, Any]]) -> No
     seen = {key(r["prompt"]) for r in train}
     both = sum(key(r["prompt"]) in seen for r in held)
     if both:
-        log.warning("%d of the %d eval_dataset prompts are also training prompts: held-out "
-                    "accuracy on them measures recall, not generalisation", both, len(held))
+        log.warning("%d of the %d eval_dataset prompts evaluated (eval_size) are also training "
+                    "prompts: held-out accuracy on them measures recall, not generalisation",
+                    both, len(held))

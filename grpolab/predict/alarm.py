@@ -10,6 +10,7 @@ is the pure check; ``NoSignalAlarm`` rate-limits the warnings of a run.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 log = logging.getLogger("grpolab")
 
@@ -31,13 +32,19 @@ def diagnose(groups: int, dead: int, all_right: int, all_wrong: int,
     cut = (truncated_share is not None and truncated_threshold <= 1.0
            and truncated_share >= truncated_threshold)
     if cut:
-        state = "every group dead" if groups and dead == groups else f"{dead}/{groups} groups dead"
+        cut_off = (f"{truncated_share:.0%} of the answers hit max_new_tokens={max_new_tokens} "
+                   "without finishing")
+        if groups and dead == groups:
+            why = (f"{cut_off} and every group is dead: cut-off answers rarely contain a final "
+                   "answer, so their rewards are equal and the advantages zero")
+        else:  # live groups have advantages: say what they can come from, not that none exist
+            few = " and from the few answers that finished" if truncated_share < 1 else ""
+            why = (f"{cut_off} ({dead}/{groups} groups dead): cut-off answers rarely contain a "
+                   f"final answer, so the {groups - dead} live group(s) draw their advantages "
+                   f"mostly from rewards that need none (length, format){few}")
         return "truncated", (
-            f"{truncated_share:.0%} of the answers hit max_new_tokens={max_new_tokens} without "
-            f"finishing ({state}): cut-off answers rarely contain a final answer, so their rewards "
-            "are equal and the advantages zero. Raise max_new_tokens, or ask for shorter answers "
-            "(prompt_template / system prompt); mask_truncated drops them from the loss but does "
-            "not bring the signal back")
+            f"{why}. Raise max_new_tokens, or ask for shorter answers (prompt_template / system "
+            "prompt); mask_truncated drops them from the loss but does not bring the signal back")
     if not groups or dead < groups:
         return None
     if all_wrong == groups:
@@ -86,8 +93,19 @@ class NoSignalAlarm:
         self.steps_without += 1
         due = (self.last_step is None or cause != self.last_cause
                or step - self.last_step >= REPEAT_EVERY)
-        if due and warn:
-            log.warning("NO LEARNING SIGNAL at step %d (%d step(s) so far): %s", step,
-                        self.steps_without, message)
+        if due:  # (on every rank, so that any rank's state resumes as rank 0 would)
+            if warn:
+                log.warning("NO LEARNING SIGNAL at step %d (%d step(s) so far): %s", step,
+                            self.steps_without, message)
             self.last_step, self.last_cause = step, cause
         return cause
+
+    def state_dict(self) -> dict[str, Any]:
+        """What decides the next warning, so a resumed run warns as an uninterrupted one."""
+        return {"last_step": self.last_step, "last_cause": self.last_cause,
+                "steps_without": self.steps_without}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_step = state.get("last_step")
+        self.last_cause = state.get("last_cause")
+        self.steps_without = int(state.get("steps_without", 0))

@@ -379,8 +379,8 @@ class Reporter:
         step = int(r.get("step", 0))
         parts = [f"step {step}/{self.cfg.steps}"]
         for key, label in (("reward_mean", "reward"), ("heldout_acc", "held-out acc"),
-                           ("heldout_pass_prob", "held-out p(T)"), ("dead_share", "dead"),
-                           ("completion_len", "len")):
+                           ("heldout_pass_prob", f"held-out p(T={self.cfg.temperature:g})"),
+                           ("dead_share", "dead"), ("completion_len", "len")):
             v = r.get(key)
             if key == "dead_share" and self.cfg.group_size == 1:
                 continue  # a group of one has no spread to lose

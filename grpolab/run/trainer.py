@@ -133,6 +133,10 @@ class GRPOTrainer:
         cfg = self.cfg
         self._check_start()
         start = self.load_checkpoint() if resume else 0
+        if resume and dist.is_main():  # where the run goes on from (as the out_dir notice)
+            left = "" if start < cfg.steps else "; nothing left to run (raise --steps to go on)"
+            print(f"grpolab: resumed {self.out_dir} at step {start} of {cfg.steps}{left}",
+                  flush=True)
         if not resume:
             checkpoint.claim_out_dir(self.out_dir, cfg.overwrite)
             self.run_id = checkpoint.new_run_id()
@@ -358,12 +362,13 @@ class GRPOTrainer:
             "rank_rng": rank_rng,  # each rank samples from its own stream
             "run_id": self.run_id,  # the run whose metrics.jsonl goes with this state
             "watch": self.watch.state_dict(),  # the reward-hacking watch's history
+            "alarm": self.rollouts.alarm.state_dict(),  # when the no-signal alarm last spoke
             **({"critic": self.critic.state_dict()} if self.critic else {}),  # PPO's value model
         }
 
     def load_state_dict(self, st: dict[str, Any], path: Path | None = None) -> None:
         """Put a checkpoint's content back (weights, optimiser, RNGs, sampler, posteriors,
-        watch). A state written for another model shape (a changed lora_r, say) is a
+        watch, alarm). A state written for another model shape (a changed lora_r, say) is a
         CheckpointError naming the setting; other changed settings are warned about."""
         saved, now = st.get("config") or {}, to_dict(self.cfg)
         free = RESUME_FREE_KEYS - ({"steps"} if self.cfg.lr_schedule != "constant" else set())
@@ -407,6 +412,7 @@ class GRPOTrainer:
         torch.set_rng_state(torch_rng)
         self.step_num = int(st["step"])
         self.watch.load_state_dict(st.get("watch") or {})
+        self.rollouts.alarm.load_state_dict(st.get("alarm") or {})
         if self.critic is not None:
             if "critic" not in st:
                 raise CheckpointError(f"checkpoint {path or 'given'} has no value model: it was "
