@@ -217,6 +217,7 @@ def test_python_api_raises_run_error_where_the_cli_exits_1(llama: str, tmp_path:
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
                             for i in range(8)))
+    (tmp_path / "run").mkdir()  # (a folder that does not exist is a ConfigError)
     with pytest.raises(grpolab.RunError, match="no checkpoint to resume from") as info:
         grpolab.train({"model_path": llama, "dataset": str(data)}, resume=True, steps=1,
                       budget=4, group_size=2, out_dir=str(tmp_path / "run"), progress=False)

@@ -201,7 +201,7 @@ def test_micro_batches_take_the_same_step(
     with caplog.at_level(logging.WARNING, logger="grpolab"):
         run_cli(monkeypatch, ["train", "--config", mb_yaml, "--resume", "--steps", "2",
                               "--micro-batch", "2"])
-    assert "changed config keys" not in caplog.text
+    assert "changed settings" not in caplog.text
     assert [r["step"] for r in read_metrics(mb)] == [0, 1, 2]
 
 

@@ -153,7 +153,7 @@ def test_lr_schedule_is_applied_and_logged(tmp_path, caplog) -> None:
     again = world_trainer(tmp_path, steps=6, lr=0.01, lr_schedule="linear", warmup_steps=1)
     with caplog.at_level(logging.WARNING, logger="grpolab"):
         again.load_checkpoint()
-    assert "changed config keys ['steps']" in caplog.text
+    assert "changed settings (steps 4 -> 6)" in caplog.text
 
 
 def always_formatted(prompts, completions, **_):

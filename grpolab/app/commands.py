@@ -23,17 +23,14 @@ from grpolab.config.schema import command_defaults
 from grpolab.rewards.scorer import load_rewards, make_scorer, score_answers
 from grpolab.rollout.templates import check_render
 from grpolab.run import dist, shard
-<<<<<<< HEAD
-from grpolab.run.checkpoint import busy_error, holds_run, lock_holder, new_dir, out_dir_lock
-=======
 from grpolab.run.checkpoint import (
     CheckpointError,
     busy_error,
     holds_run,
     lock_holder,
+    new_dir,
     out_dir_lock,
 )
->>>>>>> qa-msgs
 from grpolab.run.report import finish_run, read_metrics
 from grpolab.run.trackers import Reporter
 from grpolab.run.trainer import GRPOTrainer, TrainingError
@@ -233,19 +230,13 @@ def _finish_train(cfg: Config, trainer: GRPOTrainer, title: str, heldout: list) 
                          f"{Path(cfg.model_path).name}")
     from grpolab.run.model_card import write_model_card
 
-<<<<<<< HEAD
     with new_dir(out / "final") as final:  # whole or absent, whenever the run is stopped
         backend.save_pretrained(str(final), state_dict=full)
         write_model_card(final, cfg, summary, read_metrics(out / "metrics.jsonl"),
                          len(heldout[: cfg.eval_size]))
-    acc = (f", held-out accuracy {summary['start_heldout_acc']:.3f} -> "
-           f"{summary['final_heldout_acc']:.3f}" if heldout else " (no eval_dataset)")
-=======
-    write_model_card(out / "final", cfg, summary, read_metrics(out / "metrics.jsonl"))
     acc = (f", held-out acc {summary['start_heldout_acc']:.3f} -> "
            f"{summary['final_heldout_acc']:.3f} (greedy)" if heldout and cfg.eval_size
            else " (no eval_dataset)" if not heldout else " (no evaluation: eval_size 0)")
->>>>>>> qa-msgs
     if "start_heldout_check_acc" in summary:
         acc += (f"; strict check ({cfg.watch_reward}) {summary['start_heldout_check_acc']:.3f} -> "
                 f"{summary['final_heldout_check_acc']:.3f}")

@@ -137,13 +137,19 @@ def new_dir(path: Path) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_config(out_dir: Path, config: dict[str, Any], changed_at: int | None = None) -> None:
-    """``config.json``; ``changed_at``: a resume at that step changed settings, so the config
-    that trained the steps before it is first kept as ``config.until-step-<N>.json``."""
+def write_config(out_dir: Path, config: dict[str, Any], resumed_at: int | None = None,
+                 changed: bool = False) -> None:
+    """``config.json``: the config as the run goes on (written once the metrics writers have
+    accepted the folder). A resume at step ``resumed_at`` with no step left leaves it as it
+    was; one with ``changed`` settings first keeps the config that trained the steps so far as
+    ``config.until-step-<N>.json``."""
     path = out_dir / "config.json"
-    kept = out_dir / f"config.until-step-{changed_at}.json"
-    if changed_at is not None and path.exists() and not kept.exists():
-        os.replace(path, kept)
+    if resumed_at is not None:
+        if resumed_at >= config["steps"]:
+            return
+        kept = out_dir / f"config.until-step-{resumed_at}.json"
+        if changed and path.exists() and not kept.exists():
+            os.replace(path, kept)
     write_json(path, config)
 
 

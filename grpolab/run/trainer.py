@@ -48,10 +48,8 @@ from grpolab.run.watch import Watch
 log = logging.getLogger("grpolab")
 # Each rank samples answers from its own stream (rank 0 keeps the single-process seed).
 RANK_SEED_STRIDE = 1_000_003
-# Config keys that may change between a run and its resumption without changing the maths
-# (micro_batch splits the same step differently: resuming an out-of-memory run with smaller
-# micro-batches is what it is for; float rounding then differs in the last bits; so do the
-# speed paths).
+# Config keys a resume may change without changing the maths (micro_batch splits a step
+# otherwise, for an out-of-memory run: float rounding then differs, as with the speed paths).
 RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every",
                     "micro_batch", "log_samples", "overwrite", "reward_timeout", "reward_workers",
                     "fail_on_reward_errors", "report_to", "shard", "speed"}
@@ -145,10 +143,8 @@ class GRPOTrainer:
             self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl", after, self.run_id)
             if cfg.log_samples:
                 self.samples = MetricsWriter(self.out_dir / "samples.jsonl", after, self.run_id)
-            # the config as it runs now (after the writers accepted the folder's metrics)
-            if not resume or start < cfg.steps:  # (a resume with no step left: as it was)
-                checkpoint.write_config(self.out_dir, to_dict(cfg),
-                                        start if resume and self.resumed_changes else None)
+            checkpoint.write_config(self.out_dir, to_dict(cfg), start if resume else None,
+                                    changed=bool(self.resumed_changes))
         if self.reporter:
             self.reporter.start(self)
         records = []
@@ -369,7 +365,7 @@ class GRPOTrainer:
     def load_state_dict(self, st: dict[str, Any], path: Path | None = None) -> None:
         """Put a checkpoint's content back (weights, optimiser, RNGs, sampler, posteriors,
         watch, alarm). A state written for another model shape (a changed lora_r, say) is a
-        CheckpointError naming the setting; other changed settings are warned about."""
+        ConfigError naming the setting; other changed settings are warned about."""
         saved, now = st.get("config") or {}, to_dict(self.cfg)
         free = RESUME_FREE_KEYS - ({"steps"} if self.cfg.lr_schedule != "constant" else set())
         changed = sorted(k for k in now if k in saved and k not in free and saved[k] != now[k])
@@ -394,9 +390,8 @@ class GRPOTrainer:
         self.resumed_changes = {k: (saved[k], now[k]) for k in changed}
         if changed and dist.is_main():
             log.warning("resuming at step %d with changed settings (%s): the steps after it "
-                        "will differ from the original run's; config.json will hold the new "
-                        "ones once a step trains", int(st["step"]), ", ".join(
-                            f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed))
+                        "differ from the original run's", int(st["step"]),
+                        ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed))
         gen, torch_rng = st["gen"], st["torch_rng"]
         per_rank = st.get("rank_rng") or []
         if len(per_rank) == dist.world_size():
