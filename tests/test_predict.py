@@ -329,6 +329,9 @@ def test_alarm_rate_limits(caplog: pytest.LogCaptureFixture) -> None:
         for step in range(1, 13):
             alarm.check(step, 4, 4, 0, 4, 0.0, 8)
     assert caplog.text.count("NO LEARNING SIGNAL") == 2  # steps 1 and 11
+    with caplog.at_level(logging.WARNING, logger="grpolab"):  # cut off, two groups live
+        NoSignalAlarm().check(1, 4, 2, 0, 2, 0.95, 8)
+    assert caplog.records[-1].getMessage().startswith("LITTLE LEARNING SIGNAL at step 1")
 
 
 def test_alarm_state_resumes_its_rate_limit(caplog: pytest.LogCaptureFixture) -> None:
@@ -361,7 +364,8 @@ def test_alarm_fires_on_an_all_truncated_step(tmp_path, caplog) -> None:
         rec = tr.step()
     assert rec["sampled_truncated_share"] > 0.9
     assert rec["no_signal"] == "truncated"
-    assert "NO LEARNING SIGNAL at step 1" in caplog.text and "max_new_tokens=1" in caplog.text
+    # (a one-token answer's first digit still varies: some groups may be live, "LITTLE")
+    assert "LEARNING SIGNAL at step 1" in caplog.text and "max_new_tokens=1" in caplog.text
 
 
 def test_alarm_fires_on_an_all_dead_step(tmp_path, caplog) -> None:

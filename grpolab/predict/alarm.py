@@ -72,8 +72,8 @@ def diagnose(groups: int, dead: int, all_right: int, all_wrong: int,
 
 
 class NoSignalAlarm:
-    """Warns (logger "grpolab", WARNING, prefixed "NO LEARNING SIGNAL") on the first step without
-    signal, then at most every ``REPEAT_EVERY`` steps while it lasts, and again whenever the
+    """Warns (logger "grpolab", WARNING, prefixed "NO LEARNING SIGNAL", or "LITTLE LEARNING
+    SIGNAL" for cut-off answers beside live groups) on the first step without signal, then at most every ``REPEAT_EVERY`` steps while it lasts, and again whenever the
     cause changes."""
 
     def __init__(self, truncated_threshold: float = 0.9) -> None:
@@ -94,8 +94,9 @@ class NoSignalAlarm:
         due = (self.last_step is None or cause != self.last_cause
                or step - self.last_step >= REPEAT_EVERY)
         if due:  # (on every rank, so that any rank's state resumes as rank 0 would)
-            if warn:
-                log.warning("NO LEARNING SIGNAL at step %d (%d step(s) so far): %s", step,
+            if warn:  # (live groups beside cut-off answers: some signal, mostly not the task's)
+                banner = "NO LEARNING SIGNAL" if dead == groups else "LITTLE LEARNING SIGNAL"
+                log.warning("%s at step %d (%d step(s) so far): %s", banner, step,
                             self.steps_without, message)
             self.last_step, self.last_cause = step, cause
         return cause
