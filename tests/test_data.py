@@ -69,6 +69,24 @@ def test_chat_prompts_are_kept_as_messages(tmp_path: Path) -> None:
     assert rows[1]["prompt"] == chat[1]["prompt"]
 
 
+def test_prompt_template_wraps_text_and_the_last_user_message(tmp_path: Path) -> None:
+    from grpolab.config import make_config
+    from grpolab.data.files import run_rows
+
+    chat = [{"prompt": [{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "2+2?"},
+                        {"role": "assistant", "content": "4"},
+                        {"role": "user", "content": "3+3?"}], "answer": "6"},
+            {"prompt": "1+1?", "answer": "2"}]
+    data = _write_jsonl(tmp_path / "mixed.jsonl", chat)
+    cfg = make_config(None, {"model_path": "m", "dataset": str(data),
+                             "prompt_template": "{prompt} Reply briefly."}, "train")
+    train, _ = run_rows(cfg)
+    assert train[0]["prompt"] == [*chat[0]["prompt"][:3],
+                                  {"role": "user", "content": "3+3? Reply briefly."}]
+    assert train[1]["prompt"] == "1+1? Reply briefly."
+
+
 def test_parquet_chat_prompts_drop_arrow_padding(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -83,11 +101,22 @@ def test_parquet_chat_prompts_drop_arrow_padding(tmp_path: Path) -> None:
     assert [r["prompt"] for r in rows] == [c["prompt"] for c in chat]
 
 
-def test_directory_prefers_split_files(tmp_path: Path) -> None:
+def test_directory_prefers_split_files(tmp_path: Path, caplog) -> None:
     _write_jsonl(tmp_path / "train.jsonl", [{"prompt": "a", "answer": "1"}])
     _write_jsonl(tmp_path / "test.jsonl", [{"prompt": "b", "answer": "2"}])
     assert [r["prompt"] for r in load_rows(str(tmp_path))] == ["a"]
     assert [r["prompt"] for r in load_rows(str(tmp_path), split="test")] == ["b"]
+    # no file named for a split: one split of every file, said when it is the held-out one
+    other = tmp_path / "other"
+    other.mkdir()
+    _write_jsonl(other / "training_data.jsonl", [{"prompt": "a", "answer": "1"}])
+    _write_jsonl(other / "test_v2.jsonl", [{"prompt": "b", "answer": "2"}])
+    with caplog.at_level("WARNING", logger="grpolab"):
+        assert len(load_rows(str(other))) == 2 and not caplog.records
+        assert len(load_rows(str(other), split="test")) == 2
+    assert caplog.records[-1].getMessage().endswith(
+        "names no split (train.jsonl, test.jsonl, test-00000.parquet, ...): its test prompts "
+        "come from all of test_v2.jsonl, training_data.jsonl")
 
 
 def test_missing_column_lists_existing_columns(tmp_path: Path) -> None:

@@ -3,6 +3,8 @@ and their errors are one line."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -54,3 +56,17 @@ def test_reward_model_errors_are_one_line(tmp_path) -> None:
         load_reward(f"rm:{tmp_path}")
     with pytest.raises(ValueError, match="needs a model folder"):
         load_reward("rm:")
+    # a causal LM's folder, or a classifier without its head: refused, not scored at random
+    from grpolab.rollout.tinyhf import make_tiny_model
+
+    lm = make_tiny_model(tmp_path / "lm", arch="llama", hidden=32, heads=4)
+    with pytest.raises(ValueError, match="LlamaForCausalLM, not a sequence-classification"):
+        load_reward(f"rm:{lm}")
+    rm = Path(_reward_model(tmp_path))
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(rm / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("score")},
+              rm / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="its weights lack score.weight"):
+        load_reward(f"rm:{rm}")

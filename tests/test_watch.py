@@ -63,3 +63,8 @@ def test_the_watch_fires_when_training_reward_climbs_alone(
     assert all(r["hacking_suspected"] for r in steps if r["step"] >= first)
     fired = [m for m in caplog.messages if "reward hacking suspected" in m]
     assert len(fired) == 1
+    # without held-out prompts the watch would check nothing: refused before the run
+    at = argv.index("--eval-dataset")
+    bare = [*argv[:at], *argv[at + 2 : argv.index("--out-dir")]]
+    assert cli.main([*bare, "--out-dir", str(tmp_path / "bare"), "--no-progress"]) == 2
+    assert not (tmp_path / "bare" / "metrics.jsonl").exists()

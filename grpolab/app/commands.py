@@ -196,6 +196,9 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
 
         hf_logging.disable_progress_bar()
     rows, heldout = run_rows(cfg)
+    if cfg.watch_reward and not heldout[: cfg.eval_size]:  # it would watch nothing
+        raise ConfigError(f"watch_reward {cfg.watch_reward} checks held-out prompts: set "
+                          "eval_dataset (and eval_size > 0)")
     reward_fns, watch = load_rewards(cfg)
     model, tok = _load(cfg)
     if cfg.dtype != "float32" and not cfg.lora and dist.is_main():

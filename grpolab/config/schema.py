@@ -297,7 +297,8 @@ class Config:
     answer_column: str = opt("answer", MODEL_EVAL, "dataset column passed to rewards as answer=")
     prompt_template: str = opt(
         "", MODEL_EVAL,
-        "text prompts become this with {prompt} filled in; \"\" = as is")
+        "text prompts (a chat prompt's last user message) become this with {prompt} filled "
+        "in; \"\" = as is")
     rewards: list[str] = opt(["exact"], MODEL_EVAL, "built-in, rm:DIR, file.py:fn")
     answer_sources: list[str] = opt(
         ["boxed", "answer_tag", "answer_line", "bare", "last_statement"], MODEL_EVAL,

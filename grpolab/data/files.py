@@ -69,6 +69,10 @@ def _data_files(path: Path, split: str) -> tuple[str, list[str]]:
     if for_split and unnamed:
         log.warning("dataset directory %s: %s split from %s; left out %s (named for no split)",
                     path, split, ", ".join(p.name for p in for_split), ", ".join(unnamed))
+    if not for_split and split != "train":  # (held out: the same files train, most likely)
+        log.warning("dataset directory %s names no split (train.jsonl, test.jsonl, "
+                    "test-00000.parquet, ...): its %s prompts come from all of %s", path, split,
+                    ", ".join(p.name for p in files))
     files = for_split or files
     builders = {FORMATS[p.suffix.lower()] for p in files}
     if len(builders) > 1:
@@ -278,9 +282,20 @@ def run_rows(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         _warn_overlap(train, held[: cfg.eval_size])  # the prompts evaluated; none: no warning
     if cfg.prompt_template:
         for row in (*train, *held):
-            if isinstance(row["prompt"], str):
-                row["prompt"] = cfg.prompt_template.replace("{prompt}", row["prompt"])
+            row["prompt"] = _templated(cfg.prompt_template, row["prompt"])
     return train, held
+
+
+def _templated(template: str, prompt: Any) -> Any:
+    """A text prompt inside ``template``; of a chat prompt, its last user message's text."""
+    if isinstance(prompt, str):
+        return template.replace("{prompt}", prompt)
+    last = max((i for i, m in enumerate(prompt) if m.get("role") == "user"), default=None)
+    if last is None or not isinstance(prompt[last].get("content"), str):
+        return prompt  # (no user text to wrap: a system-only or multimodal prompt)
+    out = list(prompt)
+    out[last] = {**prompt[last], "content": template.replace("{prompt}", prompt[last]["content"])}
+    return out
 
 
 def _warn_overlap(train: list[dict[str, Any]], held: list[dict[str, Any]]) -> None:

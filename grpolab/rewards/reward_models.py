@@ -11,6 +11,7 @@ scored ``batch_size`` answers at a time.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,19 @@ class SequenceClassifierReward:
         from grpolab.rollout.models import check_weight_files
 
         check_weight_files(str(folder))  # safetensors only, as for the policy
+        # A causal LM's folder would load with a fresh, random score head: random rewards.
+        archs = json.loads((folder / "config.json").read_text()).get("architectures") or []
+        if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+            raise ValueError(f"reward model rm:{path} is a {', '.join(archs)}, not a "
+                             "sequence-classification model (its score head would be random)")
         self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            folder, local_files_only=True, use_safetensors=True).eval()
+        self.model, info = AutoModelForSequenceClassification.from_pretrained(
+            folder, local_files_only=True, use_safetensors=True, output_loading_info=True)
+        self.model.eval()
+        if info.get("missing_keys"):
+            raise ValueError(f"reward model rm:{path}: its weights lack "
+                             f"{', '.join(sorted(info['missing_keys'])[:3])}: those would be "
+                             "random (a reward model's folder holds its trained score head)")
         if self.tokenizer.pad_token is None:  # batches need one; the model must know it
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if getattr(self.model.config, "pad_token_id", None) is None:
