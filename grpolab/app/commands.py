@@ -195,7 +195,7 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    rows, heldout = run_rows(cfg)
+    rows, heldout = run_rows(cfg, warn=dist.is_main())  # (said once, not per rank)
     reward_fns, watch = load_rewards(cfg)
     model, tok = _load(cfg)
     if cfg.dtype != "float32" and not cfg.lora and dist.is_main():
