@@ -659,17 +659,26 @@ def print_report(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]],
     return "\n".join(lines)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each default, except the empty ones ("(default: )" says nothing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default == "" else super()._get_help_string(action)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=_Help)
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="HF model folder, .gguf file or a name grpolab knows")
     p.add_argument("--steps", type=int, default=2, help="timed steps per child")
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed steps at the start of a child (0: time from the first step)")
     p.add_argument("--rounds", type=int, default=2, help="rounds; each runs both trainers")
-    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8,
+                   help="answers per prompt (G); --batch / G prompts per step")
     p.add_argument("--batch", type=int, default=32, help="completions per optimizer step")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="most tokens generated per completion")
     p.add_argument("--threads", type=int, default=2, help="torch threads in every child")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights and matmuls of both trainers (bfloat16: TRL with bf16=True, "
@@ -677,9 +686,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where both trainers run (cuda: TRL with its HF generation, no vLLM; "
                         "peak memory is torch.cuda.max_memory_allocated)")
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--beta", type=float, default=0.04)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-5,
+                   help="learning rate of both trainers (constant, Adam(W), no weight decay)")
+    p.add_argument("--beta", type=float, default=0.04,
+                   help="KL coefficient to the reference (the model with adapters off)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompts and of both trainers")
     p.add_argument("--flops", action=argparse.BooleanOptionalAction, default=True,
                    help="count one step's FLOPs in the last round and print the floor")
     p.add_argument("--memory-trace", action=argparse.BooleanOptionalAction, default=True,
@@ -830,6 +842,18 @@ def ab_main(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def no_chat_template(model_dir: str) -> str | None:
+    """Why ``model_dir`` cannot be benchmarked (its tokenizer has no chat template), or None.
+    Both trainers are given chat-templated prompts, and TRL fails without a template."""
+    from transformers import AutoTokenizer
+
+    if AutoTokenizer.from_pretrained(model_dir).chat_template:
+        return None
+    return (f"the tokenizer of {model_dir} has no chat template; this benchmark gives both "
+            "trainers chat-templated prompts, so it needs one (an instruct model, or "
+            "make_tiny_model(..., chat_template=True))")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.child:
@@ -837,6 +861,10 @@ def main(argv: list[str] | None = None) -> int:
     from grpolab.rollout.models import resolve_model
 
     args.model = resolve_model(args.model)
+    missing = no_chat_template(args.model)
+    if missing:  # refused here in one line, not as a traceback from TRL's child
+        print(f"vs_trl_real.py: error: {missing}", file=sys.stderr)
+        return 2
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     info = {"cpu": cpu_name(), "nproc": os.cpu_count(), "versions": versions()}
     print(f"model {args.model}\nGRPO: G={args.group_size}, {args.batch} completions/step, max "

@@ -139,6 +139,34 @@ def test_real_model_bench_ab_alternates_levers_in_one_process(tiny_chat_model: s
         assert m and float(m.group(1)) > 0, out
 
 
+def test_real_model_bench_refuses_a_model_without_chat_template(tmp_path: Path) -> None:
+    """Both trainers get chat-templated prompts: a tokenizer without a template is refused
+    in one line before any child starts (TRL's child died in a long traceback); --help gives
+    every flag's help and default."""
+    from grpolab.rollout.tinyhf import make_tiny_model
+
+    plain = make_tiny_model(tmp_path / "plain", hidden=32, heads=4)  # no chat template
+    cmd = [sys.executable, str(REAL), "--model", plain, "--rounds", "1", "--steps", "1",
+           "--warmup", "0", "--batch", "8", "--group-size", "4", "--max-new-tokens", "6"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    said = (f"vs_trl_real.py: error: the tokenizer of {plain} has no chat template; this "
+            "benchmark gives both trainers chat-templated prompts, so it needs one (an instruct "
+            "model, or make_tiny_model(..., chat_template=True))")
+    assert proc.stderr.strip().splitlines() == [said]
+    assert "model " not in proc.stdout  # refused before the run's header, and any child
+    help_text = subprocess.run([sys.executable, str(REAL), "--help"], check=True,
+                               capture_output=True, text=True, timeout=60).stdout
+    entries = {" ".join(e.split()).split(" ", 1)[0]: " ".join(e.split())
+               for e in re.split(r"\n  (?=-)", help_text)}  # each option with its help
+    for flag, default in (("--group-size", "8"), ("--lr", "1e-05"), ("--beta", "0.04"),
+                          ("--seed", "0")):
+        m = re.fullmatch(rf"{flag} [A-Z_]+ (.+) \(default: ([^)]*)\)", entries[flag])
+        assert m and m.group(2) == default, entries[flag]
+    assert "(default: )" not in help_text
+
+
 def test_real_model_report_on_cuda_by_hand() -> None:
     """The report of a CUDA run from made-up children: GPU memory in the table and as a ratio,
     the allocator's reserved peak beside it, tokens/s of the step and of generation, seconds to

@@ -375,3 +375,28 @@ def test_a_folder_split_is_the_exact_stem_and_overlap_is_warned(
         assert "also training prompts" not in caplog.text
         run_rows(dataclasses.replace(cfg, eval_size=1))  # "a", the one evaluated, is trained on
     assert "1 of the 1 eval_dataset prompts evaluated" in caplog.text
+
+
+def test_data_warnings_are_said_by_rank_0_only(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun every rank loads the same rows: the overlap warning is rank 0's alone."""
+    from grpolab.app import commands
+    from grpolab.run import dist
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in "ab"))
+    cfg = make_config(None, {"dataset": str(data), "eval_dataset": str(data),
+                             "model_path": str(tmp_path)}, "train")
+
+    def stop(cfg: object) -> None:  # the rows are loaded: nothing more is needed
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "load_rewards", stop)
+    # (_run_train sets it for the process; restored after the test)
+    monkeypatch.setenv("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1"))
+    for main, said in ((True, 1), (False, 0)):
+        monkeypatch.setattr(dist, "is_main", lambda main=main: main)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="grpolab"), pytest.raises(KeyboardInterrupt):
+            commands._run_train(cfg, resume=False)
+        assert caplog.text.count("are also training prompts") == said

@@ -353,6 +353,43 @@ def test_alarm_state_resumes_its_rate_limit(caplog: pytest.LogCaptureFixture) ->
     assert "at step 11 (11 step(s)" in whole[1]
 
 
+def test_alarm_rate_limits_each_cause_when_causes_flip(caplog: pytest.LogCaptureFixture) -> None:
+    """A cause flipping between two at every step warns about each at most every
+    REPEAT_EVERY steps (each cause's first time at once), not at every flip."""
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        alarm = NoSignalAlarm()
+        for step in range(1, 25):
+            alarm.check(step, 4, 4, 0, 4, 0.95 if step % 2 else 0.0, 8)
+    said = [(int(m.split(" at step ")[1].split()[0]), "max_new_tokens" in m)
+            for m in (r.getMessage() for r in caplog.records)]
+    # truncated at 1, 11, 21; all wrong at 2, 12, 22
+    assert said == [(1, True), (2, False), (11, True), (12, False), (21, True), (22, False)]
+
+
+def test_alarm_flips_resume_as_uninterrupted(caplog: pytest.LogCaptureFixture) -> None:
+    """Stopped mid-flip and resumed from its state, each cause's limit carries on; a state
+    of the older form (last_step, last_cause) still loads."""
+    def run(alarms: list[tuple[NoSignalAlarm, range]]) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="grpolab"):
+            for alarm, steps in alarms:
+                for step in steps:
+                    alarm.check(step, 4, 4, 0, 4, 0.95 if step % 2 else 0.0, 8)
+        return [r.getMessage()[:45] for r in caplog.records]
+
+    whole = run([(NoSignalAlarm(), range(1, 25))])
+    first, second = NoSignalAlarm(), NoSignalAlarm()
+    before = run([(first, range(1, 8))])
+    second.load_state_dict(first.state_dict())
+    assert before + run([(second, range(8, 25))]) == whole
+    old = NoSignalAlarm()  # a checkpoint written before causes were limited apart
+    old.load_state_dict({"last_step": 7, "last_cause": "truncated", "steps_without": 7})
+    assert old.state_dict() == {"last_warned": {"truncated": 7}, "steps_without": 7}
+    said = run([(old, range(8, 18))])  # truncated was warned of at 7: next due at 17
+    assert [m.split(" (")[0] for m in said] == ["NO LEARNING SIGNAL at step 8",
+                                                 "NO LEARNING SIGNAL at step 17"]
+
+
 def world_trainer(tmp_path, reward=first_digit_odd, **over) -> GRPOTrainer:
     return shared_world_trainer(tmp_path, reward, max_len=16, **{"eval_size": 8, **over})
 

@@ -195,7 +195,7 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    rows, heldout = run_rows(cfg)
+    rows, heldout = run_rows(cfg, warn=dist.is_main())  # (said once, not per rank)
     if cfg.watch_reward and not heldout[: cfg.eval_size]:  # it would watch nothing
         raise ConfigError(f"watch_reward {cfg.watch_reward} checks held-out prompts: set "
                           "eval_dataset (and eval_size > 0)")

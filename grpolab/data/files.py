@@ -258,12 +258,26 @@ def gold_text(value: Any, row: Any, column: str, where: str) -> Any:
     return str(value)
 
 
-def run_rows(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def run_rows(cfg: Any, warn: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The training and held-out rows a run's config names, with ``prompt_template`` applied.
 
     ``dataset``/``eval_dataset`` are local files or folders, or ``reasoning_gym:<task>``; a task
     library's held-out split comes from another seed and never repeats a training question.
+    ``warn``: log the data's warnings (files left out, a small task, held-out prompts that are
+    training prompts); under torchrun every rank loads the same rows, so rank 0 alone says so.
     """
+    def quiet(record: logging.LogRecord) -> bool:
+        return record.levelno > logging.WARNING  # (errors still pass)
+
+    if not warn:
+        log.addFilter(quiet)
+    try:
+        return _run_rows(cfg)
+    finally:
+        log.removeFilter(quiet)
+
+
+def _run_rows(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     from grpolab.data.tasks import HELDOUT_SEED_OFFSET, is_task, task_rows
 
     def load(spec: str, size: int, seed: int, exclude: list[str],

@@ -73,13 +73,14 @@ def diagnose(groups: int, dead: int, all_right: int, all_wrong: int,
 
 class NoSignalAlarm:
     """Warns (logger "grpolab", WARNING, prefixed "NO LEARNING SIGNAL", or "LITTLE LEARNING
-    SIGNAL" for cut-off answers beside live groups) on the first step without signal, then at most every ``REPEAT_EVERY`` steps while it lasts, and again whenever the
-    cause changes."""
+    SIGNAL" for cut-off answers beside live groups) the first time each cause is found, then
+    about that cause at most once every ``REPEAT_EVERY`` steps, whatever the other causes did
+    in between (a run whose cause flips between two, say "truncated" and "all_wrong", would
+    otherwise warn at every flip)."""
 
     def __init__(self, truncated_threshold: float = 0.9) -> None:
         self.truncated_threshold = truncated_threshold
-        self.last_step: int | None = None
-        self.last_cause: str | None = None
+        self.last_warned: dict[str, int] = {}  # cause -> the step it was last warned of
         self.steps_without = 0
 
     def check(self, step: int, groups: int, dead: int, all_right: int, all_wrong: int,
@@ -91,22 +92,23 @@ class NoSignalAlarm:
             return None
         cause, message = found
         self.steps_without += 1
-        due = (self.last_step is None or cause != self.last_cause
-               or step - self.last_step >= REPEAT_EVERY)
-        if due:  # (on every rank, so that any rank's state resumes as rank 0 would)
+        last = self.last_warned.get(cause)
+        # (kept on every rank, so that any rank's state resumes as rank 0 would)
+        if last is None or step - last >= REPEAT_EVERY:
             if warn:  # (live groups beside cut-off answers: some signal, mostly not the task's)
                 banner = "NO LEARNING SIGNAL" if dead == groups else "LITTLE LEARNING SIGNAL"
                 log.warning("%s at step %d (%d step(s) so far): %s", banner, step,
                             self.steps_without, message)
-            self.last_step, self.last_cause = step, cause
+            self.last_warned[cause] = step
         return cause
 
     def state_dict(self) -> dict[str, Any]:
         """What decides the next warning, so a resumed run warns as an uninterrupted one."""
-        return {"last_step": self.last_step, "last_cause": self.last_cause,
-                "steps_without": self.steps_without}
+        return {"last_warned": dict(self.last_warned), "steps_without": self.steps_without}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.last_step = state.get("last_step")
-        self.last_cause = state.get("last_cause")
+        warned = state.get("last_warned")
+        if warned is None and state.get("last_cause") is not None:  # a checkpoint of before
+            warned = {state["last_cause"]: state["last_step"]}  # (it kept the last cause only)
+        self.last_warned = {str(k): int(v) for k, v in (warned or {}).items()}
         self.steps_without = int(state.get("steps_without", 0))

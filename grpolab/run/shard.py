@@ -25,6 +25,7 @@ import importlib
 import io
 import pickle
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -181,13 +182,24 @@ def files_hash(path: Path) -> dict[str, str]:
             for p in sorted(Path(path).iterdir()) if p.is_file()}
 
 
+@contextlib.contextmanager
+def _one_process_is_meant() -> Iterator[None]:
+    """DCP warns when it runs without a process group; a one-process run (or resume) of an
+    fsdp checkpoint is meant, so that warning alone is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable "
+                                "or uninitialized", category=UserWarning)
+        yield
+
+
 def save_dcp(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """Weights and optimizer state of every rank into ``path`` (collective)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+    with _one_process_is_meant():
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
 
 
 def load_dcp(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -203,5 +215,6 @@ def load_dcp(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         pass
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, storage_reader=_reader(path))
+    with _one_process_is_meant():
+        dcp.load(state, storage_reader=_reader(path))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
