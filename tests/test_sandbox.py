@@ -178,3 +178,41 @@ def test_passes_cannot_be_faked() -> None:
     ]
     for code in fakes:
         assert run_tests(code, ADD_TESTS).passed == 0, code
+
+
+# Common test shapes around an iterator: the answer's generator, map or range is only iterated
+# by the test, so it is sent back as a list; a comprehension over literals is unrolled here.
+SHAPES = ["assert list(gen()) == [0, 1, 2]", "assert list(m([1, 2])) == [2, 3]",
+          "assert list(r(3)) == [0, 1, 2]", "assert sum(gen()) == 3", "assert max(gen()) == 2",
+          "assert sorted(set(m([2, 1]))) == [2, 3]",
+          "assert all(f(i) == 2 * i for i in range(3))",
+          "assert [f(i) for i in range(3) if i] == [2, 4]",
+          "assert any(f(a) == b for a, b in [(1, 3), (2, 4)])"]
+SHAPES_RIGHT = ("def gen():\n    yield from range(3)\ndef m(xs):\n    return map(lambda x: x + 1, xs)\n"
+                "def r(n):\n    return range(n)\ndef f(x):\n    return 2 * x\n")
+
+
+def test_iterators_and_comprehensions_are_judged() -> None:
+    v = run_tests(SHAPES_RIGHT, SHAPES, QUICK)
+    assert (v.passed, v.note) == (len(SHAPES), ""), v
+    wrong = ("def gen():\n    yield from range(1, 4)\ndef m(xs):\n    return map(str, xs)\n"
+             "def r(n):\n    return range(1, n + 1)\ndef f(x):\n    return x * x + 1\n")
+    assert run_tests(wrong, SHAPES, QUICK).passed == 0
+    # each shape on its own: right passes, wrong fails
+    lone = run_tests(SHAPES_RIGHT.replace("yield from range(3)", "yield from range(2)"),
+                     SHAPES[:1] + SHAPES[3:5], QUICK)
+    assert lone.passed == 0, lone
+    # an iterator compared as it is stays unequal to a list, as in Python
+    assert run_tests(SHAPES_RIGHT, ["assert r(3) == [0, 1, 2]", "assert gen() == [0, 1, 2]"],
+                     QUICK).passed == 0
+
+
+def test_an_endless_generator_fails_its_test_only() -> None:
+    endless = ("def gen():\n    i = 0\n    while True:\n        yield i\n        i += 1\n"
+               "def fin():\n    yield from range(3)\n")
+    t0 = time.monotonic()
+    v = run_tests(endless, ["assert list(gen()) == [0, 1, 2]", "assert max(gen()) == 2",
+                            "assert sum(gen()) > 0", "assert list(fin()) == [0, 1, 2]"], QUICK)
+    assert (v.passed, v.total, v.note) == (1, 4, ""), v
+    assert time.monotonic() - t0 < 5
+    assert _sandbox_processes() == []

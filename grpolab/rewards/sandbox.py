@@ -9,8 +9,13 @@ expressions and sends back their values as plain JSON (numbers, strings, bools, 
 dicts, tuples, sets, bytes; anything else, a subclass included, fails); the checks run here on
 values decoded here, against expected values computed here from literals. The sandbox never
 sees an expected value, so no ``__eq__``, patched builtin or tampered harness can turn a wrong
-value into a pass. A test whose expected side is not a literal, or that has a loop, a ``def``
-or no ``assert``, cannot be judged this way and counts as not passed (see ``Verdict.note``).
+value into a pass. An iterator the test only iterates (``list(gen())``, ``sum(map(...))``) comes
+back as a list of at most 100,000 items; a comprehension over literals (``all(f(i) == 2 * i for
+i in range(3))``) is unrolled, its calls sent there, its comparisons made here. A test whose
+expected side is not a literal, that would need a judgement made there (a comparison, ``all``,
+``not`` or a conditional in an expression sent to the sandbox or in its setup), or that has a
+loop, a ``def`` or no ``assert``, cannot be judged this way and counts as not passed (see
+``Verdict.note``).
 
 The answer (its last fenced code block, or the whole text) runs in a fresh ``python -I -S``
 (grpolab/rewards/sandbox_child.py) in new mount, network and IPC namespaces (as root, or in a

@@ -11,6 +11,7 @@ passed and the verdict says so.
 from __future__ import annotations
 
 import ast
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -36,12 +37,24 @@ _ARITH = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
           ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
           ast.Pow: lambda a, b: a ** _small(b)}
 _NUMBER = (int, float)
+# Functions that take any iterable as their first argument: a generator, map or range the
+# answer returns is made a list in the sandbox (an "iter" step) so that it can be sent here
+_ITERABLE_ARG = {"list", "tuple", "set", "frozenset", "sorted", "sum", "min", "max", "any", "all",
+                 "dict"}
+# Judgements: in the sandbox the answer would make them (an __eq__, a patched all), so an
+# expression sent there may hold none (they run here, or the test is not checkable)
+_JUDGING = (ast.Compare, ast.BoolOp, ast.IfExp)
+_JUDGING_CALLS = {"isclose", "isinstance", "issubclass", "all", "any", "callable", "hasattr",
+                  "bool"}
+MAX_UNROLL = 1_000  # items a comprehension over literals is unrolled into
 
 
 @dataclass
 class Plan:
-    steps: list[tuple[str, str]]  # ("exec", statement) / ("eval", expression), in order
-    checks: list[Any]  # one term per assert, over the values of the "eval" steps
+    # ("exec", statement) / ("eval", expression) / ("iter", expression, sent as a list if
+    # it is an iterator), in order
+    steps: list[tuple[str, str]]
+    checks: list[Any]  # one term per assert, over the values of the "eval"/"iter" steps
 
 
 def plan_test(test: str) -> Plan | None:
@@ -58,6 +71,8 @@ def plan_test(test: str) -> Plan | None:
                 plan.checks.append(_term(node.test, plan, top=True))
             elif isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign,
                                    ast.AugAssign, ast.Expr)):
+                if _judges(node):  # `ok = f(1) == 2` then `assert ok`: judged there
+                    return None
                 plan.steps.append(("exec", ast.unparse(node)))  # sets up the calls' inputs
             else:
                 return None
@@ -71,13 +86,24 @@ def _is_val(term: Any) -> bool:  # holds a value from the sandbox
         term[0] == "val" or any(_is_val(t) for t in term[1:]))
 
 
-def _term(node: ast.expr, plan: Plan, top: bool = False) -> Any:
-    return _fold(_term_raw(node, plan, top))
+def _judges(node: ast.AST) -> bool:
+    for n in ast.walk(node):
+        if isinstance(n, _JUDGING) or isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
+            return True
+        if isinstance(n, ast.Call) and (getattr(n.func, "id", None) in _JUDGING_CALLS
+                                        or getattr(n.func, "attr", None) in _JUDGING_CALLS):
+            return True
+    return False
 
 
-def _term_raw(node: ast.expr, plan: Plan, top: bool = False) -> Any:
+def _term(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = False) -> Any:
+    return _fold(_term_raw(node, plan, top, iterable))
+
+
+def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = False) -> Any:
     """A check over sandbox values; sub-expressions it cannot compute here are evaluated
-    by the sandbox (as long as the expected side stays here)."""
+    by the sandbox (as long as the expected side stays here). ``iterable``: the value is
+    only iterated here, so an iterator may come back as a list."""
     try:  # a literal, computed here
         return ("lit", ast.literal_eval(node))
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
@@ -117,11 +143,123 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False) -> Any:
             return ("isclose", a, b, {k: v[1] for k, v in kwargs.items()})
         if isinstance(func, ast.Name) and name in _FUNCS and not kwargs \
                 and not any(isinstance(a, ast.Starred) for a in node.args):
-            return ("call", name, *[_term(a, plan) for a in node.args])
-    if isinstance(node, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
+            # min(a, b) compares its arguments: only a lone one (or sum's first) is iterated
+            its = name in _ITERABLE_ARG and (len(node.args) == 1 or name == "sum")
+            return ("call", name, *[_term(a, plan, iterable=its and i == 0)
+                                    for i, a in enumerate(node.args)])
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)) \
+            and not any(isinstance(e, ast.Starred) for e in node.elts):
+        return ("show", type(node).__name__, *[_term(e, plan) for e in node.elts])
+    if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp)):
+        unrolled = _unroll(node, plan)
+        if unrolled is not None:
+            return unrolled
+    if isinstance(node, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)) \
+            or _judges(node):
         raise _Unjudgeable
-    plan.steps.append(("eval", ast.unparse(node)))
-    return ("val", sum(kind == "eval" for kind, _ in plan.steps) - 1)
+    plan.steps.append(("iter" if iterable else "eval", ast.unparse(node)))
+    return ("val", sum(kind != "exec" for kind, _ in plan.steps) - 1)
+
+
+def _unroll(node: ast.ListComp | ast.SetComp | ast.GeneratorExp, plan: Plan) -> Any:
+    """A comprehension whose loops run over values known here (``for i in range(5)``), as
+    the display of its items: ``[f(i) == 2 * i for i in range(3)]`` is ``[f(0) == 0, f(1) ==
+    2, f(2) == 4]``, each call sent to the sandbox, each comparison made here. None if a
+    loop runs over the answer's values or a condition needs them."""
+    items: list[Any] = []
+
+    def walk(gens: list[ast.comprehension], bound: dict[str, Any]) -> bool:
+        if not gens:
+            items.append(_term(_bind(node.elt, bound), plan))
+            return True
+        gen, rest = gens[0], gens[1:]
+        if gen.is_async:
+            raise _Unjudgeable
+        values = _source(_bind(gen.iter, bound))
+        if values is None:
+            return False
+        for value in values:
+            if len(items) >= MAX_UNROLL:
+                raise _Unjudgeable
+            inner = {**bound, **_assign(gen.target, value)}
+            conds = [_fold(_term_raw(_bind(c, inner), Plan([], []))) for c in gen.ifs]
+            if any(c[0] != "lit" for c in conds):
+                return False
+            if all(c[1] for c in conds) and not walk(rest, inner):
+                return False
+        return True
+
+    before = len(plan.steps)
+    if not walk(list(node.generators), {}):
+        del plan.steps[before:]
+        return None
+    kind = {ast.ListComp: "List", ast.SetComp: "Set", ast.GeneratorExp: "gen"}[type(node)]
+    return ("show", kind, *items)
+
+
+def _source(node: ast.expr) -> Any:
+    """What a comprehension's loop runs over, if it is known here (literals, ``range`` of
+    literals, at most MAX_UNROLL items), else None."""
+    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "range" \
+            and not node.keywords and 1 <= len(node.args) <= 3:
+        args = [_fold(_term_raw(a, Plan([], []))) for a in node.args]
+        if not all(a[0] == "lit" and type(a[1]) is int for a in args):
+            return None
+        values = range(*[a[1] for a in args])
+    else:
+        term = _fold(_term_raw(node, Plan([], [])))
+        if term[0] != "lit":
+            return None
+        values = term[1]
+    if not isinstance(values, (range, list, tuple, set, frozenset, dict, str, bytes)) \
+            or len(values) > MAX_UNROLL:
+        raise _Unjudgeable
+    return values
+
+
+def _assign(target: ast.expr, value: Any) -> dict[str, Any]:
+    """The loop variables ``for <target> in ...`` binds to ``value``."""
+    if isinstance(target, ast.Name):
+        return {target.id: value}
+    if isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (tuple, list, str)) \
+            and len(value) == len(target.elts):
+        out: dict[str, Any] = {}
+        for t, v in zip(target.elts, value):
+            out.update(_assign(t, v))
+        return out
+    raise _Unjudgeable
+
+
+def _bind(node: ast.expr, bound: dict[str, Any]) -> ast.expr:
+    """``node`` with the loop variables in ``bound`` replaced by their values' literals."""
+    if not bound:
+        return node
+    for n in ast.walk(node):  # a nested scope that binds the same name again: not followed
+        names = [a.arg for a in ast.walk(n.args) if isinstance(a, ast.arg)] if isinstance(n, ast.Lambda) \
+            else [x.id for g in getattr(n, "generators", []) for x in ast.walk(g.target)
+                  if isinstance(x, ast.Name)]
+        if set(names) & set(bound):
+            raise _Unjudgeable
+
+    class Sub(ast.NodeTransformer):
+        def visit_Name(self, name: ast.Name) -> ast.expr:
+            if name.id in bound and isinstance(name.ctx, ast.Load):
+                return _literal(bound[name.id])
+            return name
+
+    return ast.fix_missing_locations(Sub().visit(copy.deepcopy(node)))
+
+
+def _literal(value: Any) -> ast.expr:
+    """The expression that writes ``value``, if it has one (plain values, not ``nan``)."""
+    try:
+        node = ast.parse(repr(value), mode="eval").body
+        back = ast.literal_eval(node)
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as e:
+        raise _Unjudgeable from e
+    if type(back) is not type(value) or back != value:
+        raise _Unjudgeable
+    return node
 
 
 def _fold(term: Any) -> Any:
@@ -159,6 +297,10 @@ def _eval(term: Any, values: dict[int, Any]) -> Any:
     if kind == "isclose":
         a, b = _num(_eval(term[1], values)), _num(_eval(term[2], values))
         return math.isclose(a, b, **term[3])
+    if kind == "show":  # a display (or comprehension) over values from the sandbox
+        items = [_eval(t, values) for t in term[2:]]  # every value must have come
+        return iter(items) if term[1] == "gen" else \
+            {"List": list, "Tuple": tuple, "Set": set}[term[1]](items)
     if kind == "call":
         args = [_eval(t, values) for t in term[2:]]
         if term[1] == "round" and len(args) == 2:
