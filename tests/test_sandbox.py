@@ -9,6 +9,8 @@ limits) are also checked on their own, with the Python audit hook switched off.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import socket
 import subprocess
@@ -17,8 +19,16 @@ from pathlib import Path
 
 import pytest
 
+from grpolab.rewards import sandbox
 from grpolab.rewards.builtin import load_reward
-from grpolab.rewards.sandbox import Limits, code_reward, extract_code, parse_tests, run_tests
+from grpolab.rewards.sandbox import (
+    Limits,
+    check_tests,
+    code_reward,
+    extract_code,
+    parse_tests,
+    run_tests,
+)
 from grpolab.rewards.scorer import score
 
 ADD_TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]
@@ -216,3 +226,55 @@ def test_an_endless_generator_fails_its_test_only() -> None:
     assert (v.passed, v.total, v.note) == (1, 4, ""), v
     assert time.monotonic() - t0 < 5
     assert _sandbox_processes() == []
+
+
+HUMANEVAL = "def check(candidate):\n    assert candidate(2, 3) == 5\n"
+
+
+def test_tests_it_cannot_judge_are_warned_about_once(caplog: pytest.LogCaptureFixture,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "_WARNED", set())
+    right = "def add(a, b):\n    return a + b"
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        assert code_reward(["q"] * 2, [right] * 2, tests=[[HUMANEVAL], ADD_TESTS]) == [0.0, 1.0]
+        assert code_reward(["q"], [right], tests=[[HUMANEVAL]]) == [0.0]
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith("grpolab")]
+    assert len(warned) == 1, warned
+    assert "1 of the 4 tests not checkable" in warned[0] and "def check(candidate)" in warned[0]
+    caplog.clear()
+    monkeypatch.setattr(sandbox, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        code_reward(["q"], [right], tests=[ADD_TESTS])
+    assert not caplog.records  # judgeable tests: nothing to say
+
+
+def test_data_whose_tests_it_can_judge_none_of_is_refused() -> None:
+    check_tests([{"prompt": "q", "tests": ADD_TESTS}], "mbpp")
+    check_tests([{"prompt": "q", "answer": json.dumps(ADD_TESTS)}], "mbpp")  # answer_column
+    check_tests([{"prompt": "q", "tests": [HUMANEVAL]}, {"prompt": "q", "tests": ADD_TESTS}],
+                "mixed")  # some judgeable: run (and warned about at the first step)
+    for rows, said in (([{"prompt": "1+1=", "answer": "2"}], "e.g. '2'"),
+                       ([{"prompt": "q", "tests": [HUMANEVAL]}], "def check(candidate)"),
+                       ([{"prompt": "q", "tests": []}], "all empty"),
+                       ([{"prompt": "q"}], "needs a 'tests' column")):
+        with pytest.raises(ValueError, match="code reward") as e:
+            check_tests(rows, "data")
+        assert said in str(e.value), str(e.value)
+
+
+def test_train_with_the_code_reward_on_data_without_tests_exits_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from helpers import run_cli
+
+    from grpolab.rollout.tinyhf import make_tiny_model
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                            for i in range(4)))
+    model = make_tiny_model(tmp_path / "model", arch="llama", hidden=32, heads=4)
+    capsys.readouterr()
+    code, err = run_cli(["train", "--model-path", model, "--dataset",
+                         str(data), "--rewards", "code", "--steps", "1", "--budget", "8",
+                         "--group-size", "4", "--out-dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and len(err) == 1 and "can judge none of the tests" in err[0], err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

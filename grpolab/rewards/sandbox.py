@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import re
 import secrets
@@ -50,6 +51,7 @@ from typing import Any
 
 from grpolab.rewards.sandbox_judge import Plan, decode, passes, plan_test
 
+logger = logging.getLogger("grpolab.rewards.sandbox")
 MAX_CODE_CHARS = 100_000
 MAX_TESTS = 1_000
 NOBODY = 65534  # uid and gid of `nobody` on Linux
@@ -255,6 +257,53 @@ def code_reward(prompts: list[Any], completions: list[str], tests: list[Any] | N
     if cases is None:
         raise ValueError("the code reward needs a 'tests' column (or answer_column: tests)")
     jobs = [(extract_code(str(c)), parse_tests(t)) for c, t in zip(completions, cases)]
+    _warn_unjudged([tests for _, tests in jobs])
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as ex:
         return [v.share for v in ex.map(lambda job: run_tests(*job), jobs)]
+
+
+_WARNED: set[str] = set()  # what was said once already: per process, i.e. per run
+HOW = ("a test is an assert on values the answer computes, with a literal expected side, "
+       "such as 'assert add(2, 3) == 5' (HumanEval's 'def check(candidate)', loops and "
+       "comparisons of two of the answer's values are not supported)")
+
+
+def _warn_unjudged(cases: list[list[str]]) -> None:
+    """Tests the verifier cannot judge score 0 whatever the answer: a reward of 0 would look
+    like a verdict on the answers, so say so (once a run)."""
+    if "unjudged" in _WARNED:
+        return
+    tests = [t for ts in cases for t in ts]
+    bad = [t for t in tests if plan_test(t) is None]
+    empty = sum(not ts for ts in cases)
+    if bad or empty:
+        _WARNED.add("unjudged")
+        what = [(f"{len(bad)} of the {len(tests)} tests not checkable outside the sandbox "
+                 f"(e.g. {_short(bad[0])})")] if bad else []
+        what += [f"{empty} of the {len(cases)} answers with no tests"] if empty else []
+        logger.warning("code reward: %s; they count as failed, so reward 0 there says nothing "
+                       "about the answers. %s", " and ".join(what), HOW[0].upper() + HOW[1:])
+
+
+def _short(text: str, limit: int = 60) -> str:
+    text = " ".join(str(text).split())
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def check_tests(rows: list[dict[str, Any]], where: str, sample: int = 200) -> None:
+    """Refuse (ValueError: exit 2, before anything is written) rows whose tests the ``code``
+    reward can judge none of: no ``tests`` column and answers that are not tests, or tests
+    of a shape it does not support. Judged on the first ``sample`` rows."""
+    if not rows:
+        return
+    column = "tests" if "tests" in rows[0] else "answer" if "answer" in rows[0] else None
+    if column is None:
+        raise ValueError(f"the code reward needs a 'tests' column (or answer_column naming "
+                         f"the tests); {where} has: {', '.join(map(str, rows[0]))}")
+    tests = [t for row in rows[:sample] for t in parse_tests(row.get(column))]
+    if not any(plan_test(t) is not None for t in tests[:MAX_TESTS * 4]):
+        shown = f"e.g. {_short(tests[0])}" if tests else "all empty"
+        raise ValueError(f"the code reward can judge none of the tests of {where} (column "
+                         f"{column!r}, first {min(sample, len(rows))} rows: {shown}); {HOW}")
+
