@@ -9,6 +9,8 @@ limits) are also checked on their own, with the Python audit hook switched off.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import socket
 import subprocess
@@ -17,8 +19,16 @@ from pathlib import Path
 
 import pytest
 
+from grpolab.rewards import sandbox
 from grpolab.rewards.builtin import load_reward
-from grpolab.rewards.sandbox import Limits, code_reward, extract_code, parse_tests, run_tests
+from grpolab.rewards.sandbox import (
+    Limits,
+    check_tests,
+    code_reward,
+    extract_code,
+    parse_tests,
+    run_tests,
+)
 from grpolab.rewards.scorer import score
 
 ADD_TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]
@@ -178,3 +188,93 @@ def test_passes_cannot_be_faked() -> None:
     ]
     for code in fakes:
         assert run_tests(code, ADD_TESTS).passed == 0, code
+
+
+# Common test shapes around an iterator: the answer's generator, map or range is only iterated
+# by the test, so it is sent back as a list; a comprehension over literals is unrolled here.
+SHAPES = ["assert list(gen()) == [0, 1, 2]", "assert list(m([1, 2])) == [2, 3]",
+          "assert list(r(3)) == [0, 1, 2]", "assert sum(gen()) == 3", "assert max(gen()) == 2",
+          "assert sorted(set(m([2, 1]))) == [2, 3]",
+          "assert all(f(i) == 2 * i for i in range(3))",
+          "assert [f(i) for i in range(3) if i] == [2, 4]",
+          "assert any(f(a) == b for a, b in [(1, 3), (2, 4)])"]
+SHAPES_RIGHT = ("def gen():\n    yield from range(3)\ndef m(xs):\n    return map(lambda x: x + 1, xs)\n"
+                "def r(n):\n    return range(n)\ndef f(x):\n    return 2 * x\n")
+
+
+def test_iterators_and_comprehensions_are_judged() -> None:
+    v = run_tests(SHAPES_RIGHT, SHAPES, QUICK)
+    assert (v.passed, v.note) == (len(SHAPES), ""), v
+    wrong = ("def gen():\n    yield from range(1, 4)\ndef m(xs):\n    return map(str, xs)\n"
+             "def r(n):\n    return range(1, n + 1)\ndef f(x):\n    return x * x + 1\n")
+    assert run_tests(wrong, SHAPES, QUICK).passed == 0
+    # each shape on its own: right passes, wrong fails
+    lone = run_tests(SHAPES_RIGHT.replace("yield from range(3)", "yield from range(2)"),
+                     SHAPES[:1] + SHAPES[3:5], QUICK)
+    assert lone.passed == 0, lone
+    # an iterator compared as it is stays unequal to a list, as in Python
+    assert run_tests(SHAPES_RIGHT, ["assert r(3) == [0, 1, 2]", "assert gen() == [0, 1, 2]"],
+                     QUICK).passed == 0
+
+
+def test_an_endless_generator_fails_its_test_only() -> None:
+    endless = ("def gen():\n    i = 0\n    while True:\n        yield i\n        i += 1\n"
+               "def fin():\n    yield from range(3)\n")
+    t0 = time.monotonic()
+    v = run_tests(endless, ["assert list(gen()) == [0, 1, 2]", "assert max(gen()) == 2",
+                            "assert sum(gen()) > 0", "assert list(fin()) == [0, 1, 2]"], QUICK)
+    assert (v.passed, v.total, v.note) == (1, 4, ""), v
+    assert time.monotonic() - t0 < 5
+    assert _sandbox_processes() == []
+
+
+HUMANEVAL = "def check(candidate):\n    assert candidate(2, 3) == 5\n"
+
+
+def test_tests_it_cannot_judge_are_warned_about_once(caplog: pytest.LogCaptureFixture,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "_WARNED", set())
+    right = "def add(a, b):\n    return a + b"
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        assert code_reward(["q"] * 2, [right] * 2, tests=[[HUMANEVAL], ADD_TESTS]) == [0.0, 1.0]
+        assert code_reward(["q"], [right], tests=[[HUMANEVAL]]) == [0.0]
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith("grpolab")]
+    assert len(warned) == 1, warned
+    assert "1 of the 4 tests not checkable" in warned[0] and "def check(candidate)" in warned[0]
+    caplog.clear()
+    monkeypatch.setattr(sandbox, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        code_reward(["q"], [right], tests=[ADD_TESTS])
+    assert not caplog.records  # judgeable tests: nothing to say
+
+
+def test_data_whose_tests_it_can_judge_none_of_is_refused() -> None:
+    check_tests([{"prompt": "q", "tests": ADD_TESTS}], "mbpp")
+    check_tests([{"prompt": "q", "answer": json.dumps(ADD_TESTS)}], "mbpp")  # answer_column
+    check_tests([{"prompt": "q", "tests": [HUMANEVAL]}, {"prompt": "q", "tests": ADD_TESTS}],
+                "mixed")  # some judgeable: run (and warned about at the first step)
+    for rows, said in (([{"prompt": "1+1=", "answer": "2"}], "e.g. '2'"),
+                       ([{"prompt": "q", "tests": [HUMANEVAL]}], "def check(candidate)"),
+                       ([{"prompt": "q", "tests": []}], "all empty"),
+                       ([{"prompt": "q"}], "needs a 'tests' column")):
+        with pytest.raises(ValueError, match="code reward") as e:
+            check_tests(rows, "data")
+        assert said in str(e.value), str(e.value)
+
+
+def test_train_with_the_code_reward_on_data_without_tests_exits_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from helpers import run_cli
+
+    from grpolab.rollout.tinyhf import make_tiny_model
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                            for i in range(4)))
+    model = make_tiny_model(tmp_path / "model", arch="llama", hidden=32, heads=4)
+    capsys.readouterr()
+    code, err = run_cli(["train", "--model-path", model, "--dataset",
+                         str(data), "--rewards", "code", "--steps", "1", "--budget", "8",
+                         "--group-size", "4", "--out-dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and len(err) == 1 and "can judge none of the tests" in err[0], err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

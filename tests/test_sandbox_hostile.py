@@ -221,6 +221,26 @@ def test_builtins_cannot_make_a_wrong_answer_pass(name: str) -> None:
     assert run_tests(BUILTINS[name], TESTS[:1] + TOLERANT, QUICK).passed == 0, name
 
 
+def test_judgements_are_never_made_in_the_sandbox() -> None:
+    """A comparison (or all, any, not, a conditional) inside an expression the sandbox would
+    evaluate, or in a test's setup, would be the answer's to make: such tests are not
+    checkable, and the always-equal object scores 0 on them."""
+    code = EQUAL + "def add(a, b): return Yes()\ndef many(n): return [Yes()] * n\n"
+    judged_there = ["assert (True if add(1, 1) == 2 else False)",
+                    "assert [x == 2 for x in many(2)] == [True, True]",
+                    "assert all(x == 2 for x in many(2))", "ok = add(1, 1) == 2\nassert ok",
+                    "assert list(filter(lambda x: x == 2, many(2))) != []"]
+    assert run_tests(code, judged_there, QUICK).passed == 0
+    right = RIGHT + "def many(n): return [2] * n\n"
+    v = run_tests(right, judged_there, QUICK)
+    assert v.passed == 0 and "5 test(s) not checkable" in v.note, v
+    # judged here, they pass for the right answer and not for the forgery
+    here = ["assert [add(i, 1) == i + 1 for i in range(2)] == [True, True]",
+            "assert {add(1, 1) == 2} == {True}", "assert list(x * 1 for x in many(2)) == [2, 2]"]
+    assert run_tests(right, here, QUICK).passed == len(here)
+    assert run_tests(code, here, QUICK).passed == 0
+
+
 # ---- links, directory descriptors, device files: out of the scratch folder ----
 
 def _escapes(ckpt: Path) -> dict[str, str]:

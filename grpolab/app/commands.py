@@ -187,6 +187,15 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
         return _run_train(cfg, resume)
 
 
+def _check_code_tests(cfg: Config, *datasets: tuple[list[dict], str]) -> None:
+    """The ``code`` reward on data whose tests it cannot judge would train on 0: refused."""
+    if "code" in (*cfg.rewards, cfg.watch_reward):
+        from grpolab.rewards.sandbox import check_tests
+
+        for rows, where in datasets:
+            check_tests(rows, repr(where))
+
+
 def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
     from grpolab.data.files import run_rows
 
@@ -199,6 +208,7 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
     if cfg.watch_reward and not heldout[: cfg.eval_size]:  # it would watch nothing
         raise ConfigError(f"watch_reward {cfg.watch_reward} checks held-out prompts: set "
                           "eval_dataset (and eval_size > 0)")
+    _check_code_tests(cfg, (rows, cfg.dataset), (heldout, cfg.eval_dataset))
     reward_fns, watch = load_rewards(cfg)
     model, tok = _load(cfg)
     if cfg.dtype != "float32" and not cfg.lora and dist.is_main():
@@ -285,6 +295,7 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
     train_rows, held = run_rows(cfg)
     rows = (held or train_rows)[: cfg.eval_size]
     dataset = cfg.eval_dataset or cfg.dataset
+    _check_code_tests(cfg, (rows, dataset))
     if same_as is not None and (same_as.get("dataset"), same_as.get("prompts")) != (
             dataset, len(rows)):
         raise ConfigError(f"--compare: that evaluation is of {same_as.get('prompts')} prompts "

@@ -9,8 +9,13 @@ expressions and sends back their values as plain JSON (numbers, strings, bools, 
 dicts, tuples, sets, bytes; anything else, a subclass included, fails); the checks run here on
 values decoded here, against expected values computed here from literals. The sandbox never
 sees an expected value, so no ``__eq__``, patched builtin or tampered harness can turn a wrong
-value into a pass. A test whose expected side is not a literal, or that has a loop, a ``def``
-or no ``assert``, cannot be judged this way and counts as not passed (see ``Verdict.note``).
+value into a pass. An iterator the test only iterates (``list(gen())``, ``sum(map(...))``) comes
+back as a list of at most 100,000 items; a comprehension over literals (``all(f(i) == 2 * i for
+i in range(3))``) is unrolled, its calls sent there, its comparisons made here. A test whose
+expected side is not a literal, that would need a judgement made there (a comparison, ``all``,
+``not`` or a conditional in an expression sent to the sandbox or in its setup), or that has a
+loop, a ``def`` or no ``assert``, cannot be judged this way and counts as not passed (see
+``Verdict.note``).
 
 The answer (its last fenced code block, or the whole text) runs in a fresh ``python -I -S``
 (grpolab/rewards/sandbox_child.py) in new mount, network and IPC namespaces (as root, or in a
@@ -27,10 +32,9 @@ of dead processes (killed runs) are removed at the next start.
 
 from __future__ import annotations
 
-import ast
 import concurrent.futures
 import json
-import math
+import logging
 import os
 import re
 import secrets
@@ -45,6 +49,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from grpolab.rewards.sandbox_judge import Plan, decode, passes, plan_test
+
+logger = logging.getLogger("grpolab.rewards.sandbox")
 MAX_CODE_CHARS = 100_000
 MAX_TESTS = 1_000
 NOBODY = 65534  # uid and gid of `nobody` on Linux
@@ -103,196 +110,6 @@ def parse_tests(value: Any) -> list[str]:
     return []
 
 
-class _Unjudgeable(Exception):
-    """A test that cannot be judged outside the answer's process."""
-
-
-# Functions a check may apply here to a value from the sandbox (bounded work on plain values)
-_FUNCS = {"len": len, "sorted": sorted, "set": set, "frozenset": frozenset, "tuple": tuple,
-          "list": list, "abs": abs, "round": round, "sum": sum, "min": min, "max": max,
-          "bool": bool, "int": int, "float": float, "str": str, "any": any, "all": all,
-          "dict": dict}
-_CONSTS = {"inf": math.inf, "nan": math.nan, "pi": math.pi, "e": math.e, "tau": math.tau}
-_CMP = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
-        ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
-        ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
-        ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
-        ast.Is: lambda a, b: a is b, ast.IsNot: lambda a, b: a is not b}
-_ARITH = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
-          ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b,
-          ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
-          ast.Pow: lambda a, b: a ** _small(b)}
-_NUMBER = (int, float)
-
-
-@dataclass
-class _Plan:
-    steps: list[tuple[str, str]]  # ("exec", statement) / ("eval", expression), in order
-    checks: list[Any]  # one term per assert, over the values of the "eval" steps
-
-
-def _plan(test: str) -> _Plan | None:
-    """The test as steps for the sandbox and checks for here, or None if it cannot be
-    judged outside the answer's process."""
-    try:
-        tree = ast.parse(test)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return None
-    plan = _Plan([], [])
-    try:
-        for node in tree.body:
-            if isinstance(node, ast.Assert):
-                plan.checks.append(_term(node.test, plan, top=True))
-            elif isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign,
-                                   ast.AugAssign, ast.Expr)):
-                plan.steps.append(("exec", ast.unparse(node)))  # sets up the calls' inputs
-            else:
-                return None
-    except (_Unjudgeable, RecursionError):
-        return None
-    return plan if plan.checks else None
-
-
-def _is_val(term: Any) -> bool:  # holds a value from the sandbox
-    return isinstance(term, tuple) and term[0] != "lit" and (
-        term[0] == "val" or any(_is_val(t) for t in term[1:]))
-
-
-def _term(node: ast.expr, plan: _Plan, top: bool = False) -> Any:
-    return _fold(_term_raw(node, plan, top))
-
-
-def _term_raw(node: ast.expr, plan: _Plan, top: bool = False) -> Any:
-    """A check over sandbox values; sub-expressions it cannot compute here are evaluated
-    by the sandbox (as long as the expected side stays here)."""
-    try:  # a literal, computed here
-        return ("lit", ast.literal_eval(node))
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        pass
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-            and node.value.id == "math" and node.attr in _CONSTS:
-        return ("lit", _CONSTS[node.attr])
-    if isinstance(node, ast.Compare) and all(type(op) in _CMP for op in node.ops):
-        operands = [_term(n, plan) for n in (node.left, *node.comparators)]
-        if sum(_is_val(t) for t in operands) > 1:  # both sides the answer's: forgeable
-            raise _Unjudgeable
-        return ("cmp", tuple(type(op) for op in node.ops), *operands)
-    if isinstance(node, ast.BoolOp):
-        return ("and" if isinstance(node.op, ast.And) else "or",
-                *[_term(v, plan, top) for v in node.values])
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-        return ("not", _term(node.operand, plan, top))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        return ("neg" if isinstance(node.op, ast.USub) else "pos", _term(node.operand, plan))
-    if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
-        return ("arith", type(node.op), _term(node.left, plan), _term(node.right, plan))
-    if isinstance(node, ast.Subscript) and not isinstance(node.slice, ast.Slice):
-        index = _term(node.slice, plan)
-        if index[0] == "lit":
-            return ("item", _term(node.value, plan), index)
-    if isinstance(node, ast.Call) and not any(k.arg is None for k in node.keywords):
-        func = node.func
-        name = func.id if isinstance(func, ast.Name) else (
-            func.attr if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
-            and func.value.id == "math" else None)
-        kwargs = {k.arg: _term(k.value, plan) for k in node.keywords}
-        if name == "isclose" and len(node.args) == 2 and all(
-                k in ("rel_tol", "abs_tol") and v[0] == "lit" for k, v in kwargs.items()):
-            a, b = (_term(n, plan) for n in node.args)
-            if _is_val(a) and _is_val(b):
-                raise _Unjudgeable
-            return ("isclose", a, b, {k: v[1] for k, v in kwargs.items()})
-        if isinstance(func, ast.Name) and name in _FUNCS and not kwargs \
-                and not any(isinstance(a, ast.Starred) for a in node.args):
-            return ("call", name, *[_term(a, plan) for a in node.args])
-    if isinstance(node, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
-        raise _Unjudgeable
-    plan.steps.append(("eval", ast.unparse(node)))
-    return ("val", sum(kind == "eval" for kind, _ in plan.steps) - 1)
-
-
-def _fold(term: Any) -> Any:
-    """A term with no value of the sandbox's in it, computed now (``float('inf')``,
-    ``10**9 + 7``, ``set()``)."""
-    if term[0] in ("lit", "val") or _is_val(term):
-        return term
-    try:
-        return ("lit", _eval(term, {}))
-    except Exception as e:
-        raise _Unjudgeable from e
-
-
-def _eval(term: Any, values: dict[int, Any]) -> Any:
-    kind = term[0]
-    if kind == "lit":
-        return term[1]
-    if kind == "val":
-        return values[term[1]]  # a KeyError if it raised or sent nothing usable
-    if kind == "cmp":
-        operands = [_eval(t, values) for t in term[2:]]
-        return all(_CMP[op](a, b) for op, a, b in zip(term[1], operands, operands[1:]))
-    if kind in ("and", "or"):
-        results = [bool(_eval(t, values)) for t in term[1:]]  # every value must have come
-        return all(results) if kind == "and" else any(results)
-    if kind == "not":
-        return not _eval(term[1], values)
-    if kind in ("neg", "pos"):
-        x = _num(_eval(term[1], values))
-        return -x if kind == "neg" else x
-    if kind == "arith":  # numbers only: a list times a number could be made huge here
-        return _ARITH[term[1]](_num(_eval(term[2], values)), _num(_eval(term[3], values)))
-    if kind == "item":
-        return _eval(term[1], values)[_eval(term[2], values)]
-    if kind == "isclose":
-        a, b = _num(_eval(term[1], values)), _num(_eval(term[2], values))
-        return math.isclose(a, b, **term[3])
-    if kind == "call":
-        args = [_eval(t, values) for t in term[2:]]
-        if term[1] == "round" and len(args) == 2:
-            _small(args[1])
-        return _FUNCS[term[1]](*args)
-    raise ValueError(kind)
-
-
-def _small(x: Any) -> Any:
-    """An exponent or ndigits that keeps the work here bounded."""
-    if not isinstance(x, _NUMBER) or abs(x) > 4096:
-        raise ValueError("too large")
-    return x
-
-
-def _num(x: Any) -> int | float:
-    if not isinstance(x, _NUMBER):
-        raise TypeError("not a number")
-    return x
-
-
-def _decode(x: Any) -> Any:
-    """A value from the sandbox's JSON, back to plain Python (tuples, sets, dicts, bytes and
-    complex numbers come tagged)."""
-    if isinstance(x, list):
-        return [_decode(v) for v in x]
-    if isinstance(x, dict):
-        ((tag, body),) = x.items()
-        if tag == "d":
-            return {_decode(k): _decode(v) for k, v in body}
-        if tag == "b":
-            return bytes.fromhex(body)
-        if tag == "c":
-            return complex(_num(body[0]), _num(body[1]))
-        return {"t": tuple, "s": set, "f": frozenset}[tag](_decode(v) for v in body)
-    return x
-
-
-def _passes(plan: _Plan | None, values: dict[int, Any]) -> bool:
-    if plan is None:
-        return False
-    try:
-        return all(bool(_eval(check, values)) for check in plan.checks)
-    except Exception:  # noqa: BLE001 - a missing value, a type mismatch: not a pass
-        return False
-
-
 def run_tests(code: str, tests: Sequence[str], limits: Limits = Limits()) -> Verdict:
     """Run ``code`` in a sandboxed process, evaluate the tests' expressions there and check
     their values here: how many tests passed."""
@@ -303,7 +120,7 @@ def run_tests(code: str, tests: Sequence[str], limits: Limits = Limits()) -> Ver
         return Verdict(0, len(tests), f"code over {MAX_CODE_CHARS} characters")
     if os.name != "posix":
         raise RuntimeError("the code verifier needs a POSIX system (resource limits)")
-    plans = [_plan(t) for t in tests]
+    plans = [plan_test(t) for t in tests]
     sweep_scratch()
     scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
     nonce = secrets.token_hex(16)
@@ -399,7 +216,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _verdict(text: str, nonce: str, plans: list[_Plan | None], note: str) -> Verdict:
+def _verdict(text: str, nonce: str, plans: list[Plan | None], note: str) -> Verdict:
     values: dict[int, dict[int, Any]] = {}
     started, failed, done, boundary = False, "", False, ""
     for line in text.splitlines():
@@ -416,10 +233,10 @@ def _verdict(text: str, nonce: str, plans: list[_Plan | None], note: str) -> Ver
             got = values.setdefault(int(parts[2]), {})
             if int(parts[3]) not in got and parts[4] != "!":  # the first word stands
                 try:
-                    got[int(parts[3])] = _decode(json.loads(parts[4]))
+                    got[int(parts[3])] = decode(json.loads(parts[4]))
                 except Exception:  # noqa: BLE001, S110 - malformed, too deep, unhashable
                     pass
-    passed = sum(_passes(plan, values.get(i, {})) for i, plan in enumerate(plans))
+    passed = sum(passes(plan, values.get(i, {})) for i, plan in enumerate(plans))
     unjudged = sum(plan is None for plan in plans)
     if failed:
         note = f"the code failed to run ({failed})"
@@ -440,6 +257,53 @@ def code_reward(prompts: list[Any], completions: list[str], tests: list[Any] | N
     if cases is None:
         raise ValueError("the code reward needs a 'tests' column (or answer_column: tests)")
     jobs = [(extract_code(str(c)), parse_tests(t)) for c, t in zip(completions, cases)]
+    _warn_unjudged([tests for _, tests in jobs])
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as ex:
         return [v.share for v in ex.map(lambda job: run_tests(*job), jobs)]
+
+
+_WARNED: set[str] = set()  # what was said once already: per process, i.e. per run
+HOW = ("a test is an assert on values the answer computes, with a literal expected side, "
+       "such as 'assert add(2, 3) == 5' (HumanEval's 'def check(candidate)', loops and "
+       "comparisons of two of the answer's values are not supported)")
+
+
+def _warn_unjudged(cases: list[list[str]]) -> None:
+    """Tests the verifier cannot judge score 0 whatever the answer: a reward of 0 would look
+    like a verdict on the answers, so say so (once a run)."""
+    if "unjudged" in _WARNED:
+        return
+    tests = [t for ts in cases for t in ts]
+    bad = [t for t in tests if plan_test(t) is None]
+    empty = sum(not ts for ts in cases)
+    if bad or empty:
+        _WARNED.add("unjudged")
+        what = [(f"{len(bad)} of the {len(tests)} tests not checkable outside the sandbox "
+                 f"(e.g. {_short(bad[0])})")] if bad else []
+        what += [f"{empty} of the {len(cases)} answers with no tests"] if empty else []
+        logger.warning("code reward: %s; they count as failed, so reward 0 there says nothing "
+                       "about the answers. %s", " and ".join(what), HOW[0].upper() + HOW[1:])
+
+
+def _short(text: str, limit: int = 60) -> str:
+    text = " ".join(str(text).split())
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def check_tests(rows: list[dict[str, Any]], where: str, sample: int = 200) -> None:
+    """Refuse (ValueError: exit 2, before anything is written) rows whose tests the ``code``
+    reward can judge none of: no ``tests`` column and answers that are not tests, or tests
+    of a shape it does not support. Judged on the first ``sample`` rows."""
+    if not rows:
+        return
+    column = "tests" if "tests" in rows[0] else "answer" if "answer" in rows[0] else None
+    if column is None:
+        raise ValueError(f"the code reward needs a 'tests' column (or answer_column naming "
+                         f"the tests); {where} has: {', '.join(map(str, rows[0]))}")
+    tests = [t for row in rows[:sample] for t in parse_tests(row.get(column))]
+    if not any(plan_test(t) is not None for t in tests[:MAX_TESTS * 4]):
+        shown = f"e.g. {_short(tests[0])}" if tests else "all empty"
+        raise ValueError(f"the code reward can judge none of the tests of {where} (column "
+                         f"{column!r}, first {min(sample, len(rows))} rows: {shown}); {HOW}")
+
