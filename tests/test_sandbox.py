@@ -217,6 +217,25 @@ def test_iterators_and_comprehensions_are_judged() -> None:
                      QUICK).passed == 0
 
 
+def test_methods_of_the_answers_values_are_called_here() -> None:
+    """``f().startswith('ab')`` is str's startswith on the value sent back, not a method of
+    the answer's own (a str subclass's that always says yes); a module's function of the same
+    name (re.split) stays the module's."""
+    right = "def f():\n    return 'abc'\ndef d():\n    return {'a': 1}\n"
+    tests = ["assert f().startswith('ab')", "assert f().upper() == 'ABC'",
+             "assert d().get('a') == 1", "assert sorted(d().keys()) == ['a']",
+             "assert ','.join(['x', f()]) == 'x,abc'", "assert f().split('b') == ['a', 'c']",
+             "import re\nassert re.split('b', f()) == ['a', 'c']"]
+    v = run_tests(right, tests, QUICK)
+    assert (v.passed, v.note) == (len(tests), ""), v
+    forged = ("class S(str):\n    def startswith(self, *a):\n        return True\n"
+              "    def upper(self):\n        return 'ABC'\ndef f():\n    return S('zzz')\n"
+              "class D(dict):\n    def get(self, *a):\n        return 1\n"
+              "    def keys(self):\n        return ['a']\ndef d():\n    return D()\n")
+    assert run_tests(forged, tests[:4], QUICK).passed == 0
+    assert run_tests("def f():\n    return [1]\n", tests[:1], QUICK).passed == 0  # no such method
+
+
 def test_an_endless_generator_fails_its_test_only() -> None:
     endless = ("def gen():\n    i = 0\n    while True:\n        yield i\n        i += 1\n"
                "def fin():\n    yield from range(3)\n")

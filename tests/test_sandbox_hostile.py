@@ -412,3 +412,24 @@ def test_defect2_a_killed_runs_scratch_folder_is_removed_at_the_next_start() -> 
         assert live.exists()
     finally:
         live.rmdir()
+
+
+def test_the_library_the_tests_call_is_the_librarys(boundary: str) -> None:
+    """A test's own calls of the standard library run after the answer's code: patched there
+    (math.floor, re.split, an imported module, the builtins the test names), they are put back
+    first, so they cannot say what the test expects; unpatched, they work as written."""
+    tests = ["import math\nassert math.floor(f()) == 3", "from math import floor\nassert floor(f()) == 3",
+             "import re\nassert re.split('b', h()) == ['a', 'c']",
+             "import html\nassert html.escape(h()) == '&lt;'",
+             "assert list(reversed(g())) == [3, 2, 1]"]
+    forged = ("import math, re\nmath.floor = lambda x: 3\nre.split = lambda *a: ['a', 'c']\n"
+              "try:\n    import html\n    html.escape = lambda s: '&lt;'\n"
+              "except ImportError:\n    pass\n"
+              "__builtins__['reversed'] = lambda x: [3, 2, 1]\n"
+              "def f():\n    return 9.5\ndef g():\n    return [0]\ndef h():\n    return 'zzz'\n")
+    assert run_tests(forged, tests, QUICK).passed == 0
+    right = "def f():\n    return 3.5\ndef g():\n    return [1, 2, 3]\ndef h():\n    return 'abc'\n"
+    v = run_tests(right, tests[:3] + tests[4:], QUICK)
+    assert (v.passed, v.note) == (4, ""), v
+    if boundary == "mount":  # (as nobody without it, a module not preloaded may be unreadable)
+        assert run_tests("def h():\n    return '<'\n", tests[3:4], QUICK).passed == 1

@@ -286,6 +286,45 @@ def _encode(value, depth, type_, str_, int_, float_, bool_, list_, tuple_, dict_
     raise ValueError("not a plain value")
 
 
+def _library_keeper(clean_builtins):
+    """A function that puts the standard library back as it was now, before the answer runs:
+    the tests' own calls of it (``re.split(...)``, ``math.floor(...)``) are evaluated after the
+    answer's code, which could have patched them to say what the test expects. ``restore(None,
+    None)`` puts back every module; ``restore(names, env)`` those a test step names (its
+    ``co_names``, or a module ``env`` binds one of them to), drops the modules imported since
+    (imported afresh if the test wants them) and gives ``env`` the builtins as they were.
+    Everything it uses is captured here. Not covered: classes the library defines (a patched
+    method of ``collections.Counter``), which are objects of their own."""
+    modules, dict_, type_, len_, any_, id_, set_ = (sys.modules, dict, type, len, any, id,
+                                                   set)
+    setattr_, missing = object.__setattr__, object()
+    kept = {}
+    for name, m in list(modules.items()):
+        d = getattr(m, "__dict__", None)
+        if type_(d) is dict_:
+            kept[name] = (m, type_(m), d, dict_(d))
+    by_id = {id_(m): name.split(".")[0] for name, (m, _, _, _) in kept.items()}
+
+    def restore(names, env):
+        for name in [n for n in modules if n not in kept]:
+            del modules[name]
+        roots = None if names is None else set_(names) | {
+            by_id[id_(env[n])] for n in names if n in env and id_(env[n]) in by_id}
+        for name, (m, cls, d, snap) in kept.items():
+            if roots is not None and name.split(".")[0] not in roots:
+                continue
+            if modules.get(name) is not m:
+                modules[name] = m
+            if type_(m) is not cls:
+                setattr_(m, "__class__", cls)
+            if len_(d) != len_(snap) or any_(d.get(k, missing) is not v for k, v in snap.items()):
+                d.clear()
+                d.update(snap)
+        if env is not None:
+            env["__builtins__"] = dict_(clean_builtins)
+    return restore
+
+
 def _main(job):
     import builtins
     import posix
@@ -368,6 +407,7 @@ def _main(job):
         except base:
             pass
     ns = {"__name__": "__solution__", "__builtins__": dict_(builtins.__dict__)}
+    restore = _library_keeper(dict_(builtins.__dict__))
     del job
     say("start " + (mode or "none"))
     try:
@@ -375,14 +415,17 @@ def _main(job):
     except base as e:
         say("failed " + type_(e).__name__)
         return
+    restore(None, None)
     for i, steps in enumerate_(program):
         env, k = dict_(ns), 0
         for kind, src in steps:
             try:
+                step = compile_(src, "<test>", "exec" if kind == "exec" else "eval")
+                restore(step.co_names, env)  # the libraries the step calls, as they were
                 if kind == "exec":
-                    exec_(compile_(src, "<test>", "exec"), env)
+                    exec_(step, env)
                     continue
-                value = eval_(compile_(src, "<test>", "eval"), env)
+                value = eval_(step, env)
                 if kind == "iter" and type_(value) not in plain:
                     value = take(value)  # a generator, map, range: only iterated there
             except base as e:

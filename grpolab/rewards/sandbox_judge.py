@@ -47,6 +47,15 @@ _JUDGING = (ast.Compare, ast.BoolOp, ast.IfExp)
 _JUDGING_CALLS = {"isclose", "isinstance", "issubclass", "all", "any", "callable", "hasattr",
                   "bool"}
 MAX_UNROLL = 1_000  # items a comprehension over literals is unrolled into
+# Methods of plain values a check calls here, on the value the sandbox sends: called there they
+# would be the answer's own (a str subclass whose startswith always says yes). Pure, and bounded
+# by their inputs.
+_METHODS = {"startswith", "endswith", "lower", "upper", "strip", "lstrip", "rstrip", "split",
+            "rsplit", "splitlines", "count", "find", "rfind", "index", "rindex", "isdigit",
+            "isalpha", "isalnum", "isspace", "islower", "isupper", "istitle", "isdecimal",
+            "isnumeric", "title", "capitalize", "casefold", "swapcase", "keys", "values",
+            "items", "get", "join"}
+_PLAIN_TYPES = (str, bytes, list, tuple, dict, set, frozenset)
 
 
 @dataclass
@@ -55,6 +64,7 @@ class Plan:
     # it is an iterator), in order
     steps: list[tuple[str, str]]
     checks: list[Any]  # one term per assert, over the values of the "eval"/"iter" steps
+    modules: frozenset[str] = frozenset()  # names the test imports (re.split is re's)
 
 
 def plan_test(test: str) -> Plan | None:
@@ -71,6 +81,8 @@ def plan_test(test: str) -> Plan | None:
                 plan.checks.append(_term(node.test, plan, top=True))
             elif isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign,
                                    ast.AugAssign, ast.Expr)):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    plan.modules |= {(a.asname or a.name).split(".")[0] for a in node.names}
                 if _judges(node):  # `ok = f(1) == 2` then `assert ok`: judged there
                     return None
                 plan.steps.append(("exec", ast.unparse(node)))  # sets up the calls' inputs
@@ -141,6 +153,12 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
             if _is_val(a) and _is_val(b):
                 raise _Unjudgeable
             return ("isclose", a, b, {k: v[1] for k, v in kwargs.items()})
+        if isinstance(func, ast.Attribute) and func.attr in _METHODS \
+                and _root(func.value) not in {"math", *plan.modules} \
+                and all(v[0] == "lit" for v in kwargs.values()) \
+                and not any(isinstance(a, ast.Starred) for a in node.args):
+            return ("method", func.attr, {k: v[1] for k, v in kwargs.items()},
+                    _term(func.value, plan), *[_term(a, plan) for a in node.args])
         if isinstance(func, ast.Name) and name in _FUNCS and not kwargs \
                 and not any(isinstance(a, ast.Starred) for a in node.args):
             # min(a, b) compares its arguments: only a lone one (or sum's first) is iterated
@@ -159,6 +177,13 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
         raise _Unjudgeable
     plan.steps.append(("iter" if iterable else "eval", ast.unparse(node)))
     return ("val", sum(kind != "exec" for kind, _ in plan.steps) - 1)
+
+
+def _root(node: ast.expr) -> str | None:
+    """The name an attribute chain starts from (``os`` of ``os.path``), if any."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
 
 
 def _unroll(node: ast.ListComp | ast.SetComp | ast.GeneratorExp, plan: Plan) -> Any:
@@ -301,6 +326,11 @@ def _eval(term: Any, values: dict[int, Any]) -> Any:
         items = [_eval(t, values) for t in term[2:]]  # every value must have come
         return iter(items) if term[1] == "gen" else \
             {"List": list, "Tuple": tuple, "Set": set}[term[1]](items)
+    if kind == "method":  # a plain type's own method, whatever the value's type claimed
+        receiver, args = _eval(term[3], values), [_eval(t, values) for t in term[4:]]
+        if type(receiver) not in _PLAIN_TYPES or not hasattr(type(receiver), term[1]):
+            raise TypeError("not a plain value's method")
+        return getattr(type(receiver), term[1])(receiver, *args, **term[2])
     if kind == "call":
         args = [_eval(t, values) for t in term[2:]]
         if term[1] == "round" and len(args) == 2:
