@@ -433,3 +433,13 @@ def test_the_library_the_tests_call_is_the_librarys(boundary: str) -> None:
     assert (v.passed, v.note) == (4, ""), v
     if boundary == "mount":  # (as nobody without it, a module not preloaded may be unreadable)
         assert run_tests("def h():\n    return '<'\n", tests[3:4], QUICK).passed == 1
+    # a class the library defines, patched; a library function's code rewritten in place
+    deeper = ["from collections import Counter\nassert Counter(h()).most_common(1) == [('a', 2)]",
+              "import re\nassert re.split('b', h()) == ['a', 'c']"]
+    forged = ("import collections, re\n"
+              "collections.Counter.most_common = lambda self, n=None: [('a', 2)]\n"
+              "code = compile('def s(*a):\\n    return [\"a\", \"c\"]', 'x', 'exec')\n"
+              "try:\n    re.split.__code__ = code.co_consts[0]\nexcept PermissionError:\n    pass\n"
+              "def h():\n    return 'zzz'\n")
+    assert run_tests(forged, deeper, QUICK).passed == 0
+    assert run_tests("def h():\n    return 'aba'\n", deeper, QUICK).passed == 1  # (split: a, a)

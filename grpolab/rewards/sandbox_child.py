@@ -231,6 +231,8 @@ def _guard(home, reads, lim, mounted):
                 raise perm(f"sandbox: no reading {p}")
         elif event.startswith(denied):
             raise perm(f"sandbox: {event} is not allowed")
+        elif event == "object.__setattr__" and args[1] != "__class__":  # a function's code
+            raise perm(f"sandbox: no setting {args[1]}")  # (a module's __class__: put back)
         elif event == "import":
             if args[0].split(".")[0] in no_import:
                 raise imp(f"sandbox: module {args[0]} is not available")
@@ -287,39 +289,42 @@ def _encode(value, depth, type_, str_, int_, float_, bool_, list_, tuple_, dict_
 
 
 def _library_keeper(clean_builtins):
-    """A function that puts the standard library back as it was now, before the answer runs:
-    the tests' own calls of it (``re.split(...)``, ``math.floor(...)``) are evaluated after the
-    answer's code, which could have patched them to say what the test expects. ``restore(None,
-    None)`` puts back every module; ``restore(names, env)`` those a test step names (its
-    ``co_names``, or a module ``env`` binds one of them to), drops the modules imported since
-    (imported afresh if the test wants them) and gives ``env`` the builtins as they were.
-    Everything it uses is captured here. Not covered: classes the library defines (a patched
-    method of ``collections.Counter``), which are objects of their own."""
-    modules, dict_, type_, len_, any_, id_, set_ = (sys.modules, dict, type, len, any, id,
-                                                   set)
-    setattr_, missing = object.__setattr__, object()
-    kept = {}
+    """``restore``, which puts the standard library back as it is now, before the answer runs
+    (a test's own ``re.split(...)`` runs after the answer, which could have patched it):
+    ``restore(None, None)`` every module; ``restore(names, env)`` those a test step names (its
+    ``co_names``, or a module ``env`` binds one to), with the classes they define; modules
+    imported since are dropped (imported afresh) and ``env`` gets the builtins as they were. A
+    function's code rewritten in place is the audit hook's to refuse."""
+    modules, dict_, type_, len_, any_, id_, set_ = sys.modules, dict, type, len, any, id, set
+    setattr_, set_attr, del_attr, missing = (object.__setattr__, type.__setattr__,
+                                             type.__delattr__, object())
+    kept = {}  # name: (module, its type, its dict, a copy, [(class, a copy of its dict)])
     for name, m in list(modules.items()):
-        d = getattr(m, "__dict__", None)
-        if type_(d) is dict_:
-            kept[name] = (m, type_(m), d, dict_(d))
-    by_id = {id_(m): name.split(".")[0] for name, (m, _, _, _) in kept.items()}
+        if type_(d := getattr(m, "__dict__", None)) is dict_:
+            kept[name] = (m, type_(m), d, dict_(d), [(c, dict_(c.__dict__)) for c in d.values()
+                          if type_(c) is type and getattr(c, "__module__", None) == name])
+    by_id = {id_(v[0]): name.split(".")[0] for name, v in kept.items()}
 
     def restore(names, env):
         for name in [n for n in modules if n not in kept]:
             del modules[name]
         roots = None if names is None else set_(names) | {
             by_id[id_(env[n])] for n in names if n in env and id_(env[n]) in by_id}
-        for name, (m, cls, d, snap) in kept.items():
+        for name, (m, cls, d, snap, classes) in kept.items():
             if roots is not None and name.split(".")[0] not in roots:
                 continue
-            if modules.get(name) is not m:
-                modules[name] = m
+            modules[name] = m
             if type_(m) is not cls:
                 setattr_(m, "__class__", cls)
             if len_(d) != len_(snap) or any_(d.get(k, missing) is not v for k, v in snap.items()):
                 d.clear()
                 d.update(snap)
+            for c, attrs in classes:
+                for k in [k for k in c.__dict__ if k not in attrs]:
+                    del_attr(c, k)
+                for k, v in attrs.items():
+                    if c.__dict__.get(k, missing) is not v:
+                        set_attr(c, k, v)
         if env is not None:
             env["__builtins__"] = dict_(clean_builtins)
     return restore
@@ -390,8 +395,7 @@ def _main(job):
         exec, eval, compile, dict, enumerate, BaseException, type)
     dumps, plain = json.dumps, (type, str, int, float, bool, list, tuple, dict, set, frozenset,
                                 bytes, complex)
-    encode = _encode
-    list_, len_, overflow = list, len, OverflowError
+    encode, list_, len_, overflow = _encode, list, len, OverflowError
 
     def take(iterable):
         items = list_()  # then each item must be plain like any value
