@@ -443,3 +443,37 @@ def test_the_library_the_tests_call_is_the_librarys(boundary: str) -> None:
               "def h():\n    return 'zzz'\n")
     assert run_tests(forged, deeper, QUICK).passed == 0
     assert run_tests("def h():\n    return 'aba'\n", deeper, QUICK).passed == 1  # (split: a, a)
+
+
+def test_the_harness_is_out_of_reach(boundary: str) -> None:
+    """Two routes to the child's own reporting, found by a red team: a signal handler is handed
+    the frame it interrupts (the harness's, with its nonce and pipe), and json's encoder is
+    library code the answer could patch after it ran. Neither forges a pass now; a test that
+    names a module the answer replaced by its own object gets the module."""
+    signal_route = ("import signal\ngot = {}\ndef h(sig, frame):\n    fr = frame\n"
+                    "    while fr is not None:\n        loc = fr.f_locals\n"
+                    "        if 'nonce' in loc and 'write' in loc:\n"
+                    "            got['n'], got['w'] = loc['nonce'], loc['write']\n"
+                    "        fr = fr.f_back\nsignal.signal(signal.SIGUSR1, h)\n"
+                    "signal.raise_signal(signal.SIGUSR1)\n"
+                    "if got:\n    got['w'](got['n'] + ' v 0 0 5\\n')\n")
+    for route in (signal_route, signal_route.replace("import signal", "import _signal as signal")):
+        assert run_tests(route + "def add(a, b):\n    return 0\n", TESTS[:1], QUICK).passed == 0
+    encoder = "import json\njson._default_encoder.encode = lambda o: '5'\n"
+    assert run_tests(encoder + "def add(a, b):\n    return 0\n", TESTS[:1], QUICK).passed == 0
+    assert run_tests(encoder + RIGHT, TESTS, QUICK).passed == 3  # (the values still go back)
+    named = ("class M:\n    floor = staticmethod(lambda x: 3)\nmath = M()\n"
+             "def f():\n    return 10.5\n")
+    assert run_tests(named, ["assert math.floor(f()) == 3"], QUICK).passed == 0
+    assert run_tests("import math\ndef f():\n    return 3.5\n", ["assert math.floor(f()) == 3"],
+                     QUICK).passed == 1
+    # what answers do honestly is still theirs: their own functions' defaults, join over a
+    # generator, a test's own variable named like a module
+    honest = ("from typing import NamedTuple\nclass P(NamedTuple):\n    x: int\n    y: int = 2\n"
+              "def g(a, b=1):\n    return a + b\ng.__defaults__ = (2,)\n"
+              "def f():\n    return P(1).y + g(1)\ndef chars():\n    return (c for c in 'ab')\n"
+              "def total(xs):\n    return sum(xs)\n")
+    tests = ["assert f() == 5", "assert ''.join(chars()) == 'ab'",
+             "array = [1, 2, 3]\nassert total(array) == 6"]
+    v = run_tests(honest, tests, QUICK)
+    assert (v.passed, v.note) == (3, ""), v

@@ -58,7 +58,9 @@ MAX_CODE_CHARS = 100_000
 MAX_TESTS = 1_000
 NOBODY = 65534  # uid and gid of `nobody` on Linux
 SCRATCH_PREFIX = "grpolab-sandbox-"  # then "<pid>-": a dead pid's folder is a killed run's
-RUNNER = (Path(__file__).with_name("sandbox_child.py")).read_text()
+# the child's program: its values' encoding, then the child (run as one text, never imported)
+RUNNER = "".join(Path(__file__).with_name(f"sandbox_{part}.py").read_text()
+                 for part in ("values", "child"))
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,7 @@ def _alive(pid: int) -> bool:
 def _verdict(text: str, nonce: str, plans: list[Plan | None], note: str) -> Verdict:
     values: dict[int, dict[int, Any]] = {}
     started, failed, done, boundary = False, "", False, ""
+    seen: set[tuple[str, ...]] = set()
     for line in text.splitlines():
         parts = line.split(" ", 4)
         if len(parts) < 2 or parts[0] != nonce:  # anything the answer wrote itself
@@ -232,6 +235,9 @@ def _verdict(text: str, nonce: str, plans: list[Plan | None], note: str) -> Verd
         elif parts[1] == "done":
             done = True
         elif parts[1] == "v" and len(parts) == 5 and parts[2].isdigit() and parts[3].isdigit():
+            if (parts[2], parts[3]) in seen:  # the child says each once: someone else spoke
+                failed = "a value reported twice"
+            seen.add((parts[2], parts[3]))
             got = values.setdefault(int(parts[2]), {})
             if int(parts[3]) not in got and parts[4] != "!":  # the first word stands
                 try:

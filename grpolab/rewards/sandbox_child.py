@@ -124,13 +124,14 @@ def _new_root(libc, scratch, disk_mb, root, nobody):
         raise
 
 
-def _guard(home, reads, lim, mounted):
+def _guard(home, reads, lim, mounted, library):
     """The audit hook. Everything it uses is captured here: the answer shares the
     interpreter and could replace builtins or module attributes later."""
     import posix
     import stat as stat_mod
     getcwd, lstat, readlink = posix.getcwd, posix.lstat, posix.readlink
-    isinstance_, type_, str_, bytes_, int_, len_, any_ = isinstance, type, str, bytes, int, len, any
+    isinstance_, type_, str_, bytes_, int_, len_, any_, id_ = (isinstance, type, str, bytes, int,
+                                                             len, any, id)
     perm, imp, fspath = PermissionError, ImportError, os.fspath
     import pathlib
     plain = (str, bytes, pathlib.PosixPath, pathlib.PurePosixPath)
@@ -204,6 +205,7 @@ def _guard(home, reads, lim, mounted):
               "os.link", "os.symlink", "os.chroot", "sys.addaudithook", "resource.",
               "os.fwalk", "cpython.PyInterpreterState", "mmap.", "_posixsubprocess")
     no_import = {"ctypes", "_ctypes", "_posixsubprocess", "subprocess", "socket", "_socket",
+                 "signal", "_signal",  # (a fresh copy would bring back what was taken away)
                  "ssl", "_ssl", "multiprocessing", "_multiprocessing", "pty", "fcntl", "mmap",
                  "_testcapi", "_testinternalcapi", "_xxsubinterpreters"}
     dir_fds = {"os.remove": (1,), "os.rmdir": (1,), "shutil.rmtree": (1,), "os.mkdir": (2,), "os.chmod": (2,),
@@ -231,8 +233,8 @@ def _guard(home, reads, lim, mounted):
                 raise perm(f"sandbox: no reading {p}")
         elif event.startswith(denied):
             raise perm(f"sandbox: {event} is not allowed")
-        elif event == "object.__setattr__" and args[1] != "__class__":  # a function's code
-            raise perm(f"sandbox: no setting {args[1]}")  # (a module's __class__: put back)
+        elif event == "object.__setattr__" and id_(args[0]) in library:  # its __code__ ...
+            raise perm(f"sandbox: no setting {args[1]} of the standard library's functions")
         elif event == "import":
             if args[0].split(".")[0] in no_import:
                 raise imp(f"sandbox: module {args[0]} is not available")
@@ -262,39 +264,14 @@ def _guard(home, reads, lim, mounted):
     return hook
 
 
-def _encode(value, depth, type_, str_, int_, float_, bool_, list_, tuple_, dict_, set_,
-            frozenset_, bytes_, complex_):
-    """The value as plain JSON, tagged where JSON has no type of its own; anything but the
-    builtin types themselves (no subclasses: they could carry an __eq__) is refused."""
-    t = type_(value)
-    if value is None or t is bool_ or t is int_ or t is str_ or t is float_:
-        return value
-    if depth > 40:
-        raise ValueError("too deep")
-    args = (type_, str_, int_, float_, bool_, list_, tuple_, dict_, set_, frozenset_, bytes_,
-            complex_)
-    if t is list_:
-        return [_encode(v, depth + 1, *args) for v in value]
-    tags = {tuple_: "t", set_: "s", frozenset_: "f"}
-    if t in tags:
-        return {tags[t]: [_encode(v, depth + 1, *args) for v in value]}
-    if t is dict_:
-        return {"d": [[_encode(k, depth + 1, *args), _encode(v, depth + 1, *args)]
-                      for k, v in value.items()]}
-    if t is bytes_:
-        return {"b": value.hex()}
-    if t is complex_:
-        return {"c": [value.real, value.imag]}
-    raise ValueError("not a plain value")
-
-
-def _library_keeper(clean_builtins):
+def _library_keeper(clean_builtins, library):
     """``restore``, which puts the standard library back as it is now, before the answer runs
     (a test's own ``re.split(...)`` runs after the answer, which could have patched it):
     ``restore(None, None)`` every module; ``restore(names, env)`` those a test step names (its
     ``co_names``, or a module ``env`` binds one to), with the classes they define; modules
     imported since are dropped (imported afresh) and ``env`` gets the builtins as they were. A
-    function's code rewritten in place is the audit hook's to refuse."""
+    function's code rewritten in place is the audit hook's to refuse: ``library`` gets their
+    ids."""
     modules, dict_, type_, len_, any_, id_, set_ = sys.modules, dict, type, len, any, id, set
     setattr_, set_attr, del_attr, missing = (object.__setattr__, type.__setattr__,
                                              type.__delattr__, object())
@@ -304,6 +281,14 @@ def _library_keeper(clean_builtins):
             kept[name] = (m, type_(m), d, dict_(d), [(c, dict_(c.__dict__)) for c in d.values()
                           if type_(c) is type and getattr(c, "__module__", None) == name])
     by_id = {id_(v[0]): name.split(".")[0] for name, v in kept.items()}
+    function, wrappers = type(_library_keeper), (staticmethod, classmethod)
+    values = (str, int, float, bool, list, tuple, dict, set, frozenset, bytes, complex,
+              type(None))  # (a test's own `array = [1, 2]` stays)
+    for _, _, _, snap, classes in kept.values():
+        for v in [*snap.values(), *(v for _, attrs in classes for v in attrs.values())]:
+            v = v.__func__ if type_(v) in wrappers else v
+            if type_(v) is function:
+                library.add(id_(v))
 
     def restore(names, env):
         for name in [n for n in modules if n not in kept]:
@@ -327,6 +312,9 @@ def _library_keeper(clean_builtins):
                         set_attr(c, k, v)
         if env is not None:
             env["__builtins__"] = dict_(clean_builtins)
+            for n in names:  # `math.floor(x)` in a test means the module, not an object the
+                if n in kept and n in env and type_(env[n]) not in values:  # answer named so
+                    env[n] = kept[n][0]
     return restore
 
 
@@ -380,22 +368,26 @@ def _main(job):
                 resource.setrlimit(what, (soft, hard))
             except (ValueError, OSError):
                 pass
+    signals = ("signal", "setitimer", "alarm", "raise_signal", "set_wakeup_fd", "siginterrupt",
+               "pidfd_send_signal")  # a handler is handed the frame it interrupts: the harness's
     for mod, names in ((os, ("mkfifo", "mknod", "pidfd_open")), (posix, ("mkfifo", "mknod")),
-                       (sys.modules.get("signal"),
-                        ("pidfd_send_signal",))):
+                       (sys.modules.get("signal"), signals), (sys.modules.get("_signal"), signals)):
         for name in names:  # no audit events for these: take them away
             if mod is not None and hasattr(mod, name):
                 delattr(mod, name)
+    library = set()  # ids of the standard library's functions (``_library_keeper``)
     if lim["python_guard"]:
         home = os.path.realpath(scratch)
         reads = (home, os.path.realpath(os.path.dirname(os.__file__)), "/dev/null",
                  "/dev/urandom", "/dev/random")
-        sys.addaudithook(_guard(home, reads, lim, mounted))
+        sys.addaudithook(_guard(home, reads, lim, mounted, library))
     exec_, eval_, compile_, dict_, enumerate_, base, type_ = (
         exec, eval, compile, dict, enumerate, BaseException, type)
-    dumps, plain = json.dumps, (type, str, int, float, bool, list, tuple, dict, set, frozenset,
-                                bytes, complex)
-    encode, list_, len_, overflow = _encode, list, len, OverflowError
+    plain = (type, str, int, float, bool, list, tuple, dict, set, frozenset, bytes, complex)
+    # JSON written by primitives taken now: json.dumps would call library code the answer can
+    # patch (its encoder instance) after it ran
+    encode, dumps = _encoder(), _json_writer()  # noqa: F821 - sandbox_values.py, sent first
+    list_, len_, overflow = list, len, OverflowError
 
     def take(iterable):
         items = list_()  # then each item must be plain like any value
@@ -411,7 +403,7 @@ def _main(job):
         except base:
             pass
     ns = {"__name__": "__solution__", "__builtins__": dict_(builtins.__dict__)}
-    restore = _library_keeper(dict_(builtins.__dict__))
+    restore = _library_keeper(dict_(builtins.__dict__), library)
     del job
     say("start " + (mode or "none"))
     try:
@@ -436,7 +428,7 @@ def _main(job):
                 say(f"e {i} {k} {type_(e).__name__}")
                 break
             try:
-                text = dumps(encode(value, 0, *plain))
+                text = dumps(encode(value))
                 if text.__len__() > 262_144:
                     raise ValueError("too big")
             except base:

@@ -158,7 +158,8 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
                 and all(v[0] == "lit" for v in kwargs.values()) \
                 and not any(isinstance(a, ast.Starred) for a in node.args):
             return ("method", func.attr, {k: v[1] for k, v in kwargs.items()},
-                    _term(func.value, plan), *[_term(a, plan) for a in node.args])
+                    _term(func.value, plan),  # (join only iterates its argument)
+                    *[_term(a, plan, iterable=func.attr == "join") for a in node.args])
         if isinstance(func, ast.Name) and name in _FUNCS and not kwargs \
                 and not any(isinstance(a, ast.Starred) for a in node.args):
             # min(a, b) compares its arguments: only a lone one (or sum's first) is iterated
