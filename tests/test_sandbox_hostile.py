@@ -472,8 +472,8 @@ def test_the_harness_is_out_of_reach(boundary: str) -> None:
     honest = ("from typing import NamedTuple\nclass P(NamedTuple):\n    x: int\n    y: int = 2\n"
               "def g(a, b=1):\n    return a + b\ng.__defaults__ = (2,)\n"
               "def f():\n    return P(1).y + g(1)\ndef chars():\n    return (c for c in 'ab')\n"
-              "def total(xs):\n    return sum(xs)\n")
+              "def total(xs):\n    return sum(xs)\ndef copy(x):\n    return [*x, 0]\n")
     tests = ["assert f() == 5", "assert ''.join(chars()) == 'ab'",
-             "array = [1, 2, 3]\nassert total(array) == 6"]
+             "array = [1, 2, 3]\nassert total(array) == 6", "assert copy([1]) == [1, 0]"]
     v = run_tests(honest, tests, QUICK)
-    assert (v.passed, v.note) == (3, ""), v
+    assert (v.passed, v.note) == (4, ""), v

@@ -290,7 +290,7 @@ def _library_keeper(clean_builtins, library):
             if type_(v) is function:
                 library.add(id_(v))
 
-    def restore(names, env):
+    def restore(names, env, src=""):
         for name in [n for n in modules if n not in kept]:
             del modules[name]
         roots = None if names is None else set_(names) | {
@@ -313,8 +313,8 @@ def _library_keeper(clean_builtins, library):
         if env is not None:
             env["__builtins__"] = dict_(clean_builtins)
             for n in names:  # `math.floor(x)` in a test means the module, not an object the
-                if n in kept and n in env and type_(env[n]) not in values:  # answer named so
-                    env[n] = kept[n][0]
+                if n in kept and n in env and n + "." in src and type_(env[n]) not in values:
+                    env[n] = kept[n][0]  # answer named so (its own `def copy(x)` stays)
     return restore
 
 
@@ -417,7 +417,7 @@ def _main(job):
         for kind, src in steps:
             try:
                 step = compile_(src, "<test>", "exec" if kind == "exec" else "eval")
-                restore(step.co_names, env)  # the libraries the step calls, as they were
+                restore(step.co_names, env, src)  # the libraries the step calls, as they were
                 if kind == "exec":
                     exec_(step, env)
                     continue
