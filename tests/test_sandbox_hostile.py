@@ -477,3 +477,42 @@ def test_the_harness_is_out_of_reach(boundary: str) -> None:
              "array = [1, 2, 3]\nassert total(array) == 6", "assert copy([1]) == [1, 0]"]
     v = run_tests(honest, tests, QUICK)
     assert (v.passed, v.note) == (4, ""), v
+
+
+def test_library_calls_run_without_the_answer(boundary: str) -> None:
+    """The red team's second round: the answer's function, called inside a library call's
+    arguments, patched the library mid-step (heapq's globals, re._compile, builtins.sorted);
+    and library state the first restore missed (re's pattern cache, classes with a metaclass,
+    an import finder) spoke for the test. The arguments now run first, as steps of their own
+    that must give plain values, and the library call after, with the library put back."""
+    forged = {
+        "midstep": (("import heapq, builtins, re\nclass Fake:\n"
+                    "    def findall(self, s, *a):\n        return ['a']\n"
+                    "def f():\n    heapq.sorted = lambda it, key=None: [1, 2]\n"
+                    "    builtins.sorted = lambda it, key=None: [1, 2]\n"
+                    "    re._compile = lambda *a: Fake()\n    return [9, 8]\n"
+                    "def h():\n    f()\n    return 'zzz'\n"),
+                    ["import heapq\nassert heapq.nsmallest(2, f()) == [1, 2]",
+                     "import re\nassert re.findall('a', h()) == ['a']"]),
+        "state": (("import re, fractions, sys\nclass Fake:\n"
+                  "    def findall(self, s, *a):\n        return ['a']\n"
+                  "for key in list(re._cache):\n    del re._cache[key]\n"
+                  "re._cache[(str, 'a', 0)] = Fake()\n"
+                  "fractions.Fraction.__truediv__ = lambda a, b: fractions.Fraction(2)\n"
+                  "class Finder:\n    def find_spec(self, name, path=None, target=None):\n"
+                  "        return None\nsys.meta_path.insert(0, Finder())\n"
+                  "def f():\n    return [10, 20]\ndef h():\n    return 'zzz'\n"),
+                  ["import re\nassert re.findall('a', h()) == ['a']",
+                   "import statistics\nassert statistics.mean(f()) == 2"]),
+    }
+    for name, (code, tests) in forged.items():
+        assert run_tests(code, tests, QUICK).passed == 0, name
+    honest = ("def f():\n    return [3, 1, 2]\ndef h():\n    return 'banana'\n"
+              "def gen():\n    yield from range(4)\n")
+    tests = ["import heapq\nassert heapq.nsmallest(2, f()) == [1, 2]",
+             "import re\nassert re.findall('a', h()) == ['a', 'a', 'a']",
+             "import statistics\nassert statistics.mean(f()) == 2",
+             "import heapq\nassert heapq.nlargest(2, gen()) == [3, 2]",
+             "import re\nassert len(re.findall('n', re.sub('b', 'n', h()))) == 3"]
+    v = run_tests(honest, tests, QUICK)
+    assert (v.passed, v.note) == (len(tests), ""), v

@@ -12,8 +12,9 @@ sees an expected value, so no ``__eq__``, patched builtin or tampered harness ca
 value into a pass. An iterator the test only iterates (``list(gen())``, ``sum(map(...))``) comes
 back as a list of at most 100,000 items; a comprehension over literals (``all(f(i) == 2 * i for
 i in range(3))``) is unrolled, its calls sent there, its comparisons made here. A str, list
-or dict method the test calls on a value is applied here; the standard library the test calls
-there is first put back as it was before the answer ran. A test whose
+or dict method the test calls on a value is applied here; a library call's arguments that call
+the answer's code are evaluated first, as plain values, and the call after, with the standard
+library put back as it was before the answer ran. A test whose
 expected side is not a literal, that would need a judgement made there (a comparison, ``all``,
 ``not`` or a conditional in an expression sent to the sandbox or in its setup), or that has a
 loop, a ``def`` or no ``assert``, cannot be judged this way and counts as not passed (see

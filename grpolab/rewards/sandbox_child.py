@@ -264,62 +264,9 @@ def _guard(home, reads, lim, mounted, library):
     return hook
 
 
-def _library_keeper(clean_builtins, library):
-    """``restore``, which puts the standard library back as it is now, before the answer runs
-    (a test's own ``re.split(...)`` runs after the answer, which could have patched it):
-    ``restore(None, None)`` every module; ``restore(names, env)`` those a test step names (its
-    ``co_names``, or a module ``env`` binds one to), with the classes they define; modules
-    imported since are dropped (imported afresh) and ``env`` gets the builtins as they were. A
-    function's code rewritten in place is the audit hook's to refuse: ``library`` gets their
-    ids."""
-    modules, dict_, type_, len_, any_, id_, set_ = sys.modules, dict, type, len, any, id, set
-    setattr_, set_attr, del_attr, missing = (object.__setattr__, type.__setattr__,
-                                             type.__delattr__, object())
-    kept = {}  # name: (module, its type, its dict, a copy, [(class, a copy of its dict)])
-    for name, m in list(modules.items()):
-        if type_(d := getattr(m, "__dict__", None)) is dict_:
-            kept[name] = (m, type_(m), d, dict_(d), [(c, dict_(c.__dict__)) for c in d.values()
-                          if type_(c) is type and getattr(c, "__module__", None) == name])
-    by_id = {id_(v[0]): name.split(".")[0] for name, v in kept.items()}
-    function, wrappers = type(_library_keeper), (staticmethod, classmethod)
-    values = (str, int, float, bool, list, tuple, dict, set, frozenset, bytes, complex,
-              type(None))  # (a test's own `array = [1, 2]` stays)
-    for _, _, _, snap, classes in kept.values():
-        for v in [*snap.values(), *(v for _, attrs in classes for v in attrs.values())]:
-            v = v.__func__ if type_(v) in wrappers else v
-            if type_(v) is function:
-                library.add(id_(v))
-
-    def restore(names, env, src=""):
-        for name in [n for n in modules if n not in kept]:
-            del modules[name]
-        roots = None if names is None else set_(names) | {
-            by_id[id_(env[n])] for n in names if n in env and id_(env[n]) in by_id}
-        for name, (m, cls, d, snap, classes) in kept.items():
-            if roots is not None and name.split(".")[0] not in roots:
-                continue
-            modules[name] = m
-            if type_(m) is not cls:
-                setattr_(m, "__class__", cls)
-            if len_(d) != len_(snap) or any_(d.get(k, missing) is not v for k, v in snap.items()):
-                d.clear()
-                d.update(snap)
-            for c, attrs in classes:
-                for k in [k for k in c.__dict__ if k not in attrs]:
-                    del_attr(c, k)
-                for k, v in attrs.items():
-                    if c.__dict__.get(k, missing) is not v:
-                        set_attr(c, k, v)
-        if env is not None:
-            env["__builtins__"] = dict_(clean_builtins)
-            for n in names:  # `math.floor(x)` in a test means the module, not an object the
-                if n in kept and n in env and n + "." in src and type_(env[n]) not in values:
-                    env[n] = kept[n][0]  # answer named so (its own `def copy(x)` stays)
-    return restore
-
-
 def _main(job):
     import builtins
+    import gc
     import posix
     import resource
     for name in PRELOAD:
@@ -403,7 +350,7 @@ def _main(job):
         except base:
             pass
     ns = {"__name__": "__solution__", "__builtins__": dict_(builtins.__dict__)}
-    restore = _library_keeper(dict_(builtins.__dict__), library)
+    restore = _library_keeper(dict_(builtins.__dict__), library)  # noqa: F821 - sandbox_values
     del job
     say("start " + (mode or "none"))
     try:
@@ -412,19 +359,30 @@ def _main(job):
         say("failed " + type_(e).__name__)
         return
     restore(None, None)
+    collect, gc_on, gc_off = gc.collect, gc.enable, gc.disable
     for i, steps in enumerate_(program):
-        env, k = dict_(ns), 0
+        env, k, bound = dict_(ns), 0, False
         for kind, src in steps:
             try:
                 step = compile_(src, "<test>", "exec" if kind == "exec" else "eval")
+                if bound and kind != "exec" and not kind.startswith("bind:"):
+                    collect()  # the answer's finalizers run now, not inside the library's call
+                    restore(None, None)  # whatever the binds' answer code touched
+                    gc_off()
                 restore(step.co_names, env, src)  # the libraries the step calls, as they were
                 if kind == "exec":
                     exec_(step, env)
                     continue
                 value = eval_(step, env)
-                if kind == "iter" and type_(value) not in plain:
+                gc_on()
+                if kind != "eval" and type_(value) not in plain:
                     value = take(value)  # a generator, map, range: only iterated there
+                if kind.startswith("bind:"):  # a library call's argument: plain, or no call
+                    encode(value)
+                    env[kind[5:]], bound = value, True
+                    continue
             except base as e:
+                gc_on()
                 say(f"e {i} {k} {type_(e).__name__}")
                 break
             try:

@@ -62,7 +62,7 @@ _PLAIN_TYPES = (str, bytes, list, tuple, dict, set, frozenset)
 class Plan:
     # ("exec", statement) / ("eval", expression) / ("iter", expression, sent as a list if
     # it is an iterator), in order
-    steps: list[tuple[str, str]]
+    steps: list[tuple[str, str]]  # (and ("bind:_hN", expression): see ``_hoisted``)
     checks: list[Any]  # one term per assert, over the values of the "eval"/"iter" steps
     modules: frozenset[str] = frozenset()  # names the test imports (re.split is re's)
 
@@ -176,8 +176,40 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
     if isinstance(node, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)) \
             or _judges(node):
         raise _Unjudgeable
+    node = _hoisted(node, plan)
     plan.steps.append(("iter" if iterable else "eval", ast.unparse(node)))
-    return ("val", sum(kind != "exec" for kind, _ in plan.steps) - 1)
+    return ("val", sum(kind in ("eval", "iter") for kind, _ in plan.steps) - 1)
+
+
+def _hoisted(node: ast.expr, plan: Plan) -> ast.expr:
+    """``node`` with the arguments of its library calls (``heapq.nsmallest(2, f())``: a
+    function the test imports) that call anything made steps of their own ("bind:_hN",
+    before it): the answer's code then runs in those steps and never inside the library's
+    call, which gets their plain values with the library put back first (the answer could
+    otherwise patch, from within ``f()``, what ``nsmallest`` is about to use)."""
+    def library(call: ast.Call) -> bool:
+        return _root(call.func) in plan.modules
+
+    class Hoist(ast.NodeTransformer):
+        def visit_Call(self, call: ast.Call) -> ast.expr:
+            self.generic_visit(call)  # inner calls first: their binds come before
+            if library(call):
+                call.args = [self.bind(a) for a in call.args]
+                for k in call.keywords:
+                    k.value = self.bind(k.value)
+            return call
+
+        def bind(self, arg: ast.expr) -> ast.expr:
+            if isinstance(arg, ast.Starred) or not any(
+                    isinstance(n, ast.Call) for n in ast.walk(arg)):
+                return arg
+            name = f"_h{sum(kind.startswith('bind:') for kind, _ in plan.steps)}"
+            plan.steps.append((f"bind:{name}", ast.unparse(arg)))
+            return ast.Name(name, ast.Load())
+
+    if not any(isinstance(n, ast.Call) and library(n) for n in ast.walk(node)):
+        return node
+    return ast.fix_missing_locations(Hoist().visit(copy.deepcopy(node)))
 
 
 def _root(node: ast.expr) -> str | None:

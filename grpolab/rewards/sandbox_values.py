@@ -1,7 +1,9 @@
-"""The values the ``code`` verifier's sandboxed child sends back: plain values only, tagged where
-JSON has no type of its own (``_encoder``), written as JSON text by primitives taken before the
-answer runs (``_json_writer``). Part of the child's program: grpolab.rewards.sandbox sends this
-file's text ahead of sandbox_child.py's; never imported."""
+"""What the ``code`` verifier's sandboxed child keeps out of the answer's reach after it ran:
+the values it sends back, plain values only, tagged where JSON has no type of its own
+(``_encoder``) and written as JSON text by primitives taken before the answer runs
+(``_json_writer``); and the standard library the tests call, put back as it was
+(``_library_keeper``). Part of the child's program: grpolab.rewards.sandbox sends this file's
+text ahead of sandbox_child.py's; never imported."""
 
 
 def _encoder():
@@ -65,3 +67,72 @@ def _json_writer():
             return "{" + join(", ", [quote(k) + ": " + text(v) for k, v in items(x)]) + "}"
         raise ValueError("not a plain value")
     return text
+
+
+def _library_keeper(clean_builtins, library):
+    """``restore``, which puts the standard library back as it is now, before the answer runs
+    (a test's own ``re.split(...)`` runs after the answer, which could have patched it):
+    ``restore(None, None)`` every module; ``restore(names, env)`` those a test step names (its
+    ``co_names``, or a module ``env`` binds one to), with the classes they define; modules
+    imported since are dropped (imported afresh) and ``env`` gets the builtins as they were. A
+    function's code rewritten in place is the audit hook's to refuse: ``library`` gets their
+    ids."""
+    import sys
+
+    modules, dict_, type_, len_, any_, id_, set_ = sys.modules, dict, type, len, any, id, set
+    zip_, items_ = zip, dict.items
+    setattr_, set_attr, del_attr, missing = (object.__setattr__, type.__setattr__,
+                                             type.__delattr__, object())
+    kept = {}  # name: (module, its type, its dict, a copy, [(class, a copy of its dict)])
+    for name, m in list(modules.items()):
+        if type_(d := getattr(m, "__dict__", None)) is dict_:
+            kept[name] = (m, type_(m), d, dict_(d), [(c, dict_(c.__dict__)) for c in d.values()
+                          if isinstance(c, type) and getattr(c, "__module__", None) == name],
+                          [(box, type_(box)(box)) for box in d.values()  # re's cache, meta_path
+                           if type_(box) in (dict_, list) and box is not modules])
+    by_id = {id_(v[0]): name.split(".")[0] for name, v in kept.items()}
+    function, wrappers = type(_library_keeper), (staticmethod, classmethod)
+    values = (str, int, float, bool, list, tuple, dict, set, frozenset, bytes, complex,
+              type(None))  # (a test's own `array = [1, 2]` stays)
+    for _, _, _, snap, classes, _ in kept.values():
+        for v in [*snap.values(), *(v for _, attrs in classes for v in attrs.values())]:
+            v = v.__func__ if type_(v) in wrappers else v
+            if type_(v) is function:
+                library.add(id_(v))
+
+    def restore(names, env, src=""):
+        for name in [n for n in modules if n not in kept]:
+            del modules[name]
+        roots = None if names is None else set_(names) | {
+            by_id[id_(env[n])] for n in names if n in env and id_(env[n]) in by_id}
+        for name, (m, cls, d, snap, classes, boxes) in kept.items():
+            if roots is not None and name.split(".")[0] not in roots:
+                continue
+            modules[name] = m
+            if type_(m) is not cls:
+                setattr_(m, "__class__", cls)
+            if len_(d) != len_(snap) or any_(d.get(k, missing) is not v for k, v in snap.items()):
+                d.clear()
+                d.update(snap)
+            for box, was in boxes:
+                same = len_(box) == len_(was) and not any_(
+                    box.get(k, missing) is not v for k, v in items_(was)) if type_(box) is dict_ \
+                    else len_(box) == len_(was) and not any_(a is not b for a, b in zip_(box, was))
+                if not same:
+                    box.clear()
+                    if type_(box) is dict_:
+                        box.update(was)
+                    else:
+                        box.extend(was)
+            for c, attrs in classes:
+                for k in [k for k in c.__dict__ if k not in attrs]:
+                    del_attr(c, k)
+                for k, v in attrs.items():
+                    if c.__dict__.get(k, missing) is not v:
+                        set_attr(c, k, v)
+        if env is not None:
+            env["__builtins__"] = dict_(clean_builtins)
+            for n in names:  # `math.floor(x)` in a test means the module, not an object the
+                if n in kept and n in env and n + "." in src and type_(env[n]) not in values:
+                    env[n] = kept[n][0]  # answer named so (its own `def copy(x)` stays)
+    return restore
