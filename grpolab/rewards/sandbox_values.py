@@ -83,7 +83,8 @@ def _library_keeper(clean_builtins, library):
     zip_, items_ = zip, dict.items
     setattr_, set_attr, del_attr, missing = (object.__setattr__, type.__setattr__,
                                              type.__delattr__, object())
-    kept = {}  # name: (module, its type, its dict, a copy, [(class, a copy of its dict)])
+    kept = {}  # name: (module, its type, its dict, a copy, [(class, a copy of its dict)],
+    #                   [(a module-level dict or list, a copy)])
     for name, m in list(modules.items()):
         if type_(d := getattr(m, "__dict__", None)) is dict_:
             kept[name] = (m, type_(m), d, dict_(d), [(c, dict_(c.__dict__)) for c in d.values()
