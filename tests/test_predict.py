@@ -3,6 +3,7 @@
 import json
 import logging
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -334,16 +335,23 @@ def test_alarm_rate_limits(caplog: pytest.LogCaptureFixture) -> None:
     assert caplog.records[-1].getMessage().startswith("LITTLE LEARNING SIGNAL at step 1")
 
 
+def _alarm_warnings(caplog: pytest.LogCaptureFixture, alarms: list[tuple[NoSignalAlarm, range]],
+                    truncated: Callable[[int], float]) -> list[str]:
+    """The warnings of alarms checked in turn over their steps, every group all wrong (4 of 4
+    dead), ``truncated(step)`` of the answers cut off."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        for alarm, steps in alarms:
+            for step in steps:
+                alarm.check(step, 4, 4, 0, 4, truncated(step), 8)
+    return [r.getMessage() for r in caplog.records]
+
+
 def test_alarm_state_resumes_its_rate_limit(caplog: pytest.LogCaptureFixture) -> None:
     """Stopped after step 5 and resumed from its state, the alarm warns at the steps an
     uninterrupted one does (1 and 11), counting the steps without signal from the start."""
     def warnings(alarms: list[tuple[NoSignalAlarm, range]]) -> list[str]:
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="grpolab"):
-            for alarm, steps in alarms:
-                for step in steps:
-                    alarm.check(step, 4, 4, 0, 4, 0.0, 8)
-        return [r.getMessage()[:50] for r in caplog.records]
+        return [m[:50] for m in _alarm_warnings(caplog, alarms, lambda step: 0.0)]
 
     whole = warnings([(NoSignalAlarm(), range(1, 13))])
     first, second = NoSignalAlarm(), NoSignalAlarm()
@@ -370,12 +378,8 @@ def test_alarm_flips_resume_as_uninterrupted(caplog: pytest.LogCaptureFixture) -
     """Stopped mid-flip and resumed from its state, each cause's limit carries on; a state
     of the older form (last_step, last_cause) still loads."""
     def run(alarms: list[tuple[NoSignalAlarm, range]]) -> list[str]:
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="grpolab"):
-            for alarm, steps in alarms:
-                for step in steps:
-                    alarm.check(step, 4, 4, 0, 4, 0.95 if step % 2 else 0.0, 8)
-        return [r.getMessage()[:45] for r in caplog.records]
+        return [m[:45] for m in _alarm_warnings(caplog, alarms,
+                                                 lambda step: 0.95 if step % 2 else 0.0)]
 
     whole = run([(NoSignalAlarm(), range(1, 25))])
     first, second = NoSignalAlarm(), NoSignalAlarm()
