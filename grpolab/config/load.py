@@ -4,7 +4,6 @@ keyword arguments), each TRL name translated (``grpolab.config.trl``); resolved 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,14 @@ from typing import Any
 import yaml
 
 from grpolab.config import trl, yamlsafe
-from grpolab.config.schema import Config, ConfigError, coerce, command_defaults, field_types
+from grpolab.config.schema import (
+    Config,
+    ConfigError,
+    coerce,
+    command_defaults,
+    field_types,
+    unknown_key,
+)
 from grpolab.config.validate import resolve
 
 log = logging.getLogger("grpolab")
@@ -50,17 +56,15 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     kwargs: dict[str, Any] = dict(command_defaults(command))
     later = {k: v for k, v in _names(overrides or {}).items() if v is not None}
     _known(later, command)
-    if isinstance(yaml_path, dict):
-        earlier = _names(yaml_path)
+    given_file = isinstance(yaml_path, (str, Path)) and bool(yaml_path)
+    earlier = _names(load_yaml(yaml_path) if given_file else yaml_path or {})
+    try:
         _known(earlier, command)
         kwargs.update(_read(earlier, later=later))
-    else:
-        earlier = _names(load_yaml(yaml_path)) if yaml_path else {}
-        try:  # name the file: the user has to find the bad line
-            _known(earlier, command)
-            kwargs.update(_read(earlier, later=later))
-        except ConfigError as e:
-            raise ConfigError(f"{yaml_path}: {e}") from None
+    except ConfigError as e:
+        if not given_file:
+            raise
+        raise ConfigError(f"{yaml_path}: {e}") from None  # the user has to find the bad line
     file_rewards = kwargs.get("rewards", Config.__dataclass_fields__["rewards"].default_factory())
     ours = _read(later, earlier=earlier)
     if ("rewards" in ours and "reward_weights" not in ours and kwargs.get("reward_weights")
@@ -84,9 +88,7 @@ def _known(given: dict[str, Any], command: str) -> None:
     known = [*field_types(), "cpu_pack", *sorted(trl.TRL_KEYS)]
     for name in given:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"grpolab {command} --help lists them"
-            raise ConfigError(f"unknown config key {name!r} ({hint})")
+            raise unknown_key(name, known, command)
 
 
 def _names(given: dict[Any, Any]) -> dict[str, Any]:

@@ -367,13 +367,19 @@ def command_defaults(command: str) -> dict[str, Any]:
     return out
 
 
+def unknown_key(name: str, known: list[str], command: str = "workshop") -> ConfigError:
+    """The error for a key no config has, naming the closest of ``known`` or the command's
+    help."""
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"grpolab {command} --help lists them"
+    return ConfigError(f"unknown config key {name!r} ({hint})")
+
+
 def coerce(name: str, value: Any) -> Any:
     """Convert a YAML or command-line value to the field's declared type, or raise ConfigError."""
     types_ = field_types()
     if name not in types_:
-        close = difflib.get_close_matches(name, list(types_), n=1)
-        hint = f"did you mean {close[0]!r}?" if close else "grpolab workshop --help lists them"
-        raise ConfigError(f"unknown config key {name!r} ({hint})")
+        raise unknown_key(name, list(types_))
     tp = types_[name]
     try:
         return _as(tp, value)
