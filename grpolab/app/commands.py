@@ -280,7 +280,7 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
     column) and every answer judged to ``<out_dir>/completions.jsonl``; returns eval.json's.
     ``same_as``: an earlier eval.json to compare with, checked to be of the same prompts
     before any work."""
-    from grpolab.core.passk import ks_up_to, pass_at_k, standard_error
+    from grpolab.core.passk import ks_up_to, pass_at_k, same_prompts, standard_error
     from grpolab.data.files import run_rows
     from grpolab.run.report import by_difficulty
 
@@ -296,8 +296,8 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
     rows = (held or train_rows)[: cfg.eval_size]
     dataset = cfg.eval_dataset or cfg.dataset
     _check_code_tests(cfg, (rows, dataset))
-    if same_as is not None and (same_as.get("dataset"), same_as.get("prompts")) != (
-            dataset, len(rows)):
+    if same_as is not None and not same_prompts(same_as, {"dataset": dataset,
+                                                          "prompts": len(rows)}):
         raise ConfigError(f"--compare: that evaluation is of {same_as.get('prompts')} prompts "
                           f"of {same_as.get('dataset')!r}, this one would be of {len(rows)} of "
                           f"{dataset!r}; compare evaluations of the same prompts")

@@ -42,6 +42,11 @@ def standard_error(per_prompt: Tensor) -> float:
     return float(per_prompt.std() / n**0.5) if n > 1 else float("nan")
 
 
+def same_prompts(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two evaluations (eval.json's) are of the same prompts: dataset and count."""
+    return (a.get("dataset"), a.get("prompts")) == (b.get("dataset"), b.get("prompts"))
+
+
 def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[float, float]]:
     """Gain and its paired standard error, after minus before, per measure (greedy accuracy,
     pass@1, pass@k): both evaluations must hold the same prompts in the same order.
@@ -49,8 +54,7 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[fl
     Paired: each prompt is its own control, so the error is that of the per-prompt
     differences, smaller than the two accuracies' errors combined when they are correlated.
     """
-    if before.get("prompts") != after.get("prompts") or before.get("dataset") != after.get(
-            "dataset"):
+    if not same_prompts(before, after):
         raise ValueError("the two evaluations are not of the same prompts (dataset or count "
                          "differ)")
     out = {}
