@@ -118,8 +118,7 @@ class Config:
     epochs: int = opt(1, RUN, "mu: optimisation passes over one batch (old-policy ratio when > 1)")
     micro_batch: int = opt(0, RUN, "rows per forward/backward in the update (0 = all); same step")
     shard: Literal["none", "fsdp"] = opt(
-        "none", RUN,
-        "torchrun: fsdp shards weights, grads, Adam (full FT)")
+        "none", RUN, "torchrun: fsdp shards weights, grads, Adam (full FT)")
     eval_every: int = opt(1, RUN, "steps between held-out evaluations", train=10)
     eval_size: int = opt(256, ALL, "held-out prompts evaluated (first rows of the split)",
                          "prompts measured: the first rows of eval_dataset, else of dataset")
@@ -263,11 +262,9 @@ class Config:
     model_path: str = opt(
         "", MODEL_EVAL, "HF model folder, a .gguf file or smollm2-135m-instruct")
     dtype: Literal["float32", "bfloat16", "float16"] = opt(
-        "float32", MODEL_EVAL,
-        "of the model's weights")
+        "float32", MODEL_EVAL, "of the model's weights")
     device: str = opt(
-        "auto", MODEL_EVAL,
-        "where the model runs: auto (CUDA when there is one), cpu, cuda or cuda:N")
+        "auto", MODEL_EVAL, "where the model runs: auto (CUDA when there is one), cpu, cuda or cuda:N")
     gradient_checkpointing: bool = opt(
         False, MODEL,
         "recompute each layer in backward: memory for time")
@@ -368,8 +365,7 @@ def command_defaults(command: str) -> dict[str, Any]:
 
 
 def unknown_key(name: str, known: list[str], command: str = "workshop") -> ConfigError:
-    """The error for a key no config has, naming the closest of ``known`` or the command's
-    help."""
+    """The error for a key no config has, naming the closest of ``known`` or the help."""
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"did you mean {close[0]!r}?" if close else f"grpolab {command} --help lists them"
     return ConfigError(f"unknown config key {name!r} ({hint})")
