@@ -121,15 +121,19 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def _work_dirs(path: Path) -> tuple[Path, Path]:
+    """``new_dir``'s folders beside ``path``: the one being written, the one being replaced."""
+    return path.with_name(f".{path.name}.partial"), path.with_name(f".{path.name}.old")
+
+
 @contextlib.contextmanager
 def new_dir(path: Path) -> Iterator[Path]:
     """A folder written in full or not at all: the block fills a temporary sibling, which then
     takes ``path``'s place (a reader, or a run killed mid-write, never sees half of it)."""
-    tmp = path.with_name(f".{path.name}.partial")
+    tmp, old = _work_dirs(path)
     shutil.rmtree(tmp, ignore_errors=True)  # (a killed earlier attempt's)
     tmp.mkdir(parents=True)
     yield tmp
-    old = path.with_name(f".{path.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         os.replace(path, old)
@@ -255,12 +259,11 @@ def clear_run(out_dir: str | os.PathLike) -> None:
     d = Path(out_dir)
     for n in (*RUN_FILES, *RUN_OUTPUTS):
         (d / n).unlink(missing_ok=True)
-    for n in ("final", ".final.partial", ".final.old",
-              *(p.name for p in d.glob("config.until-step-*.json"))):
-        if (d / n).is_dir():
-            shutil.rmtree(d / n)
+    for p in (d / "final", *_work_dirs(d / "final"), *d.glob("config.until-step-*.json")):
+        if p.is_dir():
+            shutil.rmtree(p)
         else:
-            (d / n).unlink(missing_ok=True)
+            p.unlink(missing_ok=True)
     ckpt = d / "checkpoints"
     if ckpt.is_dir():
         for p in ckpt.iterdir():
