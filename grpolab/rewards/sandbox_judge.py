@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -67,9 +68,10 @@ class Plan:
     modules: frozenset[str] = frozenset()  # names the test imports (re.split is re's)
 
 
+@functools.lru_cache(maxsize=4096)  # a group's G answers share a prompt's tests: parsed once
 def plan_test(test: str) -> Plan | None:
     """The test as steps for the sandbox and checks for here, or None if it cannot be
-    judged outside the answer's process."""
+    judged outside the answer's process (shared between calls: read, never changed)."""
     try:
         tree = ast.parse(test)
     except (SyntaxError, ValueError, MemoryError, RecursionError):
