@@ -190,6 +190,25 @@ def test_passes_cannot_be_faked() -> None:
         assert run_tests(code, ADD_TESTS).passed == 0, code
 
 
+def test_answers_using_dataclasses_namedtuples_and_typing_pass() -> None:
+    """The standard library asks for the caller's frame (namedtuple, typing, enum's functional
+    API) or a function's code (inspect.signature, which dataclass calls), and falls back on a
+    ValueError: refused with one, right answers using them pass (frames stay out of reach:
+    test_sandbox_hostile.py)."""
+    code = ("from dataclasses import dataclass, field, asdict\n"
+            "from collections import namedtuple\nfrom typing import NamedTuple, TypeVar\n"
+            "import enum, inspect\nT = TypeVar('T')\n"
+            "@dataclass(frozen=True, order=True)\nclass P:\n    x: int\n"
+            "    ys: list = field(default_factory=list)\n"
+            "Q = namedtuple('Q', 'a b')\nclass R(NamedTuple):\n    a: int\n"
+            "Color = enum.Enum('Color', 'RED GREEN')\n"
+            "def add(a, b):\n    return asdict(min(P(a + b), P(a + b + 1)))['x'] + Q(0, 1).a"
+            " + R(0).a + Color.RED.value - 1\n"
+            "def sig():\n    try:\n        return str(inspect.signature(add))\n"
+            "    except ValueError:\n        return 'refused'\n")
+    assert run_tests(code, [*ADD_TESTS, "assert sig() == 'refused'"]).share == 1.0
+
+
 # Common test shapes around an iterator: the answer's generator, map or range is only iterated
 # by the test, so it is sent back as a list; a comprehension over literals is unrolled here.
 SHAPES = ["assert list(gen()) == [0, 1, 2]", "assert list(m([1, 2])) == [2, 3]",

@@ -132,7 +132,7 @@ def _guard(home, reads, lim, mounted, library):
     getcwd, lstat, readlink = posix.getcwd, posix.lstat, posix.readlink
     isinstance_, type_, str_, bytes_, int_, len_, any_, id_ = (isinstance, type, str, bytes, int,
                                                              len, any, id)
-    perm, imp, fspath = PermissionError, ImportError, os.fspath
+    perm, imp, deep, fspath = PermissionError, ImportError, ValueError, os.fspath
     import pathlib
     plain = (str, bytes, pathlib.PosixPath, pathlib.PurePosixPath)
     S_ISLNK, S_ISDIR = stat_mod.S_ISLNK, stat_mod.S_ISDIR
@@ -200,8 +200,8 @@ def _guard(home, reads, lim, mounted, library):
 
     denied = ("socket.", "ctypes.", "subprocess.", "os.exec", "os.spawn", "os.posix_spawn",
               "os.fork", "os.forkpty", "os.system", "os.kill", "os.killpg", "os.startfile",
-              "signal.pthread_kill", "gc.get_", "pty.", "sys._getframe", "sys._current_",
-              "sys.settrace", "sys.setprofile", "object.__getattr__", "sys.remote_exec",
+              "signal.pthread_kill", "gc.get_", "pty.", "sys._current_",
+              "sys.settrace", "sys.setprofile", "sys.remote_exec",
               "os.link", "os.symlink", "os.chroot", "sys.addaudithook", "resource.",
               "os.fwalk", "cpython.PyInterpreterState", "mmap.", "_posixsubprocess")
     no_import = {"ctypes", "_ctypes", "_posixsubprocess", "subprocess", "socket", "_socket",
@@ -231,6 +231,10 @@ def _guard(home, reads, lim, mounted, library):
                 raise perm(f"sandbox: no writing outside its folder ({p})")
             if not under(p, reads):
                 raise perm(f"sandbox: no reading {p}")
+        elif event == "sys._getframe":  # ValueError: namedtuple, typing and enum fall back on it
+            raise deep("sandbox: no frames")
+        elif event == "object.__getattr__":  # a frame, code, defaults; ValueError: inspect's
+            raise deep(f"sandbox: no reading {args[1]}")  # "no signature", dataclass falls back
         elif event.startswith(denied):
             raise perm(f"sandbox: {event} is not allowed")
         elif event == "object.__setattr__" and id_(args[0]) in library:  # its __code__ ...
