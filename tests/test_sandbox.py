@@ -21,12 +21,12 @@ import pytest
 
 from grpolab.rewards import sandbox
 from grpolab.rewards.builtin import load_reward
+from grpolab.rewards.code_data import row_case
 from grpolab.rewards.sandbox import (
     Limits,
     check_tests,
     code_reward,
     extract_code,
-    parse_tests,
     run_tests,
 )
 from grpolab.rewards.scorer import score
@@ -60,8 +60,8 @@ def test_code_extraction_and_tests_column() -> None:
            "def add(a, b):\n    return a + b\n```\nDone."
     assert extract_code(text).strip() == "def add(a, b):\n    return a + b"
     assert extract_code("def f(): pass") == "def f(): pass"
-    assert parse_tests('["assert 1", "assert 2"]') == ["assert 1", "assert 2"]
-    assert parse_tests("assert f() == 1") == ["assert f() == 1"]
+    assert row_case({"tests": '["assert 1", "assert 2"]'}).tests == ("assert 1", "assert 2")
+    assert row_case({"tests": "assert f() == 1"}).tests == ("assert f() == 1",)
     fn = load_reward("code")
     assert fn is code_reward
     res = score([fn], ["q1", "q2", "q3"], [text, "def add(a, b): return 5", "nonsense ("],
@@ -294,7 +294,7 @@ def test_data_whose_tests_it_can_judge_none_of_is_refused() -> None:
     for rows, said in (([{"prompt": "1+1=", "answer": "2"}], "e.g. '2'"),
                        ([{"prompt": "q", "tests": [HUMANEVAL]}], "def check(candidate)"),
                        ([{"prompt": "q", "tests": []}], "all empty"),
-                       ([{"prompt": "q"}], "needs a 'tests' column")):
+                       ([{"prompt": "q"}], "needs the tests in a column")):
         with pytest.raises(ValueError, match="code reward") as e:
             check_tests(rows, "data")
         assert said in str(e.value), str(e.value)

@@ -113,10 +113,11 @@ def test_right_answer_scores_one(boundary: str) -> None:
 
 
 def test_tests_that_cannot_be_judged_outside_count_as_failed() -> None:
-    v = run_tests(RIGHT, ["assert False", "for i in range(3):\n    assert add(i, 0) == i",
-                          "assert add(1, 1) == add(2, 0)", "add(1, 2)", "assert add(1, 1) == 2"],
+    v = run_tests(RIGHT, ["assert False", "for i in range(3):\n    x = add(i, 0)\n    assert x == i",
+                          "assert add(1, 1) == add(2, 0)", "add(1, 2)", "assert add(1, 1) == 2",
+                          "for i in range(3):\n    assert add(i, 0) == i"],  # = all(...): judged
                   QUICK)
-    assert (v.passed, v.total) == (1, 5) and "not checkable" in v.note
+    assert (v.passed, v.total) == (2, 6) and "not checkable" in v.note
 
 
 # ---- frames: reaching the harness to rewrite its results ----

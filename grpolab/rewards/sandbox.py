@@ -1,7 +1,8 @@
 """The ``code`` verifier: run a completion's code against a question's tests, in a sandbox.
 
-A coding question carries its tests (a ``tests`` column: a list of snippets such as
-``"assert add(2, 3) == 5"``); the reward is the share of them that pass. The verdict is
+A coding question carries its tests (asserts such as ``"assert add(2, 3) == 5"``, or
+stdin/stdout cases, in the columns of any dataset format ``code_data`` reads); the reward is
+the share of them that pass. The verdict is
 reached here, never in the answer's process: each test is parsed into the expressions the
 answer must compute (``add(2, 3)``) and the checks on them (``== 5``, ``abs(_ - 2.5) < 1e-6``,
 ``math.isclose``, ``in``, ``not``, ...); the sandbox runs the answer, evaluates only those
@@ -17,8 +18,9 @@ the answer's code are evaluated first, as plain values, and the call after, with
 library put back as it was before the answer ran. A test whose
 expected side is not a literal, that would need a judgement made there (a comparison, ``all``,
 ``not`` or a conditional in an expression sent to the sandbox or in its setup), or that has a
-loop, a ``def`` or no ``assert``, cannot be judged this way and counts as not passed (see
-``Verdict.note``).
+``def``, a loop other than ``for x in <literal>: assert ...`` or no ``assert``, cannot be judged
+this way and counts as not passed (see ``Verdict.note``). A program's output on a case's stdin
+is sent back as text and compared here (``sandbox_judge.same_output``).
 
 The answer (its last fenced code block, or the whole text) runs in a fresh ``python -I -S``
 (grpolab/rewards/sandbox_child.py) in new mount, network and IPC namespaces (as root, or in a
@@ -52,7 +54,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from grpolab.rewards.sandbox_judge import Plan, decode, passes, plan_test
+from grpolab.rewards.code_data import COLUMNS, Case, bind_solution, column_of, row_case
+from grpolab.rewards.sandbox_judge import Plan, decode, io_plan, passes, plan_test
 
 logger = logging.getLogger("grpolab.rewards.sandbox")
 MAX_CODE_CHARS = 100_000
@@ -98,34 +101,36 @@ def extract_code(completion: str) -> str:
     return python[-1] if python else completion
 
 
-def parse_tests(value: Any) -> list[str]:
-    """A row's tests: a list of snippets, or a string holding a JSON list (CSV/parquet
-    columns), or one snippet."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                value = json.loads(text)
-            except ValueError:
-                return [value]
-        else:
-            return [value] if text else []
-    if isinstance(value, (list, tuple)):
-        return [str(t) for t in value if str(t).strip()]
-    return []
-
-
 def run_tests(code: str, tests: Sequence[str], limits: Limits = Limits()) -> Verdict:
     """Run ``code`` in a sandboxed process, evaluate the tests' expressions there and check
     their values here: how many tests passed."""
-    tests = [str(t) for t in tests][:MAX_TESTS]
-    if not tests:
+    return _run(code, [plan_test(str(t)) for t in list(tests)[:MAX_TESTS]], limits, False)
+
+
+def run_io(code: str, cases: Sequence[tuple[str, str]], limits: Limits = Limits()) -> Verdict:
+    """Run ``code`` as a program on each case's stdin, in one sandboxed process (a fresh
+    namespace, ``__name__ == "__main__"``, each time), and compare its output with the case's
+    expected stdout here (``sandbox_judge.same_output``): how many cases passed."""
+    return _run(code, [io_plan(str(i), str(o)) for i, o in list(cases)[:MAX_TESTS]], limits,
+                True)
+
+
+def run_case(code: str, case: Case, limits: Limits = Limits()) -> Verdict:
+    """A row's tests (``code_data.row_case``) on the answer's code."""
+    if case.io:
+        return run_io(code, case.io, limits)
+    code = bind_solution(code, case.fn_name) if case.fn_name else code
+    return run_tests(f"{code}\n\n{case.setup}" if case.setup.strip() else code, case.tests,
+                     limits)
+
+
+def _run(code: str, plans: list[Plan | None], limits: Limits, stdio: bool) -> Verdict:
+    if not plans:
         return Verdict(0, 0, "no tests")
     if len(code) > MAX_CODE_CHARS:
-        return Verdict(0, len(tests), f"code over {MAX_CODE_CHARS} characters")
+        return Verdict(0, len(plans), f"code over {MAX_CODE_CHARS} characters")
     if os.name != "posix":
         raise RuntimeError("the code verifier needs a POSIX system (resource limits)")
-    plans = [plan_test(t) for t in tests]
     sweep_scratch()
     scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
     nonce = secrets.token_hex(16)
@@ -136,13 +141,14 @@ def run_tests(code: str, tests: Sequence[str], limits: Limits = Limits()) -> Ver
             os.chown(scratch, NOBODY, NOBODY)
         program = [p.steps if p else [] for p in plans]
         job = json.dumps({"scratch": scratch, "nonce": nonce, "fd": w, "code": code,
-                          "program": program, "limits": asdict(limits),
+                          "program": program, "stdio": stdio, "limits": asdict(limits),
                           "nobody": NOBODY, "mount": limits.mount_namespace,
                           "ppid": os.getpid()}).encode()
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
                "PYTHONDONTWRITEBYTECODE": "1"}
         chunks: list[bytes] = []
-        reader = threading.Thread(target=_read_all, args=(r, chunks), daemon=True)
+        cap = (2 << 20) * len(plans) if stdio else 4 << 20  # a program's output: 1 MB a case
+        reader = threading.Thread(target=_read_all, args=(r, chunks, cap), daemon=True)
         reader.start()  # read as it writes: a full pipe would stall it until the timeout
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", RUNNER], stdin=subprocess.PIPE,
@@ -170,7 +176,7 @@ def run_tests(code: str, tests: Sequence[str], limits: Limits = Limits()) -> Ver
         shutil.rmtree(scratch, ignore_errors=True)
     verdict = _verdict(text, nonce, plans, note)
     if too_big:  # only where the hook was the boundary; a tmpfs cannot grow past it
-        return Verdict(0, len(tests), f"over its disk quota ({limits.disk_mb} MB)",
+        return Verdict(0, len(plans), f"over its disk quota ({limits.disk_mb} MB)",
                        verdict.boundary)
     return verdict
 
@@ -258,34 +264,36 @@ def _verdict(text: str, nonce: str, plans: list[Plan | None], note: str) -> Verd
     return Verdict(passed if started and not failed else 0, len(plans), note, boundary)
 
 
-def code_reward(prompts: list[Any], completions: list[str], tests: list[Any] | None = None,
-                answer: list[Any] | None = None, **_: Any) -> list[float]:
-    """Share of a question's tests (the ``tests`` column, else ``answer``) that the code in
-    the completion passes, each completion in its own sandbox, several at once."""
-    cases = tests if tests is not None else answer
-    if cases is None:
-        raise ValueError("the code reward needs a 'tests' column (or answer_column: tests)")
-    jobs = [(extract_code(str(c)), parse_tests(t)) for c, t in zip(completions, cases)]
-    _warn_unjudged([tests for _, tests in jobs])
+def code_reward(prompts: list[Any], completions: list[str], **columns: Any) -> list[float]:
+    """Share of a question's tests that the code in the completion passes, each completion in
+    its own sandbox, several at once. The tests come from the row's columns in any format
+    ``code_data`` reads (``tests``, MBPP, HumanEval, APPS, code_contests, ..., else ``answer``)."""
+    n = len(completions)
+    rows = [{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n}
+            for i in range(n)]
+    if n and column_of(rows[0]) is None:
+        raise ValueError(f"the code reward needs the tests in a column: {', '.join(COLUMNS)}")
+    jobs = [(extract_code(str(c)), row_case(row)) for c, row in zip(completions, rows)]
+    _warn_unjudged([case for _, case in jobs])
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as ex:
-        return [v.share for v in ex.map(lambda job: run_tests(*job), jobs)]
+        return [v.share for v in ex.map(lambda job: run_case(*job), jobs)]
 
 
 _WARNED: set[str] = set()  # what was said once already: per process, i.e. per run
 HOW = ("a test is an assert on values the answer computes, with a literal expected side, "
-       "such as 'assert add(2, 3) == 5' (HumanEval's 'def check(candidate)', loops and "
+       "such as 'assert add(2, 3) == 5', or a stdin/stdout case (loops in tests and "
        "comparisons of two of the answer's values are not supported)")
 
 
-def _warn_unjudged(cases: list[list[str]]) -> None:
+def _warn_unjudged(cases: list[Case]) -> None:
     """Tests the verifier cannot judge score 0 whatever the answer: a reward of 0 would look
     like a verdict on the answers, so say so (once a run)."""
     if "unjudged" in _WARNED:
         return
-    tests = [t for ts in cases for t in ts]
+    tests = [t for case in cases for t in case.tests]
     bad = [t for t in tests if plan_test(t) is None]
-    empty = sum(not ts for ts in cases)
+    empty = sum(not case.count for case in cases)
     if bad or empty:
         _WARNED.add("unjudged")
         what = [(f"{len(bad)} of the {len(tests)} tests not checkable outside the sandbox "
@@ -302,17 +310,19 @@ def _short(text: str, limit: int = 60) -> str:
 
 def check_tests(rows: list[dict[str, Any]], where: str, sample: int = 200) -> None:
     """Refuse (ValueError: exit 2, before anything is written) rows whose tests the ``code``
-    reward can judge none of: no ``tests`` column and answers that are not tests, or tests
-    of a shape it does not support. Judged on the first ``sample`` rows."""
+    reward can judge none of: no column of tests, answers that are not tests, or tests of a
+    shape it does not support. Judged on the first ``sample`` rows."""
     if not rows:
         return
-    column = "tests" if "tests" in rows[0] else "answer" if "answer" in rows[0] else None
+    column = column_of(rows[0])
     if column is None:
-        raise ValueError(f"the code reward needs a 'tests' column (or answer_column naming "
-                         f"the tests); {where} has: {', '.join(map(str, rows[0]))}")
-    tests = [t for row in rows[:sample] for t in parse_tests(row.get(column))]
+        raise ValueError(f"the code reward needs the tests in a column ({', '.join(COLUMNS)}; "
+                         f"'test' with 'entry_point'); {where} has: {', '.join(map(str, rows[0]))}")
+    cases = [row_case(row) for row in rows[:sample]]
+    if any(case.io for case in cases):
+        return
+    tests = [t for case in cases for t in case.tests]
     if not any(plan_test(t) is not None for t in tests[:MAX_TESTS * 4]):
         shown = f"e.g. {_short(tests[0])}" if tests else "all empty"
         raise ValueError(f"the code reward can judge none of the tests of {where} (column "
                          f"{column!r}, first {min(sample, len(rows))} rows: {shown}); {HOW}")
-

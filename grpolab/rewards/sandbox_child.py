@@ -279,6 +279,7 @@ def _main(job):
         except Exception:  # noqa: BLE001, S110 - a module this build lacks
             pass
     nonce, code, program, lim = job["nonce"], job["code"], job["program"], job["limits"]
+    stdio = job["stdio"]
     write = os.fdopen(job["fd"], "w", buffering=1).write
     scratch, nobody = job["scratch"], job["nobody"]
     root, mode, libc = posix.geteuid() == 0, "", None
@@ -353,12 +354,16 @@ def _main(job):
             write(nonce + " " + text + "\n")
         except base:
             pass
-    ns = {"__name__": "__solution__", "__builtins__": dict_(builtins.__dict__)}
-    restore = _library_keeper(dict_(builtins.__dict__), library)  # noqa: F821 - sandbox_values
+    clean = dict_(builtins.__dict__)
+    ns = {"__name__": "__solution__", "__builtins__": dict_(clean)}
+    restore = _library_keeper(dict_(clean), library)  # noqa: F821 - sandbox_values
+    run_io = _program_runner(sys, exec_, dict_, clean, base)  # noqa: F821 - sandbox_values
     del job
     say("start " + (mode or "none"))
     try:
-        exec_(compile_(code, "<solution>", "exec"), ns)
+        solution = compile_(code, "<solution>", "exec")
+        if not stdio:  # a program runs once per case, on its input
+            exec_(solution, ns)
     except base as e:
         say("failed " + type_(e).__name__)
         return
@@ -368,6 +373,11 @@ def _main(job):
         env, k, bound = dict_(ns), 0, False
         for kind, src in steps:
             try:
+                if kind == "stdio":
+                    restore(None, None)  # sys's stdin and stdout too, then the case's own
+                    value = run_io(solution, src)
+                    say(f"v {i} {k} {dumps(encode(value))}")
+                    break
                 step = compile_(src, "<test>", "exec" if kind == "exec" else "eval")
                 if bound and kind != "exec" and not kind.startswith("bind:"):
                     collect()  # the answer's finalizers run now, not inside the library's call

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from grpolab.rewards.code_data import same_output
+
 
 class _Unjudgeable(Exception):
     """A test that cannot be judged outside the answer's process."""
@@ -79,6 +81,7 @@ def plan_test(test: str) -> Plan | None:
     plan = Plan([], [])
     try:
         for node in tree.body:
+            node = _loop_assert(node) or node
             if isinstance(node, ast.Assert):
                 plan.checks.append(_term(node.test, plan, top=True))
             elif isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign,
@@ -93,6 +96,24 @@ def plan_test(test: str) -> Plan | None:
     except (_Unjudgeable, RecursionError):
         return None
     return plan if plan.checks else None
+
+
+def _loop_assert(node: ast.stmt) -> ast.Assert | None:
+    """``for x in xs: assert t`` (loops nested too) as ``assert all(t for x in xs)``, which is
+    unrolled here when ``xs`` is literal."""
+    loops: list[ast.comprehension] = []
+    while isinstance(node, ast.For) and len(node.body) == 1 and not node.orelse:
+        loops.append(ast.comprehension(node.target, node.iter, [], 0))
+        node = node.body[0]
+    if not loops or not isinstance(node, ast.Assert):
+        return None
+    return ast.Assert(ast.Call(ast.Name("all", ast.Load()), [ast.GeneratorExp(node.test, loops)],
+                               []))
+
+
+def io_plan(stdin: str, stdout: str) -> Plan:
+    """A stdin/stdout case: the program run on ``stdin`` there, its output checked here."""
+    return Plan([("stdio", stdin)], [("stdout", ("val", 0), stdout)])
 
 
 def _is_val(term: Any) -> bool:  # holds a value from the sandbox
@@ -366,6 +387,8 @@ def _eval(term: Any, values: dict[int, Any]) -> Any:
         if type(receiver) not in _PLAIN_TYPES or not hasattr(type(receiver), term[1]):
             raise TypeError("not a plain value's method")
         return getattr(type(receiver), term[1])(receiver, *args, **term[2])
+    if kind == "stdout":
+        return same_output(_eval(term[1], values), term[2])
     if kind == "call":
         args = [_eval(t, values) for t in term[2:]]
         if term[1] == "round" and len(args) == 2:

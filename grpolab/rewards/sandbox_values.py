@@ -1,8 +1,8 @@
 """What the ``code`` verifier's sandboxed child keeps out of the answer's reach after it ran:
 the values it sends back, plain values only, tagged where JSON has no type of its own
 (``_encoder``) and written as JSON text by primitives taken before the answer runs
-(``_json_writer``); and the standard library the tests call, put back as it was
-(``_library_keeper``). Part of the child's program: grpolab.rewards.sandbox sends this file's
+(``_json_writer``); the standard library the tests call, put back as it was
+(``_library_keeper``); and a stdin/stdout program's run on one case (``_program_runner``). Part of the child's program: grpolab.rewards.sandbox sends this file's
 text ahead of sandbox_child.py's; never imported."""
 
 
@@ -137,3 +137,49 @@ def _library_keeper(clean_builtins, library):
                 if n in kept and n in env and n + "." in src and type_(env[n]) not in values:
                     env[n] = kept[n][0]  # answer named so (its own `def copy(x)` stays)
     return restore
+
+
+def _program_runner(sys, exec_, dict_, clean, base):
+    """``run(code, stdin)``: the output of the compiled program run on ``stdin``: fd 0 and
+    ``sys.stdin`` read the input (``input()``, ``open(0)``, ``sys.stdin.buffer``), fd 1 and
+    ``sys.stdout`` write to a file of the scratch folder, read back after (print, writes,
+    ``os.write(1, ...)``); exit(0) ends it as a program ends."""
+    import io
+    import posix
+
+    open_, dup2, close, read, write = io.open, posix.dup2, posix.close, posix.read, posix.write
+    fopen, exit_, too_much, len_ = posix.open, SystemExit, ValueError, len
+    new, ro, join, decode = (posix.O_WRONLY | posix.O_CREAT | posix.O_TRUNC, posix.O_RDONLY,
+                             b"".join, bytes.decode)
+    where = posix.getcwd() + "/std"  # the scratch folder: the answer may chdir
+
+    def run(code, stdin):
+        fd = fopen(where + "in.txt", new, 0o600)
+        write(fd, stdin.encode())
+        close(fd)
+        for name, mode, target in (("in.txt", ro, 0), ("out.txt", new, 1)):
+            name = where + name
+            fd = fopen(name, mode, 0o600)
+            if fd != target:  # (the answer's open(0) closed fd 0 when collected: fd is 0)
+                dup2(fd, target)
+                close(fd)
+        sys.stdin, out = open_(0, "r", closefd=False), open_(1, "w", closefd=False)
+        sys.stdout = out
+        try:
+            exec_(code, {"__name__": "__main__", "__builtins__": dict_(clean)})
+        except exit_ as e:
+            if e.code is not None and e.code != 0:
+                raise
+        finally:
+            try:
+                out.flush()
+            except base:
+                pass
+        fd, chunks = fopen(where + "out.txt", ro), []
+        while chunk := read(fd, 1 << 20):
+            chunks.append(chunk)
+            if len_(chunks) > 1:
+                raise too_much("over 1 MB of output")
+        close(fd)
+        return decode(join(chunks), "utf-8", "replace")
+    return run

@@ -1,0 +1,220 @@
+"""The tests of common code datasets, as the ``code`` reward reads them from a row.
+
+The first of these columns that a row has gives its tests:
+
+- ``tests``: asserts (``["assert add(2, 3) == 5", ...]``, or a JSON list in a string), or
+  stdin/stdout cases (``[{"input": "1 2\\n", "output": "3\\n"}, ...]``);
+- ``test_list`` (MBPP): asserts; ``test_imports`` (MBPP sanitized) are put before each one and
+  ``test_setup_code`` (MBPP) runs after the answer's code;
+- ``test`` with ``entry_point`` (HumanEval, MBPP+ and the like): ``def check(candidate)``, each
+  assert in it on ``candidate`` one test on the entry point, the assignments and imports before
+  it kept; an assert inside a loop or a helper stays in one test that cannot be judged;
+- ``input_output`` (APPS, TACO): ``{"inputs": [...], "outputs": [...]}``, stdin/stdout cases, or
+  with ``fn_name`` calls of that function (a ``class Solution`` method is bound to the name),
+  the expected value being the output or, when that is a list, its first item (as APPS's own
+  checker reads it);
+- ``verification_info`` (open-r1): its ``test_cases`` of type stdin_stdout;
+- ``public_tests``/``private_tests`` (deepmind/code_contests): ``{"input": [...], "output": [...]}``;
+- ``answer``: asserts, as ``tests``.
+
+A column may hold JSON text (CSV, parquet) or the value itself. A program's output is compared
+with the expected one as judges compare (``same_output``).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+COLUMNS = ("tests", "test_list", "test", "input_output", "verification_info", "public_tests",
+           "answer")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One question's tests: asserts, or (stdin, expected stdout) pairs; never both."""
+
+    tests: tuple[str, ...] = ()
+    io: tuple[tuple[str, str], ...] = ()
+    setup: str = ""  # run after the answer's code (MBPP's test_setup_code)
+    fn_name: str = ""  # a ``class Solution`` method the tests call by this name (APPS)
+
+    @property
+    def count(self) -> int:
+        return len(self.io) or len(self.tests)
+
+
+def column_of(row: Mapping[str, Any]) -> str | None:
+    """The column a row's tests come from (see the module's docstring), or None."""
+    for name in COLUMNS:
+        if name in row and (name != "test" or "entry_point" in row):
+            return name
+    return None
+
+
+def row_case(row: Mapping[str, Any]) -> Case:
+    """A row's tests, in whichever of the known formats it has them."""
+    column = column_of(row)
+    value = _json(row.get(column)) if column else None
+    if column in ("tests", "answer"):
+        return _tests_or_io(value)
+    if column == "test_list":
+        imports = [str(line) for line in _json(row.get("test_imports")) or [] if str(line).strip()]
+        setup = str(row.get("test_setup_code") or "")
+        return Case(tuple("\n".join([*imports, t]) for t in asserts(value)), setup=setup)
+    if column == "test":
+        return Case(humaneval_tests(str(value or ""), str(row.get("entry_point") or "")))
+    if column == "input_output" and isinstance(value, Mapping):
+        ins, outs = value.get("inputs") or [], value.get("outputs") or []
+        if value.get("fn_name"):
+            return _calls(str(value["fn_name"]), ins, outs)
+        return Case(io=_pairs(ins, outs))
+    if column == "verification_info" and isinstance(value, Mapping):
+        cases = [c for c in value.get("test_cases") or [] if isinstance(c, Mapping)
+                 and c.get("type", "stdin_stdout") == "stdin_stdout"]
+        return Case(io=_pairs([c.get("input") for c in cases], [c.get("output") for c in cases]))
+    if column == "public_tests":
+        pairs: tuple[tuple[str, str], ...] = ()
+        for name in ("public_tests", "private_tests"):
+            part = _json(row.get(name))
+            if isinstance(part, Mapping):
+                pairs += _pairs(part.get("input") or [], part.get("output") or [])
+        return Case(io=pairs)
+    return Case()
+
+
+def asserts(value: Any) -> tuple[str, ...]:
+    """A list of snippets (or one snippet) as test texts, empty ones dropped."""
+    if isinstance(value, str):
+        return (value,) if value.strip() else ()
+    if isinstance(value, (list, tuple)):
+        return tuple(str(t) for t in value if str(t).strip())
+    return ()
+
+
+def _json(value: Any) -> Any:
+    """JSON text (a CSV or parquet column) read; anything else as it is."""
+    if isinstance(value, str) and value.strip()[:1] in ("[", "{"):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _tests_or_io(value: Any) -> Case:
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(c, Mapping) and "input" in c and "output" in c for c in value):
+        return Case(io=_pairs([c["input"] for c in value], [c["output"] for c in value]))
+    return Case(asserts(value))
+
+
+def _text(x: Any) -> str:
+    return "\n".join(map(str, x)) if isinstance(x, list) else str(x)  # APPS: lines, sometimes
+
+
+def _pairs(ins: Any, outs: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(ins, list) or not isinstance(outs, list):
+        return ()
+    return tuple((_text(i), _text(o)) for i, o in zip(ins, outs) if i is not None and
+                 o is not None)
+
+
+def _calls(fn: str, ins: Any, outs: Any) -> Case:
+    if not fn.isidentifier() or not isinstance(ins, list) or not isinstance(outs, list):
+        return Case()
+    tests = []
+    for args, out in zip(ins, outs):
+        args = args if isinstance(args, list) else [args]
+        call = f"{fn}({', '.join(map(repr, args))})"
+        either = isinstance(out, list) and out and f"[{out!r}, {out[0]!r}]"
+        tests.append(f"assert {call} in {either}" if either else f"assert {call} == {out!r}")
+    return Case(tuple(tests), fn_name=fn)
+
+
+def bind_solution(code: str, fn_name: str) -> str:
+    """The answer's code, with ``fn_name`` bound to ``Solution().fn_name`` when it defines that
+    method on a ``class Solution`` (LeetCode style) and no function of that name."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return code  # it fails in the sandbox, as it would anyway
+    top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    methods = {m.name for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Solution"
+               for m in n.body if isinstance(m, ast.FunctionDef)}
+    if fn_name in methods and fn_name not in top:
+        return f"{code}\n\n{fn_name} = Solution().{fn_name}\n"
+    return code
+
+
+@functools.lru_cache(maxsize=1024)
+def humaneval_tests(test: str, entry_point: str) -> tuple[str, ...]:
+    """The asserts of ``def check(candidate)`` as tests on ``entry_point``: each with the
+    imports and assignments before it; an assert that does not use ``candidate``
+    (``assert True``) dropped; a statement with asserts inside (a loop) one test of its own."""
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return ()
+    check = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"
+                  and n.args.args), None)
+    if check is None or not entry_point.isidentifier():
+        return ()
+    name = check.args.args[0].arg
+    rename = _Rename(name, entry_point)
+    before = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    tests = []
+    for node in check.body:
+        uses = any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+        text = ast.unparse(rename.visit(node))
+        if isinstance(node, ast.Assert):
+            if uses:
+                tests.append("\n".join([*before, text]))
+        elif any(isinstance(n, ast.Assert) for n in ast.walk(node)):
+            tests.append("\n".join([*before, text]))  # a loop or an if around asserts
+        elif isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign,
+                               ast.AugAssign)):
+            before.append(text)
+    return tuple(tests)
+
+
+class _Rename(ast.NodeTransformer):
+    def __init__(self, old: str, new: str) -> None:
+        self.old, self.new = old, new
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        return ast.Name(self.new, node.ctx) if node.id == self.old else node
+
+
+def same_output(got: Any, want: str) -> bool:
+    """A program's output against the expected one as judges read it: line by line, each
+    line's tokens equal (spaces and blank lines at the end ignored), or numbers within 1e-6
+    (absolute or relative) where the expected token has a fraction or exponent."""
+    if not isinstance(got, str):
+        return False
+    g, w = _lines(got), _lines(want)
+    return len(g) == len(w) and all(
+        len(a) == len(b) and all(x == y or _close(x, y) for x, y in zip(a, b))
+        for a, b in zip(g, w))
+
+
+def _lines(text: str) -> list[list[str]]:
+    lines = [line.split() for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _close(got: str, want: str) -> bool:
+    if not any(c in want for c in ".eE") or "_" in got:  # (float() reads 1_0.5 as 10.5)
+        return False
+    try:
+        a, b = float(got), float(want)
+    except ValueError:
+        return False
+    return math.isfinite(b) and math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)

@@ -1,0 +1,178 @@
+"""Code datasets as they come (grpolab.rewards.code_data): MBPP, HumanEval, APPS/TACO,
+open-r1, code_contests rows read into tests, and stdin/stdout programs judged here on their
+output (grpolab.rewards.sandbox.run_io)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grpolab.rewards.code_data import Case, bind_solution, humaneval_tests, row_case, same_output
+from grpolab.rewards.sandbox import Limits, check_tests, code_reward, run_case, run_io
+
+QUICK = Limits(cpu_seconds=2, wall_seconds=5)
+
+# HumanEval/0's test, as the dataset has it
+HE_TEST = """
+
+METADATA = {
+    'author': 'jt',
+    'dataset': 'test'
+}
+
+
+def check(candidate):
+    assert candidate([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3) == True
+    assert candidate([1.0, 2.0, 5.9, 4.0, 5.0], 0.95) == True
+    x = [1.0, 2.0, 5.9, 4.0, 5.0]
+    assert candidate(x, 0.8) == False
+    assert True, "This prints if this assert fails 1 (good for debugging!)"
+    for t in [0.1, 0.05]:
+        assert candidate([1.0, 2.0, 3.0], t) == False
+
+"""
+HE_RIGHT = ("def has_close_elements(numbers, threshold):\n"
+            "    return any(abs(a - b) < threshold for i, a in enumerate(numbers)\n"
+            "               for j, b in enumerate(numbers) if i != j)\n")
+
+
+def test_each_datasets_columns_read_as_its_own_harness_reads_them() -> None:
+    assert row_case({"tests": ["assert f(1) == 2", " "]}) == Case(("assert f(1) == 2",))
+    assert row_case({"answer": '["assert f(1) == 2"]'}) == Case(("assert f(1) == 2",))
+    # MBPP sanitized: imports before each test; MBPP: setup code after the answer's code
+    assert row_case({"test_list": ["assert area(1) > 3"], "test_imports": ["import math"],
+                     "test_setup_code": "X = 1"}) == Case(("import math\nassert area(1) > 3",),
+                                                          setup="X = 1")
+    # HumanEval: asserts on candidate, on the entry point; `assert True` dropped; the
+    # assignment before an assert kept with it; the loop one test
+    assert humaneval_tests(HE_TEST, "has_close_elements") == (
+        "assert has_close_elements([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3) == True",
+        "assert has_close_elements([1.0, 2.0, 5.9, 4.0, 5.0], 0.95) == True",
+        "x = [1.0, 2.0, 5.9, 4.0, 5.0]\nassert has_close_elements(x, 0.8) == False",
+        ("x = [1.0, 2.0, 5.9, 4.0, 5.0]\nfor t in [0.1, 0.05]:\n"
+         "    assert has_close_elements([1.0, 2.0, 3.0], t) == False"))
+    assert row_case({"test": HE_TEST}) == Case()  # no entry_point: not HumanEval's format
+    # APPS/TACO: stdin/stdout, lines given as a list sometimes; or calls of fn_name, the
+    # expected value being the output or its first item
+    io = {"inputs": ["1 2\n", ["3 4", "5"]], "outputs": ["3\n", ["7", "5"]]}
+    assert row_case({"input_output": json.dumps(io)}) == Case(
+        io=(("1 2\n", "3\n"), ("3 4\n5", "7\n5")))
+    calls = {"inputs": [[[2, 7], 9], ["ab"]], "outputs": [[[0, 1]], "ba"], "fn_name": "f"}
+    assert row_case({"input_output": calls}) == Case(
+        ("assert f([2, 7], 9) in [[[0, 1]], [0, 1]]", "assert f('ab') == 'ba'"), fn_name="f")
+    # open-r1: stdin_stdout cases only; code_contests: public then private tests
+    info = {"language": "python", "test_cases": [
+        {"input": "2\n", "output": "4\n", "type": "stdin_stdout"},
+        {"input": "f(2)", "output": "4", "type": "function_call"}]}
+    assert row_case({"verification_info": json.dumps(info)}) == Case(io=(("2\n", "4\n"),))
+    assert row_case({"public_tests": {"input": ["1\n"], "output": ["1\n"]},
+                     "private_tests": {"input": ["2\n"], "output": ["4\n"]}}) == Case(
+        io=(("1\n", "1\n"), ("2\n", "4\n")))
+    assert row_case({"tests": [{"input": "1\n", "output": "2\n"}]}) == Case(io=(("1\n", "2\n"),))
+    assert row_case({"prompt": "q"}) == Case()
+
+
+def test_humaneval_rows_train_on_their_entry_point() -> None:
+    cols = {"test": [HE_TEST] * 3, "entry_point": ["has_close_elements"] * 3}
+    wrong = "def has_close_elements(numbers, threshold):\n    return True\n"
+    got = code_reward(["q"] * 3, [f"```python\n{HE_RIGHT}```", wrong, "x = 1"], **cols)
+    assert got == [1.0, 0.5, 0.0]  # the wrong one passes the two `== True` tests
+
+
+def test_a_leetcode_solution_class_answers_apps_call_tests() -> None:
+    code = ("class Solution:\n    def twoSum(self, nums, target):\n        seen = {}\n"
+            "        for i, x in enumerate(nums):\n            if target - x in seen:\n"
+            "                return [seen[target - x], i]\n            seen[x] = i\n")
+    row = {"input_output": {"inputs": [[[2, 7, 11, 15], 9], [[3, 2, 4], 6]],
+                            "outputs": [[[0, 1]], [[1, 2]]], "fn_name": "twoSum"}}
+    assert run_case(code, row_case(row), QUICK).share == 1.0
+    assert bind_solution(code, "twoSum").endswith("twoSum = Solution().twoSum\n")
+    assert bind_solution("def twoSum(a, b): pass\n" + code, "twoSum").startswith("def twoSum")
+    assert run_case(code.replace("[seen[target - x], i]", "[i, i]"), row_case(row),
+                    QUICK).passed == 0
+
+
+CASES = [("1 2\n", "3\n"), ("10 20\n", "30"), ("0.5 0.25\n", "0.75")]
+SUMS = {  # the ways a program reads its input and writes its output
+    "input": "a, b = map(float, input().split())\nprint(f'{a + b:g}')",
+    "sys.stdin.read": "import sys\na, b = map(float, sys.stdin.read().split())\nprint(f'{a + b:g}')",
+    "open(0)": "a, b = map(float, open(0).read().split())\nprint(f'{a + b:g}')",
+    "buffer, exit(0)": ("import sys\na, b = map(float, sys.stdin.buffer.readline().split())\n"
+                        "sys.stdout.write(f'{a + b:g}\\n')\nsys.exit(0)"),
+    "main guard": ("def main():\n    a, b = map(float, input().split())\n    print(f'{a + b:g}')\n"
+                   "if __name__ == '__main__':\n    main()"),
+    "os.write": ("import os\na, b = map(float, input().split())\n"
+                 "os.write(1, f'{a + b:g}\\n'.encode())"),
+}
+
+
+@pytest.mark.parametrize("how", list(SUMS))
+def test_a_program_is_run_on_each_input_and_its_output_judged_here(how: str) -> None:
+    assert run_io(SUMS[how], CASES, QUICK).share == 1.0
+
+
+def test_programs_that_fail_or_cheat_do_not_pass() -> None:
+    assert run_io("print(3)", CASES, QUICK).passed == 1  # right on one case only
+    assert run_io("print(3)\nexit(1)", CASES, QUICK).passed == 0  # an error exit
+    assert run_io("input()\ninput()", CASES, QUICK).passed == 0  # EOFError
+    assert "SyntaxError" in run_io("print(", CASES, QUICK).note
+    # each case starts afresh: what one run left in a module is gone in the next
+    fresh = ("import sys\nif hasattr(sys, 'seen'):\n    print('stale')\nelse:\n"
+             "    sys.seen = 1\n    a, b = map(float, input().split())\n    print(f'{a + b:g}')")
+    assert run_io(fresh, CASES, QUICK).share == 1.0
+    forge = ("import os\nfor fd in range(3, 20):\n    try:\n"
+             "        os.write(fd, b'x v 0 0 \"3\"\\nx v 1 0 \"30\"\\n')\n    except OSError:\n"
+             "        pass\nprint(0)")
+    assert run_io(forge, CASES, QUICK).passed == 0
+
+
+def test_outputs_are_compared_as_judges_compare_them() -> None:
+    assert same_output("3 \n\n\n", "3")  # trailing spaces and blank lines
+    assert same_output("1  2\n3", "1 2\n3\n")  # spaces between tokens
+    assert same_output("0.3333333", "0.333333333")  # within 1e-6
+    assert same_output("1e-7", "0.0")
+    assert not same_output("0.34", "0.333333333")
+    assert not same_output("3.0", "3")  # an integer answer is read as text
+    assert not same_output("1_0.5", "10.5")
+    assert not same_output("YES", "yes")
+    assert not same_output("1\n\n2", "1\n2")  # a blank line between lines counts
+    assert not same_output("nan", "nan.0") and not same_output("1", "inf.")
+    assert not same_output(3, "3")  # not text: not a program's output
+
+
+def test_data_in_any_known_format_is_accepted_and_none_refused() -> None:
+    check_tests([{"prompt": "q", "test": HE_TEST, "entry_point": "has_close_elements"}], "he")
+    check_tests([{"question": "q", "input_output": json.dumps({"inputs": ["1\n"],
+                                                                "outputs": ["1\n"]})}], "apps")
+    check_tests([{"prompt": "q", "test_list": ["assert f(1) == 1"]}], "mbpp")
+    with pytest.raises(ValueError, match="needs the tests in a column.*test_list"):
+        check_tests([{"prompt": "q", "solutions": "[]"}], "data")
+
+
+def test_a_humaneval_file_loads_and_trains_as_it_is(tmp_path, capsys) -> None:
+    from helpers import run_cli
+
+    from grpolab.data.files import load_rows
+    from grpolab.rewards.scorer import row_columns, score
+    from grpolab.rollout.tinyhf import make_tiny_model
+
+    data = tmp_path / "humaneval.jsonl"
+    row = {"task_id": "HumanEval/0", "prompt": "def has_close_elements(numbers, threshold):\n",
+           "canonical_solution": HE_RIGHT, "test": HE_TEST, "entry_point": "has_close_elements"}
+    data.write_text("".join(json.dumps({**row, "task_id": f"HumanEval/{i}"}) + "\n"
+                            for i in range(4)))
+    rows = load_rows(str(data), answer_column=None)
+    res = score([code_reward], [r["prompt"] for r in rows[:2]], [HE_RIGHT, "pass"],
+                row_columns(rows[:2]))
+    assert res.per_fn[:, 0].tolist() == [1.0, 0.0]
+    model = make_tiny_model(tmp_path / "model", arch="llama", hidden=32, heads=4)
+    capsys.readouterr()
+    code, err = run_cli(["train", "--model-path", model, "--dataset", str(data),
+                         "--answer-column", "", "--rewards", "code", "--steps", "1",
+                         "--budget", "8", "--group-size", "4", "--max-new-tokens", "8",
+                         "--out-dir", str(tmp_path / "run")], capsys)
+    assert code == 0, err
+    step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
+    assert step["step"] == 1 and step["reward_problems"] == 0  # the tests reached the reward
+    assert step["rewards/code_reward"] == 0.0  # (a random model's answers)
