@@ -197,7 +197,7 @@ def test_answers_using_dataclasses_namedtuples_and_typing_pass() -> None:
     test_sandbox_hostile.py)."""
     code = ("from dataclasses import dataclass, field, asdict\n"
             "from collections import namedtuple\nfrom typing import NamedTuple, TypeVar\n"
-            "import enum, inspect\nT = TypeVar('T')\n"
+            "import enum, inspect, logging, concurrent.futures\nT = TypeVar('T')\n"
             "@dataclass(frozen=True, order=True)\nclass P:\n    x: int\n"
             "    ys: list = field(default_factory=list)\n"
             "Q = namedtuple('Q', 'a b')\nclass R(NamedTuple):\n    a: int\n"
@@ -207,6 +207,31 @@ def test_answers_using_dataclasses_namedtuples_and_typing_pass() -> None:
             "def sig():\n    try:\n        return str(inspect.signature(add))\n"
             "    except ValueError:\n        return 'refused'\n")
     assert run_tests(code, [*ADD_TESTS, "assert sig() == 'refused'"]).share == 1.0
+
+
+def test_subclasses_of_plain_types_are_judged_as_their_values() -> None:
+    """MBPP's reference solutions return a Counter or a defaultdict where the tests compare
+    with a dict: sent as the base type's value, read by the base type's own methods (the
+    lying list's __iter__ and __eq__ never run), they compare as Python compares them."""
+    code = ("from collections import Counter, defaultdict, OrderedDict, namedtuple\n"
+            "import enum\nP = namedtuple('P', 'a b')\n"
+            "class C(enum.IntEnum):\n    A = 3\nclass S(str, enum.Enum):\n    X = 'x'\n"
+            "class L(list):\n    def __iter__(self):\n        return iter([9])\n"
+            "    def __eq__(self, other):\n        return True\n"
+            "def freq(s):\n    return Counter(s)\n"
+            "def group(pairs):\n    d = defaultdict(list)\n    for k, v in pairs:\n"
+            "        d[k].append(v)\n    return d\n"
+            "def od():\n    return OrderedDict(a=1)\ndef point():\n    return P(1, 2)\n"
+            "def enums():\n    return [C.A, S.X]\ndef lying():\n    return L([1, 2])\n")
+    tests = ["assert freq('aab') == {'a': 2, 'b': 1}",
+             "assert group([(1, 'x'), (1, 'y')]) == {1: ['x', 'y']}", "assert od() == {'a': 1}",
+             "assert point() == (1, 2)", "assert enums() == [3, 'x']",
+             "assert enums()[1].upper() == 'X'", "assert lying() == [1, 2]"]
+    assert run_tests(code, tests).share == 1.0
+    assert run_tests(code, ["assert lying() == [9]", "assert freq('ab') == {'a': 2}"]).passed == 0
+    # dict() of a Counter is the Counter's items, not its keys paired up
+    assert run_tests(code, ["assert dict(freq('aab')) == {'a': 2, 'b': 1}",
+                            "assert dict(freq(['ab', 'cd'])) == {'a': 'b', 'c': 'd'}"]).passed == 1
 
 
 # Common test shapes around an iterator: the answer's generator, map or range is only iterated

@@ -222,6 +222,23 @@ def test_builtins_cannot_make_a_wrong_answer_pass(name: str) -> None:
     assert run_tests(BUILTINS[name], TESTS[:1] + TOLERANT, QUICK).passed == 0, name
 
 
+def test_a_builtin_name_the_answer_defines_is_its_own() -> None:
+    """A test's ``max(10, 5)`` on literals was computed here with the builtin: an answer
+    defining a wrong ``max`` passed, a right ``sum(a, b)`` (MBPP 126) could not be judged.
+    Now a builtin name the answer defines is its function under test on literals; around
+    the answer's values it would be the answer's own judge, so the test is not checkable."""
+    assert run_tests("def max(a, b):\n    return a - b", ["assert max(10, 5) == 10"],
+                     QUICK).passed == 0
+    assert run_tests("def sum(a, b):\n    return a + b", ["assert sum(10, 15) == 25"],
+                     QUICK).passed == 1
+    judge = "def sorted(x):\n    return [2, 3]\ndef add(a, b):\n    return 0\n"
+    v = run_tests(judge, ["assert sorted(add(2, 1)) == [2, 3]"], QUICK)
+    assert v.passed == 0 and "not checkable" in v.note
+    # without the answer's own sorted the builtin sorts the answer's value
+    assert run_tests("def add(a, b):\n    return [b, a]", ["assert sorted(add(3, 2)) == [2, 3]"],
+                     QUICK).passed == 1
+
+
 def test_judgements_are_never_made_in_the_sandbox() -> None:
     """A comparison (or all, any, not, a conditional) inside an expression the sandbox would
     evaluate, or in a test's setup, would be the answer's to make: such tests are not

@@ -7,7 +7,8 @@ reached here, never in the answer's process: each test is parsed into the expres
 answer must compute (``add(2, 3)``) and the checks on them (``== 5``, ``abs(_ - 2.5) < 1e-6``,
 ``math.isclose``, ``in``, ``not``, ...); the sandbox runs the answer, evaluates only those
 expressions and sends back their values as plain JSON (numbers, strings, bools, None, lists,
-dicts, tuples, sets, bytes; anything else, a subclass included, fails); the checks run here on
+dicts, tuples, sets, bytes; a subclass of one as its base type's value, anything else fails;
+a builtin name the answer defines is its own); the checks run here on
 values decoded here, against expected values computed here from literals. The sandbox never
 sees an expected value, so no ``__eq__``, patched builtin or tampered harness can turn a wrong
 value into a pass. An iterator the test only iterates (``list(gen())``, ``sum(map(...))``) comes
@@ -54,8 +55,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from grpolab.rewards.code_data import COLUMNS, Case, bind_solution, column_of, row_case
-from grpolab.rewards.sandbox_judge import Plan, decode, io_plan, passes, plan_test
+from grpolab.rewards.code_data import (
+    COLUMNS,
+    Case,
+    bind_solution,
+    column_of,
+    defined_names,
+    row_case,
+)
+from grpolab.rewards.sandbox_judge import SHADOWABLE, Plan, decode, io_plan, passes, plan_test
 
 logger = logging.getLogger("grpolab.rewards.sandbox")
 MAX_CODE_CHARS = 100_000
@@ -104,7 +112,9 @@ def extract_code(completion: str) -> str:
 def run_tests(code: str, tests: Sequence[str], limits: Limits = Limits()) -> Verdict:
     """Run ``code`` in a sandboxed process, evaluate the tests' expressions there and check
     their values here: how many tests passed."""
-    return _run(code, [plan_test(str(t)) for t in list(tests)[:MAX_TESTS]], limits, False)
+    shadow = defined_names(code) & SHADOWABLE
+    return _run(code, [plan_test(str(t), shadow) for t in list(tests)[:MAX_TESTS]], limits,
+                False)
 
 
 def run_io(code: str, cases: Sequence[tuple[str, str]], limits: Limits = Limits()) -> Verdict:

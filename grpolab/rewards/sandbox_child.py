@@ -124,6 +124,9 @@ def _new_root(libc, scratch, disk_mb, root, nobody):
         raise
 
 
+CODE = ("__code__", "gi_code", "cr_code", "ag_code")  # immutable, read on import by logging
+
+
 def _guard(home, reads, lim, mounted, library):
     """The audit hook. Everything it uses is captured here: the answer shares the
     interpreter and could replace builtins or module attributes later."""
@@ -233,8 +236,9 @@ def _guard(home, reads, lim, mounted, library):
                 raise perm(f"sandbox: no reading {p}")
         elif event == "sys._getframe":  # ValueError: namedtuple, typing and enum fall back on it
             raise deep("sandbox: no frames")
-        elif event == "object.__getattr__":  # a frame, code, defaults; ValueError: inspect's
-            raise deep(f"sandbox: no reading {args[1]}")  # "no signature", dataclass falls back
+        elif event == "object.__getattr__" and args[1] not in CODE:  # a frame; a function's
+            raise deep(f"sandbox: no reading {args[1]}")  # defaults (a library's mutable ones):
+        #   ValueError: inspect's "no signature", on which dataclass falls back
         elif event.startswith(denied):
             raise perm(f"sandbox: {event} is not allowed")
         elif event == "object.__setattr__" and id_(args[0]) in library:  # its __code__ ...
@@ -336,6 +340,7 @@ def _main(job):
     exec_, eval_, compile_, dict_, enumerate_, base, type_ = (
         exec, eval, compile, dict, enumerate, BaseException, type)
     plain = (type, str, int, float, bool, list, tuple, dict, set, frozenset, bytes, complex)
+    issub = issubclass
     # JSON written by primitives taken now: json.dumps would call library code the answer can
     # patch (its encoder instance) after it ran
     encode, dumps = _encoder(), _json_writer()  # noqa: F821 - sandbox_values.py, sent first
@@ -389,7 +394,7 @@ def _main(job):
                     continue
                 value = eval_(step, env)
                 gc_on()
-                if kind != "eval" and type_(value) not in plain:
+                if kind != "eval" and not issub(type_(value), plain):  # (a Counter is a dict)
                     value = take(value)  # a generator, map, range: only iterated there
                 if kind.startswith("bind:"):  # a library call's argument: plain, or no call
                     encode(value)

@@ -29,6 +29,7 @@ _FUNCS = {"len": len, "sorted": sorted, "set": set, "frozenset": frozenset, "tup
           "list": list, "abs": abs, "round": round, "sum": sum, "min": min, "max": max,
           "bool": bool, "int": int, "float": float, "str": str, "any": any, "all": all,
           "dict": dict}
+SHADOWABLE = frozenset([*_FUNCS, "isclose"])  # names a test may mean as the answer's own
 _CONSTS = {"inf": math.inf, "nan": math.nan, "pi": math.pi, "e": math.e, "tau": math.tau}
 _CMP = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
         ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
@@ -68,17 +69,18 @@ class Plan:
     steps: list[tuple[str, str]]  # (and ("bind:_hN", expression): see ``_hoisted``)
     checks: list[Any]  # one term per assert, over the values of the "eval"/"iter" steps
     modules: frozenset[str] = frozenset()  # names the test imports (re.split is re's)
+    shadow: frozenset[str] = frozenset()  # names of _FUNCS the answer defines (its own `sum`)
 
 
 @functools.lru_cache(maxsize=4096)  # a group's G answers share a prompt's tests: parsed once
-def plan_test(test: str) -> Plan | None:
+def plan_test(test: str, shadow: frozenset[str] = frozenset()) -> Plan | None:
     """The test as steps for the sandbox and checks for here, or None if it cannot be
     judged outside the answer's process (shared between calls: read, never changed)."""
     try:
         tree = ast.parse(test)
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
-    plan = Plan([], [])
+    plan = Plan([], [], shadow=shadow & SHADOWABLE)
     try:
         for node in tree.body:
             node = _loop_assert(node) or node
@@ -169,6 +171,10 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
         name = func.id if isinstance(func, ast.Name) else (
             func.attr if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
             and func.value.id == "math" else None)
+        if name in plan.shadow:  # the answer's `sum`: on literals the function under test;
+            if not all(map(_is_literal, [*node.args, *(k.value for k in node.keywords)])):
+                raise _Unjudgeable  # around its values, the answer's own judge
+            name = None
         kwargs = {k.arg: _term(k.value, plan) for k in node.keywords}
         if name == "isclose" and len(node.args) == 2 and all(
                 k in ("rel_tol", "abs_tol") and v[0] == "lit" for k, v in kwargs.items()):
@@ -202,6 +208,14 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
     node = _hoisted(node, plan)
     plan.steps.append(("iter" if iterable else "eval", ast.unparse(node)))
     return ("val", sum(kind in ("eval", "iter") for kind, _ in plan.steps) - 1)
+
+
+def _is_literal(node: ast.expr) -> bool:
+    try:
+        ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
 
 
 def _hoisted(node: ast.expr, plan: Plan) -> ast.expr:

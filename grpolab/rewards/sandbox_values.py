@@ -7,14 +7,18 @@ text ahead of sandbox_child.py's; never imported."""
 
 
 def _encoder():
-    """``encode(value)``: the value as plain JSON, tagged where JSON has no type of its own;
-    anything but the builtin types themselves (no subclasses: they could carry an __eq__) is
+    """``encode(value)``: the value as plain JSON, tagged where JSON has no type of its own. A
+    subclass of a plain type (Counter, defaultdict, namedtuple, IntEnum) is sent as its base
+    type's value, read with the base type's own methods (its ``__eq__`` or ``__iter__`` never
+    runs: the comparison is made in the trainer, on the plain value); anything else is
     refused. Its recursion and everything it uses are its own (a closure taken before the
     answer runs: a module-level name the answer could replace would answer for nested values)."""
-    type_, str_, int_, float_, bool_, list_, dict_, bytes_, complex_ = (
-        type, str, int, float, bool, list, dict, bytes, complex)
-    tags, items, hex_, value_error = ({tuple: "t", set: "s", frozenset: "f"}, dict.items,
-                                      bytes.hex, ValueError)
+    type_, str_, int_, float_, bool_, list_, dict_, bytes_, complex_, issub = (
+        type, str, int, float, bool, list, dict, bytes, complex, issubclass)
+    items, hex_, value_error = dict.items, bytes.hex, ValueError
+    series = ((list_, "", list.__iter__), (tuple, "t", tuple.__iter__),
+              (set, "s", set.__iter__), (frozenset, "f", frozenset.__iter__))
+    scalars = ((str_, str.__str__), (int_, int.__int__), (float_, float.__float__))
 
     def encode(value, depth=0):
         t = type_(value)
@@ -22,14 +26,17 @@ def _encoder():
             return value
         if depth > 40:
             raise value_error("too deep")
-        if t is list_:
-            return [encode(v, depth + 1) for v in value]
-        if t in tags:
-            return {tags[t]: [encode(v, depth + 1) for v in value]}
-        if t is dict_:
+        for base, tag, each in series:
+            if t is base or issub(t, base):
+                out = [encode(v, depth + 1) for v in each(value)]
+                return {tag: out} if tag else out
+        if t is dict_ or issub(t, dict_):
             return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in items(value)]}
-        if t is bytes_:
+        if issub(t, bytes_):
             return {"b": hex_(value)}
+        for base, plain in scalars:
+            if issub(t, base):
+                return plain(value)
         if t is complex_:
             return {"c": [value.real, value.imag]}
         raise value_error("not a plain value")
