@@ -234,6 +234,56 @@ def test_subclasses_of_plain_types_are_judged_as_their_values() -> None:
                             "assert dict(freq(['ab', 'cd'])) == {'a': 'b', 'c': 'd'}"]).passed == 1
 
 
+LRU = """
+from collections import OrderedDict
+class LRUCache:
+    def __init__(self, n):
+        self.n, self.d = n, OrderedDict()
+    def get(self, k):
+        if k not in self.d:
+            return -1
+        self.d.move_to_end(k)
+        return self.d[k]
+    def put(self, k, v):
+        self.d[k] = v
+        self.d.move_to_end(k)
+        if len(self.d) > self.n:
+            self.d.popitem(last=False)
+class Stack:
+    def __init__(self):
+        self.xs = []
+    def push(self, x):
+        self.xs.append(x)
+    def __len__(self):
+        return len(self.xs)
+    def __getitem__(self, i):
+        return self.xs[i]
+    def __str__(self):
+        return f"Stack{self.xs}"
+def squares(n):
+    return [i * i for i in range(n)]
+"""
+
+
+def test_the_answers_own_objects_answer_for_themselves() -> None:
+    """A method, len(), str() or [i] asked of the answer's own object (a LeetCode design
+    class), or of a value too big to send, is made there, as Python would call it; of a plain
+    value it is made here with the plain type's own method."""
+    tests = ["c = LRUCache(2)\nc.put(1, 1)\nc.put(2, 2)\nassert c.get(1) == 1",
+             "c = LRUCache(1)\nc.put(1, 1)\nc.put(2, 2)\nassert c.get(1) == -1",
+             "s = Stack()\ns.push(3)\nassert len(s) == 1 and s[0] == 3",
+             "s = Stack()\ns.push(3)\nassert str(s) == 'Stack[3]'",
+             "assert len(squares(10**5)) == 100000", "assert squares(10**5)[-1] == 9999800001"]
+    assert run_tests(LRU, tests).share == 1.0
+    forgetful = LRU.replace("return self.d[k]", "return -1")
+    assert run_tests(forgetful, tests[:2]).passed == 1
+    assert run_tests(LRU, ["assert squares(10**5)[-1] == 0", "assert len(squares(3)) == 2"]
+                     ).passed == 0
+    lying = "class S(str):\n    def startswith(self, *a):\n        return True\ndef f():\n" \
+            "    return S('zzz')\n"
+    assert run_tests(lying, ["assert f().startswith('ab')"]).passed == 0  # str's own here
+
+
 # Common test shapes around an iterator: the answer's generator, map or range is only iterated
 # by the test, so it is sent back as a list; a comprehension over literals is unrolled here.
 SHAPES = ["assert list(gen()) == [0, 1, 2]", "assert list(m([1, 2])) == [2, 3]",

@@ -240,3 +240,24 @@ def _close(got: str, want: str) -> bool:
     except ValueError:
         return False
     return math.isfinite(b) and math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
+
+
+def loop_assert(node: ast.stmt) -> ast.Assert | None:
+    """``for x in xs: assert t`` (loops nested too) as ``assert all(t for x in xs)``, which is
+    unrolled here when ``xs`` is literal."""
+    loops: list[ast.comprehension] = []
+    while isinstance(node, ast.For) and len(node.body) == 1 and not node.orelse:
+        loops.append(ast.comprehension(node.target, node.iter, [], 0))
+        node = node.body[0]
+    if not loops or not isinstance(node, ast.Assert):
+        return None
+    return ast.Assert(ast.Call(ast.Name("all", ast.Load()), [ast.GeneratorExp(node.test, loops)],
+                               []))
+
+
+def is_literal(node: ast.expr) -> bool:
+    try:
+        ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True

@@ -63,7 +63,7 @@ from grpolab.rewards.code_data import (
     defined_names,
     row_case,
 )
-from grpolab.rewards.sandbox_judge import SHADOWABLE, Plan, decode, io_plan, passes, plan_test
+from grpolab.rewards.sandbox_judge import SHADOWABLE, Plan, decode, passes, plan_test
 
 logger = logging.getLogger("grpolab.rewards.sandbox")
 MAX_CODE_CHARS = 100_000
@@ -121,8 +121,13 @@ def run_io(code: str, cases: Sequence[tuple[str, str]], limits: Limits = Limits(
     """Run ``code`` as a program on each case's stdin, in one sandboxed process (a fresh
     namespace, ``__name__ == "__main__"``, each time), and compare its output with the case's
     expected stdout here (``sandbox_judge.same_output``): how many cases passed."""
-    return _run(code, [io_plan(str(i), str(o)) for i, o in list(cases)[:MAX_TESTS]], limits,
+    return _run(code, [_io_plan(str(i), str(o)) for i, o in list(cases)[:MAX_TESTS]], limits,
                 True)
+
+
+def _io_plan(stdin: str, stdout: str) -> Plan:
+    """A stdin/stdout case: the program run on ``stdin`` there, its output checked here."""
+    return Plan([("stdio", stdin)], [("stdout", ("val", 0), stdout)])
 
 
 def run_case(code: str, case: Case, limits: Limits = Limits()) -> Verdict:

@@ -394,7 +394,9 @@ def _main(job):
                     continue
                 value = eval_(step, env)
                 gc_on()
-                if kind != "eval" and not issub(type_(value), plain):  # (a Counter is a dict)
+                if kind.startswith("keep:"):  # an operand the next step asks of, as it is
+                    env[kind[5:]] = value
+                elif kind != "eval" and not issub(type_(value), plain):  # (a Counter: a dict)
                     value = take(value)  # a generator, map, range: only iterated there
                 if kind.startswith("bind:"):  # a library call's argument: plain, or no call
                     encode(value)

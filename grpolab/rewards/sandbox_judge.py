@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from grpolab.rewards.code_data import same_output
+from grpolab.rewards.code_data import is_literal, loop_assert, same_output
 
 
 class _Unjudgeable(Exception):
@@ -83,7 +83,7 @@ def plan_test(test: str, shadow: frozenset[str] = frozenset()) -> Plan | None:
     plan = Plan([], [], shadow=shadow & SHADOWABLE)
     try:
         for node in tree.body:
-            node = _loop_assert(node) or node
+            node = loop_assert(node) or node
             if isinstance(node, ast.Assert):
                 plan.checks.append(_term(node.test, plan, top=True))
             elif isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign,
@@ -98,24 +98,6 @@ def plan_test(test: str, shadow: frozenset[str] = frozenset()) -> Plan | None:
     except (_Unjudgeable, RecursionError):
         return None
     return plan if plan.checks else None
-
-
-def _loop_assert(node: ast.stmt) -> ast.Assert | None:
-    """``for x in xs: assert t`` (loops nested too) as ``assert all(t for x in xs)``, which is
-    unrolled here when ``xs`` is literal."""
-    loops: list[ast.comprehension] = []
-    while isinstance(node, ast.For) and len(node.body) == 1 and not node.orelse:
-        loops.append(ast.comprehension(node.target, node.iter, [], 0))
-        node = node.body[0]
-    if not loops or not isinstance(node, ast.Assert):
-        return None
-    return ast.Assert(ast.Call(ast.Name("all", ast.Load()), [ast.GeneratorExp(node.test, loops)],
-                               []))
-
-
-def io_plan(stdin: str, stdout: str) -> Plan:
-    """A stdin/stdout case: the program run on ``stdin`` there, its output checked here."""
-    return Plan([("stdio", stdin)], [("stdout", ("val", 0), stdout)])
 
 
 def _is_val(term: Any) -> bool:  # holds a value from the sandbox
@@ -165,14 +147,15 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
     if isinstance(node, ast.Subscript) and not isinstance(node.slice, ast.Slice):
         index = _term(node.slice, plan)
         if index[0] == "lit":
-            return ("item", _term(node.value, plan), index)
+            value = _term(node.value, plan)
+            return _either(("item", value, index), value, f"_k[{ast.unparse(node.slice)}]", plan)
     if isinstance(node, ast.Call) and not any(k.arg is None for k in node.keywords):
         func = node.func
         name = func.id if isinstance(func, ast.Name) else (
             func.attr if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
             and func.value.id == "math" else None)
         if name in plan.shadow:  # the answer's `sum`: on literals the function under test;
-            if not all(map(_is_literal, [*node.args, *(k.value for k in node.keywords)])):
+            if not all(map(is_literal, [*node.args, *(k.value for k in node.keywords)])):
                 raise _Unjudgeable  # around its values, the answer's own judge
             name = None
         kwargs = {k.arg: _term(k.value, plan) for k in node.keywords}
@@ -186,15 +169,19 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
                 and _root(func.value) not in {"math", *plan.modules} \
                 and all(v[0] == "lit" for v in kwargs.values()) \
                 and not any(isinstance(a, ast.Starred) for a in node.args):
-            return ("method", func.attr, {k: v[1] for k, v in kwargs.items()},
-                    _term(func.value, plan),  # (join only iterates its argument)
-                    *[_term(a, plan, iterable=func.attr == "join") for a in node.args])
+            receiver = _term(func.value, plan)
+            args = [_term(a, plan, iterable=func.attr == "join") for a in node.args]  # (join
+            term = ("method", func.attr, {k: v[1] for k, v in kwargs.items()}, receiver, *args)
+            op = ast.Call(ast.Attribute(ast.Name("_k"), func.attr), node.args, node.keywords)
+            return _either(term, receiver, ast.unparse(op), plan)  # only iterates its argument)
         if isinstance(func, ast.Name) and name in _FUNCS and not kwargs \
                 and not any(isinstance(a, ast.Starred) for a in node.args):
             # min(a, b) compares its arguments: only a lone one (or sum's first) is iterated
             its = name in _ITERABLE_ARG and (len(node.args) == 1 or name == "sum")
-            return ("call", name, *[_term(a, plan, iterable=its and i == 0)
-                                    for i, a in enumerate(node.args)])
+            args = [_term(a, plan, iterable=its and i == 0) for i, a in enumerate(node.args)]
+            op = ast.Call(ast.Name(name), [ast.Name("_k"), *node.args[1:]], [])
+            return _either(("call", name, *args), args[0] if args else ("lit",), ast.unparse(op),
+                           plan)
     if isinstance(node, (ast.List, ast.Tuple, ast.Set)) \
             and not any(isinstance(e, ast.Starred) for e in node.elts):
         return ("show", type(node).__name__, *[_term(e, plan) for e in node.elts])
@@ -207,15 +194,22 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
         raise _Unjudgeable
     node = _hoisted(node, plan)
     plan.steps.append(("iter" if iterable else "eval", ast.unparse(node)))
-    return ("val", sum(kind in ("eval", "iter") for kind, _ in plan.steps) - 1)
+    return ("val", _values(plan) - 1)
 
 
-def _is_literal(node: ast.expr) -> bool:
-    try:
-        ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False
-    return True
+def _values(plan: Plan) -> int:  # how many of the steps send a value
+    return sum(kind in ("eval", "iter") or kind.startswith("keep:") for kind, _ in plan.steps)
+
+
+def _either(term: Any, operand: Any, op: str, plan: Plan) -> Any:
+    """``term``, made here on the operand's plain value, or where the operand is the answer's
+    own object (or too big to send) ``op`` made there on it: its own ``get``, ``__len__``."""
+    if operand[0] != "val" or plan.steps[-1][0] != "eval" or operand[1] != _values(plan) - 1:
+        return term  # (only an operand computed by the step just before)
+    name = f"_k{len(plan.steps)}"
+    plan.steps[-1] = (f"keep:{name}", plan.steps[-1][1])
+    plan.steps.append(("eval", op.replace("_k", name, 1)))
+    return ("either", operand[1], term, ("val", _values(plan) - 1))
 
 
 def _hoisted(node: ast.expr, plan: Plan) -> ast.expr:
@@ -403,6 +397,8 @@ def _eval(term: Any, values: dict[int, Any]) -> Any:
         return getattr(type(receiver), term[1])(receiver, *args, **term[2])
     if kind == "stdout":
         return same_output(_eval(term[1], values), term[2])
+    if kind == "either":  # the plain operand's, else the answer's object's own (``_either``)
+        return _eval(term[2], values) if term[1] in values else values[term[3][1]]
     if kind == "call":
         args = [_eval(t, values) for t in term[2:]]
         if term[1] == "round" and len(args) == 2:
