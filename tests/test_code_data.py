@@ -37,6 +37,31 @@ HE_RIGHT = ("def has_close_elements(numbers, threshold):\n"
             "               for j, b in enumerate(numbers) if i != j)\n")
 
 
+PYTEST = """import math
+import pytest
+from solution import two_sum, add
+
+def test_basic():
+    \"\"\"A docstring.\"\"\"
+    assert two_sum([2, 7, 11, 15], 9) == [0, 1]
+
+def test_other():
+    res = two_sum([3, 2, 4], 6)
+    assert res == [1, 2]
+
+@pytest.mark.parametrize("a,b,expected", [(1, 2, 3), (2, 3, 5)])
+def test_add(a, b, expected):
+    assert add(a, b) == expected
+
+@pytest.mark.parametrize("x", [1, 2])
+def test_zero(x):
+    assert add(x, 0) == x
+
+def helper():
+    return 1
+"""
+
+
 def test_each_datasets_columns_read_as_its_own_harness_reads_them() -> None:
     assert row_case({"tests": ["assert f(1) == 2", " "]}) == Case(("assert f(1) == 2",))
     assert row_case({"answer": '["assert f(1) == 2"]'}) == Case(("assert f(1) == 2",))
@@ -71,7 +96,36 @@ def test_each_datasets_columns_read_as_its_own_harness_reads_them() -> None:
                      "private_tests": {"input": ["2\n"], "output": ["4\n"]}}) == Case(
         io=(("1\n", "1\n"), ("2\n", "4\n")))
     assert row_case({"tests": [{"input": "1\n", "output": "2\n"}]}) == Case(io=(("1\n", "2\n"),))
+    # AceCode's test_cases (asserts), open-r1/codeforces' official_tests (stdin/stdout)
+    assert row_case({"test_cases": ["assert f(1) == 2"]}) == Case(("assert f(1) == 2",))
+    assert row_case({"official_tests": [{"input": "1\n", "output": "2\n"}]}).io == (
+        ("1\n", "2\n"),)
+    # a pytest file (KodCode): its test functions; `from solution import` dropped; parametrize
+    # expanded, a case a test
+    assert row_case({"test": PYTEST}) == Case((
+        "import math\nassert two_sum([2, 7, 11, 15], 9) == [0, 1]",
+        "import math\nres = two_sum([3, 2, 4], 6)\nassert res == [1, 2]",
+        "import math\na, b, expected = (1, 2, 3)\nassert add(a, b) == expected",
+        "import math\na, b, expected = (2, 3, 5)\nassert add(a, b) == expected",
+        "import math\nx = 1\nassert add(x, 0) == x",
+        "import math\nx = 2\nassert add(x, 0) == x"))
     assert row_case({"prompt": "q"}) == Case()
+
+
+def test_a_pytest_file_and_the_names_its_tests_bind_are_judged() -> None:
+    """A test's own names bound to literals (``expected = ...``, parametrize's arguments) are
+    those literals here; one the test could change in place (``x.sort()``, passed to a call)
+    stays the sandbox's, and a check on it cannot be judged."""
+    code = ("def two_sum(xs, t):\n    seen = {}\n    for i, x in enumerate(xs):\n"
+            "        if t - x in seen:\n            return [seen[t - x], i]\n"
+            "        seen[x] = i\ndef add(a, b):\n    return a + b\n")
+    assert run_case(code, row_case({"test": PYTEST}), QUICK).share == 1.0
+    assert run_case(code.replace("a + b", "a * b"), row_case({"test": PYTEST}),
+                    QUICK).passed == 2  # two_sum's; add(x, 0) == x is wrong for x = 1, 2
+    changed = ["x = [3, 1, 2]\nx.sort()\nassert two_sum(x, 3) == x",
+               "x = [3, 1]\nassert add(x, [2]) == x"]
+    v = run_case(code, Case(tuple(changed)), QUICK)
+    assert v.passed == 0 and "2 test(s) not checkable" in v.note
 
 
 def test_humaneval_rows_train_on_their_entry_point() -> None:

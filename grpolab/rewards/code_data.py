@@ -3,12 +3,14 @@
 The first of these columns that a row has gives its tests:
 
 - ``tests``: asserts (``["assert add(2, 3) == 5", ...]``, or a JSON list in a string), or
-  stdin/stdout cases (``[{"input": "1 2\\n", "output": "3\\n"}, ...]``);
+  stdin/stdout cases (``[{"input": "1 2\\n", "output": "3\\n"}, ...]``); ``test_cases``
+  (AceCode) and ``official_tests`` (open-r1/codeforces) alike;
 - ``test_list`` (MBPP): asserts; ``test_imports`` (MBPP sanitized) are put before each one and
   ``test_setup_code`` (MBPP) runs after the answer's code;
 - ``test`` with ``entry_point`` (HumanEval, MBPP+ and the like): ``def check(candidate)``, each
   assert in it on ``candidate`` one test on the entry point, the assignments and imports before
-  it kept; an assert inside a loop or a helper stays in one test that cannot be judged;
+  it kept; a loop around asserts one test (judged when it runs over literals);
+  without ``entry_point``, a pytest file (KodCode): each ``def test_...()`` one test;
 - ``input_output`` (APPS, TACO): ``{"inputs": [...], "outputs": [...]}``, stdin/stdout cases, or
   with ``fn_name`` calls of that function (a ``class Solution`` method is bound to the name),
   the expected value being the output or, when that is a list, its first item (as APPS's own
@@ -31,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-COLUMNS = ("tests", "test_list", "test", "input_output", "verification_info", "public_tests",
-           "answer")
+COLUMNS = ("tests", "test_cases", "official_tests", "test_list", "test", "input_output",
+           "verification_info", "public_tests", "answer")
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class Case:
 def column_of(row: Mapping[str, Any]) -> str | None:
     """The column a row's tests come from (see the module's docstring), or None."""
     for name in COLUMNS:
-        if name in row and (name != "test" or "entry_point" in row):
+        if name in row and (name != "test" or "entry_point" in row
+                            or "def test" in str(row[name])):
             return name
     return None
 
@@ -61,14 +64,16 @@ def row_case(row: Mapping[str, Any]) -> Case:
     """A row's tests, in whichever of the known formats it has them."""
     column = column_of(row)
     value = _json(row.get(column)) if column else None
-    if column in ("tests", "answer"):
+    if column in ("tests", "test_cases", "official_tests", "answer"):
         return _tests_or_io(value)
     if column == "test_list":
         imports = [str(line) for line in _json(row.get("test_imports")) or [] if str(line).strip()]
         setup = str(row.get("test_setup_code") or "")
         return Case(tuple("\n".join([*imports, t]) for t in asserts(value)), setup=setup)
-    if column == "test":
+    if column == "test" and "entry_point" in row:
         return Case(humaneval_tests(str(value or ""), str(row.get("entry_point") or "")))
+    if column == "test":
+        return Case(pytest_tests(str(value or "")))
     if column == "input_output" and isinstance(value, Mapping):
         ins, outs = value.get("inputs") or [], value.get("outputs") or []
         if value.get("fn_name"):
@@ -205,6 +210,50 @@ def humaneval_tests(test: str, entry_point: str) -> tuple[str, ...]:
     return tuple(tests)
 
 
+@functools.lru_cache(maxsize=1024)
+def pytest_tests(test: str) -> tuple[str, ...]:
+    """A pytest file's ``def test_...()`` functions, each one test: its body, after the
+    file's imports (``from solution import f`` dropped: the answer's names are there) and
+    its literal constants; ``@pytest.mark.parametrize`` expanded, a case a test, its
+    arguments assigned first. A test taking fixtures stays, and cannot be judged."""
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return ()
+    before = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+              and not (isinstance(n, ast.ImportFrom) and n.module == "solution")
+              and not any(a.name.split(".")[0] == "pytest" for a in n.names)]
+    before += [ast.unparse(n) for n in tree.body
+               if isinstance(n, ast.Assign) and is_literal(n.value)]
+    tests = []
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test"):
+            continue
+        body = [ast.unparse(n) for n in node.body if not (
+            isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]  # a docstring
+        for setup in _parametrized(node) or [[]]:
+            tests.append("\n".join([*before, *setup, *body]))
+    return tuple(tests)
+
+
+def _parametrized(fn: ast.FunctionDef) -> list[list[str]] | None:
+    """The argument assignments of each case of ``@pytest.mark.parametrize(names, cases)``
+    (stacked ones multiply), None without it; a fixture argument left unassigned."""
+    cases: list[list[str]] | None = None
+    for deco in fn.decorator_list:
+        if not (isinstance(deco, ast.Call) and ast.unparse(deco.func).endswith("parametrize")
+                and len(deco.args) >= 2 and is_literal(deco.args[0])
+                and is_literal(deco.args[1])):
+            continue
+        names = ast.literal_eval(deco.args[0])
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        target = ", ".join(names) + ("," if len(names) == 1 else "")
+        rows = [[f"{target} = {v!r}" if len(names) > 1 else f"{names[0]} = {v!r}"]
+                for v in ast.literal_eval(deco.args[1])]
+        cases = rows if cases is None else [a + b for a in cases for b in rows]
+    return cases
+
+
 class _Rename(ast.NodeTransformer):
     def __init__(self, old: str, new: str) -> None:
         self.old, self.new = old, new
@@ -261,3 +310,39 @@ def is_literal(node: ast.expr) -> bool:
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return False
     return True
+
+
+def literal_bindings(body: list[ast.stmt], pure: frozenset[str]) -> list[dict[str, Any]]:
+    """For each statement of a test, the names it has bound to literals by then
+    (``expected = [3, 2, 1]``) that nothing changes: an immutable value, or a list, dict or
+    set never reached through an attribute (``x.sort()``), an item store or a call argument
+    (but of ``pure`` functions). A check reads them here as the literals they are."""
+    touched: set[str] = set()  # mutable values that a step could change in place
+    for node in ast.walk(ast.Module(body, [])):
+        changed = isinstance(node, ast.Attribute) or (  # x.sort(); x[0] = 1
+            isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Load))
+        if changed and isinstance(node.value, ast.Name):
+            touched.add(node.value.id)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) not in pure:
+            touched |= {n.id for a in [*node.args, *(k.value for k in node.keywords)]
+                        for n in ast.walk(a) if isinstance(n, ast.Name)}
+    bound: dict[str, Any] = {}
+    out = []
+    for node in body:
+        out.append(dict(bound))
+        for n in ast.walk(node):  # whatever it (re)binds is unknown, unless a literal below
+            if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+                bound.pop(n.id, None)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and is_literal(node.value):
+            target, value = node.targets[0], ast.literal_eval(node.value)
+            pairs = [(target, value)] if isinstance(target, ast.Name) else list(zip(
+                target.elts, value)) if isinstance(target, (ast.Tuple, ast.List)) and isinstance(
+                value, (tuple, list)) and len(value) == len(target.elts) else []
+            bound.update({t.id: v for t, v in pairs if isinstance(t, ast.Name)
+                          and (_immutable(v) or t.id not in touched)})
+    return out
+
+
+def _immutable(v: Any) -> bool:
+    return isinstance(v, (int, float, complex, str, bytes, type(None), frozenset)) or (
+        isinstance(v, tuple) and all(map(_immutable, v)))

@@ -63,7 +63,7 @@ from grpolab.rewards.code_data import (
     defined_names,
     row_case,
 )
-from grpolab.rewards.sandbox_judge import SHADOWABLE, Plan, decode, passes, plan_test
+from grpolab.rewards.sandbox_judge import SHADOWABLE, Plan, passes, plan_test
 
 logger = logging.getLogger("grpolab.rewards.sandbox")
 MAX_CODE_CHARS = 100_000
@@ -277,6 +277,29 @@ def _verdict(text: str, nonce: str, plans: list[Plan | None], note: str) -> Verd
     if unjudged and not note:
         note = f"{unjudged} test(s) not checkable outside the sandbox (counted as failed)"
     return Verdict(passed if started and not failed else 0, len(plans), note, boundary)
+
+
+def decode(x: Any) -> Any:
+    """A value from the sandbox's JSON, back to plain Python (tuples, sets, dicts, bytes and
+    complex numbers come tagged)."""
+    if isinstance(x, list):
+        return [decode(v) for v in x]
+    if isinstance(x, dict):
+        ((tag, body),) = x.items()
+        if tag == "d":
+            return {decode(k): decode(v) for k, v in body}
+        if tag == "b":
+            return bytes.fromhex(body)
+        if tag == "c":
+            return complex(*(_number(v) for v in body))
+        return {"t": tuple, "s": set, "f": frozenset}[tag](decode(v) for v in body)
+    return x
+
+
+def _number(x: Any) -> int | float:
+    if type(x) not in (int, float):
+        raise TypeError("not a number")
+    return x
 
 
 def code_reward(prompts: list[Any], completions: list[str], **columns: Any) -> list[float]:

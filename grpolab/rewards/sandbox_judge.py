@@ -2,7 +2,7 @@
 
 Each test is parsed (``plan_test``) into the expressions the sandbox must compute (steps) and
 the checks on their values (terms), which run here: the sandbox only sends values back as plain
-JSON (``decode``) and never sees an expected value, so nothing the answer does in its own
+JSON and never sees an expected value, so nothing the answer does in its own
 process (an ``__eq__`` that is always true, patched builtins) can turn a wrong value into a
 pass. What cannot be judged this way makes ``plan_test`` return None: the test counts as not
 passed and the verdict says so.
@@ -14,10 +14,10 @@ import ast
 import copy
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from grpolab.rewards.code_data import is_literal, loop_assert, same_output
+from grpolab.rewards.code_data import is_literal, literal_bindings, loop_assert, same_output
 
 
 class _Unjudgeable(Exception):
@@ -70,6 +70,7 @@ class Plan:
     checks: list[Any]  # one term per assert, over the values of the "eval"/"iter" steps
     modules: frozenset[str] = frozenset()  # names the test imports (re.split is re's)
     shadow: frozenset[str] = frozenset()  # names of _FUNCS the answer defines (its own `sum`)
+    literals: dict[str, Any] = field(default_factory=dict)  # the test's (``literal_bindings``)
 
 
 @functools.lru_cache(maxsize=4096)  # a group's G answers share a prompt's tests: parsed once
@@ -81,8 +82,9 @@ def plan_test(test: str, shadow: frozenset[str] = frozenset()) -> Plan | None:
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
     plan = Plan([], [], shadow=shadow & SHADOWABLE)
+    binds = literal_bindings(tree.body, SHADOWABLE - plan.shadow)
     try:
-        for node in tree.body:
+        for node, plan.literals in zip(tree.body, binds):
             node = loop_assert(node) or node
             if isinstance(node, ast.Assert):
                 plan.checks.append(_term(node.test, plan, top=True))
@@ -123,6 +125,8 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
     """A check over sandbox values; sub-expressions it cannot compute here are evaluated
     by the sandbox (as long as the expected side stays here). ``iterable``: the value is
     only iterated here, so an iterator may come back as a list."""
+    if isinstance(node, ast.Name) and node.id in plan.literals:  # `expected`, bound to one
+        return ("lit", plan.literals[node.id])
     try:  # a literal, computed here
         return ("lit", ast.literal_eval(node))
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
@@ -417,23 +421,6 @@ def _small(x: Any) -> Any:
 def _num(x: Any) -> int | float:
     if not isinstance(x, _NUMBER):
         raise TypeError("not a number")
-    return x
-
-
-def decode(x: Any) -> Any:
-    """A value from the sandbox's JSON, back to plain Python (tuples, sets, dicts, bytes and
-    complex numbers come tagged)."""
-    if isinstance(x, list):
-        return [decode(v) for v in x]
-    if isinstance(x, dict):
-        ((tag, body),) = x.items()
-        if tag == "d":
-            return {decode(k): decode(v) for k, v in body}
-        if tag == "b":
-            return bytes.fromhex(body)
-        if tag == "c":
-            return complex(_num(body[0]), _num(body[1]))
-        return {"t": tuple, "s": set, "f": frozenset}[tag](decode(v) for v in body)
     return x
 
 
