@@ -103,12 +103,12 @@ def test_each_datasets_columns_read_as_its_own_harness_reads_them() -> None:
     # a pytest file (KodCode): its test functions; `from solution import` dropped; parametrize
     # expanded, a case a test
     assert row_case({"test": PYTEST}) == Case((
-        "import math\nassert two_sum([2, 7, 11, 15], 9) == [0, 1]",
-        "import math\nres = two_sum([3, 2, 4], 6)\nassert res == [1, 2]",
-        "import math\na, b, expected = (1, 2, 3)\nassert add(a, b) == expected",
-        "import math\na, b, expected = (2, 3, 5)\nassert add(a, b) == expected",
-        "import math\nx = 1\nassert add(x, 0) == x",
-        "import math\nx = 2\nassert add(x, 0) == x"))
+        "import math\nimport pytest\nassert two_sum([2, 7, 11, 15], 9) == [0, 1]",
+        "import math\nimport pytest\nres = two_sum([3, 2, 4], 6)\nassert res == [1, 2]",
+        "import math\nimport pytest\na, b, expected = (1, 2, 3)\nassert add(a, b) == expected",
+        "import math\nimport pytest\na, b, expected = (2, 3, 5)\nassert add(a, b) == expected",
+        "import math\nimport pytest\nx = 1\nassert add(x, 0) == x",
+        "import math\nimport pytest\nx = 2\nassert add(x, 0) == x"))
     assert row_case({"prompt": "q"}) == Case()
 
 
@@ -234,3 +234,28 @@ def test_a_humaneval_file_loads_and_trains_as_it_is(tmp_path, capsys) -> None:
     step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
     assert step["step"] == 1 and step["reward_problems"] == 0  # the tests reached the reward
     assert step["rewards/code_reward"] == 0.0  # (a random model's answers)
+
+
+def test_expected_exceptions_are_judged_here_from_the_builtin_classes_raised() -> None:
+    """``pytest.raises`` (and ``try: ...; assert False / except E: pass``): the sandbox sends
+    back which builtin exception classes the raised one is an instance of, and its text; the
+    check is made here. A class of the answer's own named ValueError is not one."""
+    code = ("def root(x):\n    if x < 0:\n        raise ValueError('negative input')\n"
+            "    return x ** 0.5\nclass Missing(KeyError):\n    pass\n"
+            "def look(k):\n    raise Missing(k)\n")
+    right = ["with pytest.raises(ValueError):\n    root(-1)",
+             "with pytest.raises(ValueError, match='neg.*input'):\n    root(-1)",
+             "try:\n    root(-4)\n    assert False\nexcept ValueError:\n    pass",
+             "with pytest.raises((LookupError, TypeError)):\n    look(1)"]
+    wrong = ["with pytest.raises(ValueError, match='positive'):\n    root(-1)",
+             "with pytest.raises(TypeError):\n    root(-1)",
+             "with pytest.raises(ValueError):\n    root(1)"]  # nothing raised
+    case = Case(tuple(f"import pytest\n{t}" for t in right + wrong))
+    v = run_case(code, case, QUICK)
+    assert (v.passed, v.total, v.note) == (4, 7, ""), v
+    own = "class ValueError(Exception):\n    pass\ndef root(x):\n    raise ValueError('negative')\n"
+    assert run_case(own, Case(tuple(right[:2])), QUICK).passed == 0
+    # in a pytest file, alike
+    file = "import pytest\nfrom solution import root\n\ndef test_neg():\n" \
+           "    with pytest.raises(ValueError):\n        root(-1)\n    assert root(4) == 2\n"
+    assert run_case(code, row_case({"test": file}), QUICK).share == 1.0

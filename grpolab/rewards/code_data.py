@@ -221,8 +221,7 @@ def pytest_tests(test: str) -> tuple[str, ...]:
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return ()
     before = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
-              and not (isinstance(n, ast.ImportFrom) and n.module == "solution")
-              and not any(a.name.split(".")[0] == "pytest" for a in n.names)]
+              and not (isinstance(n, ast.ImportFrom) and n.module == "solution")]
     before += [ast.unparse(n) for n in tree.body
                if isinstance(n, ast.Assign) and is_literal(n.value)]
     tests = []
@@ -346,3 +345,36 @@ def literal_bindings(body: list[ast.stmt], pure: frozenset[str]) -> list[dict[st
 def _immutable(v: Any) -> bool:
     return isinstance(v, (int, float, complex, str, bytes, type(None), frozenset)) or (
         isinstance(v, tuple) and all(map(_immutable, v)))
+
+
+def raises_block(node: ast.stmt) -> tuple[tuple[str, ...], str | None, list[ast.stmt]] | None:
+    """``with pytest.raises(E, match=m): body``, or ``try: body; assert False`` with
+    ``except E: pass``, as (the exception names, the pattern or None, the body); else None."""
+    if isinstance(node, ast.With) and len(node.items) == 1:
+        call = node.items[0].context_expr
+        if isinstance(call, ast.Call) and ast.unparse(call.func) in ("pytest.raises", "raises") \
+                and len(call.args) == 1 and all(k.arg == "match" for k in call.keywords):
+            match = [k.value.value for k in call.keywords if isinstance(k.value, ast.Constant)]
+            names = _exception_names(call.args[0])
+            if names and len(match) == len(call.keywords) and not node.items[0].optional_vars:
+                return names, (match or [None])[0], node.body
+    if isinstance(node, ast.Try) and len(node.handlers) == 1 and not node.orelse \
+            and not node.finalbody and len(node.body) > 1:
+        handler, last = node.handlers[0], node.body[-1]
+        fails = ast.unparse(last) in ("assert False", "assert 0", "pytest.fail()") or (
+            isinstance(last, ast.Assert) and ast.unparse(last.test) == "False")
+        names = _exception_names(handler.type) if handler.type is not None else ()
+        if fails and names and all(isinstance(n, ast.Pass) for n in handler.body):
+            return names, None, node.body[:-1]
+    return None
+
+
+def is_pytest_import(node: ast.stmt) -> bool:
+    return isinstance(node, ast.ImportFrom) and node.module == "pytest" or isinstance(
+        node, ast.Import) and any(a.name == "pytest" for a in node.names)
+
+
+def _exception_names(node: ast.expr) -> tuple[str, ...]:
+    elts = node.elts if isinstance(node, ast.Tuple) else [node]
+    names = tuple(getattr(n, "id", "") for n in elts)
+    return names if all(n.isidentifier() for n in names) else ()

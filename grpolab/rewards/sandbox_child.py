@@ -340,7 +340,8 @@ def _main(job):
     exec_, eval_, compile_, dict_, enumerate_, base, type_ = (
         exec, eval, compile, dict, enumerate, BaseException, type)
     plain = (type, str, int, float, bool, list, tuple, dict, set, frozenset, bytes, complex)
-    issub = issubclass
+    issub, str_, mro = issubclass, str, type.__dict__["__mro__"].__get__
+    errors = {v for v in vars(builtins).values() if isinstance(v, type) and issub(v, base)}
     # JSON written by primitives taken now: json.dumps would call library code the answer can
     # patch (its encoder instance) after it ran
     encode, dumps = _encoder(), _json_writer()  # noqa: F821 - sandbox_values.py, sent first
@@ -383,7 +384,7 @@ def _main(job):
                     value = run_io(solution, src)
                     say(f"v {i} {k} {dumps(encode(value))}")
                     break
-                step = compile_(src, "<test>", "exec" if kind == "exec" else "eval")
+                step = compile_(src, "<test>", "exec" if kind in ("exec", "raises") else "eval")
                 if bound and kind != "exec" and not kind.startswith("bind:"):
                     collect()  # the answer's finalizers run now, not inside the library's call
                     restore(None, None)  # whatever the binds' answer code touched
@@ -392,7 +393,14 @@ def _main(job):
                 if kind == "exec":
                     exec_(step, env)
                     continue
-                value = eval_(step, env)
+                if kind == "raises":  # what it raised, as the builtin exceptions it is one of
+                    value = None
+                    try:
+                        exec_(step, env)
+                    except base as e:
+                        value = [[c.__name__ for c in mro(type_(e)) if c in errors], str_(e)]
+                else:
+                    value = eval_(step, env)
                 gc_on()
                 if kind.startswith("keep:"):  # an operand the next step asks of, as it is
                     env[kind[5:]] = value

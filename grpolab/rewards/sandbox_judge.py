@@ -14,10 +14,18 @@ import ast
 import copy
 import functools
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpolab.rewards.code_data import is_literal, literal_bindings, loop_assert, same_output
+from grpolab.rewards.code_data import (
+    is_literal,
+    is_pytest_import,
+    literal_bindings,
+    loop_assert,
+    raises_block,
+    same_output,
+)
 
 
 class _Unjudgeable(Exception):
@@ -86,7 +94,12 @@ def plan_test(test: str, shadow: frozenset[str] = frozenset()) -> Plan | None:
     try:
         for node, plan.literals in zip(tree.body, binds):
             node = loop_assert(node) or node
-            if isinstance(node, ast.Assert):
+            if is_pytest_import(node):
+                continue  # (not in the sandbox: its raises is read here)
+            if (raises := raises_block(node)) and not any(map(_judges, raises[2])):  # (else
+                plan.steps.append(("raises", "\n".join(map(ast.unparse, raises[2]))))
+                plan.checks.append(("raises", _values(plan) - 1, *raises[:2]))  # not judged)
+            elif isinstance(node, ast.Assert):
                 plan.checks.append(_term(node.test, plan, top=True))
             elif isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign,
                                    ast.AugAssign, ast.Expr)):
@@ -202,7 +215,7 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
 
 
 def _values(plan: Plan) -> int:  # how many of the steps send a value
-    return sum(kind in ("eval", "iter") or kind.startswith("keep:") for kind, _ in plan.steps)
+    return sum(k in ("eval", "iter", "raises") or k[:5] == "keep:" for k, _ in plan.steps)
 
 
 def _either(term: Any, operand: Any, op: str, plan: Plan) -> Any:
@@ -401,6 +414,10 @@ def _eval(term: Any, values: dict[int, Any]) -> Any:
         return getattr(type(receiver), term[1])(receiver, *args, **term[2])
     if kind == "stdout":
         return same_output(_eval(term[1], values), term[2])
+    if kind == "raises":  # [the builtin exception classes it is an instance of, its text]
+        got = values[term[1]]
+        return bool(got) and any(n in got[0] for n in term[2]) and (
+            term[3] is None or re.search(term[3], str(got[1])) is not None)
     if kind == "either":  # the plain operand's, else the answer's object's own (``_either``)
         return _eval(term[2], values) if term[1] in values else values[term[3][1]]
     if kind == "call":
