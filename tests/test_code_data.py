@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from grpolab.rewards.builtin import load_reward
 from grpolab.rewards.code_data import Case, bind_solution, humaneval_tests, row_case, same_output
 from grpolab.rewards.sandbox import Limits, check_tests, code_reward, run_case, run_io
 
@@ -133,6 +134,8 @@ def test_humaneval_rows_train_on_their_entry_point() -> None:
     wrong = "def has_close_elements(numbers, threshold):\n    return True\n"
     got = code_reward(["q"] * 3, [f"```python\n{HE_RIGHT}```", wrong, "x = 1"], **cols)
     assert got == [1.0, 0.5, 0.0]  # the wrong one passes the two `== True` tests
+    assert load_reward("code_all")(["q"] * 2, [HE_RIGHT, wrong], **{
+        k: v[:2] for k, v in cols.items()}) == [1.0, 0.0]
 
 
 def test_a_leetcode_solution_class_answers_apps_call_tests() -> None:

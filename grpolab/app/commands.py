@@ -189,7 +189,7 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
 
 def _check_code_tests(cfg: Config, *datasets: tuple[list[dict], str]) -> None:
     """The ``code`` reward on data whose tests it cannot judge would train on 0: refused."""
-    if "code" in (*cfg.rewards, cfg.watch_reward):
+    if {"code", "code_all"} & {*cfg.rewards, cfg.watch_reward}:
         from grpolab.rewards.sandbox import check_tests
 
         for rows, where in datasets:

@@ -189,7 +189,8 @@ def _import_file(spec: str, path: str) -> Any:
     return module
 
 
-BUILTIN_REWARDS = ("exact", "math", "math_lenient", "format", "reasoning_gym", "code")
+BUILTIN_REWARDS = ("exact", "math", "math_lenient", "format", "reasoning_gym", "code",
+                   "code_all")
 
 
 def load_reward(spec: str, format_pattern: str | None = None,
@@ -220,10 +221,10 @@ def load_reward(spec: str, format_pattern: str | None = None,
 
         return task_reward(sources)
 
-    if spec == "code":  # a coding question's tests, run in a sandbox (grpolab.rewards.sandbox)
-        from grpolab.rewards.sandbox import code_reward
+    if spec in ("code", "code_all"):  # a question's tests, in a sandbox (rewards.sandbox)
+        from grpolab.rewards.sandbox import code_all_reward, code_reward
 
-        return code_reward
+        return code_reward if spec == "code" else code_all_reward
 
     if spec.endswith(".py") and ":" not in spec:
         raise ValueError(f"reward spec {spec!r}: name the function too, as 'file.py:function'")

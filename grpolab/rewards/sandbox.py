@@ -318,6 +318,12 @@ def code_reward(prompts: list[Any], completions: list[str], **columns: Any) -> l
         return [v.share for v in ex.map(lambda job: run_case(*job), jobs)]
 
 
+def code_all_reward(prompts: list[Any], completions: list[str], **columns: Any) -> list[float]:
+    """1.0 where the code passes every test of its question, else 0.0 (the sparse reward of
+    DeepCoder and others; ``code`` gives the share)."""
+    return [float(r == 1.0) for r in code_reward(prompts, completions, **columns)]
+
+
 _WARNED: set[str] = set()  # what was said once already: per process, i.e. per run
 HOW = ("a test is an assert on values the answer computes, with a literal expected side, "
        "such as 'assert add(2, 3) == 5', or a stdin/stdout case (loops in tests and "
