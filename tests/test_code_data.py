@@ -262,3 +262,35 @@ def test_expected_exceptions_are_judged_here_from_the_builtin_classes_raised() -
     file = "import pytest\nfrom solution import root\n\ndef test_neg():\n" \
            "    with pytest.raises(ValueError):\n        root(-1)\n    assert root(4) == 2\n"
     assert run_case(code, row_case({"test": file}), QUICK).share == 1.0
+
+
+# HumanEval+ (evalplus): inputs and results in check, compared by its assertion helper
+PLUS = """
+import numpy as np
+
+def assertion(out, exp, atol):
+    exact_match = out == exp
+    if atol == 0 and isinstance(exp, float):
+        atol = 1e-6
+    if not exact_match and atol != 0:
+        np.testing.assert_allclose(out, exp, atol=atol)
+    else:
+        assert exact_match
+
+def check(candidate):
+    inputs = [[1.0, 2.0], [3, 4], [[1, 2], 0]]
+    results = [1.5, 3.5, [1, 2]]
+    for i, (inp, exp) in enumerate(zip(inputs, results)):
+        assertion(candidate(*inp), exp, 0)
+"""
+
+
+def test_humaneval_plus_rows_give_a_test_an_input() -> None:
+    assert humaneval_tests(PLUS, "mid") == (
+        "assert math.isclose(mid(1.0, 2.0), 1.5, rel_tol=1e-07, abs_tol=1e-06)",
+        "assert math.isclose(mid(3, 4), 3.5, rel_tol=1e-07, abs_tol=1e-06)",
+        "assert mid([1, 2], 0) == [1, 2]")  # no numpy import: the helper's, not the tests'
+    row = {"test": PLUS, "entry_point": "mid"}
+    code = "def mid(a, b):\n    return a if isinstance(a, list) else (a + b) / 2{}\n"
+    assert run_case(code.format(" + 1e-9"), row_case(row), QUICK).share == 1.0  # within 1e-6
+    assert run_case(code.format(" + 1e-3"), row_case(row), QUICK).passed == 1

@@ -7,9 +7,10 @@ The first of these columns that a row has gives its tests:
   (AceCode) and ``official_tests`` (open-r1/codeforces) alike;
 - ``test_list`` (MBPP): asserts; ``test_imports`` (MBPP sanitized) are put before each one and
   ``test_setup_code`` (MBPP) runs after the answer's code;
-- ``test`` with ``entry_point`` (HumanEval, MBPP+ and the like): ``def check(candidate)``, each
+- ``test`` with ``entry_point`` (HumanEval, HumanEval+): ``def check(candidate)``, each
   assert in it on ``candidate`` one test on the entry point, the assignments and imports before
-  it kept; a loop around asserts one test (judged when it runs over literals);
+  it kept; a loop around asserts one test (judged when it runs over literals); HumanEval+'s
+  loop over its ``inputs`` and ``results``, a test an input;
   without ``entry_point``, a pytest file (KodCode): each ``def test_...()`` one test;
 - ``input_output`` (APPS, TACO): ``{"inputs": [...], "outputs": [...]}``, stdin/stdout cases, or
   with ``fn_name`` calls of that function (a ``class Solution`` method is bound to the name),
@@ -195,8 +196,13 @@ def humaneval_tests(test: str, entry_point: str) -> tuple[str, ...]:
     name = check.args.args[0].arg
     rename = _Rename(name, entry_point)
     before = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    tests = []
+    tests, consts = [], {}
     for node in check.body:
+        if isinstance(node, ast.For) and (plus := _evalplus(node, consts, name, entry_point)):
+            tests += plus  # (its numpy import is the assertion helper's, not theirs)
+            continue
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            consts[node.targets[0].id] = node.value
         uses = any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
         text = ast.unparse(rename.visit(node))
         if isinstance(node, ast.Assert):
@@ -208,6 +214,49 @@ def humaneval_tests(test: str, entry_point: str) -> tuple[str, ...]:
                                ast.AugAssign)):
             before.append(text)
     return tuple(tests)
+
+
+def _evalplus(loop: ast.For, consts: dict[str, ast.expr], name: str, entry: str) -> list[str]:
+    """HumanEval+'s ``for i, (inp, exp) in enumerate(zip(inputs, results)):
+    assertion(candidate(*inp), exp, atol)`` as one test an input: ``==``, or ``isclose``
+    where the expected value is a float or ``atol`` is set (its ``assertion``'s tolerance)."""
+    call = loop.body[0].value if len(loop.body) == 1 and isinstance(loop.body[0], ast.Expr) \
+        else None
+    zipped = loop.iter.args[0] if isinstance(loop.iter, ast.Call) and getattr(
+        loop.iter.func, "id", "") == "enumerate" and loop.iter.args else loop.iter
+    if not (isinstance(call, ast.Call) and getattr(call.func, "id", "") == "assertion"
+            and len(call.args) == 3 and isinstance(zipped, ast.Call)
+            and getattr(zipped.func, "id", "") == "zip" and len(zipped.args) == 2
+            and all(getattr(a, "id", "") in consts and is_literal(consts[a.id])
+                    for a in zipped.args) and is_literal(call.args[2])):
+        return []
+    got = call.args[0]
+    if not (isinstance(got, ast.Call) and getattr(got.func, "id", "") == name
+            and len(got.args) == 1 and isinstance(got.args[0], ast.Starred)):
+        return []
+    inputs, results = (ast.literal_eval(consts[a.id]) for a in zipped.args)
+    atol, tests = ast.literal_eval(call.args[2]), []
+    for args, want in zip(inputs, results):
+        call_text = f"{entry}({', '.join(map(_source, args))})"
+        if isinstance(want, float) or atol and type(want) is int:
+            tests.append(f"assert math.isclose({call_text}, {_source(want)}, rel_tol=1e-07, "
+                         f"abs_tol={atol or 1e-6})")
+        else:
+            tests.append(f"assert {call_text} == {_source(want)}")
+    return tests
+
+
+def _source(value: Any) -> str:
+    """A value as Python source (``float('inf')`` where ``repr`` would write ``inf``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float('{value}')"
+    if isinstance(value, (list, tuple)):
+        items = ", ".join(map(_source, value)) + ("," if type(value) is tuple and len(value) == 1
+                                                   else "")
+        return f"[{items}]" if isinstance(value, list) else f"({items})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_source(k)}: {_source(v)}" for k, v in value.items()) + "}"
+    return repr(value)
 
 
 @functools.lru_cache(maxsize=1024)
