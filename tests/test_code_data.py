@@ -4,6 +4,7 @@ output (grpolab.rewards.sandbox.run_io)."""
 
 from __future__ import annotations
 
+import ast
 import json
 
 import pytest
@@ -294,3 +295,28 @@ def test_humaneval_plus_rows_give_a_test_an_input() -> None:
     code = "def mid(a, b):\n    return a if isinstance(a, list) else (a + b) / 2{}\n"
     assert run_case(code.format(" + 1e-9"), row_case(row), QUICK).share == 1.0  # within 1e-6
     assert run_case(code.format(" + 1e-3"), row_case(row), QUICK).passed == 1
+
+
+def test_expected_sides_built_from_constants_are_folded_here() -> None:
+    """``[0] * 3``, ``'a' * 3``, ``(1 << 31) - 1``, ``list(range(5))``, ``'abc'[::-1]``,
+    ``math.sqrt(2)``, ``sorted(..., reverse=True)``: computed in the trainer, within bounds
+    (``'x' * 10 ** 9`` is left alone, and the test cannot be judged)."""
+    from grpolab.rewards.fold import fold
+
+    def folded(src: str) -> str:
+        return ast.unparse(fold(ast.parse(src), frozenset()))
+
+    assert folded("assert f(3) == [0] * 3") == "assert f(3) == [0, 0, 0]"
+    assert folded("assert g() == (1 << 31) - 1 and h() == 'abc'[::-1]") == \
+        "assert g() == 2147483647 and h() == 'cba'"
+    assert folded("assert f() == list(range(3)) + [math.inf]") == \
+        "assert f() == [0, 1, 2, float('inf')]"
+    assert folded("assert f() == 'x' * 10 ** 9") == "assert f() == 'x' * 1000000000"
+    assert folded("assert f() == sum([[1]] * 3, [])") == "assert f() == sum([[1], [1], [1]], [])"
+    assert ast.unparse(fold(ast.parse("assert f() == len([1])"), frozenset({"len"}))) == \
+        "assert f() == len([1])"  # the answer's own len
+    code = "def f(n):\n    return [0] * n\ndef h():\n    return 2 ** 31 - 1\n"
+    tests = ("assert f(3) == [0] * 3", "assert h() == (1 << 31) - 1", "assert f(2) == [0] * 3",
+             "assert f(1) == [0] * 10 ** 9")
+    v = run_case(code, Case(tests), QUICK)
+    assert (v.passed, v.total) == (2, 4) and "1 test(s) not checkable" in v.note

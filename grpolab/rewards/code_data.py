@@ -34,6 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from grpolab.rewards.fold import source
+
 COLUMNS = ("tests", "test_cases", "official_tests", "test_list", "test", "input_output",
            "verification_info", "public_tests", "answer")
 
@@ -237,26 +239,13 @@ def _evalplus(loop: ast.For, consts: dict[str, ast.expr], name: str, entry: str)
     inputs, results = (ast.literal_eval(consts[a.id]) for a in zipped.args)
     atol, tests = ast.literal_eval(call.args[2]), []
     for args, want in zip(inputs, results):
-        call_text = f"{entry}({', '.join(map(_source, args))})"
+        call_text = f"{entry}({', '.join(map(source, args))})"
         if isinstance(want, float) or atol and type(want) is int:
-            tests.append(f"assert math.isclose({call_text}, {_source(want)}, rel_tol=1e-07, "
+            tests.append(f"assert math.isclose({call_text}, {source(want)}, rel_tol=1e-07, "
                          f"abs_tol={atol or 1e-6})")
         else:
-            tests.append(f"assert {call_text} == {_source(want)}")
+            tests.append(f"assert {call_text} == {source(want)}")
     return tests
-
-
-def _source(value: Any) -> str:
-    """A value as Python source (``float('inf')`` where ``repr`` would write ``inf``)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"float('{value}')"
-    if isinstance(value, (list, tuple)):
-        items = ", ".join(map(_source, value)) + ("," if type(value) is tuple and len(value) == 1
-                                                   else "")
-        return f"[{items}]" if isinstance(value, list) else f"({items})"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_source(k)}: {_source(v)}" for k, v in value.items()) + "}"
-    return repr(value)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -63,6 +63,7 @@ from grpolab.rewards.code_data import (
     defined_names,
     row_case,
 )
+from grpolab.rewards.fold import NAMES
 from grpolab.rewards.sandbox_judge import SHADOWABLE, Plan, passes, plan_test
 
 logger = logging.getLogger("grpolab.rewards.sandbox")
@@ -112,7 +113,7 @@ def extract_code(completion: str) -> str:
 def run_tests(code: str, tests: Sequence[str], limits: Limits = Limits()) -> Verdict:
     """Run ``code`` in a sandboxed process, evaluate the tests' expressions there and check
     their values here: how many tests passed."""
-    shadow = defined_names(code) & SHADOWABLE
+    shadow = defined_names(code) & (SHADOWABLE | NAMES)
     return _run(code, [plan_test(str(t), shadow) for t in list(tests)[:MAX_TESTS]], limits,
                 False)
 

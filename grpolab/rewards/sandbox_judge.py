@@ -26,6 +26,7 @@ from grpolab.rewards.code_data import (
     raises_block,
     same_output,
 )
+from grpolab.rewards.fold import fold
 
 
 class _Unjudgeable(Exception):
@@ -38,7 +39,6 @@ _FUNCS = {"len": len, "sorted": sorted, "set": set, "frozenset": frozenset, "tup
           "bool": bool, "int": int, "float": float, "str": str, "any": any, "all": all,
           "dict": dict}
 SHADOWABLE = frozenset([*_FUNCS, "isclose"])  # names a test may mean as the answer's own
-_CONSTS = {"inf": math.inf, "nan": math.nan, "pi": math.pi, "e": math.e, "tau": math.tau}
 _CMP = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
         ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
         ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
@@ -86,7 +86,7 @@ def plan_test(test: str, shadow: frozenset[str] = frozenset()) -> Plan | None:
     """The test as steps for the sandbox and checks for here, or None if it cannot be
     judged outside the answer's process (shared between calls: read, never changed)."""
     try:
-        tree = ast.parse(test)
+        tree = fold(ast.parse(test), shadow)  # `[0] * 3`: a literal, made here
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
     plan = Plan([], [], shadow=shadow & SHADOWABLE)
@@ -144,9 +144,6 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
         return ("lit", ast.literal_eval(node))
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         pass
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-            and node.value.id == "math" and node.attr in _CONSTS:
-        return ("lit", _CONSTS[node.attr])
     if isinstance(node, ast.Compare) and all(type(op) in _CMP for op in node.ops):
         operands = [_term(n, plan) for n in (node.left, *node.comparators)]
         if sum(_is_val(t) for t in operands) > 1:  # both sides the answer's: forgeable
