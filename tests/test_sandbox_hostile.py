@@ -123,11 +123,9 @@ def test_tests_that_cannot_be_judged_outside_count_as_failed() -> None:
 # ---- frames: reaching the harness to rewrite its results ----
 
 FORGE = """
-def _forge(nonce, write):
-    for i in range(10):
-        write(nonce + " " + str(i) + " 1\\n")
-        for k in range(3):
-            write(nonce + " v " + str(i) + " " + str(k) + " true\\n")
+def _forge(nonce, write):  # the values TESTS expect, as the child reports them
+    for i, value in enumerate((5, 3, 15)):
+        write(nonce + " v " + str(i) + " 0 " + str(value) + "\\n")
     write(nonce + " done\\n")
     os._exit(0)
 def _from_frame(f):
@@ -155,10 +153,17 @@ FRAMES = {
 
 
 @pytest.mark.parametrize("route", list(FRAMES))
-@pytest.mark.parametrize("guard", [QUICK, NO_GUARD], ids=["all-layers", "no-audit-hook"])
-def test_frames_cannot_forge_results(route: str, guard: Limits) -> None:
+def test_frames_cannot_forge_results(route: str) -> None:
     code = "import os, sys\n" + FORGE + FRAMES[route] + "\n" + WRONG
-    assert run_tests(code, TESTS, guard).passed == 0
+    assert run_tests(code, TESTS, QUICK).passed == 0
+
+
+def test_the_forger_forges_where_frames_are_open() -> None:
+    """FORGE wrote ``true`` for every value until the third red-team pass: no test compares
+    to it, so the frame tests above could not have seen a forgery, and the audit hook's absence
+    looked safe. It is not: the frames are the hook's to keep out."""
+    code = "import os, sys\n" + FORGE + FRAMES["sys._getframe"] + "\n" + WRONG
+    assert run_tests(code, TESTS, NO_GUARD).passed == 3
 
 
 # ---- signals ----
@@ -382,9 +387,10 @@ def test_defect1_an_object_equal_to_everything_does_not_pass() -> None:
 
 
 def test_defect1_a_harness_in_the_answers_hands_cannot_forge_a_pass() -> None:
-    # with the audit hook off, every frame is the answer's: still nothing to forge with
+    # (with the audit hook off every frame is the answer's, and so is the harness's nonce:
+    # test_the_forger_forges_where_frames_are_open)
     code = "import os, sys\n" + FORGE + FRAMES["sys._getframe"] + "\n" + WRONG
-    assert run_tests(code, ["assert add(1, 1) == 3", "assert False"], NO_GUARD).passed == 0
+    assert run_tests(code, TESTS, QUICK).passed == 0
 
 
 # ---- defect 2: the filesystem boundary was lexical, unbounded and left folders behind ----
@@ -534,3 +540,51 @@ def test_library_calls_run_without_the_answer(boundary: str) -> None:
              "import re\nassert len(re.findall('n', re.sub('b', 'n', h()))) == 3"]
     v = run_tests(honest, tests, QUICK)
     assert (v.passed, v.note) == (len(tests), ""), v
+
+
+# ---- the red team's third round (2026-12-06): today's moved boundaries ----
+
+def test_the_audit_hook_uses_nothing_the_answer_can_replace(boundary: str) -> None:
+    """The hook read CODE (the attribute reads it lets through) from the child's module at each
+    event: an answer that put its own CODE into sys.modules['__main__'] read tb_frame, walked
+    to the harness's frame and wrote a full pass with its nonce. builtins.bool, posix.stat and
+    MAX_NEW_FILES were read at each event too (a write outside, a directory fd, the quota)."""
+    forge = ("import os, sys\nclass Every:\n    def __contains__(self, name):\n        return True\n"
+             "sys.modules['__main__'].CODE = Every()\n" + FORGE + FRAMES["traceback"])
+    assert run_tests(forge + "\n" + WRONG, TESTS, QUICK).passed == 0
+    probe = "fd = os.open(os.path.dirname(os.__file__) + '/zz.py', os.O_WRONLY | os.O_CREAT)"
+    replaced = {
+        "bool": ("import builtins\nbuiltins.bool = lambda x: False\ntry:\n    " + probe +
+                 "\nexcept OSError as e:\n    ok = 'sandbox' not in str(e)"),
+        "posix.stat": ("import posix\nclass File:\n    st_mode = 0o100644\n"
+                       "posix.stat = lambda *a, **k: File()\nfd = os.open('.', os.O_RDONLY)\n"
+                       "ok = True"),
+    }
+    if boundary == "hook":  # (a tmpfs of disk_mb is the quota in a mount namespace)
+        replaced["MAX_NEW_FILES"] = ("sys.modules['__main__'].MAX_NEW_FILES = 10**6\n"
+                                     "for i in range(80):\n    open(f'f{i}', 'w').close()\n"
+                                     "ok = True")
+    for name, body in replaced.items():
+        assert run_tests(_attack(body), TESTS, QUICK).passed == 0, name
+
+
+def test_an_exception_is_a_builtin_one_only_by_identity() -> None:
+    """The child named the builtin exception classes in type(e).__mro__ by ``c in errors``: a
+    metaclass whose __eq__ is always true and whose __hash__ is ValueError's made an exception
+    no ``except ValueError`` catches pass ``pytest.raises(ValueError)``. A class whose mro()
+    puts ValueError in its __mro__ is one to Python (``except ValueError`` catches it): it
+    passes, as it would under pytest."""
+    tests = ["import pytest\nwith pytest.raises(ValueError, match='positive'):\n    check(-1)",
+             "try:\n    check(-1)\n    assert False\nexcept ValueError:\n    pass"]
+    fake = ("import builtins\nclass M(type):\n    def __eq__(cls, other):\n        return True\n"
+            "    def __hash__(cls):\n        return hash(builtins.ValueError)\n"
+            "class ValueError(Exception, metaclass=M):\n    pass\n"
+            "def check(x):\n    raise ValueError('must be positive')\n")
+    assert run_tests(fake, tests, QUICK).passed == 0
+    assert run_tests("def check(x):\n    raise ValueError('must be positive')\n", tests,
+                     QUICK).passed == 2
+    mro = ("class M(type):\n    def mro(cls):\n"
+           "        return (cls, ValueError, Exception, BaseException, object)\n"
+           "class E(Exception, metaclass=M):\n    pass\n"
+           "def check(x):\n    raise E('must be positive')\n")
+    assert run_tests(mro, tests, QUICK).passed == 2
