@@ -588,3 +588,56 @@ def test_an_exception_is_a_builtin_one_only_by_identity() -> None:
            "class E(Exception, metaclass=M):\n    pass\n"
            "def check(x):\n    raise E('must be positive')\n")
     assert run_tests(mro, tests, QUICK).passed == 2
+
+
+def test_a_set_or_dict_is_not_deduplicated_here() -> None:
+    """A str subclass equal only to itself is a plain str here: a set (or dict) of several
+    equal ones collapsed when decoded, so an answer that never removed duplicates passed
+    ``== {'a', 'b'}`` and ``len(...) == 1``, which Python fails. Such a value fails now."""
+    code = ("class S(str):\n    __hash__ = object.__hash__\n    def __eq__(a, b):\n"
+            "        return a is b\ndef uniq(xs):\n    return {S(x) for x in xs}\n"
+            "def index(xs):\n    return {S(x): 0 for x in xs}\n")
+    tests = ["assert uniq(['a', 'b', 'a']) == {'a', 'b'}", "assert len(uniq(['a', 'a'])) == 1",
+             "assert index(['a', 'a']) == {'a': 0}"]
+    assert run_tests(code, tests, QUICK).passed == 0
+    right = "def uniq(xs):\n    return set(xs)\ndef index(xs):\n    return dict.fromkeys(xs, 0)\n"
+    assert run_tests(right, tests, QUICK).passed == 3
+
+
+def test_a_predicate_is_never_the_answers_own() -> None:
+    """``f().startswith('ab')`` (and endswith, isdigit, ...) is str's judgement: the 'keep'
+    steps made it in the sandbox on the answer's own object, or on a str subclass too big to
+    send, so an object saying yes to everything passed every such test."""
+    tests = ["assert f().startswith('ab')", "assert f().endswith('yz') and f().isdigit()",
+             "assert f().isalpha()"]
+    own = ("class Yes:\n    def __getattr__(self, name):\n        return lambda *a, **k: True\n"
+           "def f():\n    return Yes()\n")
+    big = ("class S(str):\n    def __getattribute__(self, name):\n"
+           "        return lambda *a, **k: True\ndef f():\n    return S('z' * 300_000)\n")
+    for code in (own, big):
+        assert run_tests(code, tests, QUICK).passed == 0, code
+    assert run_tests("def f():\n    return 'abyz'\n", tests[:1], QUICK).passed == 1
+
+
+def test_a_library_judge_stays_the_librarys() -> None:
+    """An answer's ``from math import isclose`` (or its own isclose) made a test's
+    ``math.isclose(half(3), 1.5)``, and its own ``from math import isclose``, not checkable:
+    the right answer scored 0. Names the test reads from a module, or binds itself, are not
+    the answer's."""
+    tests = ["import math\nassert math.isclose(half(3), 1.5)",
+             "from math import isclose\nassert isclose(half(3), 1.5)"]
+    for code in ("from math import isclose\n", "def isclose(a, b):\n    return True\n"):
+        v = run_tests(code + "def half(x):\n    return x / 2\n", tests, QUICK)
+        assert (v.passed, v.note) == (2, ""), (code, v)
+        assert run_tests(code + "def half(x):\n    return x\n", tests, QUICK).passed == 0
+
+
+def test_an_exceptions_text_cannot_stall_the_trainer() -> None:
+    """``match=`` is the dataset's pattern, searched here in the answer's text: 256 KB of it
+    made a pattern such as '.*positive' take half a minute per test (quadratic)."""
+    plan = sandbox.plan_test("import pytest\nwith pytest.raises(ValueError, match='.*positive'):"
+                             "\n    check(-1)")
+    t0 = time.monotonic()
+    assert not sandbox.passes(plan, {0: [["ValueError"], "x" * 250_000]})
+    assert time.monotonic() - t0 < 2
+    assert sandbox.passes(plan, {0: [["ValueError", "Exception"], "must be positive"]})
