@@ -641,3 +641,28 @@ def test_an_exceptions_text_cannot_stall_the_trainer() -> None:
     assert not sandbox.passes(plan, {0: [["ValueError"], "x" * 250_000]})
     assert time.monotonic() - t0 < 2
     assert sandbox.passes(plan, {0: [["ValueError", "Exception"], "must be positive"]})
+
+
+def test_a_pytest_files_helpers_are_not_the_answers() -> None:
+    """A pytest file's own helper (``def is_sorted``) was dropped with the file's other defs:
+    the test then called the answer's function of that name, which said yes. A test that uses
+    one now has it, and a def cannot be judged here."""
+    row = {"test": "from solution import sort_list\n\ndef is_sorted(xs):\n"
+                   "    return all(a <= b for a, b in zip(xs, xs[1:]))\n\n"
+                   "def test_sort():\n    assert is_sorted(sort_list([3, 1, 2]))\n\n"
+                   "def test_plain():\n    assert sort_list([2, 1]) == [1, 2]\n"}
+    case = sandbox.row_case(row)
+    wrong = "def sort_list(xs):\n    return xs\ndef is_sorted(xs):\n    return True\n"
+    v = sandbox.run_case(wrong, case, QUICK)
+    assert v.passed == 0 and "not checkable" in v.note, v
+    assert sandbox.run_case("def sort_list(xs):\n    return sorted(xs)\n", case, QUICK).passed == 1
+
+
+def test_a_name_bound_to_a_literal_is_read_as_it_is_then() -> None:
+    """``expected[0][0] = 0`` or a change through another name (``alias = expected``) left the
+    literal read here as it was written: the right answer failed and the one returning the
+    literal passed. Such a name is the sandbox's value now (the check then compares two)."""
+    tests = ["expected = [[1, 2], [3, 4]]\nexpected[0][0] = 0\nassert build() == expected",
+             "expected = [1, 2]\nalias = expected\nalias.append(3)\nassert grow() == expected"]
+    stale = "def build():\n    return [[1, 2], [3, 4]]\ndef grow():\n    return [1, 2]\n"
+    assert run_tests(stale, tests, QUICK).passed == 0
