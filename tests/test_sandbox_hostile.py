@@ -123,11 +123,9 @@ def test_tests_that_cannot_be_judged_outside_count_as_failed() -> None:
 # ---- frames: reaching the harness to rewrite its results ----
 
 FORGE = """
-def _forge(nonce, write):
-    for i in range(10):
-        write(nonce + " " + str(i) + " 1\\n")
-        for k in range(3):
-            write(nonce + " v " + str(i) + " " + str(k) + " true\\n")
+def _forge(nonce, write):  # the values TESTS expect, as the child reports them
+    for i, value in enumerate((5, 3, 15)):
+        write(nonce + " v " + str(i) + " 0 " + str(value) + "\\n")
     write(nonce + " done\\n")
     os._exit(0)
 def _from_frame(f):
@@ -155,10 +153,17 @@ FRAMES = {
 
 
 @pytest.mark.parametrize("route", list(FRAMES))
-@pytest.mark.parametrize("guard", [QUICK, NO_GUARD], ids=["all-layers", "no-audit-hook"])
-def test_frames_cannot_forge_results(route: str, guard: Limits) -> None:
+def test_frames_cannot_forge_results(route: str) -> None:
     code = "import os, sys\n" + FORGE + FRAMES[route] + "\n" + WRONG
-    assert run_tests(code, TESTS, guard).passed == 0
+    assert run_tests(code, TESTS, QUICK).passed == 0
+
+
+def test_the_forger_forges_where_frames_are_open() -> None:
+    """FORGE wrote ``true`` for every value until the third red-team pass: no test compares
+    to it, so the frame tests above could not have seen a forgery, and the audit hook's absence
+    looked safe. It is not: the frames are the hook's to keep out."""
+    code = "import os, sys\n" + FORGE + FRAMES["sys._getframe"] + "\n" + WRONG
+    assert run_tests(code, TESTS, NO_GUARD).passed == 3
 
 
 # ---- signals ----
@@ -382,9 +387,10 @@ def test_defect1_an_object_equal_to_everything_does_not_pass() -> None:
 
 
 def test_defect1_a_harness_in_the_answers_hands_cannot_forge_a_pass() -> None:
-    # with the audit hook off, every frame is the answer's: still nothing to forge with
+    # (with the audit hook off every frame is the answer's, and so is the harness's nonce:
+    # test_the_forger_forges_where_frames_are_open)
     code = "import os, sys\n" + FORGE + FRAMES["sys._getframe"] + "\n" + WRONG
-    assert run_tests(code, ["assert add(1, 1) == 3", "assert False"], NO_GUARD).passed == 0
+    assert run_tests(code, TESTS, QUICK).passed == 0
 
 
 # ---- defect 2: the filesystem boundary was lexical, unbounded and left folders behind ----
@@ -534,3 +540,129 @@ def test_library_calls_run_without_the_answer(boundary: str) -> None:
              "import re\nassert len(re.findall('n', re.sub('b', 'n', h()))) == 3"]
     v = run_tests(honest, tests, QUICK)
     assert (v.passed, v.note) == (len(tests), ""), v
+
+
+# ---- the red team's third round (2026-12-06): today's moved boundaries ----
+
+def test_the_audit_hook_uses_nothing_the_answer_can_replace(boundary: str) -> None:
+    """The hook read CODE (the attribute reads it lets through) from the child's module at each
+    event: an answer that put its own CODE into sys.modules['__main__'] read tb_frame, walked
+    to the harness's frame and wrote a full pass with its nonce. builtins.bool, posix.stat and
+    MAX_NEW_FILES were read at each event too (a write outside, a directory fd, the quota)."""
+    forge = ("import os, sys\nclass Every:\n    def __contains__(self, name):\n        return True\n"
+             "sys.modules['__main__'].CODE = Every()\n" + FORGE + FRAMES["traceback"])
+    assert run_tests(forge + "\n" + WRONG, TESTS, QUICK).passed == 0
+    probe = "fd = os.open(os.path.dirname(os.__file__) + '/zz.py', os.O_WRONLY | os.O_CREAT)"
+    replaced = {
+        "bool": ("import builtins\nbuiltins.bool = lambda x: False\ntry:\n    " + probe +
+                 "\nexcept OSError as e:\n    ok = 'sandbox' not in str(e)"),
+        "posix.stat": ("import posix\nclass File:\n    st_mode = 0o100644\n"
+                       "posix.stat = lambda *a, **k: File()\nfd = os.open('.', os.O_RDONLY)\n"
+                       "ok = True"),
+    }
+    if boundary == "hook":  # (a tmpfs of disk_mb is the quota in a mount namespace)
+        replaced["MAX_NEW_FILES"] = ("sys.modules['__main__'].MAX_NEW_FILES = 10**6\n"
+                                     "for i in range(80):\n    open(f'f{i}', 'w').close()\n"
+                                     "ok = True")
+    for name, body in replaced.items():
+        assert run_tests(_attack(body), TESTS, QUICK).passed == 0, name
+
+
+def test_an_exception_is_a_builtin_one_only_by_identity() -> None:
+    """The child named the builtin exception classes in type(e).__mro__ by ``c in errors``: a
+    metaclass whose __eq__ is always true and whose __hash__ is ValueError's made an exception
+    no ``except ValueError`` catches pass ``pytest.raises(ValueError)``. A class whose mro()
+    puts ValueError in its __mro__ is one to Python (``except ValueError`` catches it): it
+    passes, as it would under pytest."""
+    tests = ["import pytest\nwith pytest.raises(ValueError, match='positive'):\n    check(-1)",
+             "try:\n    check(-1)\n    assert False\nexcept ValueError:\n    pass"]
+    fake = ("import builtins\nclass M(type):\n    def __eq__(cls, other):\n        return True\n"
+            "    def __hash__(cls):\n        return hash(builtins.ValueError)\n"
+            "class ValueError(Exception, metaclass=M):\n    pass\n"
+            "def check(x):\n    raise ValueError('must be positive')\n")
+    assert run_tests(fake, tests, QUICK).passed == 0
+    assert run_tests("def check(x):\n    raise ValueError('must be positive')\n", tests,
+                     QUICK).passed == 2
+    mro = ("class M(type):\n    def mro(cls):\n"
+           "        return (cls, ValueError, Exception, BaseException, object)\n"
+           "class E(Exception, metaclass=M):\n    pass\n"
+           "def check(x):\n    raise E('must be positive')\n")
+    assert run_tests(mro, tests, QUICK).passed == 2
+
+
+def test_a_set_or_dict_is_not_deduplicated_here() -> None:
+    """A str subclass equal only to itself is a plain str here: a set (or dict) of several
+    equal ones collapsed when decoded, so an answer that never removed duplicates passed
+    ``== {'a', 'b'}`` and ``len(...) == 1``, which Python fails. Such a value fails now."""
+    code = ("class S(str):\n    __hash__ = object.__hash__\n    def __eq__(a, b):\n"
+            "        return a is b\ndef uniq(xs):\n    return {S(x) for x in xs}\n"
+            "def index(xs):\n    return {S(x): 0 for x in xs}\n")
+    tests = ["assert uniq(['a', 'b', 'a']) == {'a', 'b'}", "assert len(uniq(['a', 'a'])) == 1",
+             "assert index(['a', 'a']) == {'a': 0}"]
+    assert run_tests(code, tests, QUICK).passed == 0
+    right = "def uniq(xs):\n    return set(xs)\ndef index(xs):\n    return dict.fromkeys(xs, 0)\n"
+    assert run_tests(right, tests, QUICK).passed == 3
+
+
+def test_a_predicate_is_never_the_answers_own() -> None:
+    """``f().startswith('ab')`` (and endswith, isdigit, ...) is str's judgement: the 'keep'
+    steps made it in the sandbox on the answer's own object, or on a str subclass too big to
+    send, so an object saying yes to everything passed every such test."""
+    tests = ["assert f().startswith('ab')", "assert f().endswith('yz') and f().isdigit()",
+             "assert f().isalpha()"]
+    own = ("class Yes:\n    def __getattr__(self, name):\n        return lambda *a, **k: True\n"
+           "def f():\n    return Yes()\n")
+    big = ("class S(str):\n    def __getattribute__(self, name):\n"
+           "        return lambda *a, **k: True\ndef f():\n    return S('z' * 300_000)\n")
+    for code in (own, big):
+        assert run_tests(code, tests, QUICK).passed == 0, code
+    assert run_tests("def f():\n    return 'abyz'\n", tests[:1], QUICK).passed == 1
+
+
+def test_a_library_judge_stays_the_librarys() -> None:
+    """An answer's ``from math import isclose`` (or its own isclose) made a test's
+    ``math.isclose(half(3), 1.5)``, and its own ``from math import isclose``, not checkable:
+    the right answer scored 0. Names the test reads from a module, or binds itself, are not
+    the answer's."""
+    tests = ["import math\nassert math.isclose(half(3), 1.5)",
+             "from math import isclose\nassert isclose(half(3), 1.5)"]
+    for code in ("from math import isclose\n", "def isclose(a, b):\n    return True\n"):
+        v = run_tests(code + "def half(x):\n    return x / 2\n", tests, QUICK)
+        assert (v.passed, v.note) == (2, ""), (code, v)
+        assert run_tests(code + "def half(x):\n    return x\n", tests, QUICK).passed == 0
+
+
+def test_an_exceptions_text_cannot_stall_the_trainer() -> None:
+    """``match=`` is the dataset's pattern, searched here in the answer's text: 256 KB of it
+    made a pattern such as '.*positive' take half a minute per test (quadratic)."""
+    plan = sandbox.plan_test("import pytest\nwith pytest.raises(ValueError, match='.*positive'):"
+                             "\n    check(-1)")
+    t0 = time.monotonic()
+    assert not sandbox.passes(plan, {0: [["ValueError"], "x" * 250_000]})
+    assert time.monotonic() - t0 < 2
+    assert sandbox.passes(plan, {0: [["ValueError", "Exception"], "must be positive"]})
+
+
+def test_a_pytest_files_helpers_are_not_the_answers() -> None:
+    """A pytest file's own helper (``def is_sorted``) was dropped with the file's other defs:
+    the test then called the answer's function of that name, which said yes. A test that uses
+    one now has it, and a def cannot be judged here."""
+    row = {"test": "from solution import sort_list\n\ndef is_sorted(xs):\n"
+                   "    return all(a <= b for a, b in zip(xs, xs[1:]))\n\n"
+                   "def test_sort():\n    assert is_sorted(sort_list([3, 1, 2]))\n\n"
+                   "def test_plain():\n    assert sort_list([2, 1]) == [1, 2]\n"}
+    case = sandbox.row_case(row)
+    wrong = "def sort_list(xs):\n    return xs\ndef is_sorted(xs):\n    return True\n"
+    v = sandbox.run_case(wrong, case, QUICK)
+    assert v.passed == 0 and "not checkable" in v.note, v
+    assert sandbox.run_case("def sort_list(xs):\n    return sorted(xs)\n", case, QUICK).passed == 1
+
+
+def test_a_name_bound_to_a_literal_is_read_as_it_is_then() -> None:
+    """``expected[0][0] = 0`` or a change through another name (``alias = expected``) left the
+    literal read here as it was written: the right answer failed and the one returning the
+    literal passed. Such a name is the sandbox's value now (the check then compares two)."""
+    tests = ["expected = [[1, 2], [3, 4]]\nexpected[0][0] = 0\nassert build() == expected",
+             "expected = [1, 2]\nalias = expected\nalias.append(3)\nassert grow() == expected"]
+    stale = "def build():\n    return [[1, 2], [3, 4]]\ndef grow():\n    return [1, 2]\n"
+    assert run_tests(stale, tests, QUICK).passed == 0

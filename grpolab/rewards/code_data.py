@@ -198,6 +198,7 @@ def humaneval_tests(test: str, entry_point: str) -> tuple[str, ...]:
     name = check.args.args[0].arg
     rename = _Rename(name, entry_point)
     before = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    others = [n for n in tree.body if n is not check]
     tests, consts = [], {}
     for node in check.body:
         if isinstance(node, ast.For) and (plus := _evalplus(node, consts, name, entry_point)):
@@ -209,9 +210,9 @@ def humaneval_tests(test: str, entry_point: str) -> tuple[str, ...]:
         text = ast.unparse(rename.visit(node))
         if isinstance(node, ast.Assert):
             if uses:
-                tests.append("\n".join([*before, text]))
-        elif any(isinstance(n, ast.Assert) for n in ast.walk(node)):
-            tests.append("\n".join([*before, text]))  # a loop or an if around asserts
+                tests.append("\n".join([*before, *_used([node], others), text]))
+        elif any(isinstance(n, ast.Assert) for n in ast.walk(node)):  # a loop or an if around
+            tests.append("\n".join([*before, *_used([node], others), text]))  # asserts
         elif isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign,
                                ast.AugAssign)):
             before.append(text)
@@ -269,8 +270,32 @@ def pytest_tests(test: str) -> tuple[str, ...]:
         body = [ast.unparse(n) for n in node.body if not (
             isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]  # a docstring
         for setup in _parametrized(node) or [[]]:
-            tests.append("\n".join([*before, *setup, *body]))
+            tests.append("\n".join([*before, *_used(node.body, tree.body), *setup, *body]))
     return tuple(tests)
+
+
+def _used(body: list[ast.stmt], module: list[ast.stmt]) -> list[str]:
+    """The test file's own helpers (defs, classes, other assignments) that ``body`` uses, and
+    those they use, in the file's order: dropped, the answer's function of that name would
+    stand in for the test's (a ``def is_sorted`` that says yes). A def cannot be judged."""
+    names = {n.id for s in body for n in ast.walk(s) if isinstance(n, ast.Name)}
+    used: list[ast.stmt] = []
+    while new := [n for n in module if n not in used and _helper(n) & names]:
+        used += new
+        names |= {n.id for s in new for n in ast.walk(s) if isinstance(n, ast.Name)}
+    return [ast.unparse(n) for n in module if n in used]
+
+
+def _helper(node: ast.stmt) -> set[str]:
+    """The names a test file's statement binds, unless the tests are given it anyway (imports,
+    literal constants) or it is a test."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return set() if node.name.startswith("test") else {node.name}
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and not (
+            isinstance(node, ast.Assign) and is_literal(node.value)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return set()
 
 
 def _parametrized(fn: ast.FunctionDef) -> list[list[str]] | None:
@@ -352,17 +377,22 @@ def is_literal(node: ast.expr) -> bool:
 def literal_bindings(body: list[ast.stmt], pure: frozenset[str]) -> list[dict[str, Any]]:
     """For each statement of a test, the names it has bound to literals by then
     (``expected = [3, 2, 1]``) that nothing changes: an immutable value, or a list, dict or
-    set never reached through an attribute (``x.sort()``), an item store or a call argument
-    (but of ``pure`` functions). A check reads them here as the literals they are."""
+    set never reached through an attribute (``x.sort()``, ``x[0].append(1)``), an item store
+    (``x[0][1] = 1``) or a call argument (but of ``pure`` functions), nor read outside an
+    assert (``alias = x``, then ``alias.append(1)``). A check reads them here as the literals
+    they are."""
     touched: set[str] = set()  # mutable values that a step could change in place
-    for node in ast.walk(ast.Module(body, [])):
-        changed = isinstance(node, ast.Attribute) or (  # x.sort(); x[0] = 1
-            isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Load))
-        if changed and isinstance(node.value, ast.Name):
-            touched.add(node.value.id)
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) not in pure:
-            touched |= {n.id for a in [*node.args, *(k.value for k in node.keywords)]
-                        for n in ast.walk(a) if isinstance(n, ast.Name)}
+    for statement in body:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Attribute) or (  # x.sort(); x[0] = 1; x[0][1] = 1
+                    isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Load)):
+                touched |= {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) not in pure:
+                touched |= {n.id for a in [*node.args, *(k.value for k in node.keywords)]
+                            for n in ast.walk(a) if isinstance(n, ast.Name)}
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) \
+                    and not isinstance(statement, ast.Assert):
+                touched.add(node.id)  # (min(x, y), tuple(x) and x itself are x)
     bound: dict[str, Any] = {}
     out = []
     for node in body:

@@ -287,13 +287,15 @@ def decode(x: Any) -> Any:
         return [decode(v) for v in x]
     if isinstance(x, dict):
         ((tag, body),) = x.items()
-        if tag == "d":
-            return {decode(k): decode(v) for k, v in body}
         if tag == "b":
             return bytes.fromhex(body)
         if tag == "c":
             return complex(*(_number(v) for v in body))
-        return {"t": tuple, "s": set, "f": frozenset}[tag](decode(v) for v in body)
+        out = {decode(k): decode(v) for k, v in body} if tag == "d" else \
+            {"t": tuple, "s": set, "f": frozenset}[tag](decode(v) for v in body)
+        if len(out) != len(body):  # items the answer's set held apart (str subclasses equal
+            raise ValueError("a set or dict that is not one here")  # only to themselves)
+        return out
     return x
 
 

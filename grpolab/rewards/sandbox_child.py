@@ -132,10 +132,11 @@ def _guard(home, reads, lim, mounted, library):
     interpreter and could replace builtins or module attributes later."""
     import posix
     import stat as stat_mod
-    getcwd, lstat, readlink = posix.getcwd, posix.lstat, posix.readlink
-    isinstance_, type_, str_, bytes_, int_, len_, any_, id_ = (isinstance, type, str, bytes, int,
-                                                             len, any, id)
-    perm, imp, deep, fspath = PermissionError, ImportError, ValueError, os.fspath
+    getcwd, lstat, readlink, stat_ = posix.getcwd, posix.lstat, posix.readlink, posix.stat
+    isinstance_, type_, str_, bytes_, int_, len_, any_, id_, bool_ = (
+        isinstance, type, str, bytes, int, len, any, id, bool)
+    perm, imp, deep, fspath, os_error = PermissionError, ImportError, ValueError, os.fspath, OSError
+    code_reads, max_new = frozenset(CODE), MAX_NEW_FILES  # (not the module's: its own to rebind)
     import pathlib
     plain = (str, bytes, pathlib.PosixPath, pathlib.PurePosixPath)
     S_ISLNK, S_ISDIR = stat_mod.S_ISLNK, stat_mod.S_ISDIR
@@ -161,7 +162,7 @@ def _guard(home, reads, lim, mounted, library):
             here = "/" + "/".join([*parts, part])
             try:
                 is_link = S_ISLNK(lstat(here).st_mode)
-            except OSError:
+            except os_error:
                 is_link = False
             if is_link:
                 hops += 1
@@ -184,8 +185,8 @@ def _guard(home, reads, lim, mounted, library):
 
     def is_dir(p):
         try:
-            return S_ISDIR(posix.stat(p).st_mode)
-        except OSError:
+            return S_ISDIR(stat_(p).st_mode)
+        except os_error:
             return False
 
     def inside(args, event):
@@ -196,15 +197,15 @@ def _guard(home, reads, lim, mounted, library):
     def new_file(p):
         try:
             lstat(p)
-        except OSError:
+        except os_error:
             created[0] += 1
-            if not mounted and created[0] > MAX_NEW_FILES:
+            if not mounted and created[0] > max_new:
                 raise perm("sandbox: too many files (disk quota)") from None
 
     denied = ("socket.", "ctypes.", "subprocess.", "os.exec", "os.spawn", "os.posix_spawn",
               "os.fork", "os.forkpty", "os.system", "os.kill", "os.killpg", "os.startfile",
               "signal.pthread_kill", "gc.get_", "pty.", "sys._current_",
-              "sys.settrace", "sys.setprofile", "sys.remote_exec",
+              "sys.settrace", "sys.setprofile", "sys.remote_exec", "sys.monitoring",
               "os.link", "os.symlink", "os.chroot", "sys.addaudithook", "resource.",
               "os.fwalk", "cpython.PyInterpreterState", "mmap.", "_posixsubprocess")
     no_import = {"ctypes", "_ctypes", "_posixsubprocess", "subprocess", "socket", "_socket",
@@ -222,7 +223,7 @@ def _guard(home, reads, lim, mounted, library):
             path, mode, flags = args
             if path is None or isinstance_(path, int_):
                 return  # an fd it already holds (pipes, files it was allowed to open)
-            writing = bool(flags & W) if mode is None else any_(c in mode for c in "wax+")
+            writing = bool_(flags & W) if mode is None else any_(c in mode for c in "wax+")
             p = resolve(path)
             if flags & NOT_FILE or is_dir(p):  # a directory fd would anchor dir_fd= paths
                 raise perm(f"sandbox: no opening directory {p}")
@@ -236,7 +237,7 @@ def _guard(home, reads, lim, mounted, library):
                 raise perm(f"sandbox: no reading {p}")
         elif event == "sys._getframe":  # ValueError: namedtuple, typing and enum fall back on it
             raise deep("sandbox: no frames")
-        elif event == "object.__getattr__" and args[1] not in CODE:  # a frame; a function's
+        elif event == "object.__getattr__" and args[1] not in code_reads:  # a frame; a function's
             raise deep(f"sandbox: no reading {args[1]}")  # defaults (a library's mutable ones):
         #   ValueError: inspect's "no signature", on which dataclass falls back
         elif event.startswith(denied):
@@ -341,17 +342,20 @@ def _main(job):
         exec, eval, compile, dict, enumerate, BaseException, type)
     plain = (type, str, int, float, bool, list, tuple, dict, set, frozenset, bytes, complex)
     issub, str_, mro = issubclass, str, type.__dict__["__mro__"].__get__
-    errors = {v for v in vars(builtins).values() if isinstance(v, type) and issub(v, base)}
+    errors, id_ = {}, id  # id of a builtin exception class: its names (IOError is OSError)
+    for name, v in vars(builtins).items():  # (by identity: `c in a set` would ask c's metaclass)
+        if isinstance(v, type) and issub(v, base):
+            errors.setdefault(id_(v), []).append(name)
     # JSON written by primitives taken now: json.dumps would call library code the answer can
     # patch (its encoder instance) after it ran
     encode, dumps = _encoder(), _json_writer()  # noqa: F821 - sandbox_values.py, sent first
-    list_, len_, overflow = list, len, OverflowError
+    list_, len_, overflow, too_big, max_items = list, len, OverflowError, ValueError, MAX_ITEMS
 
     def take(iterable):
         items = list_()  # then each item must be plain like any value
         for item in iterable:
             items.append(item)
-            if len_(items) > MAX_ITEMS:  # an endless generator fails this test, not the run
+            if len_(items) > max_items:  # an endless generator fails this test, not the run
                 raise overflow("too many items")
         return items
 
@@ -398,7 +402,8 @@ def _main(job):
                     try:
                         exec_(step, env)
                     except base as e:
-                        value = [[c.__name__ for c in mro(type_(e)) if c in errors], str_(e)]
+                        value = [[n for c in mro(type_(e)) for n in errors.get(id_(c), ())],
+                                 str_(e)]
                 else:
                     value = eval_(step, env)
                 gc_on()
@@ -417,7 +422,7 @@ def _main(job):
             try:
                 text = dumps(encode(value))
                 if text.__len__() > 262_144:
-                    raise ValueError("too big")
+                    raise too_big("too big")
             except base:
                 text = "!"  # unserialisable: a failure, whatever it compares to
             say(f"v {i} {k} {text}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpolab.rewards.code_data import (
+    defined_names,
     is_literal,
     is_pytest_import,
     literal_bindings,
@@ -59,14 +60,15 @@ _JUDGING = (ast.Compare, ast.BoolOp, ast.IfExp)
 _JUDGING_CALLS = {"isclose", "isinstance", "issubclass", "all", "any", "callable", "hasattr",
                   "bool"}
 MAX_UNROLL = 1_000  # items a comprehension over literals is unrolled into
-# Methods of plain values a check calls here, on the value the sandbox sends: called there they
-# would be the answer's own (a str subclass whose startswith always says yes). Pure, and bounded
-# by their inputs.
+MAX_MATCH = 10_000  # characters of an exception's text searched ('.*x' on 256 KB: 30 s here)
+# Methods of plain values, called here on the value the sandbox sends (there they would be the
+# answer's own: a str subclass whose startswith always says yes); pure, bounded by their inputs
 _METHODS = {"startswith", "endswith", "lower", "upper", "strip", "lstrip", "rstrip", "split",
             "rsplit", "splitlines", "count", "find", "rfind", "index", "rindex", "isdigit",
             "isalpha", "isalnum", "isspace", "islower", "isupper", "istitle", "isdecimal",
             "isnumeric", "title", "capitalize", "casefold", "swapcase", "keys", "values",
             "items", "get", "join"}
+_VERDICT = {m for m in _METHODS if m[:2] == "is" or m[-4:] == "with"}  # verdicts: never there
 _PLAIN_TYPES = (str, bytes, list, tuple, dict, set, frozenset)
 
 
@@ -89,7 +91,7 @@ def plan_test(test: str, shadow: frozenset[str] = frozenset()) -> Plan | None:
         tree = fold(ast.parse(test), shadow)  # `[0] * 3`: a literal, made here
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
-    plan = Plan([], [], shadow=shadow & SHADOWABLE)
+    plan = Plan([], [], shadow=shadow & SHADOWABLE - defined_names(test))  # (not the test's)
     binds = literal_bindings(tree.body, SHADOWABLE - plan.shadow)
     try:
         for node, plan.literals in zip(tree.body, binds):
@@ -168,9 +170,9 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
         name = func.id if isinstance(func, ast.Name) else (
             func.attr if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
             and func.value.id == "math" else None)
-        if name in plan.shadow:  # the answer's `sum`: on literals the function under test;
+        if isinstance(func, ast.Name) and name in plan.shadow:  # the answer's `sum`: on literals
             if not all(map(is_literal, [*node.args, *(k.value for k in node.keywords)])):
-                raise _Unjudgeable  # around its values, the answer's own judge
+                raise _Unjudgeable  # the function under test; around its values its own judge
             name = None
         kwargs = {k.arg: _term(k.value, plan) for k in node.keywords}
         if name == "isclose" and len(node.args) == 2 and all(
@@ -184,10 +186,10 @@ def _term_raw(node: ast.expr, plan: Plan, top: bool = False, iterable: bool = Fa
                 and all(v[0] == "lit" for v in kwargs.values()) \
                 and not any(isinstance(a, ast.Starred) for a in node.args):
             receiver = _term(func.value, plan)
-            args = [_term(a, plan, iterable=func.attr == "join") for a in node.args]  # (join
+            args = [_term(a, plan, iterable=func.attr == "join") for a in node.args]
             term = ("method", func.attr, {k: v[1] for k, v in kwargs.items()}, receiver, *args)
             op = ast.Call(ast.Attribute(ast.Name("_k"), func.attr), node.args, node.keywords)
-            return _either(term, receiver, ast.unparse(op), plan)  # only iterates its argument)
+            return term if func.attr in _VERDICT else _either(term, receiver, ast.unparse(op), plan)
         if isinstance(func, ast.Name) and name in _FUNCS and not kwargs \
                 and not any(isinstance(a, ast.Starred) for a in node.args):
             # min(a, b) compares its arguments: only a lone one (or sum's first) is iterated
@@ -414,7 +416,7 @@ def _eval(term: Any, values: dict[int, Any]) -> Any:
     if kind == "raises":  # [the builtin exception classes it is an instance of, its text]
         got = values[term[1]]
         return bool(got) and any(n in got[0] for n in term[2]) and (
-            term[3] is None or re.search(term[3], str(got[1])) is not None)
+            term[3] is None or re.search(term[3], str(got[1])[:MAX_MATCH]) is not None)
     if kind == "either":  # the plain operand's, else the answer's object's own (``_either``)
         return _eval(term[2], values) if term[1] in values else values[term[3][1]]
     if kind == "call":
@@ -439,9 +441,7 @@ def _num(x: Any) -> int | float:
 
 
 def passes(plan: Plan | None, values: dict[int, Any]) -> bool:
-    if plan is None:
-        return False
     try:
-        return all(bool(_eval(check, values)) for check in plan.checks)
+        return plan is not None and all(bool(_eval(check, values)) for check in plan.checks)
     except Exception:  # noqa: BLE001 - a missing value, a type mismatch: not a pass
         return False
