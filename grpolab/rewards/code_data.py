@@ -107,12 +107,16 @@ def asserts(value: Any) -> tuple[str, ...]:
 
 def _json(value: Any) -> Any:
     """JSON text (a CSV or parquet column) read; anything else as it is."""
-    if isinstance(value, str) and value.strip()[:1] in ("[", "{"):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value
-    return value
+    return _parsed(value) if isinstance(value, str) and value.lstrip()[:1] in ("[", "{") \
+        else value
+
+
+@functools.lru_cache(maxsize=64)  # a group's G answers share a row (TACO's: megabytes)
+def _parsed(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _tests_or_io(value: Any) -> Case:
