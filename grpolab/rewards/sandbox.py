@@ -55,16 +55,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from grpolab.rewards.code_data import (
-    COLUMNS,
-    Case,
-    bind_solution,
-    column_of,
-    defined_names,
-    row_case,
-)
+from grpolab.rewards.code_data import COLUMNS, Case, bind_solution, column_of, row_case
 from grpolab.rewards.fold import NAMES
 from grpolab.rewards.sandbox_judge import SHADOWABLE, Plan, passes, plan_test
+from grpolab.rewards.shapes import defined_names
 
 logger = logging.getLogger("grpolab.rewards.sandbox")
 MAX_CODE_CHARS = 100_000

@@ -18,16 +18,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpolab.rewards.code_data import (
+from grpolab.rewards.code_data import same_output
+from grpolab.rewards.fold import fold
+from grpolab.rewards.shapes import (
     defined_names,
     is_literal,
     is_pytest_import,
     literal_bindings,
     loop_assert,
     raises_block,
-    same_output,
 )
-from grpolab.rewards.fold import fold
 
 
 class _Unjudgeable(Exception):
