@@ -115,7 +115,7 @@ def run_tests(code: str, tests: Sequence[str], limits: Limits = Limits()) -> Ver
 def run_io(code: str, cases: Sequence[tuple[str, str]], limits: Limits = Limits()) -> Verdict:
     """Run ``code`` as a program on each case's stdin, in one sandboxed process (a fresh
     namespace, ``__name__ == "__main__"``, each time), and compare its output with the case's
-    expected stdout here (``sandbox_judge.same_output``): how many cases passed."""
+    expected stdout here (``code_data.same_output``): how many cases passed."""
     return _run(code, [_io_plan(str(i), str(o)) for i, o in list(cases)[:MAX_TESTS]], limits,
                 True)
 
