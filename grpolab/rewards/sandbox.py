@@ -21,7 +21,7 @@ expected side is not a literal, that would need a judgement made there (a compar
 ``not`` or a conditional in an expression sent to the sandbox or in its setup), or that has a
 ``def``, a loop other than ``for x in <literal>: assert ...`` or no ``assert``, cannot be judged
 this way and counts as not passed (see ``Verdict.note``). A program's output on a case's stdin
-is sent back as text and compared here (``sandbox_judge.same_output``).
+is sent back as text and compared here (``code_data.same_output``).
 
 The answer (its last fenced code block, or the whole text) runs in a fresh ``python -I -S``
 (grpolab/rewards/sandbox_child.py) in new mount, network and IPC namespaces (as root, or in a
