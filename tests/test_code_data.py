@@ -215,7 +215,8 @@ def test_data_in_any_known_format_is_accepted_and_none_refused() -> None:
 def test_a_humaneval_file_loads_and_trains_as_it_is(tmp_path, capsys) -> None:
     from helpers import run_cli
 
-    from grpolab.data.files import load_rows
+    from grpolab.config.load import make_config
+    from grpolab.data.files import run_rows
     from grpolab.rewards.scorer import row_columns, score
     from grpolab.rollout.tinyhf import make_tiny_model
 
@@ -224,7 +225,11 @@ def test_a_humaneval_file_loads_and_trains_as_it_is(tmp_path, capsys) -> None:
            "canonical_solution": HE_RIGHT, "test": HE_TEST, "entry_point": "has_close_elements"}
     data.write_text("".join(json.dumps({**row, "task_id": f"HumanEval/{i}"}) + "\n"
                             for i in range(4)))
-    rows = load_rows(str(data), answer_column=None)
+    # the docs' YAML: answer_column: null reads no answer column (it read a column 'None')
+    (tmp_path / "run.yaml").write_text(f"dataset: {data}\nanswer_column: null\n")
+    cfg = make_config(str(tmp_path / "run.yaml"), command="train")
+    assert cfg.answer_column == ""
+    rows = run_rows(cfg)[0]
     res = score([code_reward], [r["prompt"] for r in rows[:2]], [HE_RIGHT, "pass"],
                 row_columns(rows[:2]))
     assert res.per_fn[:, 0].tolist() == [1.0, 0.0]

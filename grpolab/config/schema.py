@@ -378,7 +378,7 @@ def coerce(name: str, value: Any) -> Any:
         raise unknown_key(name, list(types_))
     tp = types_[name]
     try:
-        return _as(tp, value)
+        return "" if tp is str and value is None else _as(tp, value)  # null: none (answer_column)
     except ConfigError:
         raise
     except yaml.YAMLError as e:

@@ -217,7 +217,8 @@ def load_rows(
     columns = list(rows[0])
     for wanted, role in ((prompt_column, "prompt"), (answer_column, "answer")):
         if wanted is not None and wanted not in columns:
-            hint = "; answer_column: null reads none (the code reward's tests need none)" \
+            hint = ("; answer_column: null (--answer-column '') reads none (the code reward's "
+                    "tests need none)") \
                 if role == "answer" else ""
             raise ValueError(
                 f"dataset {where!r} has no {role} column {wanted!r}; "
