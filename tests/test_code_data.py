@@ -10,7 +10,14 @@ import json
 import pytest
 
 from grpolab.rewards.builtin import load_reward
-from grpolab.rewards.code_data import Case, bind_solution, humaneval_tests, row_case, same_output
+from grpolab.rewards.code_data import (
+    APPS_IMPORTS,
+    Case,
+    bind_solution,
+    humaneval_tests,
+    row_case,
+    same_output,
+)
 from grpolab.rewards.sandbox import Limits, check_tests, code_reward, run_case, run_io
 
 QUICK = Limits(cpu_seconds=2, wall_seconds=5)
@@ -84,11 +91,11 @@ def test_each_datasets_columns_read_as_its_own_harness_reads_them() -> None:
     # expected value being the output or its first item
     io = {"inputs": ["1 2\n", ["3 4", "5"]], "outputs": ["3\n", ["7", "5"]]}
     assert row_case({"input_output": json.dumps(io)}) == Case(
-        io=(("1 2\n", "3\n"), ("3 4\n5", "7\n5")))
+        io=(("1 2\n", "3\n"), ("3 4\n5", "7\n5")), prelude=APPS_IMPORTS)
     calls = {"inputs": [[[2, 7], 9], ["ab"]], "outputs": [[[0, 1]], "ba"], "fn_name": "f"}
     assert row_case({"input_output": calls}) == Case(
         ("assert f([2, 7], 9) in [[[0, 1]], [0, 1], (0, 1)]", "assert f('ab') == 'ba'"),
-        fn_name="f")
+        fn_name="f", prelude=APPS_IMPORTS)
     # open-r1: stdin_stdout cases only; code_contests: public then private tests
     info = {"language": "python", "test_cases": [
         {"input": "2\n", "output": "4\n", "type": "stdin_stdout"},
@@ -139,6 +146,23 @@ def test_humaneval_rows_train_on_their_entry_point() -> None:
         k: v[:2] for k, v in cols.items()}) == [1.0, 0.0]
 
 
+HE_PROMPT = ("from typing import List\n\n\ndef has_close_elements(numbers: List[float], "
+             "threshold: float) -> bool:\n    \"\"\" Check if any two numbers are closer than "
+             "threshold.\"\"\"\n")
+
+
+def test_humaneval_answers_get_the_prompts_code() -> None:
+    """A chat answer that writes only the entry point leans on the prompt's imports (its
+    `List`); a base model's answer continues the prompt's function: both are judged on the
+    prompt's code, as HumanEval's harness runs prompt + completion."""
+    cols = {"test": [HE_TEST] * 3, "entry_point": ["has_close_elements"] * 3}
+    body = HE_RIGHT.split("\n", 1)[1]  # the function's body only
+    chat = "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n" + body
+    got = code_reward([HE_PROMPT] * 3, [f"```python\n{chat}```", body, "    return True\n"],
+                      **cols)
+    assert got == [1.0, 1.0, 0.5]
+
+
 def test_a_leetcode_solution_class_answers_apps_call_tests() -> None:
     code = ("class Solution:\n    def twoSum(self, nums, target):\n        seen = {}\n"
             "        for i, x in enumerate(nums):\n            if target - x in seen:\n"
@@ -150,6 +174,12 @@ def test_a_leetcode_solution_class_answers_apps_call_tests() -> None:
     assert bind_solution("def twoSum(a, b): pass\n" + code, "twoSum").startswith("def twoSum")
     assert run_case(code.replace("[seen[target - x], i]", "[i, i]"), row_case(row),
                     QUICK).passed == 0
+    # APPS's checker puts its imports first (List), reads fn_name beside input_output too
+    typed = code.replace("def twoSum(self, nums, target)",
+                         "def twoSum(self, nums: List[int], target: int) -> List[int]")
+    beside = {"input_output": {k: v for k, v in row["input_output"].items() if k != "fn_name"},
+              "fn_name": "twoSum"}
+    assert run_case(typed, row_case(beside), QUICK).share == 1.0
     # APPS's checker reads a returned tuple as a list
     tuples = code.replace("[seen[target - x], i]", "(seen[target - x], i)")
     assert run_case(tuples, row_case(row), QUICK).share == 1.0
@@ -164,6 +194,7 @@ SUMS = {  # the ways a program reads its input and writes its output
                         "sys.stdout.write(f'{a + b:g}\\n')\nsys.exit(0)"),
     "main guard": ("def main():\n    a, b = map(float, input().split())\n    print(f'{a + b:g}')\n"
                    "if __name__ == '__main__':\n    main()"),
+    "exit()": "a, b = map(float, input().split())\nprint(f'{a + b:g}')\nexit()",
     "os.write": ("import os\na, b = map(float, input().split())\n"
                  "os.write(1, f'{a + b:g}\\n'.encode())"),
 }
@@ -176,7 +207,10 @@ def test_a_program_is_run_on_each_input_and_its_output_judged_here(how: str) -> 
 
 def test_programs_that_fail_or_cheat_do_not_pass() -> None:
     assert run_io("print(3)", CASES, QUICK).passed == 1  # right on one case only
-    assert run_io("print(3)\nexit(1)", CASES, QUICK).passed == 0  # an error exit
+    v = run_io("print(3)\nexit(1)", CASES, QUICK)  # an error exit
+    assert v.passed == 0 and v.note == "a test's code raised SystemExit", v
+    threads = "import threading\nthreading.Thread(target=lambda: print(3)).start()"
+    assert "RuntimeError" in run_io(threads, CASES, QUICK).note  # no new threads
     assert run_io("input()\ninput()", CASES, QUICK).passed == 0  # EOFError
     assert "SyntaxError" in run_io("print(", CASES, QUICK).note
     # each case starts afresh: what one run left in a module is gone in the next

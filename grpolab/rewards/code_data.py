@@ -27,6 +27,7 @@ with the expected one as judges compare (``same_output``).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import json
 import math
@@ -49,6 +50,9 @@ class Case:
     io: tuple[tuple[str, str], ...] = ()
     setup: str = ""  # run after the answer's code (MBPP's test_setup_code)
     fn_name: str = ""  # a ``class Solution`` method the tests call by this name (APPS)
+    prelude: str = ""  # run before it: the prompt's imports and helpers, APPS's imports
+    entry: str = ""  # the function the prompt begins (HumanEval): an answer without it is
+    prompt: str = ""  # the rest of the prompt's code, so run after it
 
     @property
     def count(self) -> int:
@@ -75,14 +79,17 @@ def row_case(row: Mapping[str, Any]) -> Case:
         setup = str(row.get("test_setup_code") or "")
         return Case(tuple("\n".join([*imports, t]) for t in asserts(value)), setup=setup)
     if column == "test" and "entry_point" in row:
-        return Case(humaneval_tests(str(value or ""), str(row.get("entry_point") or "")))
+        entry, prompt = str(row.get("entry_point") or ""), row.get("prompt")
+        prompt = prompt if isinstance(prompt, str) else ""
+        return Case(humaneval_tests(str(value or ""), entry), prelude=_prelude(prompt, entry),
+                    entry=entry, prompt=prompt)
     if column == "test":
         return Case(pytest_tests(str(value or "")))
     if column == "input_output" and isinstance(value, Mapping):
         ins, outs = value.get("inputs") or [], value.get("outputs") or []
-        if value.get("fn_name"):
-            return _calls(str(value["fn_name"]), ins, outs)
-        return Case(io=_pairs(ins, outs))
+        fn_name = value.get("fn_name") or row.get("fn_name")
+        case = _calls(str(fn_name), ins, outs) if fn_name else Case(io=_pairs(ins, outs))
+        return dataclasses.replace(case, prelude=APPS_IMPORTS)
     if column == "verification_info" and isinstance(value, Mapping):
         cases = [c for c in value.get("test_cases") or [] if isinstance(c, Mapping)
                  and c.get("type", "stdin_stdout") == "stdin_stdout"]
@@ -95,6 +102,26 @@ def row_case(row: Mapping[str, Any]) -> Case:
                 pairs += _pairs(part.get("input") or [], part.get("output") or [])
         return Case(io=pairs)
     return Case()
+
+
+# what APPS's own checker puts before every answer (but numpy, which the sandbox lacks)
+APPS_IMPORTS = ("import sys\nimport time\nimport itertools\nfrom itertools import accumulate, "
+                "product, permutations, combinations\nimport collections\nfrom collections import "
+                "Counter, OrderedDict, deque, defaultdict, ChainMap\nfrom functools import "
+                "lru_cache\nimport math\nfrom math import sqrt, sin, cos, tan, ceil, fabs, floor, "
+                "gcd, exp, log, log2\nimport fractions\nfrom typing import List, Tuple\n"
+                "import random\nimport heapq\nfrom heapq import *\n")
+
+
+def _prelude(prompt: str, entry: str) -> str:
+    """A HumanEval prompt's imports and helper functions (``from typing import List``; 10's
+    ``is_palindrome``), which a chat answer that writes only the entry point relies on."""
+    try:
+        tree = ast.parse(prompt)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return ""
+    return "\n".join(ast.unparse(n) for n in tree.body if not (
+        isinstance(n, ast.FunctionDef) and n.name == entry) and not isinstance(n, ast.Expr))
 
 
 def asserts(value: Any) -> tuple[str, ...]:

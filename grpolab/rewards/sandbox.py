@@ -126,7 +126,12 @@ def _io_plan(stdin: str, stdout: str) -> Plan:
 
 
 def run_case(code: str, case: Case, limits: Limits = Limits()) -> Verdict:
-    """A row's tests (``code_data.row_case``) on the answer's code."""
+    """A row's tests (``code_data.row_case``) on the answer's code: after the prompt's code
+    (``case.prelude``), or, where it does not define the function the prompt begins, as
+    that function's continuation (a base model's)."""
+    if case.entry and case.prompt and case.entry not in defined_names(code):
+        code = case.prompt + code
+    code = f"{case.prelude}\n\n{code}" if case.prelude else code
     if case.io:
         return run_io(code, case.io, limits)
     code = bind_solution(code, case.fn_name) if case.fn_name else code
@@ -239,7 +244,7 @@ def _alive(pid: int) -> bool:
 
 def _verdict(text: str, nonce: str, plans: list[Plan | None], note: str) -> Verdict:
     values: dict[int, dict[int, Any]] = {}
-    started, failed, done, boundary = False, "", False, ""
+    started, failed, done, boundary, raised = False, "", False, "", ""
     seen: set[tuple[str, ...]] = set()
     for line in text.splitlines():
         parts = line.split(" ", 4)
@@ -251,6 +256,8 @@ def _verdict(text: str, nonce: str, plans: list[Plan | None], note: str) -> Verd
             failed = " ".join(parts[2:3]) or "error"
         elif parts[1] == "done":
             done = True
+        elif parts[1] == "e" and len(parts) == 5 and not raised:  # a test's step raised
+            raised = parts[4][:60]
         elif parts[1] == "v" and len(parts) == 5 and parts[2].isdigit() and parts[3].isdigit():
             if (parts[2], parts[3]) in seen:  # the child says each once: someone else spoke
                 failed = "a value reported twice"
@@ -271,6 +278,8 @@ def _verdict(text: str, nonce: str, plans: list[Plan | None], note: str) -> Verd
         note = "stopped early (a limit was hit)"
     if unjudged and not note:
         note = f"{unjudged} test(s) not checkable outside the sandbox (counted as failed)"
+    if raised and not note:  # (a RuntimeError of a thread: no new threads or processes)
+        note = f"a test's code raised {raised}"
     return Verdict(passed if started and not failed else 0, len(plans), note, boundary)
 
 
@@ -304,7 +313,8 @@ def code_reward(prompts: list[Any], completions: list[str], **columns: Any) -> l
     its own sandbox, several at once. The tests come from the row's columns in any format
     ``code_data`` reads (``tests``, MBPP, HumanEval, APPS, code_contests, ..., else ``answer``)."""
     n = len(completions)
-    rows = [{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n}
+    rows = [{"prompt": prompts[i] if i < len(prompts) else "",  # (HumanEval's has its code)
+             **{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n}}
             for i in range(n)]
     if n and column_of(rows[0]) is None:
         raise ValueError(f"the code reward needs the tests in a column: {', '.join(COLUMNS)}")

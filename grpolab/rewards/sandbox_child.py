@@ -409,8 +409,8 @@ def _main(job):
                 gc_on()
                 if kind.startswith("keep:"):  # an operand the next step asks of, as it is
                     env[kind[5:]] = value
-                elif kind != "eval" and not issub(type_(value), plain):  # (a Counter: a dict)
-                    value = take(value)  # a generator, map, range: only iterated there
+                elif kind[0] in "ib" and not issub(type_(value), plain):  # iter, bind: (a Counter
+                    value = take(value)  # is a dict) a generator, map, range: only iterated there
                 if kind.startswith("bind:"):  # a library call's argument: plain, or no call
                     encode(value)
                     env[kind[5:]], bound = value, True

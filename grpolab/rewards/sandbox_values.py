@@ -160,6 +160,9 @@ def _program_runner(sys, exec_, dict_, clean, base):
                              b"".join, bytes.decode)
     where = posix.getcwd() + "/std"  # the scratch folder: the answer may chdir
 
+    def leave(code=None):  # exit() and quit(), which python -S leaves out of builtins
+        raise exit_(code)
+
     def run(code, stdin):
         fd = fopen(where + "in.txt", new, 0o600)
         write(fd, stdin.encode())
@@ -173,7 +176,8 @@ def _program_runner(sys, exec_, dict_, clean, base):
         sys.stdin, out = open_(0, "r", closefd=False), open_(1, "w", closefd=False)
         sys.stdout = out
         try:
-            exec_(code, {"__name__": "__main__", "__builtins__": dict_(clean)})
+            exec_(code, {"__name__": "__main__", "__builtins__": {**clean, "exit": leave,
+                                                                  "quit": leave}})
         except exit_ as e:
             if e.code is not None and e.code != 0:
                 raise
