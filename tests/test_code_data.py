@@ -244,6 +244,11 @@ def test_data_in_any_known_format_is_accepted_and_none_refused() -> None:
     check_tests([{"prompt": "q", "test_list": ["assert f(1) == 1"]}], "mbpp")
     with pytest.raises(ValueError, match="needs the tests in a column.*test_list"):
         check_tests([{"prompt": "q", "solutions": "[]"}], "data")
+    # JSON text that does not parse (a list pandas' to_csv wrote) is named, not read as no tests
+    for row in ({"tests": '["assert f(1) == 1",'}, {"input_output": "{'inputs': ['1']}"}):
+        with pytest.raises(ValueError, match=r"row 2's '(tests|input_output)' is not valid JSON"):
+            check_tests([{"tests": ["assert f(1) == 1"]} if "tests" in row else
+                         {"input_output": {"inputs": ["1"], "outputs": ["1"]}}, row], "d.csv")
 
 
 def test_a_humaneval_file_loads_and_trains_as_it_is(tmp_path, capsys) -> None:

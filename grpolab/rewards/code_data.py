@@ -124,6 +124,16 @@ def _prelude(prompt: str, entry: str) -> str:
         isinstance(n, ast.FunctionDef) and n.name == entry) and not isinstance(n, ast.Expr))
 
 
+def broken_json(row: Mapping[str, Any]) -> str | None:
+    """The test column of ``row`` that holds JSON text which does not parse, if one does."""
+    for name in (column_of(row), "test_imports", "public_tests", "private_tests"):
+        value = row.get(name) if name else None
+        if isinstance(value, str) and value.lstrip()[:1] in ("[", "{") \
+                and isinstance(_json(value), str):
+            return name
+    return None
+
+
 def asserts(value: Any) -> tuple[str, ...]:
     """A list of snippets (or one snippet) as test texts, empty ones dropped."""
     if isinstance(value, str):

@@ -55,7 +55,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from grpolab.rewards.code_data import COLUMNS, Case, bind_solution, column_of, row_case
+from grpolab.rewards.code_data import (
+    COLUMNS,
+    Case,
+    bind_solution,
+    broken_json,
+    column_of,
+    row_case,
+)
 from grpolab.rewards.fold import NAMES
 from grpolab.rewards.sandbox_judge import SHADOWABLE, Plan, passes, plan_test
 from grpolab.rewards.shapes import defined_names
@@ -369,6 +376,12 @@ def check_tests(rows: list[dict[str, Any]], where: str, sample: int = 200) -> No
     if column is None:
         raise ValueError(f"the code reward needs the tests in a column ({', '.join(COLUMNS)}; "
                          f"'test' with 'entry_point'); {where} has: {', '.join(map(str, rows[0]))}")
+    for i, row in enumerate(rows[:sample]):
+        if (name := broken_json(row)) is not None:
+            raise ValueError(
+                f"{where}: row {i + 1}'s {name!r} is not valid JSON ({_short(row[name])}); a "
+                "list written by pandas' to_csv is Python's text, not JSON: write the column "
+                "with json.dumps, or the file with to_json(orient='records', lines=True)")
     cases = [row_case(row) for row in rows[:sample]]
     if any(case.io for case in cases):
         return
