@@ -356,6 +356,9 @@ def test_expected_sides_built_from_constants_are_folded_here() -> None:
     assert folded("assert f() == list(range(3)) + [math.inf]") == \
         "assert f() == [0, 1, 2, float('inf')]"
     assert folded("assert f() == 'x' * 10 ** 9") == "assert f() == 'x' * 1000000000"
+    # shared inner lists count all through: 10**10 items are not walked, nor written
+    assert folded("assert f() == [[0] * 10 ** 5] * 10 ** 5") == \
+        "assert f() == [[0] * 100000] * 100000"
     assert folded("assert f() == sum([[1]] * 3, [])") == "assert f() == sum([[1], [1], [1]], [])"
     assert ast.unparse(fold(ast.parse("assert f() == len([1])"), frozenset({"len"}))) == \
         "assert f() == len([1])"  # the answer's own len

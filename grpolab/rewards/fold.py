@@ -11,7 +11,7 @@ import math
 import operator
 from typing import Any
 
-MAX_SIZE = 100_000  # items of a folded sequence, characters of a string
+MAX_SIZE = 10_000  # items, characters and bytes of a folded value, all through
 MAX_BITS = 100_000  # bits of a folded int
 CALLS = {"range": range, "list": list, "tuple": tuple, "sorted": sorted, "reversed": reversed,
          "set": set, "frozenset": frozenset, "dict": dict, "str": str, "int": int,
@@ -59,7 +59,7 @@ class _Folder(ast.NodeTransformer):
         if isinstance(node, ast.expr) and not isinstance(node, (ast.Constant, ast.Name)) \
                 and isinstance(getattr(node, "ctx", ast.Load()), ast.Load):
             try:
-                value = _plain(self.value(node))
+                value = _plain(_bounded(self.value(node)))
                 return ast.copy_location(ast.parse(source(value), mode="eval").body, node)
             except (_Unfoldable, ArithmeticError, ValueError, TypeError, IndexError,
                     KeyError, RecursionError, MemoryError, SyntaxError):
@@ -119,11 +119,25 @@ def _bounded_binary(op: ast.operator, a: Any, b: Any) -> None:
 
 
 def _bounded(value: Any) -> Any:
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > MAX_BITS:
-        raise _Unfoldable
-    if isinstance(value, (str, bytes, list, tuple, set, frozenset, dict, range)) \
-            and len(value) > MAX_SIZE:
-        raise _Unfoldable
+    """``value``, if it is small: ints of at most MAX_BITS bits, and at most MAX_SIZE items,
+    characters and bytes all through (``[[0] * 10**5] * 10**5`` shares one list, but is
+    10**10 items to walk)."""
+    budget = [MAX_SIZE]
+
+    def spend(x: Any) -> None:
+        if isinstance(x, int) and not isinstance(x, bool) and x.bit_length() > MAX_BITS:
+            raise _Unfoldable
+        if isinstance(x, (str, bytes, list, tuple, set, frozenset, dict, range)):
+            budget[0] -= len(x)
+            if budget[0] < 0:
+                raise _Unfoldable
+            if isinstance(x, (list, tuple, set, frozenset)):
+                for item in x:
+                    spend(item)
+            elif isinstance(x, dict):
+                for item in x.items():
+                    spend(item)
+    spend(value)
     return value
 
 
