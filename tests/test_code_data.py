@@ -161,6 +161,9 @@ def test_humaneval_answers_get_the_prompts_code() -> None:
     got = code_reward([HE_PROMPT] * 3, [f"```python\n{chat}```", body, "    return True\n"],
                       **cols)
     assert got == [1.0, 1.0, 0.5]
+    # a prompt that is not code (a template's words around it) is neither prelude nor start
+    worded = row_case({"prompt": "Write it:\n" + HE_PROMPT, **{k: v[0] for k, v in cols.items()}})
+    assert (worded.prelude, worded.prompt) == ("", "")
 
 
 def test_a_leetcode_solution_class_answers_apps_call_tests() -> None:

@@ -51,8 +51,8 @@ class Case:
     setup: str = ""  # run after the answer's code (MBPP's test_setup_code)
     fn_name: str = ""  # a ``class Solution`` method the tests call by this name (APPS)
     prelude: str = ""  # run before it: the prompt's imports and helpers, APPS's imports
-    entry: str = ""  # the function the prompt begins (HumanEval): an answer without it is
-    prompt: str = ""  # the rest of the prompt's code, so run after it
+    entry: str = ""  # the function the prompt begins (HumanEval's entry point)
+    prompt: str = ""  # that prompt, as code: an answer that lacks ``entry`` continues it
 
     @property
     def count(self) -> int:
@@ -80,9 +80,9 @@ def row_case(row: Mapping[str, Any]) -> Case:
         return Case(tuple("\n".join([*imports, t]) for t in asserts(value)), setup=setup)
     if column == "test" and "entry_point" in row:
         entry, prompt = str(row.get("entry_point") or ""), row.get("prompt")
-        prompt = prompt if isinstance(prompt, str) else ""
-        return Case(humaneval_tests(str(value or ""), entry), prelude=_prelude(prompt, entry),
-                    entry=entry, prompt=prompt)
+        prelude = _prelude(prompt, entry) if isinstance(prompt, str) else None
+        return Case(humaneval_tests(str(value or ""), entry), prelude=prelude or "",
+                    entry=entry, prompt=prompt if prelude is not None else "")
     if column == "test":
         return Case(pytest_tests(str(value or "")))
     if column == "input_output" and isinstance(value, Mapping):
@@ -113,13 +113,14 @@ APPS_IMPORTS = ("import sys\nimport time\nimport itertools\nfrom itertools impor
                 "import random\nimport heapq\nfrom heapq import *\n")
 
 
-def _prelude(prompt: str, entry: str) -> str:
+def _prelude(prompt: str, entry: str) -> str | None:
     """A HumanEval prompt's imports and helper functions (``from typing import List``; 10's
-    ``is_palindrome``), which a chat answer that writes only the entry point relies on."""
+    ``is_palindrome``), which a chat answer that writes only the entry point relies on; None
+    if the prompt is not code (a chat template's text around it)."""
     try:
         tree = ast.parse(prompt)
     except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return ""
+        return None
     return "\n".join(ast.unparse(n) for n in tree.body if not (
         isinstance(n, ast.FunctionDef) and n.name == entry) and not isinstance(n, ast.Expr))
 
