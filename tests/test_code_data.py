@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 
 import pytest
 
@@ -238,6 +239,24 @@ def test_outputs_are_compared_as_judges_compare_them() -> None:
     assert not same_output("1\n\n2", "1\n2")  # a blank line between lines counts
     assert not same_output("nan", "nan.0") and not same_output("1", "inf.")
     assert not same_output(3, "3")  # not text: not a program's output
+
+
+def test_tests_it_cannot_judge_are_counted_per_file_at_the_start(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from grpolab.rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "_WARNED", set())
+    rows = [{"tests": ["assert f(1) == 1", "def g():\n    return 2\nassert f(2) == g()"]},
+            {"tests": []}]
+    with caplog.at_level(logging.WARNING, logger="grpolab"):
+        check_tests(rows, "'train.jsonl'")
+        check_tests(rows[:1], "'test.jsonl'")
+        check_tests(rows[:1], "'quiet.jsonl'", warn=False)  # (torchrun's other ranks)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert "1 of the 2 tests of 'train.jsonl' not checkable" in said[0]  # a helper def
+    assert "1 of the 2 rows of 'train.jsonl' with no tests" in said[0]
+    assert "'test.jsonl'" in said[1]
 
 
 def test_data_in_any_known_format_is_accepted_and_none_refused() -> None:

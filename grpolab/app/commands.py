@@ -188,12 +188,13 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
 
 
 def _check_code_tests(cfg: Config, *datasets: tuple[list[dict], str]) -> None:
-    """The ``code`` reward on data whose tests it cannot judge would train on 0: refused."""
+    """The ``code`` reward on data whose tests it cannot judge would train on 0: refused; some
+    it cannot judge: warned of, per file (by rank 0)."""
     if {"code", "code_all"} & {*cfg.rewards, cfg.watch_reward}:
         from grpolab.rewards.sandbox import check_tests
 
         for rows, where in datasets:
-            check_tests(rows, repr(where))
+            check_tests(rows, repr(where), warn=dist.is_main())
 
 
 def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:

@@ -340,23 +340,24 @@ def code_all_reward(prompts: list[Any], completions: list[str], **columns: Any) 
 
 _WARNED: set[str] = set()  # what was said once already: per process, i.e. per run
 HOW = ("a test is an assert on values the answer computes, with a literal expected side, "
-       "such as 'assert add(2, 3) == 5', or a stdin/stdout case (loops in tests and "
-       "comparisons of two of the answer's values are not supported)")
+       "such as 'assert add(2, 3) == 5', or a stdin/stdout case (a helper def, a loop over "
+       "the answer's values and comparisons of two of the answer's values are not supported)")
 
 
-def _warn_unjudged(cases: list[Case]) -> None:
+def _warn_unjudged(cases: list[Case], where: str = "") -> None:
     """Tests the verifier cannot judge score 0 whatever the answer: a reward of 0 would look
-    like a verdict on the answers, so say so (once a run)."""
-    if "unjudged" in _WARNED:
+    like a verdict on the answers, so say so (once a run, or once per file checked)."""
+    if "unjudged" in _WARNED and not where:
         return
     tests = [t for case in cases for t in case.tests]
     bad = [t for t in tests if plan_test(t) is None]
     empty = sum(not case.count for case in cases)
     if bad or empty:
         _WARNED.add("unjudged")
-        what = [(f"{len(bad)} of the {len(tests)} tests not checkable outside the sandbox "
-                 f"(e.g. {_short(bad[0])})")] if bad else []
-        what += [f"{empty} of the {len(cases)} answers with no tests"] if empty else []
+        what = [(f"{len(bad)} of the {len(tests)} tests{where} not checkable outside the "
+                 f"sandbox (e.g. {_short(bad[0])})")] if bad else []
+        unit = f"rows{where}" if where else "answers"
+        what += [f"{empty} of the {len(cases)} {unit} with no tests"] if empty else []
         logger.warning("code reward: %s; they count as failed, so reward 0 there says nothing "
                        "about the answers. %s", " and ".join(what), HOW[0].upper() + HOW[1:])
 
@@ -366,7 +367,8 @@ def _short(text: str, limit: int = 60) -> str:
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
-def check_tests(rows: list[dict[str, Any]], where: str, sample: int = 200) -> None:
+def check_tests(rows: list[dict[str, Any]], where: str, sample: int = 200,
+                warn: bool = True) -> None:
     """Refuse (ValueError: exit 2, before anything is written) rows whose tests the ``code``
     reward can judge none of: no column of tests, answers that are not tests, or tests of a
     shape it does not support. Judged on the first ``sample`` rows."""
@@ -390,3 +392,6 @@ def check_tests(rows: list[dict[str, Any]], where: str, sample: int = 200) -> No
         shown = f"e.g. {_short(tests[0])}" if tests else "all empty"
         raise ValueError(f"the code reward can judge none of the tests of {where} (column "
                          f"{column!r}, first {min(sample, len(rows))} rows: {shown}); {HOW}")
+    if warn:  # the count per file now, not once for whichever batch came first
+        _warn_unjudged(cases, f" of {where}" + (f" (its first {sample} rows)"
+                                                 if len(rows) > sample else ""))
