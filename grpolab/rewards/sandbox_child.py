@@ -367,7 +367,7 @@ def _main(job):
     clean = dict_(builtins.__dict__)
     ns = {"__name__": "__solution__", "__builtins__": dict_(clean)}
     restore = _library_keeper(dict_(clean), library)  # noqa: F821 - sandbox_values
-    run_io = _program_runner(sys, exec_, dict_, clean, base)  # noqa: F821 - sandbox_values
+    run_io = _program_runner(sys, exec_, clean, base)  # noqa: F821 - sandbox_values
     del job
     say("start " + (mode or "none"))
     try:

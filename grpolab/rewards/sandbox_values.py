@@ -2,8 +2,9 @@
 the values it sends back, plain values only, tagged where JSON has no type of its own
 (``_encoder``) and written as JSON text by primitives taken before the answer runs
 (``_json_writer``); the standard library the tests call, put back as it was
-(``_library_keeper``); and a stdin/stdout program's run on one case (``_program_runner``). Part of the child's program: grpolab.rewards.sandbox sends this file's
-text ahead of sandbox_child.py's; never imported."""
+(``_library_keeper``); and a stdin/stdout program's run on one case (``_program_runner``).
+Part of the child's program: grpolab.rewards.sandbox sends this file's text ahead of
+sandbox_child.py's; never imported."""
 
 
 def _encoder():
@@ -146,7 +147,7 @@ def _library_keeper(clean_builtins, library):
     return restore
 
 
-def _program_runner(sys, exec_, dict_, clean, base):
+def _program_runner(sys, exec_, clean, base):
     """``run(code, stdin)``: the output of the compiled program run on ``stdin``: fd 0 and
     ``sys.stdin`` read the input (``input()``, ``open(0)``, ``sys.stdin.buffer``), fd 1 and
     ``sys.stdout`` write to a file of the scratch folder, read back after (print, writes,
