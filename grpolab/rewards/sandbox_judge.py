@@ -75,9 +75,9 @@ _PLAIN_TYPES = (str, bytes, list, tuple, dict, set, frozenset)
 @dataclass
 class Plan:
     # ("exec", statement) / ("eval", expression) / ("iter", expression, sent as a list if
-    # it is an iterator), in order
-    steps: list[tuple[str, str]]  # (and ("bind:_hN", expression): see ``_hoisted``)
-    checks: list[Any]  # one term per assert, over the values of the "eval"/"iter" steps
+    # it is an iterator) / ("raises", statements) / ("stdio", input), in order
+    steps: list[tuple[str, str]]  # (and "bind:_hN": ``_hoisted``; "keep:_kN": ``_either``)
+    checks: list[Any]  # one term per check, over the values the steps send (``_values``)
     modules: frozenset[str] = frozenset()  # names the test imports (re.split is re's)
     shadow: frozenset[str] = frozenset()  # names of _FUNCS the answer defines (its own `sum`)
     literals: dict[str, Any] = field(default_factory=dict)  # the test's (``literal_bindings``)
