@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpolab.rewards.fold import source
-from grpolab.rewards.shapes import is_literal
+from grpolab.rewards.shapes import is_literal, parse
 
 COLUMNS = ("tests", "test_cases", "official_tests", "test_list", "test", "input_output",
            "verification_info", "public_tests", "answer")
@@ -117,9 +117,7 @@ def _prelude(prompt: str, entry: str) -> str | None:
     """A HumanEval prompt's imports and helper functions (``from typing import List``; 10's
     ``is_palindrome``), which a chat answer that writes only the entry point relies on; None
     if the prompt is not code (a chat template's text around it)."""
-    try:
-        tree = ast.parse(prompt)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
+    if (tree := parse(prompt)) is None:
         return None
     return "\n".join(ast.unparse(n) for n in tree.body if not (
         isinstance(n, ast.FunctionDef) and n.name == entry) and not isinstance(n, ast.Expr))
@@ -194,9 +192,7 @@ def _calls(fn: str, ins: Any, outs: Any) -> Case:
 def bind_solution(code: str, fn_name: str) -> str:
     """The answer's code, with ``fn_name`` bound to ``Solution().fn_name`` when it defines that
     method on a ``class Solution`` (LeetCode style) and no function of that name."""
-    try:
-        tree = ast.parse(code)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
+    if (tree := parse(code)) is None:
         return code  # it fails in the sandbox, as it would anyway
     top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     methods = {m.name for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Solution"
@@ -211,9 +207,7 @@ def humaneval_tests(test: str, entry_point: str) -> tuple[str, ...]:
     """The asserts of ``def check(candidate)`` as tests on ``entry_point``: each with the
     imports and assignments before it; an assert that does not use ``candidate``
     (``assert True``) dropped; a statement with asserts inside (a loop) one test of its own."""
-    try:
-        tree = ast.parse(test)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
+    if (tree := parse(test)) is None:
         return ()
     check = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"
                   and n.args.args), None)
@@ -279,9 +273,7 @@ def pytest_tests(test: str) -> tuple[str, ...]:
     file's imports (``from solution import f`` dropped: the answer's names are there) and
     its literal constants; ``@pytest.mark.parametrize`` expanded, a case a test, its
     arguments assigned first. A test taking fixtures stays, and cannot be judged."""
-    try:
-        tree = ast.parse(test)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
+    if (tree := parse(test)) is None:
         return ()
     before = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
               and not (isinstance(n, ast.ImportFrom) and n.module == "solution")]

@@ -9,12 +9,18 @@ import ast
 from typing import Any
 
 
+def parse(text: str) -> ast.Module | None:
+    """``text`` parsed, or None where it is not Python (or too deep or large to parse)."""
+    try:
+        return ast.parse(text)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+
+
 def defined_names(code: str) -> frozenset[str]:
     """The names the answer's code binds at its top level (functions, classes, assignments,
     imports): a test's ``sum(10, 15)`` then means the answer's own ``sum``."""
-    try:
-        tree = ast.parse(code)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
+    if (tree := parse(code)) is None:
         return frozenset()
     names = set()
     for node in tree.body:
