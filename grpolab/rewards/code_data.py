@@ -180,12 +180,13 @@ def _calls(fn: str, ins: Any, outs: Any) -> Case:
     tests = []
     for args, out in zip(ins, outs):
         args = args if isinstance(args, list) else [args]
-        call = f"{fn}({', '.join(map(repr, args))})"
+        call = f"{fn}({', '.join(map(source, args))})"
         first = out[0] if isinstance(out, list) and out else None  # APPS: output or its first
         either = first is not None and (  # item; a tuple returned is read as a list
-            f"[{out!r}, {first!r}, {tuple(first)!r}]" if isinstance(first, list)
-            else f"[{out!r}, {first!r}]")
-        tests.append(f"assert {call} in {either}" if either else f"assert {call} == {out!r}")
+            f"[{source(out)}, {source(first)}, {source(tuple(first))}]"
+            if isinstance(first, list) else f"[{source(out)}, {source(first)}]")
+        tests.append(f"assert {call} in {either}" if either else
+                     f"assert {call} == {source(out)}")
     return Case(tuple(tests), fn_name=fn)
 
 
@@ -326,7 +327,7 @@ def _parametrized(fn: ast.FunctionDef) -> list[list[str]] | None:
         names = ast.literal_eval(deco.args[0])
         names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
         target = ", ".join(names) + ("," if len(names) == 1 else "")
-        rows = [[f"{target} = {v!r}" if len(names) > 1 else f"{names[0]} = {v!r}"]
+        rows = [[f"{target} = {source(v)}" if len(names) > 1 else f"{names[0]} = {source(v)}"]
                 for v in ast.literal_eval(deco.args[1])]
         cases = rows if cases is None else [a + b for a in cases for b in rows]
     return cases
