@@ -127,8 +127,7 @@ def broken_json(row: Mapping[str, Any]) -> str | None:
     """The test column of ``row`` that holds JSON text which does not parse, if one does."""
     for name in (column_of(row), "test_imports", "public_tests", "private_tests"):
         value = row.get(name) if name else None
-        if isinstance(value, str) and value.lstrip()[:1] in ("[", "{") \
-                and isinstance(_json(value), str):
+        if _looks_json(value) and isinstance(_parsed(value), str):
             return name
     return None
 
@@ -144,8 +143,11 @@ def asserts(value: Any) -> tuple[str, ...]:
 
 def _json(value: Any) -> Any:
     """JSON text (a CSV or parquet column) read; anything else as it is."""
-    return _parsed(value) if isinstance(value, str) and value.lstrip()[:1] in ("[", "{") \
-        else value
+    return _parsed(value) if _looks_json(value) else value
+
+
+def _looks_json(value: Any) -> bool:
+    return isinstance(value, str) and value.lstrip()[:1] in ("[", "{")
 
 
 @functools.lru_cache(maxsize=64)  # a group's G answers share a row (TACO's: megabytes)
