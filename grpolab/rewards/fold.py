@@ -11,6 +11,8 @@ import math
 import operator
 from typing import Any
 
+from grpolab.rewards.shapes import is_literal
+
 MAX_SIZE = 10_000  # items, characters and bytes of a folded value, all through
 MAX_BITS = 100_000  # bits of a folded int
 CALLS = {"range": range, "list": list, "tuple": tuple, "sorted": sorted, "reversed": reversed,
@@ -58,6 +60,8 @@ class _Folder(ast.NodeTransformer):
     def generic_visit(self, node: ast.AST) -> ast.AST:
         if isinstance(node, ast.expr) and not isinstance(node, (ast.Constant, ast.Name)) \
                 and isinstance(getattr(node, "ctx", ast.Load()), ast.Load):
+            if is_literal(node):  # already one: not computed, written and parsed again
+                return node
             try:
                 value = _plain(_bounded(self.value(node)))
                 return ast.copy_location(ast.parse(source(value), mode="eval").body, node)
