@@ -378,7 +378,7 @@ def coerce(name: str, value: Any) -> Any:
         raise unknown_key(name, list(types_))
     tp = types_[name]
     try:
-        return "" if tp is str and value is None else _as(tp, value)  # null: none (answer_column)
+        return _as(tp, value)
     except ConfigError:
         raise
     except yaml.YAMLError as e:
@@ -404,7 +404,7 @@ def _as(tp: Any, value: Any) -> Any:
             raise ValueError(value)
         if tp is not str and isinstance(value, bool):
             raise ValueError(value)
-        return tp(value)
+        return "" if tp is str and value is None else tp(value)  # null: none (answer_column)
     if tp is Speed:
         return _speed(value)
     if origin is list:
