@@ -20,6 +20,7 @@ import torch
 
 from grpolab.config import Config, ConfigError
 from grpolab.config.schema import command_defaults
+from grpolab.rewards.builtin import CODE_REWARDS
 from grpolab.rewards.scorer import load_rewards, make_scorer, score_answers
 from grpolab.rollout.templates import check_render
 from grpolab.run import dist, shard
@@ -190,7 +191,7 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
 def _check_code_tests(cfg: Config, *datasets: tuple[list[dict], str]) -> None:
     """The ``code`` reward on data whose tests it cannot judge would train on 0: refused; some
     it cannot judge: warned of, per file (by rank 0)."""
-    if {"code", "code_all"} & {*cfg.rewards, cfg.watch_reward}:
+    if set(CODE_REWARDS) & {*cfg.rewards, cfg.watch_reward}:
         from grpolab.rewards.sandbox import check_tests
 
         for rows, where in datasets:

@@ -189,8 +189,8 @@ def _import_file(spec: str, path: str) -> Any:
     return module
 
 
-BUILTIN_REWARDS = ("exact", "math", "math_lenient", "format", "reasoning_gym", "code",
-                   "code_all")
+CODE_REWARDS = ("code", "code_all")  # a question's tests, in a sandbox (rewards.sandbox)
+BUILTIN_REWARDS = ("exact", "math", "math_lenient", "format", "reasoning_gym", *CODE_REWARDS)
 
 
 def load_reward(spec: str, format_pattern: str | None = None,
@@ -221,7 +221,7 @@ def load_reward(spec: str, format_pattern: str | None = None,
 
         return task_reward(sources)
 
-    if spec in ("code", "code_all"):  # a question's tests, in a sandbox (rewards.sandbox)
+    if spec in CODE_REWARDS:
         from grpolab.rewards.sandbox import code_all_reward, code_reward
 
         return code_reward if spec == "code" else code_all_reward
