@@ -11,15 +11,9 @@ from typing import Any
 import yaml
 
 from grpolab.config import trl, yamlsafe
-from grpolab.config.schema import (
-    Config,
-    ConfigError,
-    coerce,
-    command_defaults,
-    field_types,
-    unknown_key,
-)
+from grpolab.config.schema import Config, ConfigError, command_defaults, field_types
 from grpolab.config.validate import resolve
+from grpolab.config.values import coerce, unknown_key
 
 log = logging.getLogger("grpolab")
 

@@ -2,22 +2,18 @@
 
 A single flat dataclass keeps the mapping YAML key == CLI flag == attribute obvious. Each field
 carries its help and the commands that offer it as metadata (``opt``); ``train`` and ``eval``
-take a real model's defaults where the workshop's would not do (``train=`` in ``opt``). Reading
-a config is ``grpolab.config.load``; checking one is ``grpolab.config.validate``.
+take a real model's defaults where the workshop's would not do (``train=`` in ``opt``). A value
+is read as its field's type in ``grpolab.config.values``, a config in ``grpolab.config.load``,
+and checked in ``grpolab.config.validate``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import yaml
-
-from grpolab.config import yamlsafe
 from grpolab.core.advantages import (
     ADVANTAGE_BASELINES,
     ADVANTAGE_SCALES,
@@ -362,89 +358,3 @@ def command_defaults(command: str) -> dict[str, Any]:
         if command in given or (command == "eval" and "train" in given):
             out[f.name] = given.get(command, given.get("train"))
     return out
-
-
-def unknown_key(name: str, known: list[str], command: str = "workshop") -> ConfigError:
-    """The error for a key no config has, naming the closest of ``known`` or the help."""
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"grpolab {command} --help lists them"
-    return ConfigError(f"unknown config key {name!r} ({hint})")
-
-
-def coerce(name: str, value: Any) -> Any:
-    """Convert a YAML or command-line value to the field's declared type, or raise ConfigError."""
-    types_ = field_types()
-    if name not in types_:
-        raise unknown_key(name, list(types_))
-    tp = types_[name]
-    try:
-        return _as(tp, value)
-    except ConfigError:
-        raise
-    except yaml.YAMLError as e:
-        problem = getattr(e, "problem", None) or "invalid YAML"
-        raise ConfigError(f"config key {name!r}: YAML refused: {problem}") from None
-    except (TypeError, ValueError):
-        raise ConfigError(f"config key {name!r}: cannot read {value!r} as {_type_name(tp)}") from None
-
-
-def _as(tp: Any, value: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        s = str(value).strip().lower()
-        if s in ("1", "true", "yes", "on"):
-            return True
-        if s in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(value)
-    if tp in (int, float, str):
-        if tp is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError(value)
-        if tp is not str and isinstance(value, bool):
-            raise ValueError(value)
-        return "" if tp is str and value is None else tp(value)  # null: none (answer_column)
-    if tp is Speed:
-        return _speed(value)
-    if origin is list:
-        (inner,) = typing.get_args(tp)
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(value)
-        return [inner(v.strip() if isinstance(v, str) else v) for v in value]
-    if origin is dict:
-        if isinstance(value, str):
-            # (--task-config '{...}'): aliases bounded as in a config file
-            value = yamlsafe.safe_load(value) if value.strip() else {}
-        if not isinstance(value, dict):
-            raise ValueError(value)
-        return {str(k): v for k, v in value.items()}
-    if origin is Literal:
-        return str(value)
-    if origin in (types.UnionType, typing.Union):
-        return value
-    return value
-
-
-def _speed(value: Any) -> Speed:
-    """A Speed from itself, a mapping, or ``key=value,key=value`` (the command line)."""
-    if isinstance(value, Speed):
-        return dataclasses.replace(value)
-    if isinstance(value, str):
-        pairs = [p.partition("=") for p in value.split(",") if p.strip()]
-        if any(not sep for _, sep, _ in pairs):
-            raise ValueError(value)
-        value = {k.strip(): v.strip() for k, _, v in pairs}
-    if not isinstance(value, dict):
-        raise TypeError(value)
-    known = {f.name for f in dataclasses.fields(Speed)}
-    bad = [k for k in value if k not in known]
-    if bad:
-        raise ConfigError(f"speed: unknown option {bad[0]!r}; known: {', '.join(sorted(known))}")
-    return Speed(**{k: _as(bool, v) for k, v in value.items()})
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")

@@ -18,9 +18,10 @@ import math
 import os
 from typing import Any
 
-from grpolab.config.schema import ConfigError, coerce
+from grpolab.config.schema import ConfigError
 from grpolab.config.trl_fields import TRL_ASIDE, TRL_FIXED
 from grpolab.config.trl_fields import VLLM_FIXED as _VLLM_FIXED
+from grpolab.config.values import coerce
 
 # TRL GRPOConfig names -> grpolab's, where they differ (same meaning, value as is).
 TRL_ALIASES: dict[str, str] = {
