@@ -66,6 +66,39 @@ def test_cispo_matches_trl() -> None:
           logp)
 
 
+def _ours(c: Config, logp, old, ref, adv, mask, beta: float) -> torch.Tensor:
+    """grpolab's loss for config ``c``, its policy loss's settings passed as the update does."""
+    return grpo_loss(logp, old, ref, adv, mask, beta=beta, agg=c.loss_agg,
+                     norm_len=c.max_new_tokens, policy_loss=c.policy_loss,
+                     kl_is_correction=c.kl_is_correction,
+                     **{k: getattr(c, k) for k in L.policy_knobs(c.policy_loss)}).loss
+
+
+@pytest.mark.parametrize(("trl_keys", "beta"), [
+    ({"loss_type": "sapo"}, 0.0),
+    ({"loss_type": "sapo", "sapo_temperature_pos": 0.7, "sapo_temperature_neg": 2.0}, 0.04),
+    ({"loss_type": "sapo", "use_bias_correction_kl": True}, 0.04),
+    ({"loss_type": "vespo"}, 0.0),
+    ({"loss_type": "vespo", "vespo_k_pos": 1.0, "vespo_lambda_pos": 0.5, "vespo_k_neg": 4.0,
+      "vespo_lambda_neg": 1.0}, 0.04),
+    ({"loss_type": "vespo", "use_bias_correction_kl": True}, 0.04),
+    ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, 0.0),
+    ({"loss_type": "luspo", "importance_sampling_level": "sequence", "epsilon": 0.05}, 0.04),
+    ({"loss_type": "luspo"}, 0.04),  # token level: TRL warns, and computes PPO's clip
+])
+def test_sapo_vespo_luspo_match_trl(trl_keys: dict, beta: float) -> None:
+    """TRL's loss types sapo, vespo and luspo, with their settings, translate to the policy
+    loss and aggregation that give TRL's loss and gradient."""
+    logp, old, ref, adv, mask = pair(15, spread=0.8)
+    adv[1] = 0.0  # a dead group's answer: no loss, no gradient, whichever side's settings
+    c = make_config(None, {**trl_keys, "max_completion_length": logp.shape[1], "beta": beta})
+    trl_over = {k: v for k, v in trl_keys.items() if k != "epsilon"}
+    if "epsilon" in trl_keys:
+        trl_over.update(epsilon_low=trl_keys["epsilon"], epsilon_high=trl_keys["epsilon"])
+    agree(lambda: _ours(c, logp, old, ref, adv, mask, beta),
+          lambda: trl_loss(logp, old, ref, adv, mask, beta=beta, **trl_over), logp)
+
+
 @pytest.mark.parametrize("correction", [False, True])
 def test_k3_matches_trl(correction: bool) -> None:
     logp, old, ref, adv, mask = pair(5, spread=0.1)

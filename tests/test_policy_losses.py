@@ -1,6 +1,6 @@
 """The policy losses besides PPO's clip, on hand-computed values: GSPO (sequence-level
-ratios), the dual clip and CISPO; and the default objective, bit for bit the old formula.
-(Each against TRL's own code: test_objectives_trl.py.)"""
+ratios), the dual clip, CISPO, SAPO, VESPO and GMPO; and the default objective, bit for bit the
+old formula. (Against TRL's own code: test_objectives_trl.py; verl's: test_objectives_verl.py.)"""
 
 from __future__ import annotations
 
@@ -96,6 +96,152 @@ def test_cispo_first_pass_gradient_is_grpo_gradient() -> None:
                         agg="token_mean")
         g.append(torch.autograd.grad(out.loss, logp)[0])
     assert torch.allclose(g[0], g[1], atol=1e-7)
+
+
+def test_cispo_lower_bound_hand_values() -> None:
+    """verl's CISPO clips the weight from below too: ratio 0.5 with cispo_min 0.8 weighs 0.8."""
+    logp = torch.tensor([[-1.0], [-2.0]], requires_grad=True)
+    old = logp.detach() - torch.log(torch.tensor([[2.0], [0.5]]))
+    t = L.cispo_loss(logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 1), cispo_max=1.5,
+                     cispo_min=0.8)
+    assert t.loss.flatten().tolist() == pytest.approx([1.5, -1.6])
+    assert t.clipped.flatten().tolist() == [True, True]
+
+
+# ------------------------------------------------------------------------ SAPO --
+
+
+def test_sapo_hand_values() -> None:
+    """Token 0: ratio 1, A = +1, tau 1: gate sigmoid(0) x 4 = 2, loss -2, slope 4 s (1 - s) r
+    = 1. Token 1: ratio e^0.5, A = -1, tau_neg 2: s = sigmoid(2 (e^0.5 - 1)), gate s x 2, loss
+    +2s, gradient -(-1) x 4 s (1 - s) e^0.5."""
+    logp = torch.tensor([[-1.0], [-1.0]], requires_grad=True)
+    old = logp.detach() - torch.tensor([[0.0], [0.5]])
+    adv = torch.tensor([1.0, -1.0])
+    t = L.sapo_loss(logp, old, adv, torch.ones(2, 1), sapo_tau_pos=1.0, sapo_tau_neg=2.0)
+    r = math.exp(0.5)
+    sig = 1 / (1 + math.exp(-2 * (r - 1)))
+    assert t.loss.flatten().tolist() == pytest.approx([-2.0, 2 * sig])
+    assert not t.clipped.any()
+    (g,) = torch.autograd.grad(t.loss.sum(), logp)
+    assert g.flatten().tolist() == pytest.approx([-1.0, 4 * sig * (1 - sig) * r])
+
+
+def test_sapo_signs_fade_at_their_own_temperature() -> None:
+    """Away from ratio 1 a larger temperature fades the gradient faster: with tau_neg 3 a
+    negative advantage's tokens get less gradient than a positive one's at tau_pos 1; an
+    advantage of 0 has neither loss nor gradient."""
+    logp, old, _, _, mask = pair(3, spread=0.5)
+    b = logp.shape[0]
+
+    def slope(adv: torch.Tensor) -> torch.Tensor:
+        t = L.sapo_loss(logp, old, adv, mask, sapo_tau_pos=1.0, sapo_tau_neg=3.0)
+        return torch.autograd.grad((t.loss * mask).sum(), logp)[0].abs()
+
+    pos, neg = slope(torch.ones(b)), slope(-torch.ones(b))
+    real = mask.bool() & ((logp - old).abs() > 0.1)
+    assert (neg[real] < pos[real]).all()
+    zero = L.sapo_loss(logp, old, torch.zeros(b), mask)
+    assert torch.equal(zero.loss, torch.zeros_like(zero.loss))
+
+
+# ----------------------------------------------------------------------- VESPO --
+
+
+def test_vespo_hand_values() -> None:
+    """Answer 0: log-ratios 0.1, 0.2, A = +1 (k 2, lam 3): log w = 0.3, phi = e^(3 + 0.6 -
+    3 e^0.3); each token's loss -phi x logp, gradient -phi. Answer 1: one token, log-ratio
+    -0.5, A = -2 (k 3, lam 2): phi = e^(2 - 1.5 - 2 e^-0.5), loss 2 phi logp, gradient 2 phi."""
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]], requires_grad=True)
+    old = logp.detach() - torch.tensor([[0.1, 0.2], [-0.5, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv = torch.tensor([1.0, -2.0])
+    t = L.vespo_loss(logp, old, adv, mask)
+    phi0 = math.exp(3 + 2 * 0.3 - 3 * math.exp(0.3))
+    phi1 = math.exp(2 + 3 * -0.5 - 2 * math.exp(-0.5))
+    assert t.loss[0].tolist() == pytest.approx([phi0, 2 * phi0])
+    assert t.loss[1, 0].item() == pytest.approx(2 * phi1 * -0.5)
+    (g,) = torch.autograd.grad((t.loss * mask).sum(), logp)
+    assert g.flatten().tolist() == pytest.approx([-phi0, -phi0, 2 * phi1, 0.0])
+
+
+def test_vespo_weight_fades_on_both_sides() -> None:
+    """phi(1) = 1; phi falls for w far below and far above 1, and is never NaN."""
+    logp = torch.zeros(5, 1)
+    old = -torch.log(torch.tensor([[1.0], [0.05], [5.0], [1e-12], [1e12]]))
+    t = L.vespo_loss(logp - 1.0, old - 1.0, torch.ones(5), torch.ones(5, 1))
+    phi = t.loss.flatten()  # -phi x A x log pi = -phi x 1 x (-1)
+    assert phi[0].item() == pytest.approx(1.0)
+    assert (phi[1:] < 0.2).all() and torch.isfinite(phi).all()
+
+
+# ------------------------------------------------------------------------ GMPO --
+
+
+def test_gmpo_hand_values() -> None:
+    """eps 0.4. Answer 0, A = +1, log-ratios 0.5, -0.1: the first clipped to 0.4, ratio
+    e^((0.4 - 0.1) / 2); loss -e^0.15 on both tokens, gradient only through the second token.
+    Answer 1, A = -1, log-ratios -0.6, 0.2: the first clipped to -0.4, ratio e^-0.1, loss
+    +e^-0.1."""
+    logp = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]], requires_grad=True)
+    old = logp.detach() - torch.tensor([[0.5, -0.1], [-0.6, 0.2]])
+    adv = torch.tensor([1.0, -1.0])
+    t = L.gmpo_loss(logp, old, adv, torch.ones(2, 2), eps_low=0.4, eps_high=0.4)
+    assert t.ratio.flatten().tolist() == pytest.approx([math.exp(0.15), math.exp(-0.1)])
+    assert t.loss.flatten().tolist() == pytest.approx([-math.exp(0.15)] * 2 + [math.exp(-0.1)] * 2)
+    assert t.clipped.tolist() == [[True, False], [True, False]]
+    out = grpo_loss(logp, old, None, adv, torch.ones(2, 2), beta=0.0, policy_loss="gmpo",
+                    eps_low=0.4, eps_high=0.4)
+    (g,) = torch.autograd.grad(out.loss, logp)
+    assert g.flatten().tolist() == pytest.approx([0.0, -math.exp(0.15) / 4, 0.0,
+                                                  math.exp(-0.1) / 4])
+
+
+def test_gmpo_clips_only_on_the_advantage_side() -> None:
+    """As PPO: A > 0 with a small ratio, and A < 0 with a large one, are not clipped."""
+    logp = torch.zeros(2, 1, requires_grad=True)
+    old = torch.tensor([[0.6], [-0.6]])  # log-ratios -0.6 and +0.6
+    t = L.gmpo_loss(logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 1), eps_low=0.4,
+                    eps_high=0.4)
+    assert t.ratio.flatten().tolist() == pytest.approx([math.exp(-0.6), math.exp(0.6)])
+    assert not t.clipped.any()
+
+
+@pytest.mark.parametrize(("name", "agg"), [("sapo", "seq_mean_token_mean"),
+                                           ("vespo", "token_mean"),
+                                           ("gmpo", "seq_mean_token_mean")])
+def test_first_pass_gradient_is_grpo_gradient(name: str, agg: str) -> None:
+    """At ratio 1 each of them is the policy gradient: SAPO's gate has slope 1, VESPO's weight
+    is 1, GMPO's geometric mean moves as the tokens' mean log-prob."""
+    logp, _, _, adv, mask = pair(21)
+    g = []
+    for loss in ("clip", name):
+        out = grpo_loss(logp, logp.detach(), None, adv, mask, beta=0.0, policy_loss=loss,
+                        agg=agg)
+        g.append(torch.autograd.grad(out.loss, logp)[0])
+    assert torch.allclose(g[0], g[1], atol=1e-7)
+
+
+def test_knobs_reach_their_loss_and_typos_are_refused() -> None:
+    logp, old, ref, adv, mask = pair(4, spread=1.0)
+    a = grpo_loss(logp, old, ref, adv, mask, beta=0.0, policy_loss="sapo", sapo_tau_neg=1.05)
+    b = grpo_loss(logp, old, ref, adv, mask, beta=0.0, policy_loss="sapo", sapo_tau_neg=4.0)
+    assert a.loss.item() != pytest.approx(b.loss.item())
+    assert L.policy_knobs("vespo") == ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                                       "vespo_lambda_neg")
+    with pytest.raises(TypeError, match="sapo_tau"):
+        grpo_loss(logp, old, ref, adv, mask, beta=0.0, policy_loss="sapo", sapo_tau=2.0)
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"sapo_tau_neg": 0}, "sapo_tau_neg must be > 0"),
+    ({"vespo_lambda_pos": -1}, "vespo_lambda_pos must be > 0"),
+    ({"vespo_k_neg": -0.5}, "vespo_k_neg must be >= 0"),
+    ({"cispo_min": 6.0}, "cispo_max must be > cispo_min"),
+])
+def test_policy_knobs_are_checked(over: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make_config(None, over)
 
 
 # --------------------------------------------------------------------- default --

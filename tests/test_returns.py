@@ -1,20 +1,16 @@
 """REINFORCE++ and REINFORCE++-baseline (``grpolab.core.returns``): hand-computed values, and
-verl's own ``core_algos`` functions on identical inputs (run from verl's source file as it is:
-importing the package would need ray, so the functions are executed in a namespace of their
-own, with verl's ``masked_whiten`` beside them)."""
+verl's own ``core_algos`` functions on identical inputs (verl_harness.py)."""
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import math
-from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
+from verl_harness import verl_functions
 
 from grpolab.core.returns import (
     masked_whiten,
@@ -22,27 +18,6 @@ from grpolab.core.returns import (
     reinforce_pp_baseline,
     token_rewards,
 )
-
-
-def verl_functions(*names: str) -> dict[str, Any]:
-    """verl 0.9's functions ``names`` from trainer/ppo/core_algos.py and utils/
-    torch_functional.py, executed as written (decorators left off)."""
-    spec = importlib.util.find_spec("verl")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("verl is not installed: pip install --no-deps verl==0.9.1 (.ci/run does)")
-    root = Path(spec.submodule_search_locations[0])
-    ns: dict[str, Any] = {"torch": torch, "defaultdict": defaultdict, "Optional": Optional,
-                          "AlgoConfig": Any}
-    helpers = ("masked_sum", "masked_mean", "masked_var", "masked_whiten")
-    for file, wanted in (("utils/torch_functional.py", helpers),
-                         ("trainer/ppo/core_algos.py", names)):
-        tree = ast.parse((root / file).read_text())
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.name in wanted:
-                node.decorator_list = []
-                exec(compile(ast.Module([node], []), file, "exec"), ns)  # noqa: S102 - verl's code
-    ns["verl_F"] = SimpleNamespace(**{h: ns[h] for h in helpers if h in ns})
-    return ns
 
 
 def batch(seed: int = 0, b: int = 8, t: int = 6) -> tuple[torch.Tensor, torch.Tensor,

@@ -64,7 +64,8 @@ def test_trl_values(trl_keys: dict, want: dict) -> None:
 @pytest.mark.parametrize(("trl_keys", "message"), [
     ({"num_generations": 4, "group_size": 8}, "num_generations: 4 .TRL. sets group_size"),
     ({"loss_type": "dapo", "loss_agg": "seq_mean_token_mean"}, "loss_type: 'dapo'"),
-    ({"loss_type": "sapo"}, "'sapo' .TRL. has no grpolab equivalent"),
+    ({"loss_type": "luspo_v2"}, "'luspo_v2' .TRL. has no grpolab equivalent"),
+    ({"loss_type": "sapo", "importance_sampling_level": "sequence"}, "sets policy_loss"),
     ({"loss_type": "cispo", "importance_sampling_level": "sequence"}, "sets policy_loss"),
 ])
 def test_trl_conflicts_are_one_line(trl_keys: dict, message: str) -> None:

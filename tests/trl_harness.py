@@ -6,13 +6,14 @@ as they are) and its reward-model scoring. Imports trl: import it after
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import textwrap
 from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import nanstd
 
 
@@ -36,11 +37,17 @@ class _Acc:
         return t
 
 
+# the loss types' own settings, which TRL reads from its args: GRPOConfig's defaults
+_LOSS_ARGS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)
+              if f.name.startswith(("sapo_", "vespo_"))}
+
+
 def bare_trainer(**over) -> GRPOTrainer:
     t = GRPOTrainer.__new__(GRPOTrainer)
     args = SimpleNamespace(use_bias_correction_kl=over.pop("use_bias_correction_kl", False),
                            delta=over.pop("delta", None), entropy_target=0.0,
-                           steps_per_generation=1, device=torch.device("cpu"), report_to=[])
+                           steps_per_generation=1, device=torch.device("cpu"), report_to=[],
+                           **{k: over.pop(k, v) for k, v in _LOSS_ARGS.items()})
     attrs = {"args": args, "beta": 0.0, "loss_type": "grpo",
              "importance_sampling_level": "token", "epsilon_low": 0.2, "epsilon_high": 0.2,
              "top_entropy_quantile": 1.0, "entropy_coef": 0.0, "use_adaptive_entropy": False,

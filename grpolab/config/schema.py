@@ -143,7 +143,8 @@ class Config:
     policy_loss: PolicyLoss = opt(
         "clip", RUN,
         "clip: PPO per-token ratio; gspo: one ratio per answer; cispo: clipped importance "
-        "weight, REINFORCE")
+        "weight, REINFORCE; sapo: a soft gate, no clip; vespo: REINFORCE weighted by the "
+        "answer's ratio; gmpo: geometric mean of clipped token ratios (eps in log space)")
     eps_low: float = opt(0.2, RUN, "the ratio's lower clip is 1 - eps_low (TRL epsilon)")
     eps_high: float = opt(
         0.2, RUN,
@@ -153,6 +154,16 @@ class Config:
         "cap the ratio of negative-advantage tokens at this (verl clip_ratio_c, TRL delta); 0 = "
         "off")
     cispo_max: float = opt(5.0, RUN, "cispo clips the importance weight at this (TRL epsilon_high)")
+    cispo_min: float = opt(0.0, RUN, "... and from below at this (verl: 1 - clip_ratio_low)")
+    sapo_tau_pos: float = opt(1.0, RUN, "sapo: the gate's temperature for tokens of a positive "
+                              "advantage (TRL sapo_temperature_pos, verl tau_pos)")
+    sapo_tau_neg: float = opt(1.05, RUN, "sapo: ... of a zero or negative advantage (TRL "
+                              "sapo_temperature_neg, verl tau_neg)")
+    vespo_k_pos: float = opt(2.0, RUN, "vespo: the weight's power k for an advantage >= 0")
+    vespo_lambda_pos: float = opt(3.0, RUN, "vespo: the weight's decay lambda for an advantage >= 0")
+    vespo_k_neg: float = opt(3.0, RUN, "vespo: the weight's power k for a negative advantage")
+    vespo_lambda_neg: float = opt(2.0, RUN, "vespo: the weight's decay lambda for a negative "
+                                  "advantage")
     loss_agg: LossAgg = opt(
         "seq_mean_token_mean", RUN,
         "how token losses become one number (TRL loss_type)")

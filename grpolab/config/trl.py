@@ -30,6 +30,8 @@ TRL_ALIASES: dict[str, str] = {
     "epsilon": "eps_low",
     "epsilon_high": "eps_high",  # cispo_max when loss_type is cispo
     "delta": "dual_clip",
+    "sapo_temperature_pos": "sapo_tau_pos",
+    "sapo_temperature_neg": "sapo_tau_neg",
     "use_bias_correction_kl": "kl_is_correction",
     "mask_truncated_completions": "mask_truncated",
     "max_completion_length": "max_new_tokens",
@@ -59,6 +61,10 @@ TRL_VALUES: dict[str, dict[str | None, dict[str, Any]]] = {
         "dapo": {"loss_agg": "token_mean"},
         "dr_grpo": {"loss_agg": "seq_mean_token_sum_norm"},
         "cispo": {"policy_loss": "cispo", "loss_agg": "token_mean"},
+        "sapo": {"policy_loss": "sapo", "loss_agg": "seq_mean_token_mean"},
+        "vespo": {"policy_loss": "vespo", "loss_agg": "token_mean"},
+        # GSPO's ratio with importance_sampling_level: sequence (its paper's), PPO's without
+        "luspo": {"loss_agg": "seq_mean_token_sum"},
     },
     "scale_rewards": {"group": {"scale": "std", **_TRL_STD}, "true": {"scale": "std", **_TRL_STD},
                       "batch": {"scale": "batch", **_TRL_STD}, "none": {"scale": "none"},

@@ -94,8 +94,6 @@ TRL_ASIDE = frozenset({
     # read by TRL only beside a setting grpolab refuses at another value
     "optim_args", "optim_target_modules",  # optimisers other than AdamW
     "label_smoothing_factor",  # Trainer's own loss
-    "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
-    "vespo_k_neg", "vespo_lambda_neg",  # loss types sapo, vespo
     "ref_model_mixup_alpha", "ref_model_sync_steps",  # sync_ref_model
     "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
     "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage",  # load_in_4bit

@@ -48,8 +48,15 @@ def _validate_objective(cfg: Config) -> None:
     if cfg.dual_clip and not cfg.dual_clip > 1 + cfg.eps_high:
         raise ConfigError(f"dual_clip must be 0 (off) or > 1 + eps_high = {1 + cfg.eps_high:g}"
                           f" (got {cfg.dual_clip}): it caps ratios above the upper clip")
-    if not cfg.cispo_max > 0:
-        raise ConfigError(f"cispo_max must be > 0 (got {cfg.cispo_max})")
+    if not 0 <= cfg.cispo_min < cfg.cispo_max:
+        raise ConfigError(f"cispo_max must be > cispo_min >= 0 (got {cfg.cispo_max}, "
+                          f"{cfg.cispo_min})")
+    for key in ("sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+        if not getattr(cfg, key) > 0:
+            raise ConfigError(f"{key} must be > 0 (got {getattr(cfg, key)})")
+    for key in ("vespo_k_pos", "vespo_k_neg"):
+        if not getattr(cfg, key) >= 0:
+            raise ConfigError(f"{key} must be >= 0 (got {getattr(cfg, key)})")
     if not 0.0 <= cfg.top_entropy_quantile <= 1.0:
         raise ConfigError("top_entropy_quantile must be in [0, 1] (got "
                           f"{cfg.top_entropy_quantile}): the share of tokens kept")

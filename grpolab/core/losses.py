@@ -20,6 +20,8 @@ the one-pass, one-process step: a property of this function, tested as such.
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -114,19 +116,87 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
 
 
 def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-               cispo_max: float = 5.0, **_: float) -> PolicyTerms:
-    """CISPO (MiniMax-M1): REINFORCE -w A log pi with the importance weight w = min(r, cispo_max)
-    held constant (stop-gradient), so no token's gradient is ever clipped away, only weighted."""
+               cispo_max: float = 5.0, cispo_min: float = 0.0, **_: float) -> PolicyTerms:
+    """CISPO (MiniMax-M1): REINFORCE -w A log pi with the importance weight
+    w = clip(r, cispo_min, cispo_max) held constant (stop-gradient), so no token's gradient is
+    ever clipped away, only weighted (TRL: cispo_min 0; verl: 1 -/+ its clip ratios)."""
     ratio = torch.exp(logp - old_logp)
-    w = torch.clamp(ratio, max=cispo_max).detach()
-    return PolicyTerms(-w * _per_token(advantages) * logp, ratio > cispo_max, ratio)
+    w = torch.clamp(ratio, min=cispo_min, max=cispo_max).detach()
+    hit = (ratio > cispo_max) | (ratio < cispo_min)
+    return PolicyTerms(-w * _per_token(advantages) * logp, hit, ratio)
+
+
+def sapo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+              sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05, **_: float) -> PolicyTerms:
+    """SAPO (Gao et al. 2025, arXiv 2511.20347): a soft gate in place of the clip. Per token
+    -f(r) A with f(r) = sigmoid(tau (r - 1)) 4 / tau: f's slope is 1 at r = 1 (the policy
+    gradient) and fades smoothly as r leaves 1, faster for a larger tau (``sapo_tau_neg`` for
+    tokens whose advantage is not positive). Nothing is clipped: ``clipped`` is all False."""
+    ratio = torch.exp(logp - old_logp)
+    adv = _per_token(advantages)
+    tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
+    return PolicyTerms(-gate * adv, torch.zeros_like(ratio, dtype=torch.bool), ratio)
+
+
+def vespo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+               vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+               vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+               **_: float) -> PolicyTerms:
+    """VESPO (TRL's loss_type vespo): REINFORCE -phi(w) A log pi with a constant weight
+    phi(w) = e^lam w^k e^(-lam w) of the answer's whole-sequence ratio w = prod_t pi/pi_old:
+    phi(1) = 1, and phi fades both for w << 1 (w^k) and for w >> 1 (e^(-lam w)); k and lam
+    are the ``_pos`` pair for an advantage >= 0, else the ``_neg`` pair. As TRL: each token's
+    log-ratio is clamped to [-20, 20] and log w to [log 1e-8, 20]. ``clipped`` is all False;
+    ``ratio`` is the per-token one (the KL's correction uses it)."""
+    ratio = torch.exp(logp - old_logp)
+    m = mask.to(logp.dtype)
+    log_r = torch.clamp((logp - old_logp).detach(), -20.0, 20.0)
+    log_w = torch.clamp((log_r * m).sum(-1, keepdim=True), math.log(1e-8), 20.0)  # [B, 1]
+    adv = _per_token(advantages)
+    pos = adv >= 0
+    k = torch.where(pos, vespo_k_pos, vespo_k_neg).to(logp.dtype)
+    lam = torch.where(pos, vespo_lambda_pos, vespo_lambda_neg).to(logp.dtype).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return PolicyTerms(-phi * adv * logp, torch.zeros_like(ratio, dtype=torch.bool), ratio)
+
+
+def gmpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+              eps_low: float = 0.4, eps_high: float = 0.4, **_: float) -> PolicyTerms:
+    """GMPO (Zhao et al. 2025, arXiv 2507.20673; verl's geo_mean): one ratio per answer, the
+    geometric mean of its token ratios as in GSPO, but each token's log-ratio is clipped
+    first, to [-eps_low, eps_high] in log space on the side the advantage's sign says (as PPO
+    clips), so one outlier token cannot carry the answer's ratio; the paper's range is
+    (e^-0.4, e^0.4). Every token gets the answer's loss -A s, A the mean of its tokens'
+    advantages (verl's 1e-8 in both means)."""
+    d = logp - old_logp
+    adv = _per_token(advantages)
+    sgn = torch.sign(adv)
+    d_clip = torch.clamp(d, -eps_low, eps_high)
+    d_min = sgn * torch.minimum(sgn * d, sgn * d_clip)
+    m = mask.to(logp.dtype)
+    n = m.sum(-1, keepdim=True) + 1e-8
+    ratio = torch.exp((d_min * m).sum(-1, keepdim=True) / n)  # [B, 1]
+    a = (adv * m).sum(-1, keepdim=True) / n
+    return PolicyTerms((-a * ratio).expand_as(logp), sgn * d_clip < sgn * d, ratio)
 
 
 POLICY_LOSSES: dict[str, Callable[..., PolicyTerms]] = {
     "clip": ppo_clip_loss,
     "gspo": gspo_loss,
     "cispo": cispo_loss,
+    "sapo": sapo_loss,
+    "vespo": vespo_loss,
+    "gmpo": gmpo_loss,
 }
+
+
+def policy_knobs(name: str) -> tuple[str, ...]:
+    """The settings policy loss ``name`` reads: its keyword-only parameters, each a config
+    field of the same name."""
+    params = inspect.signature(POLICY_LOSSES[name]).parameters.values()
+    return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
 
 
 def _seq_mean_token_mean(per_token: Tensor, m: Tensor, norm_len: int | None) -> Tensor:
@@ -212,10 +282,12 @@ def grpo_loss(
     top_entropy_quantile: float = 1.0,
     global_rows: int | None = None,
     global_tokens: int | None = None,
+    **knobs: float,
 ) -> LossOut:
     """Policy loss plus beta * KL per token, aggregated as ``agg`` says, minus an entropy bonus.
 
-    ``policy_loss`` picks from POLICY_LOSSES, ``kl_estimator`` from KL_ESTIMATORS. With
+    ``policy_loss`` picks from POLICY_LOSSES, ``kl_estimator`` from KL_ESTIMATORS; ``knobs``
+    are the other settings a policy loss reads (``policy_knobs``: ``sapo_tau_pos``, ...). With
     ``kl_is_correction`` the per-token KL is multiplied by the policy's importance ratio (TRL's
     use_bias_correction_kl): its value is unchanged on the first pass (ratio 1) but its gradient
     gains a k * grad(log pi) term. ``entropy`` [B, T] (per-token entropies of the policy) is
@@ -236,8 +308,11 @@ def grpo_loss(
     fn = POLICY_LOSSES.get(policy_loss)
     if fn is None:
         raise ValueError(f"unknown policy loss {policy_loss!r}")
+    unknown = set(knobs).difference(*map(policy_knobs, POLICY_LOSSES))
+    if unknown:
+        raise TypeError(f"grpo_loss: no policy loss reads {sorted(unknown)}")
     terms = fn(logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-               dual_clip=dual_clip, cispo_max=cispo_max)
+               dual_clip=dual_clip, cispo_max=cispo_max, **knobs)
     surrogate, clipped = terms.loss, terms.clipped
     m = mask.to(logp.dtype)
     keep = None

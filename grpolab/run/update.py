@@ -25,7 +25,7 @@ from torch import Tensor
 
 from grpolab.config import Config
 from grpolab.core import advantages as adv_mod
-from grpolab.core.losses import KL_ESTIMATORS, LossOut, grpo_loss, sequence_kl
+from grpolab.core.losses import KL_ESTIMATORS, LossOut, grpo_loss, policy_knobs, sequence_kl
 from grpolab.core.returns import (
     ESTIMATORS,
     explained_variance,
@@ -353,10 +353,9 @@ def _part_loss(cfg: Config, backend: Backend, part: Part, adv: Tensor, scored: S
         lp, ent = backend.logprobs(ro, cfg.temperature), None
     old = lp.detach() if part.old_logprobs is None else part.old_logprobs
     return grpo_loss(
-        lp, old, part.ref_logprobs, adv, ro.completion_mask, beta=cfg.beta,
-        eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg,
+        lp, old, part.ref_logprobs, adv, ro.completion_mask, beta=cfg.beta, agg=cfg.loss_agg,
         norm_len=cfg.max_new_tokens, policy_loss=cfg.policy_loss,
-        kl_estimator=cfg.kl_estimator, kl_is_correction=cfg.kl_is_correction,
-        dual_clip=cfg.dual_clip, cispo_max=cfg.cispo_max, entropy=ent,
+        **{k: getattr(cfg, k) for k in policy_knobs(cfg.policy_loss)},
+        kl_estimator=cfg.kl_estimator, kl_is_correction=cfg.kl_is_correction, entropy=ent,
         entropy_coef=cfg.entropy_coef, top_entropy_quantile=cfg.top_entropy_quantile,
         global_rows=scored.rows, global_tokens=scored.tokens)

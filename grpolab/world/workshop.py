@@ -44,6 +44,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # the objectives of TRL and verl, with the settings their papers use
     "gspo": {"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4},  # GSPO's clip range
     "cispo": {"policy_loss": "cispo", "loss_agg": "token_mean"},  # as TRL's loss_type cispo
+    "sapo": {"policy_loss": "sapo"},  # TRL's loss_type sapo, verl's: its temperatures 1, 1.05
+    "vespo": {"policy_loss": "vespo", "loss_agg": "token_mean"},  # as TRL's loss_type vespo
+    "gmpo": {"policy_loss": "gmpo", "eps_low": 0.4, "eps_high": 0.4},  # GMPO's (e^-0.4, e^0.4)
+    # LUSPO: GSPO with each answer's loss summed over its tokens, at GSPO's clip range
+    "luspo": {"policy_loss": "gspo", "loss_agg": "seq_mean_token_sum", "eps_low": 3e-4,
+              "eps_high": 4e-4},
     "dual_clip": {"dual_clip": 3.0},  # verl's clip_ratio_c default
     "batch_std": {"scale": "batch"},  # TRL scale_rewards: batch
     "gdpo": {"reward_aggregation": "normalize_then_sum"},

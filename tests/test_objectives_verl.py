@@ -1,0 +1,102 @@
+"""grpolab's policy losses against verl 0.9.1's own ``core_algos`` policy losses on identical
+inputs (values and gradients): vanilla PPO with its dual clip, GSPO, CISPO, SAPO and GMPO
+(verl's ``geo_mean``), under each aggregation verl names the same way. verl's functions run
+from its source file as they are (verl_harness.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from helpers import agree, pair
+from verl_harness import verl_functions
+
+from grpolab.core import losses as L
+from grpolab.core.losses import grpo_loss
+
+AGG = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean",
+       "seq_mean_token_sum": "seq-mean-token-sum"}
+
+
+class ActorConfig(SimpleNamespace):
+    """The fields of verl's ActorConfig its policy losses read (one process: no global batch
+    counts, so agg_loss takes this batch's)."""
+
+    def __init__(self, **over: Any) -> None:
+        super().__init__(**{"clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": None,
+                            "clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05,
+                            "global_batch_info": {}, **over})
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+
+def verl_loss(mode: str, logp, old, adv, mask, agg: str, **config: Any):
+    fn = verl_functions(f"compute_policy_loss_{mode}")[f"compute_policy_loss_{mode}"]
+    loss, _ = fn(old, logp, adv[:, None].expand_as(logp), mask.float(), AGG[agg],
+                 ActorConfig(**config))
+    return loss
+
+
+@pytest.mark.parametrize("agg", list(AGG))
+@pytest.mark.parametrize(("eps_low", "eps_high"), [(0.2, 0.2), (0.2, 0.28)])
+def test_vanilla_matches_verl(agg: str, eps_low: float, eps_high: float) -> None:
+    """verl's vanilla always applies its dual clip (clip_ratio_c 3): grpolab's dual_clip 3."""
+    logp, old, _, adv, mask = pair(30, spread=1.5)  # ratios past the dual clip's cap
+    agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, agg=agg, eps_low=eps_low,
+                            eps_high=eps_high, dual_clip=3.0).loss,
+          lambda: verl_loss("vanilla", logp, old, adv, mask, agg, clip_ratio_low=eps_low,
+                            clip_ratio_high=eps_high),
+          logp)
+
+
+@pytest.mark.parametrize("agg", list(AGG))
+def test_gspo_matches_verl(agg: str) -> None:
+    logp, old, _, adv, mask = pair(31, spread=0.05)
+    assert L.gspo_loss(logp, old, adv, mask, eps_low=0.01, eps_high=0.02).clipped.any()
+    agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, agg=agg, policy_loss="gspo",
+                            eps_low=0.01, eps_high=0.02).loss,
+          lambda: verl_loss("gspo", logp, old, adv, mask, agg, clip_ratio_low=0.01,
+                            clip_ratio_high=0.02),
+          logp)
+
+
+@pytest.mark.parametrize("agg", list(AGG))
+def test_cispo_matches_verl(agg: str) -> None:
+    """verl clips CISPO's weight on both sides, at 1 -/+ its clip ratios."""
+    logp, old, _, adv, mask = pair(32, spread=1.0)
+    agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, agg=agg, policy_loss="cispo",
+                            cispo_min=1 - 0.3, cispo_max=1 + 0.5).loss,
+          lambda: verl_loss("cispo", logp, old, adv, mask, agg, clip_ratio_low=0.3,
+                            clip_ratio_high=0.5),
+          logp)
+
+
+@pytest.mark.parametrize(("tau_pos", "tau_neg"), [(1.0, 1.05), (0.5, 3.0)])
+def test_sapo_matches_verl(tau_pos: float, tau_neg: float) -> None:
+    """verl's SAPO always takes the per-answer token mean (whatever loss_agg_mode says)."""
+    logp, old, _, adv, mask = pair(33, spread=1.0)
+    adv[2] = 0.0
+    agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, policy_loss="sapo",
+                            agg="seq_mean_token_mean", sapo_tau_pos=tau_pos,
+                            sapo_tau_neg=tau_neg).loss,
+          lambda: verl_loss("sapo", logp, old, adv, mask, "token_mean", tau_pos=tau_pos,
+                            tau_neg=tau_neg),
+          logp)
+
+
+@pytest.mark.parametrize(("eps_low", "eps_high"), [(0.4, 0.4), (0.1, 0.3)])
+def test_gmpo_matches_verl_geo_mean(eps_low: float, eps_high: float) -> None:
+    """verl's geo_mean takes the mean over answers (whatever loss_agg_mode says): grpolab's
+    per-answer token mean of a loss that is the same on every token of the answer."""
+    logp, old, _, adv, mask = pair(34, spread=1.0)
+    adv[0] = 0.0
+    clipped = L.gmpo_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high).clipped
+    assert clipped[mask.bool()].any()  # the clip is exercised
+    agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, policy_loss="gmpo",
+                            agg="seq_mean_token_mean", eps_low=eps_low,
+                            eps_high=eps_high).loss,
+          lambda: verl_loss("geo_mean", logp, old, adv, mask, "token_mean",
+                            clip_ratio_low=eps_low, clip_ratio_high=eps_high),
+          logp)
