@@ -66,12 +66,12 @@ def test_cispo_matches_trl() -> None:
           logp)
 
 
-def _ours(c: Config, logp, old, ref, adv, mask, beta: float) -> torch.Tensor:
+def _ours(c: Config, logp, old, ref, adv, mask, beta: float, **over) -> torch.Tensor:
     """grpolab's loss for config ``c``, its policy loss's settings passed as the update does."""
     return grpo_loss(logp, old, ref, adv, mask, beta=beta, agg=c.loss_agg,
                      norm_len=c.max_new_tokens, policy_loss=c.policy_loss,
                      kl_is_correction=c.kl_is_correction,
-                     **{k: getattr(c, k) for k in L.policy_knobs(c.policy_loss)}).loss
+                     **{k: getattr(c, k) for k in L.policy_knobs(c.policy_loss)}, **over).loss
 
 
 @pytest.mark.parametrize(("trl_keys", "beta"), [
@@ -97,6 +97,19 @@ def test_sapo_vespo_luspo_match_trl(trl_keys: dict, beta: float) -> None:
         trl_over.update(epsilon_low=trl_keys["epsilon"], epsilon_high=trl_keys["epsilon"])
     agree(lambda: _ours(c, logp, old, ref, adv, mask, beta),
           lambda: trl_loss(logp, old, ref, adv, mask, beta=beta, **trl_over), logp)
+
+
+@pytest.mark.parametrize(("loss_type", "level"), [("grpo", "token"), ("dapo", "sequence"),
+                                                  ("sapo", "token")])
+def test_off_policy_mask_matches_trl(loss_type: str, level: str) -> None:
+    logp, old, ref, adv, mask = pair(16, spread=0.5)
+    keys = {"loss_type": loss_type, "importance_sampling_level": level,
+            "off_policy_mask_threshold": 0.1}
+    c = make_config(None, {**keys, "max_completion_length": logp.shape[1], "beta": 0.04})
+    dropped = 1 - L.off_policy_keep(logp, old, adv, mask, 0.1)
+    assert 0 < dropped.sum() < (adv < 0).sum()  # some mistakes dropped, not all
+    agree(lambda: _ours(c, logp, old, ref, adv, mask, 0.04, off_policy_mask=c.off_policy_mask),
+          lambda: trl_loss(logp, old, ref, adv, mask, beta=0.04, **keys), logp)
 
 
 @pytest.mark.parametrize("correction", [False, True])

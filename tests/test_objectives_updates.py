@@ -16,6 +16,10 @@ from grpolab.config import Config, resolve
     {"loss_agg": "seq_mean_token_sum", "policy_loss": "gspo", "epochs": 2},
     {"policy_loss": "cispo", "loss_agg": "token_mean", "epochs": 2, "dual_clip": 3.0},
     {"scale": "batch", "kl_estimator": "k2", "kl_is_correction": True},
+    {"policy_loss": "sapo", "epochs": 2, "sapo_tau_neg": 2.0},
+    {"policy_loss": "vespo", "loss_agg": "token_mean", "epochs": 2},
+    {"policy_loss": "gmpo", "eps_low": 0.4, "eps_high": 0.4, "epochs": 2},
+    {"off_policy_mask": 1e-4, "epochs": 2},
 ])
 def test_micro_batches_take_the_whole_batch_step(tmp_path, over: dict) -> None:
     """micro_batch 8 (parts of two groups) takes the whole batch's step with the new options
@@ -29,6 +33,23 @@ def test_micro_batches_take_the_whole_batch_step(tmp_path, over: dict) -> None:
     assert torch.allclose(params[0], params[1], atol=1e-6)
     for key in ("loss", "policy_loss", "kl", "grad_norm", "entropy"):
         assert outs[1][key] == pytest.approx(outs[0][key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize(("policy_loss", "knob", "values"), [
+    ("sapo", "sapo_tau_neg", (1.05, 6.0)), ("vespo", "vespo_lambda_pos", (3.0, 0.2)),
+    ("cispo", "cispo_min", (0.0, 0.99)), ("gmpo", "eps_high", (0.4, 1e-3)),
+    ("clip", "off_policy_mask", (0.0, 1e-6))])
+def test_a_policy_loss_setting_reaches_the_update(tmp_path, policy_loss: str, knob: str,
+                                                  values: tuple) -> None:
+    """The update passes the chosen loss its settings: a second pass over the same batch
+    moves the weights differently when only the setting differs."""
+    params = []
+    for v in values:
+        tr = world_trainer(tmp_path / str(v), policy_loss=policy_loss, epochs=2, lr=0.05,
+                           **{knob: v})
+        tr.update(tr.collect())
+        params.append(torch.cat([p.detach().flatten() for p in tr.params]))
+    assert not torch.allclose(params[0], params[1], atol=1e-6)
 
 
 # ------------------------------------------------- batch statistics over ranks --

@@ -244,6 +244,42 @@ def test_policy_knobs_are_checked(over: dict, message: str) -> None:
         make_config(None, over)
 
 
+# ------------------------------------------------------ off-policy sequence mask --
+
+
+def test_off_policy_mask_hand_values() -> None:
+    """Threshold 0.1. Answer 0: A = -1, log(pi_old/pi) 0.3 and 0.1 (mean 0.2 > 0.1): dropped.
+    Answer 1: A = -1, mean 0.05: kept. Answer 2: A = +1, mean 0.2: kept (only mistakes are
+    dropped). The KL term stays on every answer."""
+    logp = torch.full((3, 2), -1.0, requires_grad=True)
+    old = logp.detach() + torch.tensor([[0.3, 0.1], [0.05, 0.05], [0.2, 0.2]])
+    adv = torch.tensor([-1.0, -1.0, 1.0])
+    mask = torch.ones(3, 2)
+    keep = L.off_policy_keep(logp, old, adv, mask, 0.1)
+    assert keep.flatten().tolist() == [0.0, 1.0, 1.0]
+    ref = logp.detach() - 0.5
+    out = grpo_loss(logp, old, ref, adv, mask, beta=0.1, off_policy_mask=0.1)
+    (g,) = torch.autograd.grad(out.loss, logp)
+    plain = grpo_loss(logp, old, ref, adv, mask, beta=0.1)
+    (gp,) = torch.autograd.grad(plain.loss, logp)
+    kl_only = grpo_loss(logp, old, ref, adv, mask, beta=0.1, eps_low=0.0, eps_high=0.0)
+    assert torch.allclose(g[1:], gp[1:]) and not torch.allclose(g[0], gp[0])
+    (gk,) = torch.autograd.grad(kl_only.loss, logp)  # eps 0: every policy gradient clipped
+    assert torch.allclose(g[0], gk[0])  # answer 0 keeps only its KL gradient
+    first_pass = grpo_loss(logp, logp.detach(), ref, adv, mask, beta=0.1, off_policy_mask=0.1)
+    assert first_pass.loss.item() == pytest.approx(
+        grpo_loss(logp, logp.detach(), ref, adv, mask, beta=0.1).loss.item())
+
+
+def test_off_policy_mask_config() -> None:
+    assert make_config(None, {"off_policy_mask_threshold": 0.5}).off_policy_mask == 0.5
+    assert make_config(None, {"off_policy_mask_threshold": None}).off_policy_mask == 0.0
+    with pytest.raises(ConfigError, match="off_policy_mask_threshold: 0 .TRL. must be > 0"):
+        make_config(None, {"off_policy_mask_threshold": 0.0})
+    with pytest.raises(ConfigError, match="off_policy_mask must be >= 0"):
+        make_config(None, {"off_policy_mask": -1})
+
+
 # --------------------------------------------------------------------- default --
 
 

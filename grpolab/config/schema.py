@@ -193,6 +193,10 @@ class Config:
         1.0, RUN,
         "the policy loss keeps this top share of tokens by entropy (0.2 in the 80/20 paper; 1 = "
         "every token)")
+    off_policy_mask: float = opt(
+        0.0, RUN,
+        "drop the policy loss of answers with a negative advantage whose mean log(pi_old/pi) "
+        "exceeds this (DeepSeek-V3.2; TRL off_policy_mask_threshold); 0 = off")
     success_threshold: float = opt(
         1.0, ALL,
         "an answer is right when the first reward reaches this")

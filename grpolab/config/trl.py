@@ -30,6 +30,7 @@ TRL_ALIASES: dict[str, str] = {
     "epsilon": "eps_low",
     "epsilon_high": "eps_high",  # cispo_max when loss_type is cispo
     "delta": "dual_clip",
+    "off_policy_mask_threshold": "off_policy_mask",  # unset: 0, off; its 0 is refused
     "sapo_temperature_pos": "sapo_tau_pos",
     "sapo_temperature_neg": "sapo_tau_neg",
     "use_bias_correction_kl": "kl_is_correction",
@@ -47,7 +48,8 @@ TRL_ALIASES: dict[str, str] = {
 _OPT_STEPS = ("max_steps", "save_steps", "eval_steps")  # (warmup_steps: ``_trl_warmup``)
 # aliases whose None (TRL's "unset") grpolab reads: delta off, epsilon_high = epsilon,
 # eval_steps = logging_steps, TRL's own output folder, no model named here
-_UNSET_OK = ("delta", "epsilon_high", "eval_steps", "output_dir", "model_name_or_path")
+_UNSET_OK = ("delta", "epsilon_high", "eval_steps", "output_dir", "model_name_or_path",
+             "off_policy_mask_threshold")
 # grpolab's own keys, also TRL's, whose None is grpolab's []: every reward weighs 1; peft's
 # default modules for the architecture
 _NONE_IS_EMPTY = ("reward_weights", "lora_target_modules")
@@ -211,9 +213,12 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
                 if trl_key not in _UNSET_OK:
                     raise ConfigError(f"{trl_key}: null (TRL's unset) has no grpolab "
                                       "equivalent; give it a value")
-                if trl_key == "delta":
-                    put("dual_clip", 0.0, trl_key)
+                if trl_key in ("delta", "off_policy_mask_threshold"):
+                    put(TRL_ALIASES[trl_key], 0.0, trl_key)
                 continue
+            if trl_key == "off_policy_mask_threshold" and not value > 0:
+                raise ConfigError(f"off_policy_mask_threshold: {value!r} (TRL) must be > 0 here "
+                                  "(grpolab's off_policy_mask 0 is off)")
             if trl_key in _OPT_STEPS and per_sample > 1:
                 value = _per_sample(trl_key, value, per_sample)
             key = "cispo_max" if trl_key == "epsilon_high" and cispo else TRL_ALIASES[trl_key]

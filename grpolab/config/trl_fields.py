@@ -32,7 +32,6 @@ TRL_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
     # the loss and the reference
     "sync_ref_model": ((False,), "grpolab's reference is the starting model, kept as it is"),
     "use_adaptive_entropy": ((False,), "grpolab's entropy_coef is fixed"),
-    "off_policy_mask_threshold": ((None,), "grpolab masks no answers by their KL"),
     # None: the model's own coefficient, nothing for a dense model; grpolab adds no router loss
     "router_aux_loss_coef": ((None, 0.0), "grpolab adds no MoE router loss"),
     "cast_lm_head_to_fp32": ((False,), "grpolab runs the LM head in dtype (softmax in float32)"),

@@ -54,7 +54,7 @@ def _validate_objective(cfg: Config) -> None:
     for key in ("sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
         if not getattr(cfg, key) > 0:
             raise ConfigError(f"{key} must be > 0 (got {getattr(cfg, key)})")
-    for key in ("vespo_k_pos", "vespo_k_neg"):
+    for key in ("vespo_k_pos", "vespo_k_neg", "off_policy_mask"):
         if not getattr(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0 (got {getattr(cfg, key)})")
     if not 0.0 <= cfg.top_entropy_quantile <= 1.0:

@@ -42,6 +42,19 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
     return (entropy.detach() * mask.to(entropy.dtype) >= threshold) & real
 
 
+def off_policy_keep(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                    threshold: float) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence masking (TRL's off_policy_mask_threshold): [B, 1]
+    (or [B, T] for token-level advantages) 1 where an answer's policy loss is kept, 0 where it
+    is dropped: a negative advantage on an answer whose mean per-token log(pi_old / pi) (an
+    estimate of KL(pi_old || pi)) exceeds ``threshold``, i.e. a mistake the policy has already
+    moved away from."""
+    m = mask.to(logp.dtype)
+    kl = ((old_logp - logp.detach()) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(
+        min=1)
+    return ((_per_token(advantages) >= 0) | (kl <= threshold)).to(logp.dtype)
+
+
 def k1_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k1 = log pi - log ref: unbiased for KL(pi || ref) on samples from pi, can be negative."""
     return logp - ref_logp
@@ -280,6 +293,7 @@ def grpo_loss(
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     top_entropy_quantile: float = 1.0,
+    off_policy_mask: float = 0.0,
     global_rows: int | None = None,
     global_tokens: int | None = None,
     **knobs: float,
@@ -294,7 +308,8 @@ def grpo_loss(
     needed for ``top_entropy_quantile`` < 1 (the policy loss keeps only that top share of tokens
     by entropy; KL is kept on every token, as in TRL) and for ``entropy_coef`` > 0 (the loss
     subtracts coef x the entropy, aggregated like the loss over the tokens trained on; verl
-    aggregates it the same way, TRL always takes its token mean).
+    aggregates it the same way, TRL always takes its token mean). ``off_policy_mask`` > 0
+    drops the policy loss of the answers ``off_policy_keep`` drops (the KL term stays).
 
     With one optimisation pass ``old_logp`` is ``logp.detach()``: the ratio is 1, its gradient
     is the policy gradient, and clipping never bites.
@@ -321,6 +336,9 @@ def grpo_loss(
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropies")
         keep = high_entropy_mask(entropy, mask, 1.0 - top_entropy_quantile)
         surrogate = surrogate * keep.to(surrogate.dtype)
+    if off_policy_mask > 0:
+        surrogate = surrogate * off_policy_keep(logp, old_logp, advantages, mask,
+                                                off_policy_mask)
     per_token = surrogate
     kl_val = 0.0
     if beta > 0 and ref_logp is not None:

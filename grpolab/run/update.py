@@ -358,4 +358,4 @@ def _part_loss(cfg: Config, backend: Backend, part: Part, adv: Tensor, scored: S
         **{k: getattr(cfg, k) for k in policy_knobs(cfg.policy_loss)},
         kl_estimator=cfg.kl_estimator, kl_is_correction=cfg.kl_is_correction, entropy=ent,
         entropy_coef=cfg.entropy_coef, top_entropy_quantile=cfg.top_entropy_quantile,
-        global_rows=scored.rows, global_tokens=scored.tokens)
+        off_policy_mask=cfg.off_policy_mask, global_rows=scored.rows, global_tokens=scored.tokens)
