@@ -86,11 +86,17 @@ def _ours(c: Config, logp, old, ref, adv, mask, beta: float, **over) -> torch.Te
     ({"loss_type": "luspo", "importance_sampling_level": "sequence", "epsilon": 0.05}, 0.04),
     ({"loss_type": "luspo"}, 0.04),  # token level: TRL warns, and computes PPO's clip
 ])
-def test_sapo_vespo_luspo_match_trl(trl_keys: dict, beta: float) -> None:
+@pytest.mark.parametrize("shape", ["answer", "token"])
+def test_sapo_vespo_luspo_match_trl(trl_keys: dict, beta: float, shape: str) -> None:
     """TRL's loss types sapo, vespo and luspo, with their settings, translate to the policy
-    loss and aggregation that give TRL's loss and gradient."""
+    loss and aggregation that give TRL's loss and gradient: with one advantage per answer or
+    per token (TRL takes [B, T] from subclasses, grpolab from REINFORCE++), and an answer
+    with no tokens."""
     logp, old, ref, adv, mask = pair(15, spread=0.8)
     adv[1] = 0.0  # a dead group's answer: no loss, no gradient, whichever side's settings
+    mask[3] = 0
+    if shape == "token":
+        adv = adv[:, None] * torch.linspace(1.5, -0.5, logp.shape[1])
     c = make_config(None, {**trl_keys, "max_completion_length": logp.shape[1], "beta": beta})
     trl_over = {k: v for k, v in trl_keys.items() if k != "epsilon"}
     if "epsilon" in trl_keys:

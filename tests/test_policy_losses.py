@@ -143,6 +143,19 @@ def test_sapo_signs_fade_at_their_own_temperature() -> None:
     assert (neg[real] < pos[real]).all()
     zero = L.sapo_loss(logp, old, torch.zeros(b), mask)
     assert torch.equal(zero.loss, torch.zeros_like(zero.loss))
+    assert torch.equal(slope(torch.zeros(b)), torch.zeros_like(logp))
+
+
+def test_sapo_far_off_policy_and_in_bfloat16() -> None:
+    """A token whose log-ratio is past float32's exp (~88) gets a finite gradient (verl's clamp
+    to [-20, 20]; TRL's is NaN there); bfloat16 log-probs keep the temperatures exact."""
+    logp = torch.tensor([[100.0, 0.0]], requires_grad=True)
+    t = L.sapo_loss(logp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2))
+    (g,) = torch.autograd.grad(t.loss.sum(), logp)
+    assert torch.isfinite(g).all() and torch.isfinite(t.loss).all()
+    lp = torch.full((1, 1), -1.0, dtype=torch.bfloat16)  # ratio 1: the loss is -(4/tau)/2 x A
+    half = L.sapo_loss(lp, lp, torch.tensor([-1.0]), torch.ones(1, 1)).loss
+    assert half.item() == pytest.approx(2 / 1.05, rel=1e-6)  # not bfloat16's 1.046875
 
 
 # ----------------------------------------------------------------------- VESPO --
@@ -179,15 +192,15 @@ def test_vespo_weight_fades_on_both_sides() -> None:
 
 
 def test_gmpo_hand_values() -> None:
-    """eps 0.4. Answer 0, A = +1, log-ratios 0.5, -0.1: the first clipped to 0.4, ratio
+    """eps 0.4. Answer 0, A = +1, log-ratios 0.5, -0.1: the first clipped to 0.4, clipped ratio
     e^((0.4 - 0.1) / 2); loss -e^0.15 on both tokens, gradient only through the second token.
-    Answer 1, A = -1, log-ratios -0.6, 0.2: the first clipped to -0.4, ratio e^-0.1, loss
-    +e^-0.1."""
+    Answer 1, A = -1, log-ratios -0.6, 0.2: the first clipped to -0.4, clipped ratio e^-0.1,
+    loss +e^-0.1. ``ratio`` is the unclipped one (e^0.2, e^-0.2)."""
     logp = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]], requires_grad=True)
     old = logp.detach() - torch.tensor([[0.5, -0.1], [-0.6, 0.2]])
     adv = torch.tensor([1.0, -1.0])
     t = L.gmpo_loss(logp, old, adv, torch.ones(2, 2), eps_low=0.4, eps_high=0.4)
-    assert t.ratio.flatten().tolist() == pytest.approx([math.exp(0.15), math.exp(-0.1)])
+    assert t.ratio.flatten().tolist() == pytest.approx([math.exp(0.2), math.exp(-0.2)])
     assert t.loss.flatten().tolist() == pytest.approx([-math.exp(0.15)] * 2 + [math.exp(-0.1)] * 2)
     assert t.clipped.tolist() == [[True, False], [True, False]]
     out = grpo_loss(logp, old, None, adv, torch.ones(2, 2), beta=0.0, policy_loss="gmpo",
@@ -195,6 +208,46 @@ def test_gmpo_hand_values() -> None:
     (g,) = torch.autograd.grad(out.loss, logp)
     assert g.flatten().tolist() == pytest.approx([0.0, -math.exp(0.15) / 4, 0.0,
                                                   math.exp(-0.1) / 4])
+
+
+def test_gmpo_corrects_the_kl_with_the_unclipped_ratio() -> None:
+    """kl_is_correction weighs the KL by the answer's geometric-mean ratio before any clip,
+    also on an answer whose advantage is 0 (whose clipped ratio is 1)."""
+    logp, old, ref, adv, mask = pair(6, spread=0.8)
+    adv[0] = 0.0
+    t = L.gmpo_loss(logp, old, adv, mask, eps_low=0.1, eps_high=0.1)
+    m = mask.float()
+    want = torch.exp(((logp - old) * m).sum(-1) / m.sum(-1))
+    assert torch.allclose(t.ratio.flatten(), want)
+    grads = [torch.autograd.grad(grpo_loss(logp, old, ref, adv, mask, beta=0.1,
+                                           policy_loss="gmpo", kl_is_correction=c).loss,
+                                 logp)[0][0] for c in (False, True)]
+    assert not torch.allclose(*grads)  # the dead answer's KL is corrected too
+
+
+def test_gmpo_in_float16_with_an_empty_answer() -> None:
+    logp, old, _, adv, mask = pair(7)
+    mask[2] = 0
+    t = L.gmpo_loss(logp.detach().half(), old.half(), adv, mask)
+    assert torch.isfinite(t.loss).all() and (t.loss[2] == 0).all()
+
+
+def test_gmpo_takes_one_advantage_per_answer() -> None:
+    with pytest.raises(ConfigError, match="policy_loss gmpo .* takes estimator grpo"):
+        make_config(None, {"policy_loss": "gmpo", "estimator": "reinforce_pp"})
+
+
+def test_a_setting_another_policy_loss_reads_is_named(caplog) -> None:
+    """A changed setting the chosen policy loss does not read is named in one warning (at its
+    default, as in a TRL config that lists every field, it is not)."""
+    with caplog.at_level("WARNING", logger="grpolab"):
+        make_config(None, {"loss_type": "grpo", "sapo_temperature_neg": 2.0, "vespo_k_pos": 2})
+    assert [r.getMessage() for r in caplog.records] == [
+        "policy_loss clip does not read sapo_tau_neg (sapo_tau_neg: sapo)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpolab"):
+        make_config(None, {"policy_loss": "cispo", "cispo_min": 0.5, "cispo_max": 2.0})
+    assert not caplog.records
 
 
 def test_gmpo_clips_only_on_the_advantage_side() -> None:

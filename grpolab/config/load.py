@@ -14,8 +14,12 @@ from grpolab.config import trl, yamlsafe
 from grpolab.config.schema import Config, ConfigError, command_defaults, field_types
 from grpolab.config.validate import resolve
 from grpolab.config.values import coerce, unknown_key
+from grpolab.core.losses import POLICY_LOSSES, policy_knobs
 
 log = logging.getLogger("grpolab")
+# each policy loss's settings, and the losses that read them
+IDLE_KNOBS = {k: ", ".join(n for n in POLICY_LOSSES if k in policy_knobs(n))
+              for n in POLICY_LOSSES for k in policy_knobs(n)}
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -54,7 +58,8 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     earlier = _names(load_yaml(yaml_path) if given_file else yaml_path or {})
     try:
         _known(earlier, command)
-        kwargs.update(_read(earlier, later=later))
+        from_file = _read(earlier, later=later)
+        kwargs.update(from_file)
     except ConfigError as e:
         if not given_file:
             raise
@@ -68,6 +73,12 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
                     "dropped (each reward weighs 1)", kwargs.pop("reward_weights"))
     kwargs.update(ours)
     cfg = resolve(Config(**kwargs))
+    idle = sorted(k for k in (from_file.keys() | ours.keys()) & IDLE_KNOBS.keys()
+                  if k not in policy_knobs(cfg.policy_loss)
+                  and getattr(cfg, k) != Config.__dataclass_fields__[k].default)
+    if idle:  # changed, but read only by another policy loss
+        log.warning("policy_loss %s does not read %s (%s)", cfg.policy_loss, ", ".join(idle),
+                    "; ".join(f"{k}: {IDLE_KNOBS[k]}" for k in idle))
     given = earlier.keys() | later.keys()
     if command == "train" and given & trl.TRL_KEYS:
         left = trl.unset_defaults(given, cfg)

@@ -47,7 +47,7 @@ TRL_ALIASES: dict[str, str] = {
 }
 _OPT_STEPS = ("max_steps", "save_steps", "eval_steps")  # (warmup_steps: ``_trl_warmup``)
 # aliases whose None (TRL's "unset") grpolab reads: delta off, epsilon_high = epsilon,
-# eval_steps = logging_steps, TRL's own output folder, no model named here
+# eval_steps = logging_steps, TRL's own output folder, no model named here, no off-policy mask
 _UNSET_OK = ("delta", "epsilon_high", "eval_steps", "output_dir", "model_name_or_path",
              "off_policy_mask_threshold")
 # grpolab's own keys, also TRL's, whose None is grpolab's []: every reward weighs 1; peft's
@@ -216,13 +216,13 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
                 if trl_key in ("delta", "off_policy_mask_threshold"):
                     put(TRL_ALIASES[trl_key], 0.0, trl_key)
                 continue
-            if trl_key == "off_policy_mask_threshold" and not value > 0:
-                raise ConfigError(f"off_policy_mask_threshold: {value!r} (TRL) must be > 0 here "
-                                  "(grpolab's off_policy_mask 0 is off)")
             if trl_key in _OPT_STEPS and per_sample > 1:
                 value = _per_sample(trl_key, value, per_sample)
             key = "cispo_max" if trl_key == "epsilon_high" and cispo else TRL_ALIASES[trl_key]
             put(key, value, trl_key)
+            if trl_key == "off_policy_mask_threshold" and not coerce(key, value) > 0:
+                raise ConfigError(f"off_policy_mask_threshold: {value!r} (TRL) must be > 0 here "
+                                  "(grpolab's off_policy_mask 0 is off)")
     if ({"epsilon", "epsilon_high", "loss_type"} & given.keys()
             and d.get("epsilon_high") is None):  # TRL: epsilon_high = epsilon, cispo's cap too
         if cispo:

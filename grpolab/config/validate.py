@@ -51,6 +51,9 @@ def _validate_objective(cfg: Config) -> None:
     if not 0 <= cfg.cispo_min < cfg.cispo_max:
         raise ConfigError(f"cispo_max must be > cispo_min >= 0 (got {cfg.cispo_max}, "
                           f"{cfg.cispo_min})")
+    if cfg.policy_loss == "gmpo" and cfg.estimator != "grpo":
+        raise ConfigError(f"policy_loss gmpo averages an answer's advantages into one: it takes "
+                          f"estimator grpo (one advantage per answer), not {cfg.estimator}")
     for key in ("sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
         if not getattr(cfg, key) > 0:
             raise ConfigError(f"{key} must be > 0 (got {getattr(cfg, key)})")

@@ -144,10 +144,11 @@ def sapo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
     """SAPO (Gao et al. 2025, arXiv 2511.20347): a soft gate in place of the clip. Per token
     -f(r) A with f(r) = sigmoid(tau (r - 1)) 4 / tau: f's slope is 1 at r = 1 (the policy
     gradient) and fades smoothly as r leaves 1, faster for a larger tau (``sapo_tau_neg`` for
-    tokens whose advantage is not positive). Nothing is clipped: ``clipped`` is all False."""
-    ratio = torch.exp(logp - old_logp)
+    tokens whose advantage is not positive). Nothing is clipped: ``clipped`` is all False.
+    As verl, log r is clamped to [-20, 20] (TRL's is not; its gradient is NaN past ~88)."""
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))  # verl's clamp: no inf x 0
     adv = _per_token(advantages)
-    tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg).to(ratio.dtype)
+    tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg)  # float32, as TRL's and verl's
     gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
     return PolicyTerms(-gate * adv, torch.zeros_like(ratio, dtype=torch.bool), ratio)
 
@@ -168,8 +169,8 @@ def vespo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     log_w = torch.clamp((log_r * m).sum(-1, keepdim=True), math.log(1e-8), 20.0)  # [B, 1]
     adv = _per_token(advantages)
     pos = adv >= 0
-    k = torch.where(pos, vespo_k_pos, vespo_k_neg).to(logp.dtype)
-    lam = torch.where(pos, vespo_lambda_pos, vespo_lambda_neg).to(logp.dtype).clamp(min=1e-4)
+    k = torch.where(pos, vespo_k_pos, vespo_k_neg)  # float32, as TRL's
+    lam = torch.where(pos, vespo_lambda_pos, vespo_lambda_neg).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     return PolicyTerms(-phi * adv * logp, torch.zeros_like(ratio, dtype=torch.bool), ratio)
@@ -182,17 +183,19 @@ def gmpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
     first, to [-eps_low, eps_high] in log space on the side the advantage's sign says (as PPO
     clips), so one outlier token cannot carry the answer's ratio; the paper's range is
     (e^-0.4, e^0.4). Every token gets the answer's loss -A s, A the mean of its tokens'
-    advantages (verl's 1e-8 in both means)."""
-    d = logp - old_logp
-    adv = _per_token(advantages)
+    advantages (verl's 1e-8 in both means, in float32); as verl says, it is meant for one
+    advantage per answer. ``ratio`` (the KL's correction) is the unclipped geometric mean."""
+    d = (logp - old_logp).float()
+    adv = _per_token(advantages).float()
     sgn = torch.sign(adv)
     d_clip = torch.clamp(d, -eps_low, eps_high)
     d_min = sgn * torch.minimum(sgn * d, sgn * d_clip)
-    m = mask.to(logp.dtype)
+    m = mask.float()
     n = m.sum(-1, keepdim=True) + 1e-8
-    ratio = torch.exp((d_min * m).sum(-1, keepdim=True) / n)  # [B, 1]
+    s = torch.exp((d_min * m).sum(-1, keepdim=True) / n)  # [B, 1]
     a = (adv * m).sum(-1, keepdim=True) / n
-    return PolicyTerms((-a * ratio).expand_as(logp), sgn * d_clip < sgn * d, ratio)
+    ratio = torch.exp((d * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1))
+    return PolicyTerms((-a * s).expand_as(logp), sgn * d_clip < sgn * d, ratio)
 
 
 POLICY_LOSSES: dict[str, Callable[..., PolicyTerms]] = {
