@@ -363,6 +363,29 @@ def test_humaneval_plus_rows_give_a_test_an_input() -> None:
     assert run_case(code.format(" + 1e-3"), row_case(row), QUICK).passed == 1
 
 
+def test_humaneval_plus_lists_of_floats_are_compared_within_its_tolerance() -> None:
+    """evalplus compares a list of floats with numpy's allclose (1e-6 when atol is 0): an
+    answer that rounds differently passes, a wrong item, a short list or an error does not."""
+    xs = [-1.01, 3.03, 5.77, -8.12, -9.43]
+    want = [(x - min(xs)) / (max(xs) - min(xs)) for x in xs]
+    plus = PLUS.replace("isinstance(exp, float)", "is_floats(exp)").replace(
+        "inputs = [[1.0, 2.0], [3, 4], [[1, 2], 0]]", f"inputs = [[{xs}], [[2.0, 2.0]]]").replace(
+        "results = [1.5, 3.5, [1, 2]]", f"results = [{want}, []]")
+    case = row_case({"test": plus, "entry_point": "unit"})
+    assert case.tests[0].splitlines()[:2] == [f"evalplus_out = unit({xs})",
+                                              "assert len(evalplus_out) == 5"]
+    assert case.tests[1] == "assert unit([2.0, 2.0]) == []"  # an empty list: exactly
+    body = ("def unit(xs):\n    lo, hi = min(xs), max(xs)\n    if lo == hi:\n"
+            "        return []\n    {}\n")
+    exact = body.format("return [(x - lo) / (hi - lo) for x in xs]")
+    other = body.format("s = 1.0 / (hi - lo)\n    return [(x - lo) * s for x in xs]")
+    assert [(x - min(xs)) * (1.0 / (max(xs) - min(xs))) for x in xs] != want  # rounds apart
+    for code, passed in ((exact, 2), (other, 2), (other.replace("* s", "* s + 1e-3"), 1),
+                         (other.replace("for x in xs]", "for x in xs][:4]"), 1),
+                         (other.replace("s = 1.0", "s = 1 / 0 if xs[0] < 0 else 1.0"), 1)):
+        assert run_case(code, case, QUICK).passed == passed, code
+
+
 def test_expected_sides_built_from_constants_are_folded_here() -> None:
     """``[0] * 3``, ``'a' * 3``, ``(1 << 31) - 1``, ``list(range(5))``, ``'abc'[::-1]``,
     ``math.sqrt(2)``, ``sorted(..., reverse=True)``: computed in the trainer, within bounds

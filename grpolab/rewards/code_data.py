@@ -10,7 +10,8 @@ The first of these columns that a row has gives its tests:
 - ``test`` with ``entry_point`` (HumanEval, HumanEval+): ``def check(candidate)``, each
   assert in it on ``candidate`` one test on the entry point, the assignments and imports before
   it kept; a loop around asserts one test (judged when it runs over literals); HumanEval+'s
-  loop over its ``inputs`` and ``results``, a test an input;
+  loop over its ``inputs`` and ``results``, a test an input (floats and lists of floats within
+  its ``assertion``'s tolerance);
   without ``entry_point``, a pytest file (KodCode): each ``def test_...()`` one test;
 - ``input_output`` (APPS, TACO): ``{"inputs": [...], "outputs": [...]}``, stdin/stdout cases, or
   with ``fn_name`` calls of that function (a ``class Solution`` method is bound to the name),
@@ -38,6 +39,9 @@ from typing import Any
 from grpolab.rewards.fold import source
 from grpolab.rewards.shapes import is_literal, parse
 
+# HumanEval+'s list of floats compared item by item up to this length (each item one value
+# sent back), exactly beyond it
+MAX_CLOSE_ITEMS = 1_000
 COLUMNS = ("tests", "test_cases", "official_tests", "test_list", "test", "input_output",
            "verification_info", "public_tests", "answer")
 
@@ -243,7 +247,8 @@ def humaneval_tests(test: str, entry_point: str) -> tuple[str, ...]:
 def _evalplus(loop: ast.For, consts: dict[str, ast.expr], name: str, entry: str) -> list[str]:
     """HumanEval+'s ``for i, (inp, exp) in enumerate(zip(inputs, results)):
     assertion(candidate(*inp), exp, atol)`` as one test an input: ``==``, or ``isclose``
-    where the expected value is a float or ``atol`` is set (its ``assertion``'s tolerance)."""
+    where the expected value is a float or ``atol`` is set (its ``assertion``'s tolerance),
+    item by item for a list or tuple of them (its numpy ``allclose``)."""
     call = loop.body[0].value if len(loop.body) == 1 and isinstance(loop.body[0], ast.Expr) \
         else None
     zipped = loop.iter.args[0] if isinstance(loop.iter, ast.Call) and getattr(
@@ -262,12 +267,24 @@ def _evalplus(loop: ast.For, consts: dict[str, ast.expr], name: str, entry: str)
     atol, tests = ast.literal_eval(call.args[2]), []
     for args, want in zip(inputs, results):
         call_text = f"{entry}({', '.join(map(source, args))})"
-        if isinstance(want, float) or atol and type(want) is int:
+        if _tolerant(want, atol):
             tests.append(f"assert math.isclose({call_text}, {source(want)}, rel_tol=1e-07, "
                          f"abs_tol={atol or 1e-6})")
+        elif isinstance(want, (list, tuple)) and 0 < len(want) <= MAX_CLOSE_ITEMS and all(
+                _tolerant(w, atol) for w in want):  # numpy's allclose, item by item
+            tests.append("\n".join([
+                f"evalplus_out = {call_text}", f"assert len(evalplus_out) == {len(want)}",
+                *(f"assert math.isclose(evalplus_out[{i}], {source(w)}, rel_tol=1e-07, "
+                  f"abs_tol={atol or 1e-6})" for i, w in enumerate(want))]))
         else:
             tests.append(f"assert {call_text} == {source(want)}")
     return tests
+
+
+def _tolerant(want: Any, atol: float) -> bool:
+    """Compared within a tolerance by evalplus's ``assertion``: a float, or with ``atol`` set
+    an int (never a bool)."""
+    return isinstance(want, float) or bool(atol) and type(want) is int
 
 
 @functools.lru_cache(maxsize=1024)
