@@ -386,6 +386,39 @@ def test_humaneval_plus_lists_of_floats_are_compared_within_its_tolerance() -> N
         assert run_case(code, case, QUICK).passed == passed, code
 
 
+# MBPP+ (evalplus): the row keeps MBPP's test_list and adds its test program
+MBPP_PLUS = {
+    "task_id": 2, "code": "def similar(a, b):\n    return tuple(sorted(set(a) & set(b)))",
+    "test_imports": [], "test_list": ["assert set(similar((3, 4), (4, 5))) == set((4,))"],
+    "test": "import numpy as np\nfrom math import inf\n\ndef assertion(out, exp, atol):\n"
+            "    assert out == exp\n\ninputs = [[(3, 4), (4, 5)], [(1, inf), (inf, 2)], "
+            "[(0.5, 1), (0.5,)]]\nresults = [(4,), (inf,), (0.5,)]\n"
+            "for i, (inp, exp) in enumerate(zip(inputs, results)):\n"
+            "    assertion(similar(*inp), exp, 0)\n"}
+
+
+def test_mbpp_plus_rows_give_a_test_an_input_of_their_program() -> None:
+    """The plus program's inputs (MBPP's among them) are read, not test_list's three; inf
+    in them survives; a program whose expected values are computed (one of evalplus's
+    special oracles) leaves the row to test_list."""
+    case = row_case(MBPP_PLUS)
+    assert case.tests == ("assert similar((3, 4), (4, 5)) == (4,)",
+                          "evalplus_out = similar((1, float('inf')), (float('inf'), 2))\n"
+                          "assert len(evalplus_out) == 1\n"
+                          "assert math.isclose(evalplus_out[0], float('inf'), rel_tol=1e-07, "
+                          "abs_tol=1e-06)",
+                          "evalplus_out = similar((0.5, 1), (0.5,))\n"
+                          "assert len(evalplus_out) == 1\n"
+                          "assert math.isclose(evalplus_out[0], 0.5, rel_tol=1e-07, "
+                          "abs_tol=1e-06)")
+    assert run_case(MBPP_PLUS["code"], case, QUICK).share == 1.0
+    assert run_case("def similar(a, b):\n    return (5,) if 4 in a else tuple(set(a) & set(b))",
+                    case, QUICK).passed == 2
+    oracle = {**MBPP_PLUS, "test": MBPP_PLUS["test"].replace(
+        "results = [(4,), (inf,), (0.5,)]", "results = [ref(*x) for x in inputs]")}
+    assert row_case(oracle).tests == ("assert set(similar((3, 4), (4, 5))) == set((4,))",)
+
+
 def test_expected_sides_built_from_constants_are_folded_here() -> None:
     """``[0] * 3``, ``'a' * 3``, ``(1 << 31) - 1``, ``list(range(5))``, ``'abc'[::-1]``,
     ``math.sqrt(2)``, ``sorted(..., reverse=True)``: computed in the trainer, within bounds

@@ -5,6 +5,8 @@ The first of these columns that a row has gives its tests:
 - ``tests``: asserts (``["assert add(2, 3) == 5", ...]``, or a JSON list in a string), or
   stdin/stdout cases (``[{"input": "1 2\\n", "output": "3\\n"}, ...]``); ``test_cases``
   (AceCode) and ``official_tests`` (open-r1/codeforces) alike;
+- ``test`` holding MBPP+'s test program (its ``inputs``, ``results`` and ``assertion`` loop):
+  a test an input, as HumanEval+'s below (it holds ``test_list``'s inputs too);
 - ``test_list`` (MBPP): asserts; ``test_imports`` (MBPP sanitized) are put before each one and
   ``test_setup_code`` (MBPP) runs after the answer's code;
 - ``test`` with ``entry_point`` (HumanEval, HumanEval+): ``def check(candidate)``, each
@@ -65,6 +67,8 @@ class Case:
 
 def column_of(row: Mapping[str, Any]) -> str | None:
     """The column a row's tests come from (see the module's docstring), or None."""
+    if "test" in row and "entry_point" not in row and plus_program_tests(str(row["test"])):
+        return "test"  # MBPP+: its program's inputs include test_list's
     for name in COLUMNS:
         if name in row and (name != "test" or "entry_point" in row
                             or "def test" in str(row[name])):
@@ -88,7 +92,9 @@ def row_case(row: Mapping[str, Any]) -> Case:
         return Case(humaneval_tests(str(value or ""), entry), prelude=prelude or "",
                     entry=entry, prompt=prompt if prelude is not None else "")
     if column == "test":
-        return Case(pytest_tests(str(value or "")))
+        text = str(value or "")
+        return Case(plus_program_tests(text) if "entry_point" not in row and
+                    plus_program_tests(text) else pytest_tests(text))
     if column == "input_output" and isinstance(value, Mapping):
         ins, outs = value.get("inputs") or [], value.get("outputs") or []
         fn_name = value.get("fn_name") or row.get("fn_name")
@@ -242,6 +248,37 @@ def humaneval_tests(test: str, entry_point: str) -> tuple[str, ...]:
                                ast.AugAssign)):
             before.append(text)
     return tuple(tests)
+
+
+@functools.lru_cache(maxsize=1024)
+def plus_program_tests(test: str) -> tuple[str, ...]:
+    """MBPP+'s test program: module-level ``inputs`` and ``results`` and a loop calling
+    ``assertion(f(*inp), exp, atol)``, a test an input as HumanEval+'s (``_evalplus``)."""
+    if "assertion(" not in test or (tree := parse(test)) is None:
+        return ()
+    special = {a.asname or a.name: getattr(math, a.name) for n in tree.body
+               if isinstance(n, ast.ImportFrom) and n.module == "math" for a in n.names
+               if a.name in ("inf", "nan")}  # its ``from math import inf``, as values
+    consts = {n.targets[0].id: _Values(special).visit(n.value) for n in tree.body
+              if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}
+    tests: list[str] = []
+    for node in tree.body:
+        body = node.body[0] if isinstance(node, ast.For) and node.body else None
+        call = body.value.args[0] if isinstance(body, ast.Expr) and isinstance(
+            body.value, ast.Call) and body.value.args else None
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
+            tests += _evalplus(node, consts, call.func.id, call.func.id)
+    return tuple(tests)
+
+
+class _Values(ast.NodeTransformer):
+    """Names bound to float values (``inf``) made those values."""
+
+    def __init__(self, values: dict[str, float]) -> None:
+        self.values = values
+
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        return ast.Constant(self.values[node.id]) if node.id in self.values else node
 
 
 def _evalplus(loop: ast.For, consts: dict[str, ast.expr], name: str, entry: str) -> list[str]:
