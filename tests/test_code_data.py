@@ -403,14 +403,14 @@ def test_mbpp_plus_rows_give_a_test_an_input_of_their_program() -> None:
     special oracles) leaves the row to test_list."""
     case = row_case(MBPP_PLUS)
     assert case.tests == ("assert similar((3, 4), (4, 5)) == (4,)",
-                          "evalplus_out = similar((1, float('inf')), (float('inf'), 2))\n"
+                          ("evalplus_out = similar((1, float('inf')), (float('inf'), 2))\n"
                           "assert len(evalplus_out) == 1\n"
                           "assert math.isclose(evalplus_out[0], float('inf'), rel_tol=1e-07, "
-                          "abs_tol=1e-06)",
-                          "evalplus_out = similar((0.5, 1), (0.5,))\n"
+                          "abs_tol=1e-06)"),
+                          ("evalplus_out = similar((0.5, 1), (0.5,))\n"
                           "assert len(evalplus_out) == 1\n"
                           "assert math.isclose(evalplus_out[0], 0.5, rel_tol=1e-07, "
-                          "abs_tol=1e-06)")
+                          "abs_tol=1e-06)"))
     assert run_case(MBPP_PLUS["code"], case, QUICK).share == 1.0
     assert run_case("def similar(a, b):\n    return (5,) if 4 in a else tuple(set(a) & set(b))",
                     case, QUICK).passed == 2

@@ -56,10 +56,11 @@ def test_every_metrics_field_is_documented(tmp_path: Path) -> None:
     # ... and the options that add fields: a critic, token-level advantages, KL in the reward,
     # entropy-selected tokens, allocated group sizes
     tiny_trainer(tmp_path / "b", rewards=[odd], steps=1, estimator="ppo", kl_in="reward",
-                 beta=0.04, top_entropy_quantile=0.5, allocate=True).train()
+                 beta=0.04, top_entropy_quantile=0.5, allocate=True, off_policy_mask=0.1,
+                 epochs=2).train()
     keys = {k for run in "ab" for r in read_metrics(tmp_path / run / "metrics.jsonl") for k in r}
     assert {"rewards/odd", "watch_train_rise", "heldout_acc_by_difficulty", "value_loss",
-            "group_sizes", "kl_reward", "entropy_token_share"} <= keys  # the runs reach them
+            "group_sizes", "kl_reward", "entropy_token_share", "off_policy_masked"} <= keys
     names = documented()
     assert len(names) > 40 and all(all(cell) for cell in names.values())
     missing = sorted(k for k in keys if not is_documented(k, names))

@@ -237,17 +237,41 @@ def test_gmpo_takes_one_advantage_per_answer() -> None:
         make_config(None, {"policy_loss": "gmpo", "estimator": "reinforce_pp"})
 
 
-def test_a_setting_another_policy_loss_reads_is_named(caplog) -> None:
+def test_a_setting_the_run_does_not_read_is_named(caplog) -> None:
     """A changed setting the chosen policy loss does not read is named in one warning (at its
-    default, as in a TRL config that lists every field, it is not)."""
-    with caplog.at_level("WARNING", logger="grpolab"):
-        make_config(None, {"loss_type": "grpo", "sapo_temperature_neg": 2.0, "vespo_k_pos": 2})
-    assert [r.getMessage() for r in caplog.records] == [
+    default, as in a TRL config that lists every field, it is not), and so is an off-policy
+    mask with one epoch, where it cannot act."""
+    def warnings(over: dict) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="grpolab"):
+            make_config(None, over, command="train")
+        return [r.getMessage() for r in caplog.records if "leaves these" not in r.getMessage()]
+
+    assert warnings({"loss_type": "grpo", "sapo_temperature_neg": 2.0, "vespo_k_pos": 2}) == [
         "policy_loss clip does not read sapo_tau_neg (sapo_tau_neg: sapo)"]
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="grpolab"):
-        make_config(None, {"policy_loss": "cispo", "cispo_min": 0.5, "cispo_max": 2.0})
-    assert not caplog.records
+    assert warnings({"policy_loss": "cispo", "cispo_min": 0.5, "cispo_max": 2.0}) == []
+    assert warnings({"off_policy_mask": 0.5}) == [
+        ("off_policy_mask acts only with epochs > 1 (TRL num_iterations): with one pass the "
+        "policy is the one that sampled, and nothing is masked")]
+    assert warnings({"off_policy_mask": 0.5, "epochs": 2}) == []
+
+
+def test_trl_warnings_on_loss_type_and_ratio_level(caplog) -> None:
+    """TRL's own warnings, where grpolab runs what TRL runs: LUSPO at the token level, a
+    token sum at the sequence level; and CISPO's cap left at epsilon."""
+    def warned(over: dict) -> str:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="grpolab"):
+            make_config(None, over)
+        return " | ".join(r.getMessage() for r in caplog.records)
+
+    assert "luspo without importance_sampling_level: sequence" in warned({"loss_type": "luspo"})
+    assert warned({"loss_type": "luspo", "importance_sampling_level": "sequence"}) == ""
+    assert "weighting each answer by its length" in warned(
+        {"loss_type": "dapo", "importance_sampling_level": "sequence"})
+    assert warned({"importance_sampling_level": "sequence"}) == ""
+    assert "caps the importance weight at epsilon, 0.2" in warned({"loss_type": "cispo"})
+    assert warned({"loss_type": "cispo", "epsilon_high": 5.0}) == ""
 
 
 def test_gmpo_clips_only_on_the_advantage_side() -> None:
@@ -312,6 +336,7 @@ def test_off_policy_mask_hand_values() -> None:
     assert keep.flatten().tolist() == [0.0, 1.0, 1.0]
     ref = logp.detach() - 0.5
     out = grpo_loss(logp, old, ref, adv, mask, beta=0.1, off_policy_mask=0.1)
+    assert out.masked_share == pytest.approx(2 / 6)  # answer 0's two tokens of six
     (g,) = torch.autograd.grad(out.loss, logp)
     plain = grpo_loss(logp, old, ref, adv, mask, beta=0.1)
     (gp,) = torch.autograd.grad(plain.loss, logp)

@@ -75,3 +75,20 @@ def test_workshop_presets_derive_from_the_registries() -> None:
         variant_settings("nope")
     with pytest.raises(ConfigError, match="unknown config key"):
         variant_settings("nope=1")
+
+
+def test_a_sweep_names_presets_over_given_values_and_unread_settings(caplog) -> None:
+    """``--variants gmpo --eps-low 0.1``: the preset's 0.4 runs, and one line says so;
+    ``--variants sapo --sapo-tau-pos 4`` runs SAPO at 4 with no warning, the grpo variant
+    beside it is told that clip does not read it."""
+    from grpolab.world.workshop import check_variants
+
+    cfg = make_config(None, {"eps_low": 0.1, "sapo_tau_pos": 4.0})
+    with caplog.at_level("WARNING", logger="grpolab"):
+        settings = check_variants(cfg, [8], ["gmpo", "sapo", "grpo"])
+    assert settings["gmpo"]["eps_low"] == 0.4
+    assert [r.getMessage() for r in caplog.records] == [
+        "variant gmpo sets eps_low 0.4 over the given 0.1",
+        "variant gmpo: policy_loss gmpo does not read sapo_tau_pos (sapo_tau_pos: sapo)",
+        "variant sapo: policy_loss sapo does not read eps_low (eps_low: clip, gspo, gmpo)",
+        "variant grpo: policy_loss clip does not read sapo_tau_pos (sapo_tau_pos: sapo)"]

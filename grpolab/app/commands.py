@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from grpolab.config import Config, ConfigError
+from grpolab.config.load import warn_idle
 from grpolab.config.schema import command_defaults
 from grpolab.rewards.builtin import CODE_REWARDS
 from grpolab.rewards.scorer import load_rewards, make_scorer, score_answers
@@ -77,6 +78,8 @@ def workshop(cfg: Config, sweep: str | None, variants: str | None, seeds: str | 
         print(run_sweep(cfg, sizes, names, _int_list(seeds, "--seeds") if seeds else None))
         print(f"\nwrote {cfg.out_dir}/sweep.md and {cfg.out_dir}/sweep.png")
         return 0
+    if dist.is_main():
+        warn_idle(cfg)
     if not dist.is_main():  # the other ranks train alongside rank 0, which writes everything
         with out_dir_lock(cfg.out_dir):  # (collective: where rank 0's run_workshop takes it)
             world_trainer(cfg).train(resume=resume)

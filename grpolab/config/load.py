@@ -58,8 +58,7 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     earlier = _names(load_yaml(yaml_path) if given_file else yaml_path or {})
     try:
         _known(earlier, command)
-        from_file = _read(earlier, later=later)
-        kwargs.update(from_file)
+        kwargs.update(_read(earlier, later=later))
     except ConfigError as e:
         if not given_file:
             raise
@@ -73,12 +72,8 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
                     "dropped (each reward weighs 1)", kwargs.pop("reward_weights"))
     kwargs.update(ours)
     cfg = resolve(Config(**kwargs))
-    idle = sorted(k for k in (from_file.keys() | ours.keys()) & IDLE_KNOBS.keys()
-                  if k not in policy_knobs(cfg.policy_loss)
-                  and getattr(cfg, k) != Config.__dataclass_fields__[k].default)
-    if idle:  # changed, but read only by another policy loss
-        log.warning("policy_loss %s does not read %s (%s)", cfg.policy_loss, ", ".join(idle),
-                    "; ".join(f"{k}: {IDLE_KNOBS[k]}" for k in idle))
+    if command == "train":  # (the workshop warns per run: a sweep's variants change them)
+        warn_idle(cfg)
     given = earlier.keys() | later.keys()
     if command == "train" and given & trl.TRL_KEYS:
         left = trl.unset_defaults(given, cfg)
@@ -86,6 +81,19 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
             log.warning("this TRL config leaves these at grpolab's defaults, not TRL's: %s",
                         ", ".join(left))
     return cfg
+
+
+def warn_idle(cfg: Config, where: str = "") -> None:
+    """One warning for each kind of setting the run changed but does not read: another policy
+    loss's, and ``off_policy_mask`` with one epoch (pi = pi_old there: nothing is masked)."""
+    idle = sorted(k for k in IDLE_KNOBS if k not in policy_knobs(cfg.policy_loss)
+                  and getattr(cfg, k) != Config.__dataclass_fields__[k].default)
+    if idle:
+        log.warning("%spolicy_loss %s does not read %s (%s)", where, cfg.policy_loss,
+                    ", ".join(idle), "; ".join(f"{k}: {IDLE_KNOBS[k]}" for k in idle))
+    if cfg.off_policy_mask > 0 and cfg.epochs == 1:
+        log.warning("%soff_policy_mask acts only with epochs > 1 (TRL num_iterations): with one "
+                    "pass the policy is the one that sampled, and nothing is masked", where)
 
 
 def _known(given: dict[str, Any], command: str) -> None:

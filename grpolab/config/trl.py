@@ -195,6 +195,8 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             "scale_rewards" if _word(d.get("multi_objective_aggregation")) == "normalize_then_sum"
             else ""}
     cispo = _word(d.get("loss_type")) == "cispo"
+    if {"loss_type", "importance_sampling_level"} & given.keys():
+        _loss_type_notes(d)
     for trl_key, value in given.items():
         if trl_key in skip or trl_key in later:
             continue
@@ -396,6 +398,27 @@ def _number(value: Any) -> Any:
     if isinstance(x, float) and x.is_integer():
         return int(x)
     return x
+
+
+def _loss_type_notes(d: dict[str, Any]) -> None:
+    """TRL's warnings on loss_type beside importance_sampling_level, and the pairs grpolab
+    cannot run (a sequence-level ratio is GSPO's policy loss, one of the loss types')."""
+    loss_type, level = _word(d.get("loss_type")), _word(d.get("importance_sampling_level"))
+    if level == "sequence" and loss_type in ("cispo", "sapo", "vespo"):
+        raise ConfigError(f"loss_type: {loss_type} with importance_sampling_level: sequence (TRL: "
+                          f"{loss_type} on one ratio per answer) has no grpolab equivalent: "
+                          "grpolab's sequence-level ratio is GSPO's (policy_loss gspo)")
+    if loss_type == "luspo" and level != "sequence":
+        log.warning("loss_type: luspo without importance_sampling_level: sequence is PPO's "
+                    "token ratio summed per answer (TRL warns too: LUSPO's is sequence level)")
+    if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo"):
+        log.warning("importance_sampling_level: sequence with loss_type: %s sums token losses, "
+                    "weighting each answer by its length (TRL warns too: GSPO's paper uses "
+                    "loss_type: grpo)", loss_type)
+    if loss_type == "cispo" and d.get("epsilon_high") is None:
+        log.warning("loss_type: cispo without epsilon_high caps the importance weight at "
+                    "epsilon, %s, as TRL does (TRL's docs recommend epsilon_high: 5.0)",
+                    d.get("epsilon", 0.2))
 
 
 def _word(value: Any) -> str:

@@ -8,7 +8,8 @@ Registries (name -> function); the config's allowed values, the CLI's choices an
 workshop's presets are read from them, so a new variant is one function and one entry:
 
 - ``POLICY_LOSSES``: (logp, old_logp, advantages, mask, **knobs) -> PolicyTerms
-  (per-token loss, where clipping bit, the importance ratio).
+  (per-token loss, where clipping bit, the importance ratio); its keyword-only knobs are
+  config fields of the same names (``policy_knobs``).
 - ``KL_ESTIMATORS``: (logp, ref_logp) -> per-token estimate of KL(policy || reference).
 - ``LOSS_AGGREGATIONS``: (per_token, mask, norm_len) -> scalar.
 
@@ -274,6 +275,7 @@ class LossOut:
     clip_frac: float
     entropy: float | None = None  # mean entropy over the completion tokens (when given)
     entropy_share: float = 1.0  # share of completion tokens the policy loss trained on
+    masked_share: float = 0.0  # share of completion tokens the off-policy mask dropped
 
 
 def grpo_loss(
@@ -320,7 +322,7 @@ def grpo_loss(
     ``global_rows`` / ``global_tokens``: the reply and token counts of the whole batch (over
     micro-batches and ranks) this part belongs to. The loss and ``policy_loss`` are then this
     part's share of the global values (its replies, or for ``token_mean`` its tokens, over the
-    global count) and the token statistics (kl, clip_frac, entropy, entropy_share) its share
+    global count) and the token statistics (kl, clip_frac, entropy, the shares) its share
     of the tokens: summing the parts gives the whole batch's numbers and gradient.
     """
     fn = POLICY_LOSSES.get(policy_loss)
@@ -339,9 +341,11 @@ def grpo_loss(
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropies")
         keep = high_entropy_mask(entropy, mask, 1.0 - top_entropy_quantile)
         surrogate = surrogate * keep.to(surrogate.dtype)
+    dropped = None
     if off_policy_mask > 0:
-        surrogate = surrogate * off_policy_keep(logp, old_logp, advantages, mask,
-                                                off_policy_mask)
+        kept = off_policy_keep(logp, old_logp, advantages, mask, off_policy_mask)
+        surrogate = surrogate * kept
+        dropped = (1 - kept).expand_as(m) * m
     per_token = surrogate
     kl_val = 0.0
     if beta > 0 and ref_logp is not None:
@@ -368,6 +372,7 @@ def grpo_loss(
         clip_frac=float((clipped.to(m.dtype) * m).sum() / denom),
         entropy=ent_val,
         entropy_share=1.0 if keep is None else float((keep.to(m.dtype) * m).sum() / denom),
+        masked_share=0.0 if dropped is None else float(dropped.sum() / denom),
     )
     if global_rows is None and global_tokens is None:
         return out
@@ -388,4 +393,5 @@ def share_of(out: LossOut, mask: Tensor, agg: str, global_rows: int | None,
         clip_frac=out.clip_frac * tok_share,
         entropy=None if out.entropy is None else out.entropy * tok_share,
         entropy_share=out.entropy_share * tok_share,
+        masked_share=out.masked_share * tok_share,
     )

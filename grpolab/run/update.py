@@ -96,6 +96,7 @@ class UpdateStats:
     nonfinite: float = 0.0  # 1 where any micro-batch's loss was not finite
     entropy: float = 0.0
     entropy_share: float = 0.0
+    masked_share: float = 0.0
 
     def add(self, res: LossOut, finite: bool) -> None:
         self.loss += float(res.loss.detach())
@@ -105,6 +106,7 @@ class UpdateStats:
         self.nonfinite = max(self.nonfinite, float(not finite))
         self.entropy += res.entropy or 0.0
         self.entropy_share += res.entropy_share
+        self.masked_share += res.masked_share
 
     def summed_over_ranks(self) -> UpdateStats:
         return UpdateStats(*dist.all_reduce_sum(list(dataclasses.astuple(self))))
@@ -314,6 +316,8 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
             out["entropy"] = stats.entropy
         if cfg.top_entropy_quantile < 1.0:  # share of tokens the policy loss trained on
             out["entropy_token_share"] = stats.entropy_share
+        if cfg.off_policy_mask > 0:  # share of tokens whose policy loss the mask dropped
+            out["off_policy_masked"] = stats.masked_share
     backend.model.eval()
     return out
 

@@ -8,6 +8,7 @@ it can run are named here. One run is ``run_workshop``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import statistics
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from grpolab.config import Config, ConfigError, coerce, resolve
+from grpolab.config.load import warn_idle
 from grpolab.core import advantages, losses, returns
 from grpolab.rewards.builtin import exact_answer
 from grpolab.run.checkpoint import out_dir_lock
@@ -26,6 +28,8 @@ from grpolab.run.trainer import GRPOTrainer
 from grpolab.world.backend import TinyBackend
 from grpolab.world.sft import sft_model
 from grpolab.world.task import make_splits
+
+log = logging.getLogger("grpolab")
 
 # Named variants for sweeps: each is one switch on top of plain GRPO.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -157,16 +161,30 @@ def run_sweep(
 ) -> str:
     """Every (variant, G) pair, over one or more seeds (each seed is its own world, SFT start and
     run); writes sweep.md and sweep.png under cfg.out_dir and returns the table."""
+    settings = check_variants(cfg, sizes, variants)
+    with out_dir_lock(cfg.out_dir):
+        return _run_sweep(cfg, sizes, variants, settings, seeds or [cfg.seed])
+
+
+def check_variants(cfg: Config, sizes: list[int], variants: list[str]) -> dict[str, dict]:
+    """Each variant's settings, every configuration checked before the first run starts; a
+    preset that replaces a value the command was given, or a setting a variant's run does not
+    read, is warned of."""
     settings = {}
-    for variant in variants:  # every configuration is checked before the first run starts
+    for variant in variants:
         try:
             settings[variant] = variant_settings(variant)
             for g in sizes:
                 resolve(dataclasses.replace(cfg, group_size=g, **settings[variant]))
         except (ConfigError, TypeError) as e:
             raise ConfigError(f"sweep: {e} (variant {variant})") from None
-    with out_dir_lock(cfg.out_dir):
-        return _run_sweep(cfg, sizes, variants, settings, seeds or [cfg.seed])
+        default = Config()
+        for key, value in settings[variant].items():  # a preset over the command's own value
+            if getattr(cfg, key) != getattr(default, key) and getattr(cfg, key) != value:
+                log.warning("variant %s sets %s %s over the given %s", variant, key, value,
+                            getattr(cfg, key))
+        warn_idle(dataclasses.replace(cfg, **settings[variant]), f"variant {variant}: ")
+    return settings
 
 
 def _run_sweep(cfg: Config, sizes: list[int], variants: list[str], settings: dict,
