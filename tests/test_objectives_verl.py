@@ -100,3 +100,23 @@ def test_gmpo_matches_verl_geo_mean(eps_low: float, eps_high: float) -> None:
           lambda: verl_loss("geo_mean", logp, old, adv, mask, "token_mean",
                             clip_ratio_low=eps_low, clip_ratio_high=eps_high),
           logp)
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl")])
+def test_kl_estimators_match_verl(ours: str, theirs: str) -> None:
+    """grpolab's KL estimators against verl's kl_penalty (actor.kl_loss_type / kl_penalty),
+    where verl's k3 clamps (to [-10, 10]) do not bite."""
+    logp, _, ref, _, _ = pair(35)
+    kl = verl_functions("kl_penalty", "kl_penalty_forward")["kl_penalty"]
+    agree(lambda: L.KL_ESTIMATORS[ours](logp, ref).sum(), lambda: kl(logp, ref, theirs).sum(),
+          logp)
+
+
+def test_k3_with_the_is_correction_is_verls_k3_plus_on_the_first_pass() -> None:
+    """verl's ``k3+`` (k3's value, k2's gradient: the unbiased KL gradient) is what TRL's
+    use_bias_correction_kl gives grpolab's k3 where the policy ratio is 1."""
+    logp, _, ref, adv, mask = pair(36)
+    kl = verl_functions("kl_penalty", "kl_penalty_forward")["kl_penalty"]
+    agree(lambda: grpo_loss(logp, logp.detach(), ref, adv * 0, mask, beta=1.0,
+                            agg="token_mean", kl_is_correction=True).loss,
+          lambda: (kl(logp, ref, "k3+") * mask).sum() / mask.sum(), logp)
