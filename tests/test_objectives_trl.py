@@ -85,6 +85,12 @@ def _ours(c: Config, logp, old, ref, adv, mask, beta: float, **over) -> torch.Te
     ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, 0.0),
     ({"loss_type": "luspo", "importance_sampling_level": "sequence", "epsilon": 0.05}, 0.04),
     ({"loss_type": "luspo"}, 0.04),  # token level: TRL warns, and computes PPO's clip
+    # TRL's sequence level for the losses that have their own: one ratio per answer
+    ({"loss_type": "cispo", "importance_sampling_level": "sequence", "epsilon_high": 1.3}, 0.04),
+    ({"loss_type": "sapo", "importance_sampling_level": "sequence",
+      "use_bias_correction_kl": True}, 0.04),
+    ({"loss_type": "vespo", "importance_sampling_level": "sequence",
+      "use_bias_correction_kl": True}, 0.04),
 ])
 @pytest.mark.parametrize("shape", ["answer", "token"])
 def test_sapo_vespo_luspo_match_trl(trl_keys: dict, beta: float, shape: str) -> None:

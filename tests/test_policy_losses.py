@@ -108,6 +108,18 @@ def test_cispo_lower_bound_hand_values() -> None:
     assert t.clipped.flatten().tolist() == [True, True]
 
 
+def test_cispo_at_the_sequence_level_hand_values() -> None:
+    """TRL's importance_sampling_level sequence: one weight per answer, exp(mean log-ratio).
+    Log-ratios 0.2 and 0.6: r = e^0.4 = 1.49, capped at 1.3; each token -1.3 x A x logp."""
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = logp.detach() - torch.tensor([[0.2, 0.6]])
+    t = L.cispo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2), cispo_max=1.3,
+                     ratio_level="sequence")
+    assert t.ratio.flatten().tolist() == pytest.approx([math.exp(0.4)])
+    assert t.loss.flatten().tolist() == pytest.approx([1.3, 2.6])
+    assert t.clipped.tolist() == [[True, True]]
+
+
 # ------------------------------------------------------------------------ SAPO --
 
 
@@ -270,6 +282,8 @@ def test_trl_warnings_on_loss_type_and_ratio_level(caplog) -> None:
     assert "weighting each answer by its length" in warned(
         {"loss_type": "dapo", "importance_sampling_level": "sequence"})
     assert warned({"importance_sampling_level": "sequence"}) == ""
+    assert "changes only the KL's correction" in warned(
+        {"loss_type": "vespo", "importance_sampling_level": "sequence"})
     assert "caps the importance weight at epsilon, 0.2" in warned({"loss_type": "cispo"})
     assert warned({"loss_type": "cispo", "epsilon_high": 5.0}) == ""
 
@@ -305,7 +319,7 @@ def test_knobs_reach_their_loss_and_typos_are_refused() -> None:
     b = grpo_loss(logp, old, ref, adv, mask, beta=0.0, policy_loss="sapo", sapo_tau_neg=4.0)
     assert a.loss.item() != pytest.approx(b.loss.item())
     assert L.policy_knobs("vespo") == ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-                                       "vespo_lambda_neg")
+                                       "vespo_lambda_neg", "ratio_level")
     with pytest.raises(TypeError, match="sapo_tau"):
         grpo_loss(logp, old, ref, adv, mask, beta=0.0, policy_loss="sapo", sapo_tau=2.0)
 

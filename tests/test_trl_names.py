@@ -65,10 +65,10 @@ def test_trl_values(trl_keys: dict, want: dict) -> None:
     ({"num_generations": 4, "group_size": 8}, "num_generations: 4 .TRL. sets group_size"),
     ({"loss_type": "dapo", "loss_agg": "seq_mean_token_mean"}, "loss_type: 'dapo'"),
     ({"loss_type": "luspo_v2"}, "'luspo_v2' .TRL. has no grpolab equivalent"),
-    ({"loss_type": "sapo", "importance_sampling_level": "sequence"},
-     "loss_type: sapo with importance_sampling_level: sequence .* no grpolab equivalent"),
-    ({"loss_type": "cispo", "importance_sampling_level": "sequence"},
-     "loss_type: cispo with importance_sampling_level: sequence .* no grpolab equivalent"),
+    ({"loss_type": "sapo", "importance_sampling_level": "sequence", "ratio_level": "token"},
+     "importance_sampling_level: 'sequence' .TRL. sets ratio_level"),
+    ({"loss_type": "grpo", "importance_sampling_level": "sequence", "policy_loss": "clip"},
+     "importance_sampling_level: 'sequence' .TRL. sets policy_loss"),
 ])
 def test_trl_conflicts_are_one_line(trl_keys: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as e:

@@ -155,6 +155,10 @@ class Config:
         "off")
     cispo_max: float = opt(5.0, RUN, "cispo clips the importance weight at this (TRL epsilon_high)")
     cispo_min: float = opt(0.0, RUN, "... and from below at this (verl: 1 - clip_ratio_low)")
+    ratio_level: Literal["token", "sequence"] = opt(
+        "token", RUN,
+        "cispo, sapo, vespo: the ratio per token or per answer (TRL importance_sampling_level; "
+        "PPO's clip per answer is policy_loss gspo)")
     sapo_tau_pos: float = opt(1.0, RUN, "sapo: the gate's temperature for tokens of a positive "
                               "advantage (TRL sapo_temperature_pos, verl tau_pos)")
     sapo_tau_neg: float = opt(1.05, RUN, "sapo: ... of a zero or negative advantage (TRL "

@@ -197,6 +197,10 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     cispo = _word(d.get("loss_type")) == "cispo"
     if {"loss_type", "importance_sampling_level"} & given.keys():
         _loss_type_notes(d)
+    if _word(d.get("importance_sampling_level")) == "sequence" and _word(
+            d.get("loss_type")) in ("cispo", "sapo", "vespo"):  # their own sequence level
+        skip.add("importance_sampling_level")
+        put("ratio_level", "sequence", "importance_sampling_level")
     for trl_key, value in given.items():
         if trl_key in skip or trl_key in later:
             continue
@@ -401,13 +405,12 @@ def _number(value: Any) -> Any:
 
 
 def _loss_type_notes(d: dict[str, Any]) -> None:
-    """TRL's warnings on loss_type beside importance_sampling_level, and the pairs grpolab
-    cannot run (a sequence-level ratio is GSPO's policy loss, one of the loss types')."""
+    """TRL's warnings on loss_type beside importance_sampling_level."""
     loss_type, level = _word(d.get("loss_type")), _word(d.get("importance_sampling_level"))
-    if level == "sequence" and loss_type in ("cispo", "sapo", "vespo"):
-        raise ConfigError(f"loss_type: {loss_type} with importance_sampling_level: sequence (TRL: "
-                          f"{loss_type} on one ratio per answer) has no grpolab equivalent: "
-                          "grpolab's sequence-level ratio is GSPO's (policy_loss gspo)")
+    if level == "sequence" and loss_type == "vespo":
+        log.warning("loss_type: vespo with importance_sampling_level: sequence: VESPO weighs "
+                    "answers by their own ratio; the level changes only the KL's correction "
+                    "(TRL warns too)")
     if loss_type == "luspo" and level != "sequence":
         log.warning("loss_type: luspo without importance_sampling_level: sequence is PPO's "
                     "token ratio summed per answer (TRL warns too: LUSPO's is sequence level)")

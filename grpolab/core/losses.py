@@ -91,6 +91,16 @@ def _per_token(advantages: Tensor) -> Tensor:
     return advantages if advantages.dim() == 2 else advantages[:, None]
 
 
+def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> Tensor:
+    """log(pi / pi_old) per token [B, T], or at ``level`` "sequence" one per answer [B, 1]: the
+    mean over its tokens (GSPO's; TRL's importance_sampling_level)."""
+    d = logp - old_logp
+    if level == "token":
+        return d
+    m = mask.to(logp.dtype)
+    return (d * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+
+
 def _ppo_clip(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float,
               dual_clip: float) -> tuple[Tensor, Tensor]:
     """-min(rA, clip(r)A); with ``dual_clip`` c > 1 the loss of a negative advantage is also
@@ -130,41 +140,48 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
 
 
 def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-               cispo_max: float = 5.0, cispo_min: float = 0.0, **_: float) -> PolicyTerms:
+               cispo_max: float = 5.0, cispo_min: float = 0.0, ratio_level: str = "token",
+               **_: float) -> PolicyTerms:
     """CISPO (MiniMax-M1): REINFORCE -w A log pi with the importance weight
     w = clip(r, cispo_min, cispo_max) held constant (stop-gradient), so no token's gradient is
-    ever clipped away, only weighted (TRL: cispo_min 0; verl: 1 -/+ its clip ratios)."""
-    ratio = torch.exp(logp - old_logp)
+    ever clipped away, only weighted (TRL: cispo_min 0; verl: 1 -/+ its clip ratios). At
+    ``ratio_level`` "sequence" r is the answer's (TRL's importance_sampling_level)."""
+    ratio = torch.exp(_log_ratio(logp, old_logp, mask, ratio_level))
     w = torch.clamp(ratio, min=cispo_min, max=cispo_max).detach()
-    hit = (ratio > cispo_max) | (ratio < cispo_min)
+    hit = ((ratio > cispo_max) | (ratio < cispo_min)).expand_as(logp)
     return PolicyTerms(-w * _per_token(advantages) * logp, hit, ratio)
 
 
 def sapo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-              sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05, **_: float) -> PolicyTerms:
+              sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05, ratio_level: str = "token",
+              **_: float) -> PolicyTerms:
     """SAPO (Gao et al. 2025, arXiv 2511.20347): a soft gate in place of the clip. Per token
     -f(r) A with f(r) = sigmoid(tau (r - 1)) 4 / tau: f's slope is 1 at r = 1 (the policy
     gradient) and fades smoothly as r leaves 1, faster for a larger tau (``sapo_tau_neg`` for
     tokens whose advantage is not positive). Nothing is clipped: ``clipped`` is all False.
-    As verl, log r is clamped to [-20, 20] (TRL's is not; its gradient is NaN past ~88)."""
-    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))  # verl's clamp: no inf x 0
+    As verl, log r is clamped to [-20, 20] (TRL's is not; its gradient is NaN past ~88). At
+    ``ratio_level`` "sequence" r is the answer's, its gate shared by its tokens (TRL's)."""
+    log_r = torch.clamp(_log_ratio(logp, old_logp, mask, ratio_level), -20.0, 20.0)
+    ratio = torch.exp(log_r)  # (verl's clamp: no inf x 0 in the gradient)
     adv = _per_token(advantages)
     tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg)  # float32, as TRL's and verl's
     gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
-    return PolicyTerms(-gate * adv, torch.zeros_like(ratio, dtype=torch.bool), ratio)
+    loss = torch.broadcast_to(-gate * adv, torch.broadcast_shapes(gate.shape, logp.shape))
+    return PolicyTerms(loss, torch.zeros_like(logp, dtype=torch.bool), ratio)
 
 
 def vespo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
                vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
                vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
-               **_: float) -> PolicyTerms:
+               ratio_level: str = "token", **_: float) -> PolicyTerms:
     """VESPO (TRL's loss_type vespo): REINFORCE -phi(w) A log pi with a constant weight
     phi(w) = e^lam w^k e^(-lam w) of the answer's whole-sequence ratio w = prod_t pi/pi_old:
     phi(1) = 1, and phi fades both for w << 1 (w^k) and for w >> 1 (e^(-lam w)); k and lam
     are the ``_pos`` pair for an advantage >= 0, else the ``_neg`` pair. As TRL: each token's
     log-ratio is clamped to [-20, 20] and log w to [log 1e-8, 20]. ``clipped`` is all False;
-    ``ratio`` is the per-token one (the KL's correction uses it)."""
-    ratio = torch.exp(logp - old_logp)
+    ``ratio`` (the KL's correction) is the per-token one, or the answer's at ``ratio_level``
+    "sequence" (all the level changes, as in TRL)."""
+    ratio = torch.exp(_log_ratio(logp, old_logp, mask, ratio_level))
     m = mask.to(logp.dtype)
     log_r = torch.clamp((logp - old_logp).detach(), -20.0, 20.0)
     log_w = torch.clamp((log_r * m).sum(-1, keepdim=True), math.log(1e-8), 20.0)  # [B, 1]
@@ -174,7 +191,7 @@ def vespo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     lam = torch.where(pos, vespo_lambda_pos, vespo_lambda_neg).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    return PolicyTerms(-phi * adv * logp, torch.zeros_like(ratio, dtype=torch.bool), ratio)
+    return PolicyTerms(-phi * adv * logp, torch.zeros_like(logp, dtype=torch.bool), ratio)
 
 
 def gmpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
