@@ -1,6 +1,7 @@
 """grpolab's policy losses against verl 0.9.1's own ``core_algos`` policy losses on identical
-inputs (values and gradients): vanilla PPO with its dual clip, GSPO, CISPO, SAPO and GMPO
-(verl's ``geo_mean``), under each aggregation verl names the same way. verl's functions run
+inputs (values and gradients): vanilla PPO with its dual clip, GSPO, CISPO, SAPO, GMPO
+(verl's ``geo_mean``), KL-Cov and Clip-Cov, under each aggregation verl names the same way;
+and the KL estimators. verl's functions run
 from its source file as they are (verl_harness.py)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from helpers import agree, pair
 from verl_harness import verl_functions
 
@@ -24,9 +26,14 @@ class ActorConfig(SimpleNamespace):
     counts, so agg_loss takes this batch's)."""
 
     def __init__(self, **over: Any) -> None:
+        policy = {k: over.pop(k) for k in list(over) if k.startswith(("kl_cov", "clip_cov"))
+                  or k == "ppo_kl_coef"}
         super().__init__(**{"clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": None,
                             "clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05,
-                            "global_batch_info": {}, **over})
+                            "global_batch_info": {}, "policy_loss": SimpleNamespace(
+                                **{"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0,
+                                   "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002,
+                                   "ppo_kl_coef": 0.1, **policy}), **over})
 
     def get(self, key: str, default: Any = None) -> Any:
         return getattr(self, key, default)
@@ -120,3 +127,43 @@ def test_k3_with_the_is_correction_is_verls_k3_plus_on_the_first_pass() -> None:
     agree(lambda: grpo_loss(logp, logp.detach(), ref, adv * 0, mask, beta=1.0,
                             agg="token_mean", kl_is_correction=True).loss,
           lambda: (kl(logp, ref, "k3+") * mask).sum() / mask.sum(), logp)
+
+
+@pytest.mark.parametrize("agg", list(AGG))
+@pytest.mark.parametrize(("ratio", "coef"), [(0.0002, 0.1), (0.2, 1.0)])
+def test_kl_cov_matches_verl(agg: str, ratio: float, coef: float) -> None:
+    """KL-Cov: the |log r| penalty on the tokens of largest covariance (one token at verl's
+    default share of this small batch, six at 0.2)."""
+    logp, old, _, adv, mask = pair(37, spread=0.5)
+    hit = L.kl_cov_loss(logp, old, adv, mask, kl_cov_ratio=ratio).clipped
+    assert hit.sum() == max(1, int(mask.sum() * ratio)) and not (hit & ~mask.bool()).any()
+    agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, agg=agg, policy_loss="kl_cov",
+                            kl_cov_ratio=ratio, kl_cov_coef=coef).loss,
+          lambda: verl_loss("kl_cov", logp, old, adv, mask, agg, kl_cov_ratio=ratio,
+                            ppo_kl_coef=coef),
+          logp)
+
+
+@pytest.mark.parametrize("agg", list(AGG))
+def test_clip_cov_matches_verl_on_the_same_random_draw(agg: str) -> None:
+    """Clip-Cov: PPO's clip, and a random draw of tokens within the covariance bounds left
+    without gradient, drawn from torch's global generator as verl draws them."""
+    logp, old, _, adv, mask = pair(38, spread=0.8)
+    knobs = {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.05, "clip_cov_ub": 5.0}
+    torch.manual_seed(3)
+    t = L.clip_cov_loss(logp, old, adv, mask, **knobs)
+    ratio = torch.exp(logp.detach() - old)
+    by_clip = ((-adv[:, None] * torch.clamp(ratio, 0.8, 1.2)) > (-adv[:, None] * ratio))
+    dropped = t.clipped & ~by_clip
+    assert dropped.sum() == int(0.2 * mask.sum()) and (t.loss[dropped] == 0).all()
+
+    def ours() -> torch.Tensor:
+        torch.manual_seed(3)
+        return grpo_loss(logp, old, None, adv, mask, beta=0.0, agg=agg,
+                         policy_loss="clip_cov", **knobs).loss
+
+    def theirs() -> torch.Tensor:
+        torch.manual_seed(3)
+        return verl_loss("clip_cov", logp, old, adv, mask, agg, **knobs)
+
+    agree(ours, theirs, logp)

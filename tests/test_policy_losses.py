@@ -324,7 +324,23 @@ def test_knobs_reach_their_loss_and_typos_are_refused() -> None:
         grpo_loss(logp, old, ref, adv, mask, beta=0.0, policy_loss="sapo", sapo_tau=2.0)
 
 
+def test_kl_cov_hand_values() -> None:
+    """Token advantages 1, 1, -1, -1 (mean 0), log-probs -1, -0.5, -3, -4 (mean -2.125):
+    covariances 1.125, 1.625, 0.875, 1.875. A share of 0.25 is one token, the last, which alone
+    gets coef x |log r| = 0.1 x 0.1 on top of -r A."""
+    logp = torch.tensor([[-1.0, -0.5], [-3.0, -4.0]], requires_grad=True)
+    old = logp.detach() - torch.tensor([[0.1, 0.3], [0.2, -0.1]])
+    adv = torch.tensor([1.0, -1.0])
+    t = L.kl_cov_loss(logp, old, adv, torch.ones(2, 2), kl_cov_ratio=0.25, kl_cov_coef=0.1)
+    assert t.clipped.tolist() == [[False, False], [False, True]]
+    r = torch.exp(torch.tensor([[0.1, 0.3], [0.2, -0.1]]))
+    want = -torch.tensor([[1.0], [-1.0]]) * r + torch.tensor([[0.0, 0.0], [0.0, 0.01]])
+    assert torch.allclose(t.loss, want)
+
+
 @pytest.mark.parametrize(("over", "message"), [
+    ({"kl_cov_ratio": 0}, "kl_cov_ratio must be in .0, 1."),
+    ({"clip_cov_lb": 5.0}, "clip_cov_lb must be below clip_cov_ub"),
     ({"sapo_tau_neg": 0}, "sapo_tau_neg must be > 0"),
     ({"vespo_lambda_pos": -1}, "vespo_lambda_pos must be > 0"),
     ({"vespo_k_neg": -0.5}, "vespo_k_neg must be >= 0"),

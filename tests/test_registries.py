@@ -15,7 +15,7 @@ from grpolab.core import losses as L
 def test_config_choices_are_the_registries() -> None:
     lit = literal_fields()
     assert lit["policy_loss"] == tuple(L.POLICY_LOSSES) == (
-        "clip", "gspo", "cispo", "sapo", "vespo", "gmpo")
+        "clip", "gspo", "cispo", "sapo", "vespo", "gmpo", "kl_cov", "clip_cov")
     assert lit["kl_estimator"] == tuple(L.KL_ESTIMATORS) == ("k1", "k2", "k3")
     assert lit["loss_agg"] == tuple(L.LOSS_AGGREGATIONS)
     assert lit["baseline"] == tuple(A.ADVANTAGE_BASELINES)
@@ -90,5 +90,6 @@ def test_a_sweep_names_presets_over_given_values_and_unread_settings(caplog) -> 
     assert [r.getMessage() for r in caplog.records] == [
         "variant gmpo sets eps_low 0.4 over the given 0.1",
         "variant gmpo: policy_loss gmpo does not read sapo_tau_pos (sapo_tau_pos: sapo)",
-        "variant sapo: policy_loss sapo does not read eps_low (eps_low: clip, gspo, gmpo)",
+        ("variant sapo: policy_loss sapo does not read eps_low (eps_low: clip, gspo, gmpo, "
+        "clip_cov)"),
         "variant grpo: policy_loss clip does not read sapo_tau_pos (sapo_tau_pos: sapo)"]

@@ -144,7 +144,8 @@ class Config:
         "clip", RUN,
         "clip: PPO per-token ratio; gspo: one ratio per answer; cispo: clipped importance "
         "weight, REINFORCE; sapo: a soft gate, no clip; vespo: REINFORCE weighted by the "
-        "answer's ratio; gmpo: geometric mean of clipped token ratios (eps in log space)")
+        "answer's ratio; gmpo: geometric mean of clipped token ratios (eps in log space); "
+        "kl_cov, clip_cov: the entropy paper's, on the tokens of highest covariance")
     eps_low: float = opt(0.2, RUN, "the ratio's lower clip is 1 - eps_low (TRL epsilon)")
     eps_high: float = opt(
         0.2, RUN,
@@ -155,6 +156,13 @@ class Config:
         "off")
     cispo_max: float = opt(5.0, RUN, "cispo clips the importance weight at this (TRL epsilon_high)")
     cispo_min: float = opt(0.0, RUN, "... and from below at this (verl: 1 - clip_ratio_low)")
+    kl_cov_ratio: float = opt(0.0002, RUN, "kl_cov: share of tokens, by covariance, that get "
+                              "the |log ratio| penalty (verl kl_cov_ratio)")
+    kl_cov_coef: float = opt(0.1, RUN, "kl_cov: the penalty's weight (verl ppo_kl_coef)")
+    clip_cov_ratio: float = opt(0.0002, RUN, "clip_cov: share of tokens, drawn among those "
+                                "whose covariance is in (lb, ub), that get no gradient")
+    clip_cov_lb: float = opt(1.0, RUN, "clip_cov: the covariance's lower bound (verl clip_cov_lb)")
+    clip_cov_ub: float = opt(5.0, RUN, "clip_cov: the covariance's upper bound (verl clip_cov_ub)")
     ratio_level: Literal["token", "sequence"] = opt(
         "token", RUN,
         "cispo, sapo, vespo: the ratio per token or per answer (TRL importance_sampling_level; "

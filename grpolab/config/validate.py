@@ -57,7 +57,14 @@ def _validate_objective(cfg: Config) -> None:
     for key in ("sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
         if not getattr(cfg, key) > 0:
             raise ConfigError(f"{key} must be > 0 (got {getattr(cfg, key)})")
-    for key in ("vespo_k_pos", "vespo_k_neg", "off_policy_mask"):
+    for key in ("kl_cov_ratio", "clip_cov_ratio"):
+        if not 0 < getattr(cfg, key) <= 1:
+            raise ConfigError(f"{key} must be in (0, 1] (got {getattr(cfg, key)}): a share of "
+                              "tokens")
+    if not cfg.clip_cov_lb < cfg.clip_cov_ub:
+        raise ConfigError(f"clip_cov_lb must be below clip_cov_ub (got {cfg.clip_cov_lb}, "
+                          f"{cfg.clip_cov_ub})")
+    for key in ("vespo_k_pos", "vespo_k_neg", "off_policy_mask", "kl_cov_coef"):
         if not getattr(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0 (got {getattr(cfg, key)})")
     if not 0.0 <= cfg.top_entropy_quantile <= 1.0:

@@ -7,28 +7,48 @@ tokens (EOS included) and 0 on padding; ``advantages`` is [B], one value per ans
 Registries (name -> function); the config's allowed values, the CLI's choices and the
 workshop's presets are read from them, so a new variant is one function and one entry:
 
-- ``POLICY_LOSSES``: (logp, old_logp, advantages, mask, **knobs) -> PolicyTerms
-  (per-token loss, where clipping bit, the importance ratio); its keyword-only knobs are
-  config fields of the same names (``policy_knobs``).
+- ``POLICY_LOSSES`` (``grpolab.core.policy_losses``, re-exported here): (logp, old_logp,
+  advantages, mask, **knobs) -> PolicyTerms; its keyword-only knobs are config fields of the
+  same names (``policy_knobs``).
 - ``KL_ESTIMATORS``: (logp, ref_logp) -> per-token estimate of KL(policy || reference).
 - ``LOSS_AGGREGATIONS``: (per_token, mask, norm_len) -> scalar.
 
 ``grpo_loss`` is the whole objective. Given the global batch's reply and token counts
 (``global_rows``, ``global_tokens``, as verl's ``agg_loss`` takes them), it returns a part's
 exact share of the global loss and of every logged statistic, so micro-batches and ranks sum to
-the one-pass, one-process step: a property of this function, tested as such.
+the one-pass, one-process step: a property of this function, tested as such (but for
+``kl_cov`` and ``clip_cov``, which choose their tokens within the part they are given, as
+verl's within its micro-batch).
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from grpolab.core.policy_losses import (  # re-exported: one place for the objective's terms
+    POLICY_LOSSES,
+    PolicyTerms,
+    _per_token,  # (the off-policy mask reads advantages as the policy losses do)
+    cispo_loss,
+    clip_cov_loss,
+    gmpo_loss,
+    gspo_loss,
+    kl_cov_loss,
+    policy_knobs,
+    ppo_clip_loss,
+    sapo_loss,
+    vespo_loss,
+)
+
+__all__ = ["KL_ESTIMATORS", "LOSS_AGGREGATIONS", "POLICY_LOSSES", "TOKEN_WEIGHTED_AGGS",
+           "LossOut", "PolicyTerms", "aggregate", "cispo_loss", "clip_cov_loss", "gmpo_loss",
+           "grpo_loss", "gspo_loss", "high_entropy_mask", "k1_kl", "k2_kl", "k3_kl",
+           "kl_cov_loss", "off_policy_keep", "policy_knobs", "ppo_clip_loss", "sapo_loss",
+           "sequence_kl", "share_of", "vespo_loss"]
 
 
 def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
@@ -77,160 +97,6 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "k2": k2_kl,
     "k3": k3_kl,
 }
-
-
-class PolicyTerms(NamedTuple):
-    loss: Tensor  # [B, T] per-token policy loss
-    clipped: Tensor  # [B, T] bool: where a clip (or cap) changed the value
-    ratio: Tensor  # [B, T] per-token or [B, 1] per-sequence importance ratio (differentiable)
-
-
-def _per_token(advantages: Tensor) -> Tensor:
-    """[B] (one per answer, shared by its tokens) or [B, T] (token-level) -> broadcastable
-    against [B, T]."""
-    return advantages if advantages.dim() == 2 else advantages[:, None]
-
-
-def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> Tensor:
-    """log(pi / pi_old) per token [B, T], or at ``level`` "sequence" one per answer [B, 1]: the
-    mean over its tokens (GSPO's; TRL's importance_sampling_level)."""
-    d = logp - old_logp
-    if level == "token":
-        return d
-    m = mask.to(logp.dtype)
-    return (d * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
-
-
-def _ppo_clip(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float,
-              dual_clip: float) -> tuple[Tensor, Tensor]:
-    """-min(rA, clip(r)A); with ``dual_clip`` c > 1 the loss of a negative advantage is also
-    capped at -cA (dual-clip PPO: verl's clip_ratio_c, TRL's delta), where it has no gradient."""
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
-    loss = -torch.minimum(unclipped, clipped)
-    hit = clipped < unclipped
-    if dual_clip > 0:
-        cap = -adv * dual_clip
-        capped = (adv < 0) & (loss > cap)
-        loss = torch.where(capped, cap.expand_as(loss), loss)
-        hit = hit | capped
-    return loss, hit
-
-
-def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-                  eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float = 0.0,
-                  **_: float) -> PolicyTerms:
-    """GRPO/PPO: per-token ratio r_t = pi/pi_old, clipped to [1 - eps_low, 1 + eps_high]."""
-    ratio = torch.exp(logp - old_logp)
-    loss, hit = _ppo_clip(ratio, _per_token(advantages), eps_low, eps_high, dual_clip)
-    return PolicyTerms(loss, hit, ratio)
-
-
-def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-              eps_low: float = 3e-4, eps_high: float = 4e-4, dual_clip: float = 0.0,
-              **_: float) -> PolicyTerms:
-    """GSPO (Zheng et al. 2025): one ratio per answer, the geometric mean of its token ratios
-    s = exp(mean_t log(pi/pi_old)), clipped as a whole ([1 - eps_low, 1 + eps_high]; the paper
-    uses 3e-4 / 4e-4); every token of the answer gets the answer's loss."""
-    m = mask.to(logp.dtype)
-    log_s = ((logp - old_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
-    ratio = torch.exp(log_s)  # [B, 1]
-    loss, hit = _ppo_clip(ratio, _per_token(advantages), eps_low, eps_high, dual_clip)
-    return PolicyTerms(loss.expand_as(logp), hit.expand_as(logp), ratio)
-
-
-def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-               cispo_max: float = 5.0, cispo_min: float = 0.0, ratio_level: str = "token",
-               **_: float) -> PolicyTerms:
-    """CISPO (MiniMax-M1): REINFORCE -w A log pi with the importance weight
-    w = clip(r, cispo_min, cispo_max) held constant (stop-gradient), so no token's gradient is
-    ever clipped away, only weighted (TRL: cispo_min 0; verl: 1 -/+ its clip ratios). At
-    ``ratio_level`` "sequence" r is the answer's (TRL's importance_sampling_level)."""
-    ratio = torch.exp(_log_ratio(logp, old_logp, mask, ratio_level))
-    w = torch.clamp(ratio, min=cispo_min, max=cispo_max).detach()
-    hit = ((ratio > cispo_max) | (ratio < cispo_min)).expand_as(logp)
-    return PolicyTerms(-w * _per_token(advantages) * logp, hit, ratio)
-
-
-def sapo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-              sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05, ratio_level: str = "token",
-              **_: float) -> PolicyTerms:
-    """SAPO (Gao et al. 2025, arXiv 2511.20347): a soft gate in place of the clip. Per token
-    -f(r) A with f(r) = sigmoid(tau (r - 1)) 4 / tau: f's slope is 1 at r = 1 (the policy
-    gradient) and fades smoothly as r leaves 1, faster for a larger tau (``sapo_tau_neg`` for
-    tokens whose advantage is not positive). Nothing is clipped: ``clipped`` is all False.
-    As verl, log r is clamped to [-20, 20] (TRL's is not; its gradient is NaN past ~88). At
-    ``ratio_level`` "sequence" r is the answer's, its gate shared by its tokens (TRL's)."""
-    log_r = torch.clamp(_log_ratio(logp, old_logp, mask, ratio_level), -20.0, 20.0)
-    ratio = torch.exp(log_r)  # (verl's clamp: no inf x 0 in the gradient)
-    adv = _per_token(advantages)
-    tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg)  # float32, as TRL's and verl's
-    gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
-    loss = torch.broadcast_to(-gate * adv, torch.broadcast_shapes(gate.shape, logp.shape))
-    return PolicyTerms(loss, torch.zeros_like(logp, dtype=torch.bool), ratio)
-
-
-def vespo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-               vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
-               vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
-               ratio_level: str = "token", **_: float) -> PolicyTerms:
-    """VESPO (TRL's loss_type vespo): REINFORCE -phi(w) A log pi with a constant weight
-    phi(w) = e^lam w^k e^(-lam w) of the answer's whole-sequence ratio w = prod_t pi/pi_old:
-    phi(1) = 1, and phi fades both for w << 1 (w^k) and for w >> 1 (e^(-lam w)); k and lam
-    are the ``_pos`` pair for an advantage >= 0, else the ``_neg`` pair. As TRL: each token's
-    log-ratio is clamped to [-20, 20] and log w to [log 1e-8, 20]. ``clipped`` is all False;
-    ``ratio`` (the KL's correction) is the per-token one, or the answer's at ``ratio_level``
-    "sequence" (all the level changes, as in TRL)."""
-    ratio = torch.exp(_log_ratio(logp, old_logp, mask, ratio_level))
-    m = mask.to(logp.dtype)
-    log_r = torch.clamp((logp - old_logp).detach(), -20.0, 20.0)
-    log_w = torch.clamp((log_r * m).sum(-1, keepdim=True), math.log(1e-8), 20.0)  # [B, 1]
-    adv = _per_token(advantages)
-    pos = adv >= 0
-    k = torch.where(pos, vespo_k_pos, vespo_k_neg)  # float32, as TRL's
-    lam = torch.where(pos, vespo_lambda_pos, vespo_lambda_neg).clamp(min=1e-4)
-    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
-    phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    return PolicyTerms(-phi * adv * logp, torch.zeros_like(logp, dtype=torch.bool), ratio)
-
-
-def gmpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-              eps_low: float = 0.4, eps_high: float = 0.4, **_: float) -> PolicyTerms:
-    """GMPO (Zhao et al. 2025, arXiv 2507.20673; verl's geo_mean): one ratio per answer, the
-    geometric mean of its token ratios as in GSPO, but each token's log-ratio is clipped
-    first, to [-eps_low, eps_high] in log space on the side the advantage's sign says (as PPO
-    clips), so one outlier token cannot carry the answer's ratio; the paper's range is
-    (e^-0.4, e^0.4). Every token gets the answer's loss -A s, A the mean of its tokens'
-    advantages (verl's 1e-8 in both means, in float32); as verl says, it is meant for one
-    advantage per answer. ``ratio`` (the KL's correction) is the unclipped geometric mean."""
-    d = (logp - old_logp).float()
-    adv = _per_token(advantages).float()
-    sgn = torch.sign(adv)
-    d_clip = torch.clamp(d, -eps_low, eps_high)
-    d_min = sgn * torch.minimum(sgn * d, sgn * d_clip)
-    m = mask.float()
-    n = m.sum(-1, keepdim=True) + 1e-8
-    s = torch.exp((d_min * m).sum(-1, keepdim=True) / n)  # [B, 1]
-    a = (adv * m).sum(-1, keepdim=True) / n
-    ratio = torch.exp((d * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1))
-    return PolicyTerms((-a * s).expand_as(logp), sgn * d_clip < sgn * d, ratio)
-
-
-POLICY_LOSSES: dict[str, Callable[..., PolicyTerms]] = {
-    "clip": ppo_clip_loss,
-    "gspo": gspo_loss,
-    "cispo": cispo_loss,
-    "sapo": sapo_loss,
-    "vespo": vespo_loss,
-    "gmpo": gmpo_loss,
-}
-
-
-def policy_knobs(name: str) -> tuple[str, ...]:
-    """The settings policy loss ``name`` reads: its keyword-only parameters, each a config
-    field of the same name."""
-    params = inspect.signature(POLICY_LOSSES[name]).parameters.values()
-    return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
 
 
 def _seq_mean_token_mean(per_token: Tensor, m: Tensor, norm_len: int | None) -> Tensor:
