@@ -372,8 +372,9 @@ def test_humaneval_plus_lists_of_floats_are_compared_within_its_tolerance() -> N
         "inputs = [[1.0, 2.0], [3, 4], [[1, 2], 0]]", f"inputs = [[{xs}], [[2.0, 2.0]]]").replace(
         "results = [1.5, 3.5, [1, 2]]", f"results = [{want}, []]")
     case = row_case({"test": plus, "entry_point": "unit"})
-    assert case.tests[0].splitlines()[:2] == [f"evalplus_out = unit({xs})",
-                                              "assert len(evalplus_out) == 5"]
+    assert case.tests[0].splitlines()[:2] == [
+        f"evalplus_0, evalplus_1, evalplus_2, evalplus_3, evalplus_4 = unit({xs})",
+        f"assert math.isclose(evalplus_0, {want[0]!r}, rel_tol=1e-07, abs_tol=1e-06)"]
     assert case.tests[1] == "assert unit([2.0, 2.0]) == []"  # an empty list: exactly
     body = ("def unit(xs):\n    lo, hi = min(xs), max(xs)\n    if lo == hi:\n"
             "        return []\n    {}\n")
@@ -402,21 +403,37 @@ def test_mbpp_plus_rows_give_a_test_an_input_of_their_program() -> None:
     in them survives; a program whose expected values are computed (one of evalplus's
     special oracles) leaves the row to test_list."""
     case = row_case(MBPP_PLUS)
-    assert case.tests == ("assert similar((3, 4), (4, 5)) == (4,)",
-                          ("evalplus_out = similar((1, float('inf')), (float('inf'), 2))\n"
-                          "assert len(evalplus_out) == 1\n"
-                          "assert math.isclose(evalplus_out[0], float('inf'), rel_tol=1e-07, "
-                          "abs_tol=1e-06)"),
-                          ("evalplus_out = similar((0.5, 1), (0.5,))\n"
-                          "assert len(evalplus_out) == 1\n"
-                          "assert math.isclose(evalplus_out[0], 0.5, rel_tol=1e-07, "
-                          "abs_tol=1e-06)"))
+    assert case.tests == (
+        "assert similar((3, 4), (4, 5)) == (4,)",
+        ("evalplus_0, = similar((1, float('inf')), (float('inf'), 2))\n"
+        "assert math.isclose(evalplus_0, float('inf'), rel_tol=1e-07, abs_tol=1e-06)"),
+        ("evalplus_0, = similar((0.5, 1), (0.5,))\n"
+        "assert math.isclose(evalplus_0, 0.5, rel_tol=1e-07, abs_tol=1e-06)"))
     assert run_case(MBPP_PLUS["code"], case, QUICK).share == 1.0
     assert run_case("def similar(a, b):\n    return (5,) if 4 in a else tuple(set(a) & set(b))",
                     case, QUICK).passed == 2
     oracle = {**MBPP_PLUS, "test": MBPP_PLUS["test"].replace(
         "results = [(4,), (inf,), (0.5,)]", "results = [ref(*x) for x in inputs]")}
     assert row_case(oracle).tests == ("assert set(similar((3, 4), (4, 5))) == set((4,))",)
+
+
+def test_mbpp_plus_set_tasks_and_long_float_lists() -> None:
+    """evalplus's evaluator compares similar_elements' (and 7 other tasks') outputs as sets,
+    so the reference's own order is not required; a list of 1,000 floats is sent back once,
+    not once an item (4 MB of output would stop the row)."""
+    row = {**MBPP_PLUS, "test": MBPP_PLUS["test"].replace("similar", "similar_elements")}
+    case = row_case(row)
+    assert case.tests[0] == "assert set(similar_elements((3, 4), (4, 5))) == set((4,))"
+    code = "def similar_elements(a, b):\n    return tuple(sorted(set(a) & set(b), reverse=True))"
+    assert run_case(code, case, QUICK).share == 1.0
+    n = 1000
+    plus = PLUS.replace("inputs = [[1.0, 2.0], [3, 4], [[1, 2], 0]]",
+                        f"inputs = [[{n}], [{n}]]").replace(
+        "results = [1.5, 3.5, [1, 2]]", f"results = {[[i / 3 for i in range(n)]] * 2}")
+    long = row_case({"test": plus, "entry_point": "thirds"})
+    assert long.tests[0].startswith("evalplus_0, evalplus_1, ")
+    v = run_case("def thirds(n):\n    return [i * (1 / 3) for i in range(n)]", long)
+    assert (v.passed, v.total) == (2, 2), v.note
 
 
 def test_expected_sides_built_from_constants_are_folded_here() -> None:

@@ -87,6 +87,14 @@ def test_a_sweep_names_presets_over_given_values_and_unread_settings(caplog) -> 
     with caplog.at_level("WARNING", logger="grpolab"):
         settings = check_variants(cfg, [8], ["gmpo", "sapo", "grpo"])
     assert settings["gmpo"]["eps_low"] == 0.4
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpolab"):  # what a switch's resolve changes too
+        check_variants(make_config(None, {"loss_agg": "token_mean"}), [8], ["dr_grpo"])
+    assert [r.getMessage() for r in caplog.records] == [
+        "variant dr_grpo sets loss_agg seq_mean_token_sum_norm over the given token_mean"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpolab"):
+        settings = check_variants(cfg, [8], ["gmpo", "sapo", "grpo"])
     assert [r.getMessage() for r in caplog.records] == [
         "variant gmpo sets eps_low 0.4 over the given 0.1",
         "variant gmpo: policy_loss gmpo does not read sapo_tau_pos (sapo_tau_pos: sapo)",

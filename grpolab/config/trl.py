@@ -414,7 +414,7 @@ def _loss_type_notes(d: dict[str, Any]) -> None:
     if loss_type == "luspo" and level != "sequence":
         log.warning("loss_type: luspo without importance_sampling_level: sequence is PPO's "
                     "token ratio summed per answer (TRL warns too: LUSPO's is sequence level)")
-    if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo"):
+    if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
         log.warning("importance_sampling_level: sequence with loss_type: %s sums token losses, "
                     "weighting each answer by its length (TRL warns too: GSPO's paper uses "
                     "loss_type: grpo)", loss_type)

@@ -41,9 +41,14 @@ from typing import Any
 from grpolab.rewards.fold import source
 from grpolab.rewards.shapes import is_literal, parse
 
-# HumanEval+'s list of floats compared item by item up to this length (each item one value
-# sent back), exactly beyond it
+# HumanEval+'s list of floats compared item by item up to this length (the answer's value
+# unpacked into as many names in the sandbox, each sent back once), exactly beyond it
 MAX_CLOSE_ITEMS = 1_000
+# MBPP+ tasks whose outputs evalplus's evaluator compares as sets (its _special_oracle.py);
+# its not-None tasks (check_str, ...) return re.Match objects, which cannot be judged here
+MBPP_SET_EQ = frozenset({"similar_elements", "find_char_long", "common_in_nested_lists",
+                         "extract_singly", "larg_nnum", "intersection_array", "find_dissimilar",
+                         "Diff"})
 COLUMNS = ("tests", "test_cases", "official_tests", "test_list", "test", "input_output",
            "verification_info", "public_tests", "answer")
 
@@ -267,7 +272,8 @@ def plus_program_tests(test: str) -> tuple[str, ...]:
         call = body.value.args[0] if isinstance(body, ast.Expr) and isinstance(
             body.value, ast.Call) and body.value.args else None
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
-            tests += _evalplus(node, consts, call.func.id, call.func.id)
+            name = call.func.id
+            tests += _evalplus(node, consts, name, name, set_eq=name in MBPP_SET_EQ)
     return tuple(tests)
 
 
@@ -281,11 +287,14 @@ class _Values(ast.NodeTransformer):
         return ast.Constant(self.values[node.id]) if node.id in self.values else node
 
 
-def _evalplus(loop: ast.For, consts: dict[str, ast.expr], name: str, entry: str) -> list[str]:
+def _evalplus(loop: ast.For, consts: dict[str, ast.expr], name: str, entry: str,
+              set_eq: bool = False) -> list[str]:
     """HumanEval+'s ``for i, (inp, exp) in enumerate(zip(inputs, results)):
     assertion(candidate(*inp), exp, atol)`` as one test an input: ``==``, or ``isclose``
     where the expected value is a float or ``atol`` is set (its ``assertion``'s tolerance),
-    item by item for a list or tuple of them (its numpy ``allclose``)."""
+    item by item for a list or tuple of them (its numpy ``allclose``); with ``set_eq`` the
+    answer's value and the expected one as sets (evalplus's evaluator, MBPP+'s
+    ``MBPP_SET_EQ``)."""
     call = loop.body[0].value if len(loop.body) == 1 and isinstance(loop.body[0], ast.Expr) \
         else None
     zipped = loop.iter.args[0] if isinstance(loop.iter, ast.Call) and getattr(
@@ -304,15 +313,18 @@ def _evalplus(loop: ast.For, consts: dict[str, ast.expr], name: str, entry: str)
     atol, tests = ast.literal_eval(call.args[2]), []
     for args, want in zip(inputs, results):
         call_text = f"{entry}({', '.join(map(source, args))})"
-        if _tolerant(want, atol):
+        if set_eq and isinstance(want, (list, tuple, set)):
+            tests.append(f"assert set({call_text}) == set({source(want)})")
+        elif _tolerant(want, atol):
             tests.append(f"assert math.isclose({call_text}, {source(want)}, rel_tol=1e-07, "
                          f"abs_tol={atol or 1e-6})")
         elif isinstance(want, (list, tuple)) and 0 < len(want) <= MAX_CLOSE_ITEMS and all(
                 _tolerant(w, atol) for w in want):  # numpy's allclose, item by item
+            names = [f"evalplus_{i}" for i in range(len(want))]  # (as many as expected)
             tests.append("\n".join([
-                f"evalplus_out = {call_text}", f"assert len(evalplus_out) == {len(want)}",
-                *(f"assert math.isclose(evalplus_out[{i}], {source(w)}, rel_tol=1e-07, "
-                  f"abs_tol={atol or 1e-6})" for i, w in enumerate(want))]))
+                f"{', '.join(names)}{',' if len(names) == 1 else ''} = {call_text}",
+                *(f"assert math.isclose({n}, {source(w)}, rel_tol=1e-07, "
+                  f"abs_tol={atol or 1e-6})" for n, w in zip(names, want))]))
         else:
             tests.append(f"assert {call_text} == {source(want)}")
     return tests

@@ -178,12 +178,14 @@ def check_variants(cfg: Config, sizes: list[int], variants: list[str]) -> dict[s
                 resolve(dataclasses.replace(cfg, group_size=g, **settings[variant]))
         except (ConfigError, TypeError) as e:
             raise ConfigError(f"sweep: {e} (variant {variant})") from None
-        default = Config()
-        for key, value in settings[variant].items():  # a preset over the command's own value
-            if getattr(cfg, key) != getattr(default, key) and getattr(cfg, key) != value:
-                log.warning("variant %s sets %s %s over the given %s", variant, key, value,
-                            getattr(cfg, key))
-        warn_idle(dataclasses.replace(cfg, **settings[variant]), f"variant {variant}: ")
+        default, base = resolve(Config()), resolve(cfg)
+        ran = resolve(dataclasses.replace(cfg, **settings[variant]))
+        for f in dataclasses.fields(Config):  # a preset over the command's own value
+            given, now = getattr(base, f.name), getattr(ran, f.name)
+            if given != getattr(default, f.name) and now != given:
+                log.warning("variant %s sets %s %s over the given %s", variant, f.name, now,
+                            given)
+        warn_idle(ran, f"variant {variant}: ")
     return settings
 
 
