@@ -1,6 +1,7 @@
 """grpolab's policy losses against verl 0.9.1's own ``core_algos`` policy losses on identical
 inputs (values and gradients): vanilla PPO with its dual clip, GSPO, CISPO, SAPO, GMPO
-(verl's ``geo_mean``), KL-Cov and Clip-Cov, under each aggregation verl names the same way;
+(verl's ``geo_mean``), KL-Cov, Clip-Cov, DPPO (TV and binary KL) and DRO, under each
+aggregation verl names the same way;
 and the KL estimators. verl's functions run
 from its source file as they are (verl_harness.py)."""
 
@@ -27,7 +28,7 @@ class ActorConfig(SimpleNamespace):
 
     def __init__(self, **over: Any) -> None:
         policy = {k: over.pop(k) for k in list(over) if k.startswith(("kl_cov", "clip_cov"))
-                  or k == "ppo_kl_coef"}
+                  or k in ("ppo_kl_coef", "dro_beta")}
         super().__init__(**{"clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": None,
                             "clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05,
                             "global_batch_info": {}, "policy_loss": SimpleNamespace(
@@ -167,3 +168,30 @@ def test_clip_cov_matches_verl_on_the_same_random_draw(agg: str) -> None:
         return verl_loss("clip_cov", logp, old, adv, mask, agg, **knobs)
 
     agree(ours, theirs, logp)
+
+
+@pytest.mark.parametrize("agg", list(AGG))
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl"])
+def test_dppo_matches_verl(agg: str, mode: str) -> None:
+    """DPPO: the trust region on the sampled token's probability (its difference, or its
+    binary KL), the importance weight capped (verl's clip_ratio_c)."""
+    logp, old, _, adv, mask = pair(39, spread=0.8)
+    logp = (logp.detach() / 3).requires_grad_(True)  # probabilities far from 0: regions bite
+    old = old / 3
+    eps, cap = (0.05, 0.08), 1.5
+    terms = L.POLICY_LOSSES[mode](logp, old, adv, mask, eps_low=eps[0], eps_high=eps[1],
+                                  dppo_cap=cap)
+    assert 0 < terms.clipped[mask.bool()].sum() < mask.sum()  # some tokens left out, not all
+    agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, agg=agg, policy_loss=mode,
+                            eps_low=eps[0], eps_high=eps[1], dppo_cap=cap).loss,
+          lambda: verl_loss(mode, logp, old, adv, mask, agg, clip_ratio_low=eps[0],
+                            clip_ratio_high=eps[1], clip_ratio_c=cap),
+          logp)
+
+
+@pytest.mark.parametrize("agg", list(AGG))
+def test_dro_matches_verl(agg: str) -> None:
+    logp, old, _, adv, mask = pair(40, spread=0.5)
+    agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, agg=agg, policy_loss="dro",
+                            dro_beta=0.3).loss,
+          lambda: verl_loss("dro", logp, old, adv, mask, agg, dro_beta=0.3), logp)

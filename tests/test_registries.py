@@ -15,7 +15,8 @@ from grpolab.core import losses as L
 def test_config_choices_are_the_registries() -> None:
     lit = literal_fields()
     assert lit["policy_loss"] == tuple(L.POLICY_LOSSES) == (
-        "clip", "gspo", "cispo", "sapo", "vespo", "gmpo", "kl_cov", "clip_cov")
+        "clip", "gspo", "cispo", "sapo", "vespo", "gmpo", "kl_cov", "clip_cov", "dppo_tv",
+        "dppo_kl", "dro")
     assert lit["kl_estimator"] == tuple(L.KL_ESTIMATORS) == ("k1", "k2", "k3")
     assert lit["loss_agg"] == tuple(L.LOSS_AGGREGATIONS)
     assert lit["baseline"] == tuple(A.ADVANTAGE_BASELINES)
@@ -99,5 +100,5 @@ def test_a_sweep_names_presets_over_given_values_and_unread_settings(caplog) -> 
         "variant gmpo sets eps_low 0.4 over the given 0.1",
         "variant gmpo: policy_loss gmpo does not read sapo_tau_pos (sapo_tau_pos: sapo)",
         ("variant sapo: policy_loss sapo does not read eps_low (eps_low: clip, gspo, gmpo, "
-        "clip_cov)"),
+        "clip_cov, dppo_tv, dppo_kl)"),
         "variant grpo: policy_loss clip does not read sapo_tau_pos (sapo_tau_pos: sapo)"]

@@ -145,7 +145,8 @@ class Config:
         "clip: PPO per-token ratio; gspo: one ratio per answer; cispo: clipped importance "
         "weight, REINFORCE; sapo: a soft gate, no clip; vespo: REINFORCE weighted by the "
         "answer's ratio; gmpo: geometric mean of clipped token ratios (eps in log space); "
-        "kl_cov, clip_cov: the entropy paper's, on the tokens of highest covariance")
+        "kl_cov, clip_cov: the entropy paper's, on the tokens of highest covariance; dppo_tv, "
+        "dppo_kl: a trust region on the token's probability; dro: a squared log-ratio penalty")
     eps_low: float = opt(0.2, RUN, "the ratio's lower clip is 1 - eps_low (TRL epsilon)")
     eps_high: float = opt(
         0.2, RUN,
@@ -163,6 +164,10 @@ class Config:
                                 "whose covariance is in (lb, ub), that get no gradient")
     clip_cov_lb: float = opt(1.0, RUN, "clip_cov: the covariance's lower bound (verl clip_cov_lb)")
     clip_cov_ub: float = opt(5.0, RUN, "clip_cov: the covariance's upper bound (verl clip_cov_ub)")
+    dppo_cap: float = opt(3.0, RUN, "dppo_tv, dppo_kl: the importance weight's cap (verl "
+                          "clip_ratio_c; eps_low/eps_high are their divergence bounds)")
+    dro_beta: float = opt(0.1, RUN, "dro: weight of the squared log-ratio penalty (verl "
+                          "policy_loss.dro_beta)")
     ratio_level: Literal["token", "sequence"] = opt(
         "token", RUN,
         "cispo, sapo, vespo: the ratio per token or per answer (TRL importance_sampling_level; "

@@ -54,7 +54,8 @@ def _validate_objective(cfg: Config) -> None:
     if cfg.policy_loss == "gmpo" and cfg.estimator != "grpo":
         raise ConfigError(f"policy_loss gmpo averages an answer's advantages into one: it takes "
                           f"estimator grpo (one advantage per answer), not {cfg.estimator}")
-    for key in ("sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+    for key in ("sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos", "vespo_lambda_neg",
+                "dppo_cap", "dro_beta"):
         if not getattr(cfg, key) > 0:
             raise ConfigError(f"{key} must be > 0 (got {getattr(cfg, key)})")
     for key in ("kl_cov_ratio", "clip_cov_ratio"):

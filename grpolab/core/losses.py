@@ -35,6 +35,9 @@ from grpolab.core.policy_losses import (  # re-exported: one place for the objec
     _per_token,  # (the off-policy mask reads advantages as the policy losses do)
     cispo_loss,
     clip_cov_loss,
+    dppo_kl_loss,
+    dppo_tv_loss,
+    dro_loss,
     gmpo_loss,
     gspo_loss,
     kl_cov_loss,
@@ -45,7 +48,8 @@ from grpolab.core.policy_losses import (  # re-exported: one place for the objec
 )
 
 __all__ = ["KL_ESTIMATORS", "LOSS_AGGREGATIONS", "POLICY_LOSSES", "TOKEN_WEIGHTED_AGGS",
-           "LossOut", "PolicyTerms", "aggregate", "cispo_loss", "clip_cov_loss", "gmpo_loss",
+           "LossOut", "PolicyTerms", "aggregate", "cispo_loss", "clip_cov_loss", "dppo_kl_loss",
+           "dppo_tv_loss", "dro_loss", "gmpo_loss",
            "grpo_loss", "gspo_loss", "high_entropy_mask", "k1_kl", "k2_kl", "k3_kl",
            "kl_cov_loss", "off_policy_keep", "policy_knobs", "ppo_clip_loss", "sapo_loss",
            "sequence_kl", "share_of", "vespo_loss"]

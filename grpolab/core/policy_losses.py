@@ -210,6 +210,50 @@ def clip_cov_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
     return PolicyTerms(torch.maximum(unclipped, clipped) * keep, by_clip | (keep == 0), ratio)
 
 
+def _dppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, keep_pos: Tensor,
+          keep_neg: Tensor, cap: float) -> PolicyTerms:
+    """DPPO's loss: REINFORCE -w A log pi with the importance weight w = min(r, cap) held
+    constant, on the tokens inside the trust region (``keep_pos`` where A > 0, else
+    ``keep_neg``); ``clipped`` marks the tokens outside it."""
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
+    adv = _per_token(advantages)
+    keep = torch.where(adv > 0, keep_pos, keep_neg).detach()
+    w = torch.clamp(ratio, max=cap).detach()
+    return PolicyTerms(-adv * w * logp * keep, ~keep, ratio)
+
+
+def dppo_tv_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+                 eps_low: float = 0.2, eps_high: float = 0.2, dppo_cap: float = 3.0,
+                 **_: float) -> PolicyTerms:
+    """DPPO-Binary-TV (arXiv 2602.04879; verl's dppo_tv): the trust region is on the sampled
+    token's probability, not its ratio: a token leaves the loss once pi - pi_old passes
+    ``eps_high`` (A > 0) or falls below -``eps_low`` (A <= 0); the rest get REINFORCE weighted
+    by min(r, ``dppo_cap``) (verl's clip_ratio_c, 3 by default; the paper suggests a large cap)."""
+    diff = torch.exp(logp) - torch.exp(old_logp)
+    return _dppo(logp, old_logp, advantages, diff <= eps_high, diff >= -eps_low, dppo_cap)
+
+
+def dppo_kl_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+                 eps_low: float = 0.2, eps_high: float = 0.2, dppo_cap: float = 3.0,
+                 **_: float) -> PolicyTerms:
+    """DPPO-Binary-KL (the same paper; verl's dppo_kl): as ``dppo_tv_loss`` with the binary KL
+    of the sampled token (p_old log(p_old / p) + (1 - p_old) log((1 - p_old) / (1 - p))) as the
+    divergence, bounding only moves in the advantage's direction."""
+    p, q = torch.exp(logp), torch.exp(old_logp)
+    kl = q * (old_logp - logp) + (1 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+    return _dppo(logp, old_logp, advantages, (kl <= eps_high) | (p <= q),
+                 (kl <= eps_low) | (p >= q), dppo_cap)
+
+
+def dro_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+             dro_beta: float = 0.1, **_: float) -> PolicyTerms:
+    """DRO (verl's dro): REINFORCE with a quadratic penalty on the log-ratio,
+    -(A log pi - dro_beta / 2 (log pi - log pi_old)^2); nothing is clipped."""
+    d = logp - old_logp
+    loss = -(logp * _per_token(advantages) - 0.5 * dro_beta * d.square())
+    return PolicyTerms(loss, torch.zeros_like(logp, dtype=torch.bool), torch.exp(d))
+
+
 POLICY_LOSSES: dict[str, Callable[..., PolicyTerms]] = {
     "clip": ppo_clip_loss,
     "gspo": gspo_loss,
@@ -219,6 +263,9 @@ POLICY_LOSSES: dict[str, Callable[..., PolicyTerms]] = {
     "gmpo": gmpo_loss,
     "kl_cov": kl_cov_loss,
     "clip_cov": clip_cov_loss,
+    "dppo_tv": dppo_tv_loss,
+    "dppo_kl": dppo_kl_loss,
+    "dro": dro_loss,
 }
 
 
