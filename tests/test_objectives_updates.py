@@ -39,7 +39,8 @@ def test_micro_batches_take_the_whole_batch_step(tmp_path, over: dict) -> None:
     ("sapo", "sapo_tau_neg", (1.05, 6.0)), ("vespo", "vespo_lambda_pos", (3.0, 0.2)),
     ("cispo", "cispo_min", (0.0, 0.99)), ("gmpo", "eps_high", (0.4, 1e-3)),
     ("clip", "off_policy_mask", (0.0, 1e-6)), ("kl_cov", "kl_cov_coef", (0.1, 50.0)),
-    ("clip_cov", "clip_cov_lb", (1.0, -1.0))])
+    ("clip_cov", "clip_cov_lb", (1.0, -1.0)), ("dppo_tv", "eps_high", (0.2, 1e-4)),
+    ("dro", "dro_beta", (0.1, 50.0))])
 def test_a_policy_loss_setting_reaches_the_update(tmp_path, policy_loss: str, knob: str,
                                                   values: tuple) -> None:
     """The update passes the chosen loss its settings: a second pass over the same batch

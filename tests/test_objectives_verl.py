@@ -42,9 +42,14 @@ class ActorConfig(SimpleNamespace):
 
 def verl_loss(mode: str, logp, old, adv, mask, agg: str, **config: Any):
     fn = verl_functions(f"compute_policy_loss_{mode}")[f"compute_policy_loss_{mode}"]
-    loss, _ = fn(old, logp, adv[:, None].expand_as(logp), mask.float(), AGG[agg],
-                 ActorConfig(**config))
+    per_token = adv if adv.dim() == 2 else adv[:, None].expand_as(logp)
+    loss, _ = fn(old, logp, per_token, mask.float(), AGG[agg], ActorConfig(**config))
     return loss
+
+
+def token_level(adv: torch.Tensor, t: int) -> torch.Tensor:
+    """[B] advantages made [B, T], a different value on each token (REINFORCE++'s shape)."""
+    return adv[:, None] * torch.linspace(1.5, -0.5, t)
 
 
 @pytest.mark.parametrize("agg", list(AGG))
@@ -130,12 +135,14 @@ def test_k3_with_the_is_correction_is_verls_k3_plus_on_the_first_pass() -> None:
           lambda: (kl(logp, ref, "k3+") * mask).sum() / mask.sum(), logp)
 
 
+@pytest.mark.parametrize("shape", ["answer", "token"])
 @pytest.mark.parametrize("agg", list(AGG))
 @pytest.mark.parametrize(("ratio", "coef"), [(0.0002, 0.1), (0.2, 1.0)])
-def test_kl_cov_matches_verl(agg: str, ratio: float, coef: float) -> None:
+def test_kl_cov_matches_verl(agg: str, ratio: float, coef: float, shape: str) -> None:
     """KL-Cov: the |log r| penalty on the tokens of largest covariance (one token at verl's
-    default share of this small batch, six at 0.2)."""
+    default share of this small batch, six at 0.2); one advantage per answer or per token."""
     logp, old, _, adv, mask = pair(37, spread=0.5)
+    adv = adv if shape == "answer" else token_level(adv, logp.shape[1])
     hit = L.kl_cov_loss(logp, old, adv, mask, kl_cov_ratio=ratio).clipped
     assert hit.sum() == max(1, int(mask.sum() * ratio)) and not (hit & ~mask.bool()).any()
     agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, agg=agg, policy_loss="kl_cov",
@@ -175,13 +182,16 @@ def test_clip_cov_matches_verl_on_the_same_random_draw(agg: str) -> None:
 def test_dppo_matches_verl(agg: str, mode: str) -> None:
     """DPPO: the trust region on the sampled token's probability (its difference, or its
     binary KL), the importance weight capped (verl's clip_ratio_c)."""
-    logp, old, _, adv, mask = pair(39, spread=0.8)
+    logp, old, _, adv, mask = pair(39, spread=1.2)
     logp = (logp.detach() / 3).requires_grad_(True)  # probabilities far from 0: regions bite
-    old = old / 3
+    old = (old / 3).clamp(max=-0.01)  # (probabilities, below 1)
     eps, cap = (0.05, 0.08), 1.5
     terms = L.POLICY_LOSSES[mode](logp, old, adv, mask, eps_low=eps[0], eps_high=eps[1],
                                   dppo_cap=cap)
-    assert 0 < terms.clipped[mask.bool()].sum() < mask.sum()  # some tokens left out, not all
+    out = terms.clipped & mask.bool()
+    assert out[adv > 0].any() and out[adv < 0].any()  # left out on both sides, not all
+    assert out.sum() < mask.sum()
+    assert (torch.exp(logp.detach() - old)[~out & mask.bool()] > cap).any()  # the cap bites
     agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, agg=agg, policy_loss=mode,
                             eps_low=eps[0], eps_high=eps[1], dppo_cap=cap).loss,
           lambda: verl_loss(mode, logp, old, adv, mask, agg, clip_ratio_low=eps[0],
@@ -190,8 +200,10 @@ def test_dppo_matches_verl(agg: str, mode: str) -> None:
 
 
 @pytest.mark.parametrize("agg", list(AGG))
-def test_dro_matches_verl(agg: str) -> None:
+@pytest.mark.parametrize("shape", ["answer", "token"])
+def test_dro_matches_verl(agg: str, shape: str) -> None:
     logp, old, _, adv, mask = pair(40, spread=0.5)
+    adv = adv if shape == "answer" else token_level(adv, logp.shape[1])
     agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, agg=agg, policy_loss="dro",
                             dro_beta=0.3).loss,
           lambda: verl_loss("dro", logp, old, adv, mask, agg, dro_beta=0.3), logp)

@@ -340,6 +340,9 @@ def test_kl_cov_hand_values() -> None:
 
 @pytest.mark.parametrize(("over", "message"), [
     ({"kl_cov_ratio": 0}, "kl_cov_ratio must be in .0, 1."),
+    ({"dppo_cap": 0}, "dppo_cap must be > 0"),
+    ({"dro_beta": -0.1}, "dro_beta must be > 0"),
+    ({"eps_low": 1.5}, "eps_low must be < 1"),
     ({"clip_cov_lb": 5.0}, "clip_cov_lb must be below clip_cov_ub"),
     ({"sapo_tau_neg": 0}, "sapo_tau_neg must be > 0"),
     ({"vespo_lambda_pos": -1}, "vespo_lambda_pos must be > 0"),
@@ -349,6 +352,8 @@ def test_kl_cov_hand_values() -> None:
 def test_policy_knobs_are_checked(over: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         make_config(None, over)
+    if "eps_low" in over:  # a divergence bound, not a ratio's clip: may pass 1
+        assert make_config(None, {**over, "policy_loss": "dppo_kl"}).eps_low == 1.5
 
 
 # ------------------------------------------------------ off-policy sequence mask --

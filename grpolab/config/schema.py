@@ -147,7 +147,8 @@ class Config:
         "answer's ratio; gmpo: geometric mean of clipped token ratios (eps in log space); "
         "kl_cov, clip_cov: the entropy paper's, on the tokens of highest covariance; dppo_tv, "
         "dppo_kl: a trust region on the token's probability; dro: a squared log-ratio penalty")
-    eps_low: float = opt(0.2, RUN, "the ratio's lower clip is 1 - eps_low (TRL epsilon)")
+    eps_low: float = opt(0.2, RUN, "the ratio's lower clip is 1 - eps_low (TRL epsilon; gmpo: "
+                         "in log space; dppo_*: a divergence bound)")
     eps_high: float = opt(
         0.2, RUN,
         "upper clip 1 + eps_high; DAPO clip-higher: 0.28 (TRL epsilon_high)")

@@ -146,7 +146,7 @@ def _validate_ranges(cfg: Config) -> None:
     if not cfg.grad_clip > 0:
         raise ConfigError(f"grad_clip must be > 0 (got {cfg.grad_clip}): it is the largest "
                           "gradient norm kept; <= 0 freezes or reverses the update")
-    if not cfg.eps_low < 1:
+    if not cfg.eps_low < 1 and cfg.policy_loss not in ("dppo_tv", "dppo_kl", "gmpo"):
         raise ConfigError(f"eps_low must be < 1 (got {cfg.eps_low}): the ratio's lower clip "
                           "is 1 - eps_low")
     for name in ("std_eps", "min_std", "reward_timeout"):

@@ -160,10 +160,10 @@ def gmpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
 def _token_cov(adv: Tensor, logp: Tensor, real: Tensor) -> Tensor:
     """[B, T] (A - mean A)(log pi - mean log pi) over the real tokens (means over them too):
     a token's share of the covariance that drives the policy's entropy down."""
-    n = real.sum() + 1e-8
+    adv, logp, n = adv.float(), logp.detach().float(), real.sum() + 1e-8  # (float32, as verl)
     a_mean = (adv * real).sum() / n
-    lp_mean = (logp.detach() * real).sum() / n
-    return (adv - a_mean) * (logp.detach() - lp_mean)
+    lp_mean = (logp * real).sum() / n
+    return (adv - a_mean) * (logp - lp_mean)
 
 
 def kl_cov_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
@@ -204,7 +204,7 @@ def clip_cov_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
     by_clip = (clipped > unclipped) & real
     cov = _token_cov(adv, logp, real).masked_fill(~real | by_clip, -math.inf)
     pick = ((cov < clip_cov_ub) & (cov > clip_cov_lb) & real).nonzero()
-    pick = pick[torch.randperm(len(pick))[:max(int(clip_cov_ratio * real.sum()), 1)]]
+    pick = pick[torch.randperm(len(pick))[:max(int(clip_cov_ratio * float(real.sum())), 1)]]
     keep = torch.ones_like(logp)
     keep[pick[:, 0], pick[:, 1]] = 0
     return PolicyTerms(torch.maximum(unclipped, clipped) * keep, by_clip | (keep == 0), ratio)
