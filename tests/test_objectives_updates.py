@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import first_digit_odd, free_port, rank_env, world_trainer
+from helpers import first_digit_odd, free_port, rank_env, tiny_trainer, world_trainer
 
 from grpolab.config import Config, resolve
 
@@ -134,3 +134,19 @@ def test_batch_statistics_are_over_every_rank(tmp_path) -> None:
         for key in ("loss", "policy_loss", "entropy"):
             assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5,
                                                         abs=1e-7), (over, key)
+
+
+def test_clip_cov_random_draw_resumes_bitwise(tmp_path) -> None:
+    """Clip-Cov draws its tokens from torch's global generator (as verl); the checkpoint keeps
+    that generator, so a run resumed halfway continues as the whole run did."""
+    over = {"policy_loss": "clip_cov", "clip_cov_ratio": 0.3, "clip_cov_lb": -10.0,
+            "epochs": 2, "checkpoint_every": 2}
+    whole = tiny_trainer(tmp_path / "whole", steps=4, **over)
+    rows = whole.train()[1:]
+    tiny_trainer(tmp_path / "cut", steps=2, **over).train()
+    second = tiny_trainer(tmp_path / "cut", steps=4, **over)
+    resumed = second.train(resume=True)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in rows[2:]]
+    assert any(r["clip_frac"] > 0 for r in rows)  # tokens were drawn
+    for a, b in zip(second.params, whole.params):
+        assert torch.equal(a, b)
