@@ -78,12 +78,11 @@ def workshop(cfg: Config, sweep: str | None, variants: str | None, seeds: str | 
         print(run_sweep(cfg, sizes, names, _int_list(seeds, "--seeds") if seeds else None))
         print(f"\nwrote {cfg.out_dir}/sweep.md and {cfg.out_dir}/sweep.png")
         return 0
-    if dist.is_main():
-        warn_idle(cfg)
     if not dist.is_main():  # the other ranks train alongside rank 0, which writes everything
         with out_dir_lock(cfg.out_dir):  # (collective: where rank 0's run_workshop takes it)
             world_trainer(cfg).train(resume=resume)
         return 0
+    warn_idle(cfg)
     s = run_workshop(cfg, resume=resume)
     print(f"G={s['group_size']} ({s['prompts_per_step']} prompts/step): mean dead share "
           f"{s['mean_dead_share']:.3f} (predicted {s['mean_predicted_dead_share']:.3f}), "

@@ -194,11 +194,11 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             # TRL's GDPO scales each reward over its group whatever scale_rewards says
             "scale_rewards" if _word(d.get("multi_objective_aggregation")) == "normalize_then_sum"
             else ""}
-    cispo = _word(d.get("loss_type")) == "cispo"
+    loss_type, level = _word(d.get("loss_type")), _word(d.get("importance_sampling_level"))
+    cispo = loss_type == "cispo"
     if {"loss_type", "importance_sampling_level"} & given.keys():
-        _loss_type_notes(d)
-    if _word(d.get("importance_sampling_level")) == "sequence" and _word(
-            d.get("loss_type")) in ("cispo", "sapo", "vespo"):  # their own sequence level
+        _loss_type_notes(loss_type, level, d)
+    if level == "sequence" and loss_type in ("cispo", "sapo", "vespo"):  # their own level
         skip.add("importance_sampling_level")
         put("ratio_level", "sequence", "importance_sampling_level")
     for trl_key, value in given.items():
@@ -404,9 +404,8 @@ def _number(value: Any) -> Any:
     return x
 
 
-def _loss_type_notes(d: dict[str, Any]) -> None:
+def _loss_type_notes(loss_type: str, level: str, d: dict[str, Any]) -> None:
     """TRL's warnings on loss_type beside importance_sampling_level."""
-    loss_type, level = _word(d.get("loss_type")), _word(d.get("importance_sampling_level"))
     if level == "sequence" and loss_type == "vespo":
         log.warning("loss_type: vespo with importance_sampling_level: sequence: VESPO weighs "
                     "answers by their own ratio; the level changes only the KL's correction "

@@ -32,7 +32,8 @@ from torch import Tensor
 from grpolab.core.policy_losses import (  # re-exported: one place for the objective's terms
     POLICY_LOSSES,
     PolicyTerms,
-    _per_token,  # (the off-policy mask reads advantages as the policy losses do)
+    _log_ratio,  # (the off-policy mask reads ratios and advantages as the policy losses do)
+    _per_token,
     cispo_loss,
     clip_cov_loss,
     dppo_kl_loss,
@@ -74,9 +75,7 @@ def off_policy_keep(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
     is dropped: a negative advantage on an answer whose mean per-token log(pi_old / pi) (an
     estimate of KL(pi_old || pi)) exceeds ``threshold``, i.e. a mistake the policy has already
     moved away from."""
-    m = mask.to(logp.dtype)
-    kl = ((old_logp - logp.detach()) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(
-        min=1)
+    kl = -_log_ratio(logp.detach(), old_logp, mask, "sequence")
     return ((_per_token(advantages) >= 0) | (kl <= threshold)).to(logp.dtype)
 
 

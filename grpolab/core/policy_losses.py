@@ -73,9 +73,7 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
     """GSPO (Zheng et al. 2025): one ratio per answer, the geometric mean of its token ratios
     s = exp(mean_t log(pi/pi_old)), clipped as a whole ([1 - eps_low, 1 + eps_high]; the paper
     uses 3e-4 / 4e-4); every token of the answer gets the answer's loss."""
-    m = mask.to(logp.dtype)
-    log_s = ((logp - old_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
-    ratio = torch.exp(log_s)  # [B, 1]
+    ratio = torch.exp(_log_ratio(logp, old_logp, mask, "sequence"))  # [B, 1]
     loss, hit = _ppo_clip(ratio, _per_token(advantages), eps_low, eps_high, dual_clip)
     return PolicyTerms(loss.expand_as(logp), hit.expand_as(logp), ratio)
 
@@ -200,14 +198,14 @@ def clip_cov_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
     ratio = torch.exp(logp - old_logp)
     adv = _per_token(advantages).expand_as(logp)
     real = mask.bool()
-    unclipped, clipped = -adv * ratio, -adv * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    by_clip = (clipped > unclipped) & real
+    loss, by_clip = _ppo_clip(ratio, adv, eps_low, eps_high, 0.0)
+    by_clip = by_clip & real
     cov = _token_cov(adv, logp, real).masked_fill(~real | by_clip, -math.inf)
     pick = ((cov < clip_cov_ub) & (cov > clip_cov_lb) & real).nonzero()
     pick = pick[torch.randperm(len(pick))[:max(int(clip_cov_ratio * float(real.sum())), 1)]]
     keep = torch.ones_like(logp)
     keep[pick[:, 0], pick[:, 1]] = 0
-    return PolicyTerms(torch.maximum(unclipped, clipped) * keep, by_clip | (keep == 0), ratio)
+    return PolicyTerms(loss * keep, by_clip | (keep == 0), ratio)
 
 
 def _dppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, keep_pos: Tensor,

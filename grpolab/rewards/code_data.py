@@ -96,10 +96,9 @@ def row_case(row: Mapping[str, Any]) -> Case:
         prelude = _prelude(prompt, entry) if isinstance(prompt, str) else None
         return Case(humaneval_tests(str(value or ""), entry), prelude=prelude or "",
                     entry=entry, prompt=prompt if prelude is not None else "")
-    if column == "test":
+    if column == "test":  # (no entry_point): MBPP+'s program, else a pytest file
         text = str(value or "")
-        return Case(plus_program_tests(text) if "entry_point" not in row and
-                    plus_program_tests(text) else pytest_tests(text))
+        return Case(plus_program_tests(text) or pytest_tests(text))
     if column == "input_output" and isinstance(value, Mapping):
         ins, outs = value.get("inputs") or [], value.get("outputs") or []
         fn_name = value.get("fn_name") or row.get("fn_name")

@@ -171,6 +171,7 @@ def check_variants(cfg: Config, sizes: list[int], variants: list[str]) -> dict[s
     preset that replaces a value the command was given, or a setting a variant's run does not
     read, is warned of."""
     settings = {}
+    default, base = resolve(Config()), resolve(cfg)
     for variant in variants:
         try:
             settings[variant] = variant_settings(variant)
@@ -178,7 +179,6 @@ def check_variants(cfg: Config, sizes: list[int], variants: list[str]) -> dict[s
                 resolve(dataclasses.replace(cfg, group_size=g, **settings[variant]))
         except (ConfigError, TypeError) as e:
             raise ConfigError(f"sweep: {e} (variant {variant})") from None
-        default, base = resolve(Config()), resolve(cfg)
         ran = resolve(dataclasses.replace(cfg, **settings[variant]))
         for f in dataclasses.fields(Config):  # a preset over the command's own value
             given, now = getattr(base, f.name), getattr(ran, f.name)
