@@ -436,9 +436,17 @@ def test_reference_model_uses_its_own_lean_forward(paths: dict[str, str]) -> Non
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
-@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "up_proj"], ["all-linear"]])
-def test_lora_model_matches_hf(paths: dict[str, str], targets: list[str]) -> None:
-    be = backend(paths, "llama", lora=True, lora_target_modules=targets)
+@pytest.mark.parametrize(("targets", "options"), [
+    (["q_proj", "v_proj", "up_proj"], {}), (["all-linear"], {}),
+    # TRL's use_rslora (scale alpha / sqrt(r)) and use_dora (peft runs those layers itself)
+    (["q_proj", "v_proj", "up_proj"], {"use_rslora": True}),
+    (["q_proj", "v_proj", "up_proj"], {"use_dora": True})], ids=["plain", "all", "rs", "dora"])
+def test_lora_model_matches_hf(paths: dict[str, str], targets: list[str], options: dict) -> None:
+    be = backend(paths, "llama", lora=True, lora_target_modules=targets, lora_options=options)
+    scales = {s for m in be.model.modules() if hasattr(m, "lora_A") for s in m.scaling.values()}
+    assert scales == {16 / 8 ** 0.5 if options.get("use_rslora") else 16 / 8}
+    assert any("magnitude" in n for n, _ in be.model.named_parameters()) == bool(
+        options.get("use_dora"))
     adapted = {n.split(".")[-1] for n, m in be.model.named_modules() if hasattr(m, "lora_A")}
     assert adapted == ({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                         "down_proj"} if targets == ["all-linear"] else set(targets))

@@ -120,7 +120,7 @@ def test_attention_widens_by_buckets(backends: dict[str, HFBackend]) -> None:
         inner = make_step(dec, 0.0, [-1], be.pad_id)
 
         def step(*args: Any) -> torch.Tensor:
-            widths.append(args[-1])
+            widths.append(args[4])  # (tokens, t, u, done, width, seen)
             return inner(*args)
 
         graph_decode(dec, 10, 0.0, [-1], be.pad_id, None, step, bucket=4)
@@ -541,14 +541,14 @@ def test_kept_graphs_through_grpo_training(tmp_path) -> None:
 
         def sample(self, lm: Any, ids: torch.Tensor, mask: torch.Tensor, max_new: int,
                    temperature: float, eos_ids: list[int], pad_id: int,
-                   generator: torch.Generator | None) -> torch.Tensor:
+                   generator: torch.Generator | None, filters: Any = None) -> torch.Tensor:
             state = generator.get_state()
             got = super().sample(lm, ids, mask, max_new, temperature, eos_ids, pad_id,
-                                 generator)
+                                 generator, filters)
             again = torch.Generator().set_state(state)
             ids, mask = padded_prompts(ids, mask, pad_id, self.kept[1].tp)
             want = GraphSampler(bucket=self.bucket).sample(lm, ids, mask, max_new, temperature,
-                                                           eos_ids, pad_id, again)
+                                                           eos_ids, pad_id, again, filters)
             assert torch.equal(got, want)
             self.calls.append((temperature, self.builds))
             return got

@@ -474,6 +474,27 @@ def test_chat_template_prompts(llama: str) -> None:
         raw.encode_prompts([msgs])
 
 
+def test_chat_template_kwargs_reach_the_template(llama: str, tmp_path: Path) -> None:
+    """TRL's chat_template_kwargs (Qwen3's enable_thinking, say) from a config file go to
+    apply_chat_template beside the messages."""
+    from grpolab.config import make_config
+
+    model, tok = load_model(llama)
+    tok.chat_template = ("{{ messages[0]['content'] }}{% if enable_thinking is defined and not "
+                         "enable_thinking %} /no_think{% endif %} =")
+    y = tmp_path / "c.yaml"
+    y.write_text("chat_template_kwargs: {enable_thinking: false}\nnum_generations: 8\n"
+                 "use_peft: false\nbf16: false\nbeta: 0\n")
+    cfg = make_config(y, None, "train")
+    assert cfg.chat_template_kwargs == {"enable_thinking": False}
+    off = commands.make_backend(cfg, model, tok)
+    assert off.render("2 + 2")[0] == "2 + 2 /no_think ="
+    y.write_text("chat_template_kwargs: null\nnum_generations: 8\nuse_peft: false\n"
+                 "bf16: false\nbeta: 0\n")  # TRL's unset
+    assert commands.make_backend(make_config(y, None, "train"), model, tok).render(
+        "2 + 2")[0] == "2 + 2 ="
+
+
 def test_long_prompts_are_cut_from_the_left(llama: str, caplog: pytest.LogCaptureFixture) -> None:
     """max_prompt_tokens keeps a prompt's last tokens (the question and the turn to answer);
     shorter prompts are untouched; the cut is announced once."""

@@ -153,6 +153,14 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"bf16": True, "use_peft": False, "dtype": "bfloat16"}, {"dtype": "bfloat16", "lora": False}),
     # grpolab's own vLLM switch beside a TRL name: TRL's correction default does not apply
     ({"rollout_backend": "vllm", "num_generations": 8}, {"rollout_backend": "vllm"}),
+    # TRL's sampling settings are grpolab's own; min_p's null is off; generation_kwargs win
+    ({"top_p": 0.9, "top_k": 50, "min_p": 0.1, "repetition_penalty": 1.1, "num_generations": 8},
+     {"top_p": 0.9, "top_k": 50, "min_p": 0.1, "repetition_penalty": 1.1}),
+    ({"top_p": 0.9, "generation_kwargs": {"top_p": 0.95, "min_p": 0.05, "temperature": 0.7}},
+     {"top_p": 0.95, "min_p": 0.05, "temperature": 0.7, "top_k": 0}),
+    ({"generation_kwargs": '{"top_k": 20}'}, {"top_k": 20}),  # TRL's JSON text
+    ({"weight_decay": 0.1, "adam_beta2": 0.99, "adam_epsilon": 1e-6, "optim": "adamw_torch"},
+     {"weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.99, "adam_epsilon": 1e-6}),
 ])
 def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     c = make_config(None, trl_keys, "train")
@@ -160,10 +168,9 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
 
 
 @pytest.mark.parametrize(("trl_keys", "message"), [
-    ({"top_p": 0.9}, "top_p: 0.9 .TRL. has no grpolab equivalent: grpolab samples the whole"),
-    ({"top_k": 50}, "top_k: 50 .TRL."),
-    ({"repetition_penalty": 1.1}, "repetition_penalty"),
-    ({"weight_decay": 0.01}, "weight_decay: 0.01 .TRL.* Adam"),
+    ({"generation_kwargs": {"num_beams": 4, "top_p": 0.9}}, "generation_kwargs: num_beams .TRL"),
+    ({"generation_kwargs": "[1, 2]"}, "generation_kwargs .TRL. must be a mapping"),
+    ({"generation_kwargs": {"top_p": 1.5}}, "top_p in .0, 1.,"),
     ({"optim": "adafactor"}, "optim: 'adafactor' .TRL. has no grpolab equivalent"),
     ({"num_train_epochs": 2}, "num_train_epochs / max_steps: -1 .TRL"),
     ({"max_steps": -1}, "set max_steps"),
@@ -234,8 +241,10 @@ def test_trl_yaml_numbers_and_later_keys(tmp_path, caplog) -> None:
     assert [r.getMessage().rsplit(": ", 1)[1] for r in caplog.records
             if "left aside" in r.getMessage()] == ["attn_implementation"]
     y.write_text("top_k: null\n")  # unset: generate's own default, 50
-    with pytest.raises(ConfigError, match="top_k: None .TRL. has no grpolab equivalent"):
+    with pytest.raises(ConfigError, match="top_k: null .TRL. leaves it to the model's"):
         make_config(y, None, "train")
+    y.write_text("min_p: null\nnum_generations: 8\n")  # unset: no min-p filter
+    assert make_config(y, None, "train").min_p == 0.0
 
 
 @pytest.mark.parametrize(("text", "message"), [

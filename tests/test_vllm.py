@@ -32,6 +32,7 @@ class FakeLLM:
     """Records what it is given; answers with tokens drawn from each request's seed."""
 
     vocab = 64  # answer tokens are drawn from [3, vocab)
+    filters = (-1, 1.0, 0.0, 1.0)  # the SamplingParams' top_k, top_p, min_p, repetition_penalty
 
     def __init__(self, model: str, **kw: Any) -> None:
         self.model_path, self.kw = model, kw
@@ -53,7 +54,7 @@ class FakeLLM:
         outs = []
         for req, p in zip(reqs, params):
             assert req["prompt_token_ids"] and p.temperature >= 0
-            assert not hasattr(p, "top_k") and not hasattr(p, "top_p")
+            assert (p.top_k, p.top_p, p.min_p, p.repetition_penalty) == self.filters
             g = torch.Generator().manual_seed(p.seed)
             n = int(torch.randint(1, p.max_tokens + 1, (1,), generator=g))
             toks = torch.randint(3, self.vocab, (n,), generator=g).tolist()
@@ -102,7 +103,10 @@ def test_weights_seeds_and_rollouts(fake_vllm: None, llama: str) -> None:
     assert llm.resets == 2
 
 
-def test_train_runs_on_the_engine(fake_vllm: None, llama: str, tmp_path: Path) -> None:
+def test_train_runs_on_the_engine(fake_vllm: None, llama: str, tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's sampling settings reach every request's SamplingParams (vLLM's top_k -1 is
+    off, so grpolab's 0 becomes -1 above)."""
     import json
 
     from grpolab.app import cli
@@ -113,7 +117,9 @@ def test_train_runs_on_the_engine(fake_vllm: None, llama: str, tmp_path: Path) -
     out = tmp_path / "run"
     argv = ["train", "--model-path", llama, "--dataset", str(data), "--rollout-backend", "vllm",
             "--rewards", "exact", "--steps", "2", "--budget", "8", "--group-size", "4",
-            "--max-new-tokens", "5", "--out-dir", str(out), "--no-progress"]
+            "--max-new-tokens", "5", "--out-dir", str(out), "--no-progress", "--top-k", "5",
+            "--top-p", "0.9", "--min-p", "0.1", "--repetition-penalty", "1.2"]
+    monkeypatch.setattr(FakeLLM, "filters", (5, 0.9, 0.1, 1.2))
     assert cli.main(argv) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -153,3 +153,28 @@ def test_waste_vs_success_summary() -> None:
     assert s["reward_last10"] == pytest.approx(0.5 + 0.155)
     assert s["corr_all_right_dead_vs_acc"] == pytest.approx(1.0)
     assert s["answers_per_useful"] == pytest.approx(2.0)
+
+
+@pytest.mark.slow
+def test_workshop_with_top_p_and_the_plain_heldout_bench(tmp_path) -> None:
+    """A workshop run with top_p reports its own (filtered) sampler's exact held-out accuracy;
+    bench/plain_heldout.py reads its final policy under the plain softmax, which is the run's
+    own number for a run without filters."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "plain_heldout", Path(__file__).resolve().parents[1] / "bench" / "plain_heldout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    ends = {}
+    for name, extra in (("plain", []), ("top_p", ["--top-p", "0.5"])):
+        out = tmp_path / name
+        assert main(["workshop", *TINY, *cache, *extra, "--out-dir", str(out)]) == 0
+        last = read_metrics(out / "metrics.jsonl")[-1]
+        step, plain = bench.plain_heldout(out, tmp_path / "scratch" / name)
+        assert step == 3
+        ends[name] = (last["heldout_pass_prob"], plain)
+    assert ends["plain"][0] == pytest.approx(ends["plain"][1], abs=1e-6)
+    # (the 20-step start is poor: about 0.01 either way) the filtered sampler is another one
+    assert abs(ends["top_p"][0] - ends["top_p"][1]) > 1e-3

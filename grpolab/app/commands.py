@@ -23,6 +23,7 @@ from grpolab.config.load import warn_idle
 from grpolab.config.schema import command_defaults
 from grpolab.rewards.builtin import CODE_REWARDS
 from grpolab.rewards.scorer import load_rewards, make_scorer, score_answers
+from grpolab.rollout.sampling import Filters
 from grpolab.rollout.templates import check_render
 from grpolab.run import dist, shard
 from grpolab.run.checkpoint import (
@@ -152,10 +153,12 @@ def make_backend(cfg: Config, model: Any, tokenizer: Any) -> Any:
         "lora": cfg.lora, "lora_r": cfg.lora_r, "lora_alpha": cfg.lora_alpha,
         "lora_dropout": cfg.lora_dropout,
         "lora_target_modules": list(cfg.lora_target_modules) or None,
+        "lora_options": {"use_rslora": cfg.use_rslora, "use_dora": cfg.use_dora},
         "use_chat_template": cfg.use_chat_template, "reference": cfg.beta > 0, "seed": cfg.seed,
+        "chat_template_kwargs": cfg.chat_template_kwargs,
         "gradient_checkpointing": cfg.gradient_checkpointing,
         "max_prompt_tokens": cfg.max_prompt_tokens, "max_new_tokens": cfg.max_new_tokens,
-        "logit_chunk": cfg.logit_chunk, "speed": cfg.speed,
+        "logit_chunk": cfg.logit_chunk, "speed": cfg.speed, "filters": Filters.of(cfg),
     }
     if cfg.rollout_backend == "vllm":
         from grpolab.rollout.vllm import VLLMBackend

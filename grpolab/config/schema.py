@@ -103,10 +103,23 @@ class Config:
     group_size: int = opt(8, RUN, "G: answers per prompt")
     temperature: float = opt(1.0, ALL, "sampling temperature; log-probs are scored at the same one",
                              "of the eval_samples answers (pass@k); greedy accuracy is at 0")
+    # what is sampled besides the temperature (HF generate's order; the loss scores the plain
+    # softmax at T, as TRL and verl do): rollout.sampling.Filters
+    top_k: int = opt(0, ALL, "sample from the k most likely tokens only (0 = all)")
+    top_p: float = opt(1.0, ALL, "sample from the most likely tokens holding this much "
+                       "probability (1 = all)")
+    min_p: float = opt(0.0, ALL, "drop tokens under min_p x the most likely one's probability")
+    repetition_penalty: float = opt(1.0, ALL, "HF's: seen tokens' logits divided (if > 0) or "
+                                    "multiplied by it (1 = off; greedy answers too)")
     max_new_tokens: int = opt(
         8, ALL, "longest answer (TRL max_completion_length); the Dr. GRPO length constant",
         "longest answer (TRL max_completion_length)", train=256)
     lr: float = opt(1e-3, RUN, "Adam's learning rate (TRL learning_rate)", train=1e-5)
+    weight_decay: float = opt(0.0, RUN, "AdamW's decoupled decay, as TRL's: not on biases and "
+                              "norms (verl's actor: 0.01 on all)")
+    adam_beta1: float = opt(0.9, RUN, "Adam's first-moment decay")
+    adam_beta2: float = opt(0.999, RUN, "Adam's second-moment decay")
+    adam_epsilon: float = opt(1e-8, RUN, "Adam's denominator constant")
     lr_schedule: Literal["constant", "linear", "cosine"] = opt(
         "constant", RUN, "decay to 0 at `steps`")
     warmup_steps: int = opt(0, RUN, "linear ramp from lr / warmup_steps up to lr")
@@ -351,7 +364,12 @@ class Config:
         [], MODEL,
         "modules given LoRA adapters, comma-separated (q_proj,v_proj); all-linear = every linear "
         "layer but the head; empty = peft's default for the architecture")
+    use_rslora: bool = opt(False, MODEL, "rank-stabilised LoRA: scale alpha / sqrt(r) (peft's)")
+    use_dora: bool = opt(False, MODEL, "DoRA: adapters with a learned magnitude (peft's)")
     use_chat_template: bool = opt(True, MODEL_EVAL, "wrap prompts in the tokenizer's chat template")
+    chat_template_kwargs: dict[str, Any] = opt(
+        {}, MODEL_EVAL, "what the chat template reads besides the messages, e.g. "
+        "'{enable_thinking: false}' for Qwen3 (TRL's)")
     rollout_backend: Literal["hf", "vllm"] = opt("hf", MODEL, "vllm: in-process engine on a GPU")
     # --- reliability ---
     overwrite: bool = opt(

@@ -7,19 +7,20 @@ grpolab's defaults; ``TRL_DEFAULTS_DIFFER`` names those that are not TRL's (one 
 ``TRL_ALIASES`` renames keys one to one; ``TRL_VALUES`` maps TRL values that choose several
 grpolab settings at once; ``TRL_FIXED`` are settings grpolab has at one value only;
 ``TRL_ASIDE`` change nothing that is trained (logging, the Hub, data loading, speed, vLLM's
-engine) and are left aside with one notice (those two tables: ``trl_fields``); ``from_trl``
+engine) and are left aside with one notice (those three tables: ``trl_fields``); ``from_trl``
 translates a dict and refuses contradictions.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 from typing import Any
 
 from grpolab.config.schema import ConfigError
-from grpolab.config.trl_fields import TRL_ASIDE, TRL_FIXED
+from grpolab.config.trl_fields import TRL_ASIDE, TRL_FIXED, TRL_VALUES
 from grpolab.config.trl_fields import VLLM_FIXED as _VLLM_FIXED
 from grpolab.config.values import coerce
 
@@ -53,48 +54,8 @@ _UNSET_OK = ("delta", "epsilon_high", "eval_steps", "output_dir", "model_name_or
 # grpolab's own keys, also TRL's, whose None is grpolab's []: every reward weighs 1; peft's
 # default modules for the architecture
 _NONE_IS_EMPTY = ("reward_weights", "lora_target_modules")
-# TRL's trainer divides by the sample std plus this constant
-_TRL_STD = {"std": "sample", "std_eps": 1e-4}
-# TRL settings whose values become other grpolab settings.
-TRL_VALUES: dict[str, dict[str | None, dict[str, Any]]] = {
-    "loss_type": {
-        "grpo": {"loss_agg": "seq_mean_token_mean"},
-        "bnpo": {"loss_agg": "token_mean"},
-        "dapo": {"loss_agg": "token_mean"},
-        "dr_grpo": {"loss_agg": "seq_mean_token_sum_norm"},
-        "cispo": {"policy_loss": "cispo", "loss_agg": "token_mean"},
-        "sapo": {"policy_loss": "sapo", "loss_agg": "seq_mean_token_mean"},
-        "vespo": {"policy_loss": "vespo", "loss_agg": "token_mean"},
-        # GSPO's ratio with importance_sampling_level: sequence (its paper's), PPO's without
-        "luspo": {"loss_agg": "seq_mean_token_sum"},
-    },
-    "scale_rewards": {"group": {"scale": "std", **_TRL_STD}, "true": {"scale": "std", **_TRL_STD},
-                      "batch": {"scale": "batch", **_TRL_STD}, "none": {"scale": "none"},
-                      "false": {"scale": "none"}},
-    "importance_sampling_level": {"token": {}, "sequence": {"policy_loss": "gspo"}},
-    # GDPO in TRL: each reward over its group's sample std + 1e-4, the sum over the batch's
-    "multi_objective_aggregation": {
-        "sum_then_normalize": {"reward_aggregation": "sum_then_normalize"},
-        "normalize_then_sum": {"reward_aggregation": "normalize_then_sum", "scale": "std",
-                               **_TRL_STD}},
-    # transformers' constant schedule has no warm-up (``_refuse``); constant_with_warmup has
-    "lr_scheduler_type": {"linear": {"lr_schedule": "linear"}, "cosine": {"lr_schedule": "cosine"},
-                          "constant": {"lr_schedule": "constant"},
-                          "constant_with_warmup": {"lr_schedule": "constant"}},
-    "use_cpu": {"true": {"device": "cpu"}, "false": {}},
-    # TRL autocasts over float32 weights; here the weights themselves (LoRA adapters stay
-    # float32), so full fine-tuning is refused (``_refuse``). Unset (None) is on in TRL.
-    "bf16": {"true": {"dtype": "bfloat16"}, None: {"dtype": "bfloat16"}, "false": {}},
-    "fp16": {"true": {"dtype": "float16"}, "false": {}},
-    "use_vllm": {"true": {"rollout_backend": "vllm"}, "false": {}},
-    "save_strategy": {"steps": {}, "no": {"checkpoint_every": 0}},
-    "eval_strategy": {"steps": {}, "no": {"eval_size": 0}},
-    "disable_tqdm": {"true": {"progress": False}, "false": {}, None: {}},
-    "optim": {"adamw_torch": {}, "adamw_torch_fused": {}},  # AdamW at weight_decay 0 is Adam
-    # TRL's true zeroes every nn.Dropout after wrapping, LoRA's included, whatever lora_dropout
-    # says (``from_trl``); grpolab always zeroes the model's own
-    "disable_dropout": {"true": {"lora_dropout": 0.0}},
-}
+# grpolab's own keys, also TRL's, whose None (TRL's unset) is off: no min-p filter, no options
+_NONE_IS = {"min_p": 0.0, "chat_template_kwargs": {}}
 # TRL's batch: answers per optimiser step = per device x accumulation x processes (TRL's
 # defaults: 8, 1); each process's forward/backward takes per_device rows at a time.
 _BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps",
@@ -104,8 +65,10 @@ _BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps",
 _SCRIPT = ("reward_funcs", "reward_model_name_or_path", "dataset_name")
 TRL_REWARDS = {name: f"trl.rewards:{name}" for name in
                ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward")}
+# TRL's sampling settings (grpolab's own keys), which ``generation_kwargs`` may override
+_GENERATION = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 TRL_KEYS = frozenset({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *_VLLM_FIXED, *TRL_ASIDE,
-                      *_BATCH, *_SCRIPT, "num_train_epochs"})
+                      *_BATCH, *_SCRIPT, "num_train_epochs", "generation_kwargs"})
 # grpolab train's defaults that are not TRL 1.16's (docs/real-models.md#trl-configs): grpolab's
 # value as the warning shows it (filled in from the config), TRL's, and the keys in either
 # naming that set it. A TRL config that sets none of an entry's keys runs on grpolab's value.
@@ -165,6 +128,10 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     translated, less those ``later`` sets again.
     """
     later, earlier = later or {}, earlier or {}
+    if "top_k" in given and given["top_k"] is None:
+        raise ConfigError("top_k: null (TRL) leaves it to the model's generation config (50 by "
+                          "default); give a number (0: all tokens)")
+    given = {k: _NONE_IS.get(k, v) if v is None else v for k, v in given.items()}
     if not any(k in TRL_KEYS for k in given):
         return dict(given)
     d = {**earlier, **given, **later}  # what the run is given: read for what TRL combines
@@ -235,6 +202,8 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             put("cispo_max", d.get("epsilon", 0.2), "loss_type")
         elif d.get("epsilon") is not None and "eps_high" not in out:
             put("eps_high", d["epsilon"], "epsilon")
+    if given.get("generation_kwargs") and "generation_kwargs" not in later:
+        out.update(_trl_generation(given["generation_kwargs"]))  # TRL: these win
     if "warmup_steps" in given:  # TRL's: optimiser steps, or below 1 a share of max_steps
         out["warmup_steps"] = _trl_warmup(d, per_sample)
     if ({"eval_strategy", "eval_steps", "logging_steps"} & given.keys()
@@ -296,6 +265,23 @@ def _refuse(given: dict[str, Any], d: dict[str, Any],
         raise ConfigError("loss_type: bnpo (TRL) with several micro-batches averages each "
                           "one's token mean; grpolab's token mean is the whole batch's (TRL's "
                           "dapo): use loss_type: dapo")
+
+
+def _trl_generation(kwargs: Any) -> dict[str, Any]:
+    """TRL's ``generation_kwargs`` (a mapping, or its JSON text): the sampling settings grpolab
+    has; any other generate option is refused in one line."""
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except ValueError:
+            kwargs = None
+    if not isinstance(kwargs, dict):
+        raise ConfigError("generation_kwargs (TRL) must be a mapping of generate's options")
+    other = sorted(str(k) for k in kwargs if k not in _GENERATION)
+    if other:
+        raise ConfigError(f"generation_kwargs: {', '.join(other)} (TRL) has no grpolab "
+                          f"equivalent; grpolab samples with {', '.join(_GENERATION)}")
+    return {k: 0.0 if k == "min_p" and v is None else v for k, v in kwargs.items()}
 
 
 def _trl_rewards(d: dict[str, Any]) -> list[str]:

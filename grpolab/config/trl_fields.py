@@ -1,27 +1,62 @@
-"""TRL 1.16's settings that grpolab has at one value (``TRL_FIXED``, ``VLLM_FIXED``) or that
-change nothing it trains (``TRL_ASIDE``): with ``grpolab.config.trl``'s translations, every field
-of GRPOConfig (its TrainingArguments' included), ModelConfig and `trl grpo`'s script arguments
-that is not one of grpolab's own keys."""
+"""TRL 1.16's settings whose values choose grpolab settings (``TRL_VALUES``), that grpolab has
+at one value (``TRL_FIXED``, ``VLLM_FIXED``) or that change nothing it trains (``TRL_ASIDE``):
+with ``grpolab.config.trl``'s renames and translations, every field of GRPOConfig (its
+TrainingArguments' included), ModelConfig and `trl grpo`'s script arguments that is not one of
+grpolab's own keys."""
 
 from __future__ import annotations
 
 from typing import Any
 
-_SAMPLING = "grpolab samples the whole softmax at `temperature`"
-_ADAM = "grpolab's optimiser is torch's Adam at its defaults (TRL's AdamW at weight_decay 0)"
+# TRL's trainer divides by the sample std plus this constant
+_TRL_STD = {"std": "sample", "std_eps": 1e-4}
+# TRL settings whose values become other grpolab settings.
+TRL_VALUES: dict[str, dict[str | None, dict[str, Any]]] = {
+    "loss_type": {
+        "grpo": {"loss_agg": "seq_mean_token_mean"},
+        "bnpo": {"loss_agg": "token_mean"},
+        "dapo": {"loss_agg": "token_mean"},
+        "dr_grpo": {"loss_agg": "seq_mean_token_sum_norm"},
+        "cispo": {"policy_loss": "cispo", "loss_agg": "token_mean"},
+        "sapo": {"policy_loss": "sapo", "loss_agg": "seq_mean_token_mean"},
+        "vespo": {"policy_loss": "vespo", "loss_agg": "token_mean"},
+        # GSPO's ratio with importance_sampling_level: sequence (its paper's), PPO's without
+        "luspo": {"loss_agg": "seq_mean_token_sum"},
+    },
+    "scale_rewards": {"group": {"scale": "std", **_TRL_STD}, "true": {"scale": "std", **_TRL_STD},
+                      "batch": {"scale": "batch", **_TRL_STD}, "none": {"scale": "none"},
+                      "false": {"scale": "none"}},
+    "importance_sampling_level": {"token": {}, "sequence": {"policy_loss": "gspo"}},
+    # GDPO in TRL: each reward over its group's sample std + 1e-4, the sum over the batch's
+    "multi_objective_aggregation": {
+        "sum_then_normalize": {"reward_aggregation": "sum_then_normalize"},
+        "normalize_then_sum": {"reward_aggregation": "normalize_then_sum", "scale": "std",
+                               **_TRL_STD}},
+    # transformers' constant schedule has no warm-up (``_refuse``); constant_with_warmup has
+    "lr_scheduler_type": {"linear": {"lr_schedule": "linear"}, "cosine": {"lr_schedule": "cosine"},
+                          "constant": {"lr_schedule": "constant"},
+                          "constant_with_warmup": {"lr_schedule": "constant"}},
+    "use_cpu": {"true": {"device": "cpu"}, "false": {}},
+    # TRL autocasts over float32 weights; here the weights themselves (LoRA adapters stay
+    # float32), so full fine-tuning is refused (``_refuse``). Unset (None) is on in TRL.
+    "bf16": {"true": {"dtype": "bfloat16"}, None: {"dtype": "bfloat16"}, "false": {}},
+    "fp16": {"true": {"dtype": "float16"}, "false": {}},
+    "use_vllm": {"true": {"rollout_backend": "vllm"}, "false": {}},
+    "save_strategy": {"steps": {}, "no": {"checkpoint_every": 0}},
+    "eval_strategy": {"steps": {}, "no": {"eval_size": 0}},
+    "disable_tqdm": {"true": {"progress": False}, "false": {}, None: {}},
+    "optim": {"adamw_torch": {}, "adamw_torch_fused": {}},  # grpolab's AdamW (Adam at weight_decay 0)
+    # TRL's true zeroes every nn.Dropout after wrapping, LoRA's included, whatever lora_dropout
+    # says (``from_trl``); grpolab always zeroes the model's own
+    "disable_dropout": {"true": {"lora_dropout": 0.0}},
+}
+_SAMPLING = "grpolab samples at `temperature` with top_k, top_p, min_p, repetition_penalty"
 _MODEL = "grpolab loads model_path as it is"
 _LORA = "grpolab's LoRA is peft's plain LoRA of a causal LM (scale lora_alpha / lora_r)"
 # TRL settings grpolab has at one value: (the values that mean it, why). Each changes what is
 # trained at another value, so that value is refused.
 TRL_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
-    # what is sampled
-    "top_p": ((1.0,), _SAMPLING), "top_k": ((0,), _SAMPLING),  # None: generate's 50
-    "min_p": ((None, 0.0), _SAMPLING), "repetition_penalty": ((1.0,), _SAMPLING),
-    "generation_kwargs": ((None, {}), _SAMPLING),
-    "chat_template_kwargs": ((None, {}), "grpolab applies the tokenizer's chat template as it is"),
     # the optimiser, its schedule and batch
-    "weight_decay": ((0.0,), _ADAM), "adam_beta1": ((0.9,), _ADAM),
-    "adam_beta2": ((0.999,), _ADAM), "adam_epsilon": ((1e-8,), _ADAM),
     "lr_scheduler_kwargs": ((None, {}), "grpolab's schedules take no options"),
     "neftune_noise_alpha": ((None,), "grpolab adds no noise to the embeddings"),
     "auto_find_batch_size": ((False,), "grpolab keeps its batch (no halving on out-of-memory)"),
@@ -40,7 +75,6 @@ TRL_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
     "trust_remote_code": ((False,), "grpolab runs no model code shipped with the weights"),
     "load_in_4bit": ((False,), "grpolab loads the weights unquantised, in dtype"),
     "load_in_8bit": ((False,), "grpolab loads the weights unquantised, in dtype"),
-    "use_rslora": ((False,), _LORA), "use_dora": ((False,), _LORA),
     "lora_task_type": (("CAUSAL_LM",), _LORA), "lora_target_parameters": ((None, []), _LORA),
     "lora_modules_to_save": ((None, []), "grpolab trains the LoRA adapters only"),
     # the run: grpolab resumes out_dir's checkpoint (--resume) and keeps the last step's model

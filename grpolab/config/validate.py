@@ -92,6 +92,15 @@ def validate(cfg: Config) -> None:
     for name in ("temperature", "lr"):
         if not getattr(cfg, name) > 0:
             raise ConfigError(f"{name} must be > 0 (got {getattr(cfg, name)})")
+    if cfg.top_k < 0 or not 0 < cfg.top_p <= 1 or not 0 <= cfg.min_p <= 1:
+        raise ConfigError(f"top_k {cfg.top_k}, top_p {cfg.top_p}, min_p {cfg.min_p}: top_k must "
+                          "be >= 0, top_p in (0, 1], min_p in [0, 1]")
+    if not (cfg.weight_decay >= 0 and 0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1
+            and cfg.adam_epsilon > 0):
+        raise ConfigError("weight_decay must be >= 0, adam_beta1 and adam_beta2 in [0, 1), "
+                          "adam_epsilon > 0")
+    if not cfg.repetition_penalty > 0:
+        raise ConfigError(f"repetition_penalty must be > 0 (got {cfg.repetition_penalty})")
     if cfg.beta < 0 or cfg.eps_low < 0 or cfg.eps_high < 0:
         raise ConfigError("beta, eps_low and eps_high must be >= 0")
     _validate_allocation(cfg)

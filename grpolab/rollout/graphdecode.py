@@ -14,7 +14,8 @@ every token, which on a GPU leaves the step's time to kernel launches and syncs.
 * finished answers are masked (PAD after their EOS), not removed, so B never changes;
 * each row's uniform for each step is drawn up front from the run's private generator (one per
   row per step, as ``sample_next`` draws), and the token is found on the device by inverse CDF
-  in float64 over the softmax: exactly softmax(logits / T), argmax at T = 0;
+  in float64 over the softmax: exactly softmax(logits / T) over what ``sampling.Filters``
+  leave, argmax at T = 0;
 * the host checks whether every answer has ended only every ``SYNC_EVERY`` steps;
 * ``GraphSampler`` keeps the decoder and its graphs for the next call of the same shape, which
   prefills into the same tensors (``GraphDecoder.load``): captures are paid once, not per call.
@@ -37,7 +38,14 @@ from torch import Tensor, nn
 from grpolab.rollout.batch import shared_prompts
 from grpolab.rollout.blocks import Layer, Weights
 from grpolab.rollout.kvcache import StaticKV, additive, decode_kv_dtype, prefill
-from grpolab.rollout.sampling import _inverse_cdf
+from grpolab.rollout.sampling import (
+    NO_FILTERS,
+    Filters,
+    _inverse_cdf,
+    next_probs,
+    penalise,
+    prompt_tokens,
+)
 
 SYNC_EVERY = 16  # steps between the host's checks that every answer has ended
 KEY_BUCKET = 64  # new positions a step's attention widens by (a graph per width)
@@ -180,35 +188,45 @@ def refill(old: Any, new: Any, keep: set[int]) -> bool:
     return True
 
 
-def draw(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
-    """One token per row from exactly softmax(logits / T) given uniforms ``u`` [B, 1] (float64);
-    argmax at T = 0. Device-side, no host sync: the full-vocabulary float64 search."""
+def draw(logits: Tensor, temperature: float, u: Tensor, filters: Filters = NO_FILTERS,
+         seen: Tensor | None = None) -> Tensor:
+    """One token per row from exactly softmax(logits / T) over what ``filters`` leave, given
+    uniforms ``u`` [B, 1] (float64); argmax at T = 0; ``seen`` [B, V]: the tokens the
+    repetition penalty applies to. Device-side, no host sync: the float64 search in full."""
+    if seen is not None:
+        logits = penalise(logits, seen, filters.repetition_penalty)
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float()
-    probs = torch.softmax(logits / temperature if temperature != 1 else logits, dim=-1)
-    return _inverse_cdf(probs, u)
+    return _inverse_cdf(next_probs(logits, temperature, filters), u)
 
 
 def graph_decode(dec: GraphDecoder, max_new: int, temperature: float, eos_ids: list[int],
                  pad_id: int, generator: torch.Generator | None = None,
-                 step: Any = None, bucket: int = KEY_BUCKET) -> Tensor:
+                 step: Any = None, bucket: int = KEY_BUCKET, filters: Filters = NO_FILTERS,
+                 prompts: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The decode loop at a fixed shape: completion ids [B, steps taken], PAD after each EOS.
 
-    ``step``: the function that advances one token, ``(tokens, t, u, done, width) -> next
-    tokens`` (``make_step(dec, ...)``, or it captured: ``cuda_graph``); ``width``: the keys
-    attended, the prompt and the new positions up to the next multiple of ``bucket``. The host
-    looks at ``done`` every ``SYNC_EVERY`` steps only.
+    ``step``: the function that advances one token, ``(tokens, t, u, done, width, seen) ->
+    next tokens`` (``make_step(dec, ...)``, or it captured: ``cuda_graph``); ``width``: the
+    keys attended, the prompt and the new positions up to the next multiple of ``bucket``. The
+    host looks at ``done`` every ``SYNC_EVERY`` steps only. A repetition penalty needs the
+    ``prompts`` (ids, mask) the decoder holds; the tokens it has seen are kept here, outside
+    the captured step, which only reads them.
     """
     logits = dec.logits
     b, dev = logits.shape[0], logits.device
     u = torch.rand((max_new, b, 1), generator=generator, device=dev, dtype=torch.float64)
-    step = step or make_step(dec, temperature, eos_ids, pad_id)
+    step = step or make_step(dec, temperature, eos_ids, pad_id, filters)
     out = torch.full((b, max_new), pad_id, dtype=torch.long, device=dev)
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     eos = torch.as_tensor(eos_ids, device=dev)
     ts = torch.arange(max_new, device=dev)  # step t's index as a device tensor: a view, no copy
-    nxt = draw(logits, temperature, u[0])
+    seen = None
+    if filters.penalises:
+        if prompts is None:
+            raise ValueError("a repetition penalty needs the prompts' tokens")
+        seen = prompt_tokens(prompts[0], prompts[1], logits.shape[-1])
+    nxt = draw(logits, temperature, u[0], filters, seen)
     steps = max_new
     for t in range(max_new):
         out[:, t] = nxt
@@ -216,18 +234,21 @@ def graph_decode(dec: GraphDecoder, max_new: int, temperature: float, eos_ids: l
         if t == max_new - 1 or ((t + 1) % SYNC_EVERY == 0 and bool(done.all())):
             steps = t + 1
             break
+        if seen is not None:
+            seen.scatter_(1, nxt[:, None], True)
         width = dec.tp + min(max_new, -(-(t + 1) // bucket) * bucket)
-        nxt = step(nxt, ts[t:t + 1], u[t + 1], done, width)
+        nxt = step(nxt, ts[t:t + 1], u[t + 1], done, width, seen)
     return out[:, :steps]
 
 
 def make_step(dec: GraphDecoder, temperature: float, eos_ids: list[int],
-              pad_id: int) -> Any:
+              pad_id: int, filters: Filters = NO_FILTERS) -> Any:
     """The captured unit: feed the last tokens, draw the next ones, PAD for finished rows."""
 
-    def step(tokens: Tensor, t: Tensor, u: Tensor, done: Tensor, width: int) -> Tensor:
+    def step(tokens: Tensor, t: Tensor, u: Tensor, done: Tensor, width: int,
+             seen: Tensor | None = None) -> Tensor:
         logits = dec.step(tokens, t, width)
-        return draw(logits, temperature, u).masked_fill(done, pad_id)
+        return draw(logits, temperature, u, filters, seen).masked_fill(done, pad_id)
 
     return step
 
@@ -327,12 +348,13 @@ class GraphSampler:
         self.capture_failed: str | None = None  # the last call's failed capture, if any
 
     def sample(self, lm: Any, ids: Tensor, mask: Tensor, max_new: int, temperature: float,
-               eos_ids: list[int], pad_id: int, generator: torch.Generator | None) -> Tensor:
+               eos_ids: list[int], pad_id: int, generator: torch.Generator | None,
+               filters: Filters = NO_FILTERS) -> Tensor:
         """Completion ids [B, steps] for prompts ``ids``/``mask`` [B, tp] (left-padded), as
         ``graph_decode`` draws them from ``generator``."""
         where = (id(lm), tuple(t.data_ptr() for t in model_tensors(lm)))  # model, weights
         key = (where, lm.pack, lm.on_cuda_layout(), lm.head_off, len(ids), max_new,
-               temperature, tuple(eos_ids), pad_id)
+               temperature, tuple(eos_ids), pad_id, filters)
         same = self.kept is not None and self.kept[0] == key
         with torch.inference_mode():  # the kept tensors are inference tensors
             ids, mask = padded_prompts(ids, mask, pad_id, self.kept[1].tp if same else 0)
@@ -347,13 +369,13 @@ class GraphSampler:
                     self.kept = None  # the old cache and graphs go before new ones are made
                 dec = GraphDecoder(lm, ids, mask, max_new, shared)
                 capture = self.capture or (cuda_graph if ids.is_cuda else uncaptured)
-                step = capture(make_step(dec, temperature, eos_ids, pad_id))
+                step = capture(make_step(dec, temperature, eos_ids, pad_id, filters))
                 self.builds += 1
                 if keep:
                     self.kept = (key, dec, step)
             self.last = key
             out = graph_decode(dec, max_new, temperature, eos_ids, pad_id, generator, step,
-                               self.bucket)
+                               self.bucket, filters, (ids, mask))
         failed = getattr(step, "failed", None)
         self.capture_failed = failed[0] if failed else None
         return out

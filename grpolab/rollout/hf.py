@@ -4,11 +4,10 @@
 local directory, so the same ``GRPOTrainer`` that runs the workshop trains real models.
 
 * Prompts are strings or chat message lists. With ``use_chat_template`` and a tokenizer that has
-  a chat template, prompts are rendered with it (``add_generation_prompt=True``; a plain string
-  becomes one user message); otherwise the raw text is tokenized.
-* Rollouts are sampled from exactly ``softmax(logits / temperature)``: the checkpoint's own
-  sampling defaults (top-k, top-p, repetition penalty, ...) are ignored, because the GRPO ratio
-  and KL assume the scored distribution is the sampled one. Scoring uses the same left padding
+  a chat template, prompts are rendered with it (``add_generation_prompt=True`` and
+  ``chat_template_kwargs``; a plain string becomes one user message); else the raw text.
+* Rollouts are sampled from ``softmax(logits / temperature)`` with the run's ``Filters``
+  only (the checkpoint's own sampling defaults are ignored). Scoring uses the same left padding
   and ``position_ids`` as sampling.
 * Sampling is ``sampling.decode`` (the one decode loop) over the model's forward with its KV
   cache (``HF generate``'s per-token overhead is a large share of a step on small models);
@@ -24,9 +23,8 @@ local directory, so the same ``GRPOTrainer`` that runs the workshop trains real 
   ``logit_chunk`` answer tokens go through the head at a time (``head.head_logprobs``).
 * Each call draws a seed from the trainer's generator and samples with a private
   ``torch.Generator``: runs are reproducible and the caller's global RNG is untouched.
-* Dropout in the model is switched off (LoRA dropout, if configured, is kept): the policy is
-  scored in train mode and the reference in eval mode, and dropout noise would leak into the
-  ratio and the KL.
+* Dropout in the model is off (LoRA's, if configured, is kept): the policy is scored in train
+  mode, the reference in eval mode, and dropout noise would leak into the ratio and the KL.
 * Reference model: without LoRA a frozen copy of the initial weights (none when ``beta == 0``);
   with LoRA the same model with its adapters disabled, so there is no second copy.
 * ``rollout_backend: vllm`` samples with vLLM on a CUDA GPU (``grpolab.rollout.vllm``).
@@ -51,7 +49,7 @@ from grpolab.rollout.batch import pos_ids, shared_prompts
 from grpolab.rollout.fastlm import FastLM, base_model
 from grpolab.rollout.graphdecode import GraphSampler
 from grpolab.rollout.models import disable_dropout, eos_ids, wrap_lora
-from grpolab.rollout.sampling import decode, draw_seed, drop_due
+from grpolab.rollout.sampling import NO_FILTERS, Filters, decode, draw_seed, drop_due
 
 log = logging.getLogger("grpolab")
 
@@ -170,7 +168,9 @@ class HFBackend(LMBackend):
         lora_alpha: int = 16,
         lora_dropout: float = 0.0,
         lora_target_modules: list[str] | None = None,
+        lora_options: dict[str, Any] | None = None,
         use_chat_template: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
         reference: bool = True,
         seed: int = 0,
         gradient_checkpointing: bool = False,
@@ -178,10 +178,11 @@ class HFBackend(LMBackend):
         max_new_tokens: int = 0,
         logit_chunk: int = 256,
         speed: Speed | None = None,
+        filters: Filters = NO_FILTERS,
     ) -> None:
         self.tokenizer = tokenizer  # left untouched: prompts are padded here, not by it
         self.logit_chunk = logit_chunk
-        self.speed = speed or Speed()
+        self.speed, self.filters = speed or Speed(), filters
         self.max_prompt_tokens = max_prompt_tokens
         self._warned_long = False
         # Prompt + answer must fit the model's positions (GPT-2 has 1024 and fails past them;
@@ -195,7 +196,7 @@ class HFBackend(LMBackend):
         self.eos_ids = eos_ids(tokenizer, model)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
-        self.use_chat_template = use_chat_template
+        self.use_chat_template, self.template_kwargs = use_chat_template, chat_template_kwargs or {}
         self.device = next(model.parameters()).device
         disable_dropout(model)
         self.checkpointing = gradient_checkpointing
@@ -209,7 +210,7 @@ class HFBackend(LMBackend):
         self.ref: nn.Module | None = None
         if lora:
             model = wrap_lora(model, lora_r, lora_alpha, lora_dropout,
-                              lora_target_modules or None, seed)
+                              lora_target_modules or None, seed, **(lora_options or {}))
         else:
             for p in model.parameters():
                 p.requires_grad_(True)
@@ -258,7 +259,8 @@ class HFBackend(LMBackend):
                              "tokenizer with a chat template")
         try:
             text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=True,
+                                                      **self.template_kwargs)
         except Exception as e:  # the template's own failure (a SecurityError, say): one line
             if not type(e).__module__.startswith("jinja2"):
                 raise
@@ -369,20 +371,22 @@ class HFBackend(LMBackend):
         with torch.inference_mode():
             if self.speed.graph_decode and isinstance(lm, FastLM) and lm.on_cuda_layout():
                 out = self._graphs.sample(lm, ids, mask, max_new, temperature, self.eos_ids,
-                                          self.pad_id, gen)
+                                          self.pad_id, gen, self.filters)
             else:
                 dec = lm.decoder(ids, mask, max_new, shared_prompts(ids, mask))
                 out = decode(dec, max_new, temperature, self.eos_ids, self.pad_id, gen,
-                             early_exit=self.speed.early_exit)
+                             early_exit=self.speed.early_exit, filters=self.filters,
+                             prompts=(ids, mask))
         return out.clone()  # a normal tensor, usable outside inference mode
 
     def _hf_generate(self, prompt_ids: Tensor, prompt_mask: Tensor, temperature: float,
                      max_new: int, seed: int) -> Tensor:
         """HF ``generate`` (fallback for models the lean loop cannot drive); global RNG restored."""
-        kwargs: dict[str, Any] = {"do_sample": False}
+        f = self.filters
+        kwargs: dict[str, Any] = {"do_sample": False, "repetition_penalty": f.repetition_penalty}
         if temperature > 0:
-            kwargs = {"do_sample": True, "temperature": float(temperature), "top_k": 0,
-                      "top_p": 1.0}
+            kwargs.update(do_sample=True, temperature=float(temperature), top_k=f.top_k,
+                          top_p=f.top_p, min_p=f.min_p or None)
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), self._plain_sampling():
             torch.manual_seed(seed)
@@ -397,19 +401,16 @@ class HFBackend(LMBackend):
             )
         return out[:, prompt_ids.shape[1]:]
 
-    def pass_probability(self, rows: list[dict], temperature: float) -> Tensor | None:
-        """Unknown for open-ended answers (many strings can be right): no dead-group prediction."""
-        return None
+    def pass_probability(self, rows: list[dict], temperature: float) -> None:
+        return None  # open-ended answers (many strings can be right): no exact prediction
 
     # -------------------------------------------------------------- checkpoints --
     def _trainable(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
     def state_dict(self) -> dict[str, Any]:
-        """The trainable weights (LoRA adapters, or the whole model); the rest is the checkpoint.
-
-        The reference is not saved: it is the initial checkpoint (or the adapter-free model).
-        """
+        """The trainable weights (LoRA adapters, or the whole model). The reference is not
+        saved: it is the initial checkpoint (or the adapter-free model)."""
         return {"lora": self.lora,
                 "trainable": {n: p.detach().cpu().clone() for n, p in self._trainable().items()}}
 

@@ -204,11 +204,11 @@ def eos_ids(tokenizer: Any, model: nn.Module) -> list[int]:
 
 
 def wrap_lora(model: nn.Module, r: int, alpha: int, dropout: float,
-              targets: list[str] | None, seed: int) -> nn.Module:
+              targets: list[str] | None, seed: int, **options: Any) -> nn.Module:
     """``model`` wrapped in rank-r LoRA adapters (peft), initialised from ``seed``; ``targets``
     None: peft's per-architecture defaults (every linear layer for an architecture peft does not
     know), ["all-linear"]: every linear layer but the output head (peft's name), else the
-    modules named."""
+    modules named; ``options``: LoraConfig's own (use_rslora, use_dora)."""
     from peft import LoraConfig, get_peft_model
 
     # GPT-2's Conv1D layers store weights transposed; peft wants to be told.
@@ -216,7 +216,8 @@ def wrap_lora(model: nn.Module, r: int, alpha: int, dropout: float,
 
     def wrap(target: Any) -> nn.Module:
         cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                         target_modules=target, task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
+                         target_modules=target, task_type="CAUSAL_LM", fan_in_fan_out=conv1d,
+                         **options)
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             torch.manual_seed(seed)  # reproducible adapter init
             # peft 0.21 calls a transformers 5 API that warns on every run; not actionable.

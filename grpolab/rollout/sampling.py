@@ -1,5 +1,6 @@
 """Sampling: the next-token draw (two-level inverse CDF, one uniform per row from the run's
-generator) and ``decode``, the one sampling loop every model stack runs, over a ``Decoder``.
+generator), the ``Filters`` TRL and vLLM users set (top-k, top-p, min-p, repetition penalty),
+and ``decode``, the one sampling loop every model stack runs, over a ``Decoder``.
 
 ``Forward`` is what a model stack provides; finished rows leave a decoder that can ``shrink``
 (``early_exit``) once they are a ``DROP_SHARE`` of it."""
@@ -7,6 +8,7 @@ generator) and ``decode``, the one sampling loop every model stack runs, over a 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -16,12 +18,106 @@ from torch import Tensor
 SAMPLE_BLOCK = 256  # vocabulary entries per block of sample_next's two-level search
 
 
-Draw = Callable[[Tensor, float, "torch.Generator | None"], Tensor]
+@dataclass(frozen=True)
+class Filters:
+    """What sampling does to the next-token logits besides the temperature, as HF ``generate``'s
+    logits processors do it (TRL's names; TRL passes them to ``generate``): the
+    ``repetition_penalty`` on each token already in the row (its prompt's real tokens, then its
+    answer's), before the temperature; then ``top_k``, ``top_p`` and ``min_p``, in that order,
+    on the scaled logits (``warp``). The defaults change nothing. Answers are drawn from what is
+    left; the loss scores them under the plain softmax at T, as TRL and verl do."""
+
+    top_k: int = 0  # keep the k most likely tokens (0: all)
+    top_p: float = 1.0  # keep the most likely tokens holding this much probability
+    min_p: float = 0.0  # drop tokens under min_p x the most likely token's probability
+    repetition_penalty: float = 1.0  # divide seen tokens' positive logits, multiply negative
+
+    @classmethod
+    def of(cls, cfg: Any) -> Filters:
+        """A config's filters (its fields of the same names)."""
+        return cls(int(cfg.top_k), float(cfg.top_p), float(cfg.min_p),
+                   float(cfg.repetition_penalty))
+
+    @property
+    def warps(self) -> bool:
+        """Whether top-k, top-p or min-p removes anything."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def penalises(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+
+NO_FILTERS = Filters()
+Draw = Callable[[Tensor, float, "torch.Generator | None", Filters], Tensor]
+
+
+def warp(logits: Tensor, temperature: float, f: Filters) -> Tensor:
+    """float32 logits [B, V] / T with the tokens top-k, top-p and min-p remove at -inf, as HF's
+    ``TopKLogitsWarper``, ``TopPLogitsWarper`` and ``MinPLogitsWarper`` compute it (ties at the
+    k-th logit kept; top-p's sums over the ascending sort in float32)."""
+    x = logits.float()
+    x = x / temperature if temperature != 1 else x
+    if f.top_k > 0:
+        kth = torch.topk(x, min(f.top_k, x.shape[-1]), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if f.top_p < 1.0:
+        ordered, where = torch.sort(x, dim=-1)
+        drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - f.top_p
+        drop[..., -1:] = False  # the most likely token stays
+        x = x.masked_fill(drop.scatter(-1, where, drop), float("-inf"))
+    if f.min_p > 0.0:
+        probs = x.softmax(dim=-1)  # (the most likely token is never under min_p <= 1 of itself)
+        x = x.masked_fill(probs < f.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return x
+
+
+def penalise(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """HF's ``RepetitionPenaltyLogitsProcessor``: float32 logits [B, V] where ``seen`` [B, V]
+    (bool) is set divided by ``penalty`` if positive, multiplied by it if not."""
+    x = logits.float()
+    return torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
+
+
+def prompt_tokens(ids: Tensor, mask: Tensor, vocab: int) -> Tensor:
+    """[B, vocab] bool: the tokens of each row's prompt ``ids`` [B, Tp] where ``mask`` is 1 (a
+    left pad is not the row's: transformers >= 5 leaves it out of the penalty too)."""
+    seen = torch.zeros((ids.shape[0], vocab + 1), dtype=torch.bool, device=ids.device)
+    seen.scatter_(1, ids.masked_fill(mask == 0, vocab), True)
+    return seen[:, :vocab]
+
+
+def next_probs(logits: Tensor, temperature: float, filters: Filters = NO_FILTERS) -> Tensor:
+    """float32 softmax(logits / T) [B, V], over what ``filters`` leave (T > 0)."""
+    logits = logits.float()
+    if filters.warps:
+        return torch.softmax(warp(logits, temperature, filters), dim=-1)
+    return torch.softmax(logits / temperature if temperature != 1 else logits, dim=-1)
+
+
+def sampled_logprobs(logits: Tensor, targets: Tensor, temperature: float, filters: Filters,
+                     prompts: tuple[Tensor, Tensor]) -> Tensor:
+    """log P(target) [B, T] under the distribution each draw of ``decode`` samples from: the
+    logits [B, T, V] predicting ``targets`` [B, T] (an answer, after ``prompts`` (ids, mask)),
+    penalised for the tokens before and filtered; -inf where a target is filtered out."""
+    n, v = logits.shape[1:]
+    seen = prompt_tokens(*prompts, v) if filters.penalises else None
+    out = []
+    for t in range(n):
+        x = logits[:, t] if seen is None else penalise(logits[:, t], seen,
+                                                      filters.repetition_penalty)
+        x = warp(x, temperature, filters)
+        out.append(x.log_softmax(dim=-1).gather(1, targets[:, t:t + 1]))
+        if seen is not None:
+            seen.scatter_(1, targets[:, t:t + 1], True)
+    return torch.cat(out, dim=1)
 
 
 def sample_next(logits: Tensor, temperature: float,
-                generator: torch.Generator | None = None) -> Tensor:
-    """One token per row of ``logits`` [B, V] from exactly softmax(logits / T); argmax if T == 0.
+                generator: torch.Generator | None = None,
+                filters: Filters = NO_FILTERS) -> Tensor:
+    """One token per row of ``logits`` [B, V] from exactly softmax(logits / T) over the tokens
+    ``filters`` leave; argmax if T == 0.
 
     Inverse-CDF sampling (one uniform per row against the cumulative probabilities, summed in
     float64) draws from the same distribution as ``torch.multinomial``, which HF ``generate``
@@ -34,8 +130,7 @@ def sample_next(logits: Tensor, temperature: float,
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float()
-    probs = torch.softmax(logits / temperature if temperature != 1 else logits, dim=-1)
+    probs = next_probs(logits, temperature, filters)
     u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device,
                    dtype=torch.float64)
     b, v = probs.shape
@@ -66,13 +161,13 @@ def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
 
 
 def multinomial_next(logits: Tensor, temperature: float,
-                     generator: torch.Generator | None = None) -> Tensor:
+                     generator: torch.Generator | None = None,
+                     filters: Filters = NO_FILTERS) -> Tensor:
     """The same distribution as ``sample_next`` drawn with ``torch.multinomial``: the world's
     sampler (its recorded runs come from this random stream)."""
-    last = logits.float()
     if temperature == 0:
-        return last.argmax(-1)
-    probs = torch.softmax(last / temperature, dim=-1)
+        return logits.float().argmax(-1)
+    probs = next_probs(logits, temperature, filters)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -127,8 +222,12 @@ class Forward(Protocol):
 
 def decode(dec: Decoder, max_new: int, temperature: float, eos_ids: list[int], pad_id: int,
            generator: torch.Generator | None = None, draw: Draw = sample_next,
-           early_exit: bool = True) -> Tensor:
+           early_exit: bool = True, filters: Filters = NO_FILTERS,
+           prompts: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The decode loop: draw a token per row, feed it, until every row has ended or max_new.
+
+    ``filters`` shape each draw; a repetition penalty needs the ``prompts`` (ids, mask) [B, Tp]
+    the decoder was built on (and applies at T = 0 too, as in HF ``generate``).
 
     Rows stop at their first EOS (PAD after it). Returns the completion ids [B, steps taken].
     With ``early_exit``, finished rows leave the decoder's batch where it can ``shrink``; every
@@ -145,9 +244,17 @@ def decode(dec: Decoder, max_new: int, temperature: float, eos_ids: list[int], p
     shrink = getattr(dec, "shrink", None) if early_exit else None
     live: Tensor | None = None  # the rows the decoder still computes (None: all)
     steps = max_new
+    seen = None
+    if filters.penalises:
+        if prompts is None:
+            raise ValueError("a repetition penalty needs the prompts' tokens")
+        seen = prompt_tokens(prompts[0].to(dev), prompts[1].to(dev), logits.shape[-1])
     for t in range(max_new):
-        nxt = draw(logits, temperature, generator).masked_fill(done, pad_id)
+        scores = logits if seen is None else penalise(logits, seen, filters.repetition_penalty)
+        nxt = draw(scores, temperature, generator, filters).masked_fill(done, pad_id)
         out[:, t] = nxt
+        if seen is not None:
+            seen.scatter_(1, nxt[:, None], True)
         done |= torch.isin(nxt, eos)
         if t == max_new - 1 or bool(done.all()):
             steps = t + 1

@@ -74,9 +74,11 @@ class VLLMBackend(HFBackend):
 
         self._sync_weights()
         base = draw_seed(generator, 2**31)
-        # top_k / top_p left at vLLM's defaults: off, so answers come from softmax(logits / T).
+        f = self.filters  # (vLLM's top_k -1 is off; its repetition penalty counts the prompt)
         params = [SamplingParams(temperature=float(temperature), max_tokens=int(max_new),
-                                 seed=(base + i) % 2**31, stop_token_ids=list(self.eos_ids))
+                                 seed=(base + i) % 2**31, stop_token_ids=list(self.eos_ids),
+                                 top_k=f.top_k or -1, top_p=f.top_p, min_p=f.min_p,
+                                 repetition_penalty=f.repetition_penalty)
                   for i in range(len(prompt_ids))]
         reqs = [{"prompt_token_ids": row[m.bool()].tolist()}
                 for row, m in zip(prompt_ids, prompt_mask)]

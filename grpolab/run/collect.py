@@ -31,6 +31,7 @@ from grpolab.predict.posterior import PASS_RATE_PRIORS
 from grpolab.rewards.scorer import Scorer, ScoreResult
 from grpolab.rollout.backend import Backend
 from grpolab.rollout.batch import Rollout, cat_rollouts
+from grpolab.rollout.sampling import NO_FILTERS, Filters
 from grpolab.run import dist
 
 log = logging.getLogger("grpolab")
@@ -85,6 +86,12 @@ class Collector:
                  generator: torch.Generator, sampler: PromptSampler) -> None:
         self.cfg, self.backend, self.rows, self.scorer = cfg, backend, rows, scorer
         self.gen, self.sampler = generator, sampler
+        filters = Filters.of(cfg)  # the config's sampling settings are what the backend draws
+        if hasattr(backend, "filters"):
+            backend.filters = filters
+        elif filters != NO_FILTERS:
+            raise ConfigError(f"{type(backend).__name__} has no sampling filters (top_k, top_p, "
+                              "min_p, repetition_penalty); leave them at their defaults")
         self.tracker = PASS_RATE_PRIORS[cfg.predict_prior](len(rows), cfg.predict_decay,
                                                            cfg.predict_prior_strength,
                                                            kinds_of(rows, cfg.predict_group_by))

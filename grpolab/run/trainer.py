@@ -53,8 +53,9 @@ RANK_SEED_STRIDE = 1_000_003
 RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every",
                     "micro_batch", "log_samples", "overwrite", "reward_timeout", "reward_workers",
                     "fail_on_reward_errors", "report_to", "shard", "speed"}
-# Config keys that change the trained weights' shapes: a checkpoint of another value cannot load.
-SHAPE_KEYS = ("lora", "lora_r", "lora_target_modules", "model_path")
+# Config keys that change the trained weights' shapes (or the optimiser's parameter groups: a
+# weight decay on or off): a checkpoint of another value cannot load.
+SHAPE_KEYS = ("lora", "lora_r", "lora_target_modules", "model_path", "weight_decay")
 # Config keys that choose the prompts: the sampler's and posteriors' state is per prompt, so a
 # checkpoint of other data is refused (ConfigError, exit 2), not loaded into the wrong rows.
 DATA_KEYS = ("dataset", "eval_dataset", "dataset_size", "prompt_column", "answer_column",
@@ -102,8 +103,7 @@ class GRPOTrainer:
         if cfg.shard == "fsdp":  # before the optimizer: sharding replaces the parameters
             shard.shard_backend(backend)
         self.sharded = shard.is_sharded(backend.model)
-        self.params = [p for p in backend.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.Adam(self.params, lr=cfg.lr)
+        self.params, self.opt = update.optimizer(backend.model, cfg)
         # PPO's value model: a copy of the policy as it starts, with a value head
         self.critic = Critic(backend.model, cfg.critic_lr) if cfg.estimator == "ppo" else None
         self.step_num = 0

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from grpolab.config import Config
 from grpolab.core import advantages as adv_mod
@@ -244,6 +245,27 @@ def answer_advantages(adv: Tensor | None, mask: Tensor) -> Tensor | None:
     return (adv * m).sum(-1) / m.sum(-1).clamp(min=1)
 
 
+# transformers' Trainer decays no bias and no norm's weight (``get_decay_parameter_names``)
+NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def optimizer(model: nn.Module, cfg: Config) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+    """The trainable parameters and torch's Adam over them, as TRL's AdamW: decoupled weight
+    decay ``weight_decay`` on every one but biases and normalisation weights (by name, or
+    inside an ``nn.LayerNorm``), in a second parameter group; one group without decay."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    kw = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_epsilon}
+    if not cfg.weight_decay:
+        return params, torch.optim.Adam(params, **kw)
+    norms = {f"{m}.{n}".lstrip(".") for m, mod in model.named_modules()
+             if isinstance(mod, nn.LayerNorm) for n, _ in mod.named_parameters()}
+    plain = {n for n, _ in named if n in norms or NO_DECAY.search(n.lower())}
+    return params, torch.optim.AdamW(
+        [{"params": [p for n, p in named if n not in plain], "weight_decay": cfg.weight_decay},
+         {"params": [p for n, p in named if n in plain], "weight_decay": 0.0}], **kw)
+
+
 def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: list[Tensor],
              scored: Scored, adv: Tensor | None, step: int, sharded: bool = False,
              critic: Critic | None = None) -> dict[str, float]:
@@ -269,8 +291,9 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
     if critic is not None:
         extra["explained_variance"] = explained_variance(scored.returns, scored.old_values,
                                                          scored.rollout.completion_mask)
-    for group in opt.param_groups:
-        group["lr"] = lr
+    for group in opt.param_groups:  # (the config's, also after a resume that changed them)
+        group.update(lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                     weight_decay=cfg.weight_decay if group["weight_decay"] else 0.0)
     with_entropy = hasattr(backend, "logprobs_and_entropy")
     train_policy = critic is None or step >= cfg.critic_warmup
     parts = scored.parts

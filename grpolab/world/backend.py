@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from grpolab.rollout.backend import LMBackend, frozen_copy
 from grpolab.rollout.batch import Rollout
-from grpolab.rollout.sampling import decode, multinomial_next
+from grpolab.rollout.logprobs import completion_logits
+from grpolab.rollout.sampling import NO_FILTERS, Filters, decode, multinomial_next, sampled_logprobs
 from grpolab.world.model import CharTokenizer, TinyGPT, adapters_disabled, add_lora
 
 
@@ -59,9 +60,9 @@ class TinyBackend(LMBackend):
 
     def __init__(
         self, model: TinyGPT, lora: bool = False, lora_r: int = 8, lora_alpha: float = 16,
-        seed: int = 0,
+        seed: int = 0, filters: Filters = NO_FILTERS,
     ) -> None:
-        self.model = model
+        self.model, self.filters = model, filters
         self.lora = lora
         self.ref: TinyGPT | None = None  # None with lora: the reference is adapters-off
         if lora:
@@ -86,7 +87,7 @@ class TinyBackend(LMBackend):
         max_new = min(max_new, self.model.config.max_len - prompt_ids.shape[1])
         dec = TinyForward(self.model).decoder(prompt_ids, prompt_mask, max_new)
         out = decode(dec, max_new, temperature, self.eos_ids, self.pad_id, generator,
-                     draw=multinomial_next)
+                     draw=multinomial_next, filters=self.filters, prompts=(prompt_ids, prompt_mask))
         return F.pad(out, (0, max_new - out.shape[1]), value=self.pad_id)
 
     def decode_text(self, ids: Tensor, mask: Tensor) -> str:
@@ -100,7 +101,8 @@ class TinyBackend(LMBackend):
 
     @torch.no_grad()
     def pass_probability(self, rows: list[dict], temperature: float) -> Tensor:
-        """Exact probability that one sampled answer is right: the world has one right string.
+        """Exact probability that one sampled answer is right: the world has one right string
+        (under the run's ``filters`` where it has any).
 
         This turns the dead-group prediction p^G + (1-p)^G into a number with no sampling noise.
         """
@@ -112,8 +114,13 @@ class TinyBackend(LMBackend):
             ans[i, : len(a)] = torch.tensor(a)
         mask = (ans != self.tok.PAD).long()
         ro = Rollout(rows, prompt_ids, prompt_mask, ans, mask, [])
-        lp = self.logprobs(ro, temperature)
-        return torch.exp((lp * ro.completion_mask).sum(-1))
+        if self.filters == NO_FILTERS or temperature == 0:
+            lp = self.logprobs(ro, temperature)
+        else:
+            logits = completion_logits(TinyForward(self.model), ro, self.device, False)
+            lp = sampled_logprobs(logits, ro.completion_ids, temperature, self.filters,
+                                  (prompt_ids, prompt_mask))
+        return torch.exp(torch.where(ro.completion_mask.bool(), lp, 0.0).sum(-1))
 
     def state_dict(self) -> dict[str, Any]:
         st = {"model": self.model.state_dict()}

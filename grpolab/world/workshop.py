@@ -20,6 +20,7 @@ from grpolab.config import Config, ConfigError, coerce, resolve
 from grpolab.config.load import warn_idle
 from grpolab.core import advantages, losses, returns
 from grpolab.rewards.builtin import exact_answer
+from grpolab.rollout.sampling import Filters
 from grpolab.run.checkpoint import out_dir_lock
 from grpolab.run.plots import format_table, plot_sweep
 from grpolab.run.report import finish_run
@@ -227,7 +228,7 @@ def world_trainer(cfg: Config, out_dir: str | Path | None = None) -> GRPOTrainer
     model = sft_model(cfg.seed, splits, cfg.sft_steps, cfg.cache_dir or None,
                       progress=cfg.progress, slip=cfg.sft_slip, slip_top=cfg.sft_slip_top)
     backend = TinyBackend(model, lora=cfg.lora, lora_r=cfg.lora_r,
-                          lora_alpha=cfg.world_lora_alpha, seed=cfg.seed)
+                          lora_alpha=cfg.world_lora_alpha, seed=cfg.seed, filters=Filters.of(cfg))
     return GRPOTrainer(cfg, backend, splits.train, [exact_answer], splits.heldout,
                        out_dir=out_dir)
 
