@@ -36,7 +36,7 @@ from grpolab.predict.curriculum import PromptSampler
 from grpolab.rewards.scorer import Scorer, make_scorer, score_answers
 from grpolab.rollout.backend import Backend
 from grpolab.rollout.critic import Critic
-from grpolab.run import checkpoint, dist, shard, update
+from grpolab.run import checkpoint, dist, resume, shard, update
 from grpolab.run.checkpoint import CheckpointError
 from grpolab.run.collect import Batch, Collector
 from grpolab.run.report import MetricsWriter, by_difficulty, sample_record, step_record
@@ -48,20 +48,6 @@ from grpolab.run.watch import Watch
 log = logging.getLogger("grpolab")
 # Each rank samples answers from its own stream (rank 0 keeps the single-process seed).
 RANK_SEED_STRIDE = 1_000_003
-# Config keys a resume may change without changing the maths (micro_batch splits a step
-# otherwise, for an out-of-memory run: float rounding then differs, as with the speed paths).
-RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every",
-                    "micro_batch", "log_samples", "overwrite", "reward_timeout", "reward_workers",
-                    "fail_on_reward_errors", "report_to", "shard", "speed"}
-# Config keys that change the trained weights' shapes (or the optimiser's parameter groups: a
-# weight decay on or off): a checkpoint of another value cannot load.
-SHAPE_KEYS = ("lora", "lora_r", "lora_target_modules", "model_path", "weight_decay")
-# Config keys that choose the prompts: the sampler's and posteriors' state is per prompt, so a
-# checkpoint of other data is refused (ConfigError, exit 2), not loaded into the wrong rows.
-DATA_KEYS = ("dataset", "eval_dataset", "dataset_size", "prompt_column", "answer_column",
-             "prompt_template", "task_config", "world_train_size", "world_heldout_size",
-             "world_top_share", "world_carry_share")
-
 __all__ = ["Batch", "CheckpointError", "GRPOTrainer", "RunStopped", "TrainingError", "lr_factor"]
 
 
@@ -366,10 +352,7 @@ class GRPOTrainer:
         """Put a checkpoint's content back (weights, optimiser, RNGs, sampler, posteriors,
         watch, alarm). A state written for another model shape (a changed lora_r, say) is a
         ConfigError naming the setting; other changed settings are warned about."""
-        saved, now = st.get("config") or {}, to_dict(self.cfg)
-        free = RESUME_FREE_KEYS - ({"steps"} if self.cfg.lr_schedule != "constant" else set())
-        changed = sorted(k for k in now if k in saved and k not in free and saved[k] != now[k])
-        self._check_same_data(st, saved, now, changed, path)
+        changed = resume.changed_settings(st, self.cfg, len(self.train_rows), path)
         try:
             if st.get("dcp"):
                 checkpoint.load_sharded(st, path or self.ckpt_dir / checkpoint.LAST,
@@ -380,18 +363,12 @@ class GRPOTrainer:
         except CheckpointError:
             raise
         except (ValueError, RuntimeError, KeyError) as e:
-            shape = [f"{k}={saved[k]!r} (this run: {now[k]!r})" for k in SHAPE_KEYS
-                     if k in changed]
-            why = (f"it was written with {', '.join(shape)}" if shape
-                   else " ".join(str(e).split())[:160])
-            error = ConfigError if shape else CheckpointError  # (a setting: exit 2, as data)
-            raise error(f"checkpoint {path or 'given'} does not fit this model: {why}; resume "
-                        "with the run's settings, or start a new run") from e
-        self.resumed_changes = {k: (saved[k], now[k]) for k in changed}
+            raise resume.load_error(e, changed, path) from e
+        self.resumed_changes = changed
         if changed and dist.is_main():
             log.warning("resuming at step %d with changed settings (%s): the steps after it "
                         "differ from the original run's", int(st["step"]),
-                        ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed))
+                        ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
         gen, torch_rng = st["gen"], st["torch_rng"]
         per_rank = st.get("rank_rng") or []
         if len(per_rank) == dist.world_size():
@@ -414,21 +391,6 @@ class GRPOTrainer:
                                       "not written by an estimator ppo run")
             self.critic.load_state_dict(st["critic"])
         self.run_id = st.get("run_id") or checkpoint.new_run_id()  # (older files had none)
-
-    def _check_same_data(self, st: dict[str, Any], saved: dict[str, Any], now: dict[str, Any],
-                         changed: list[str], path: Path | None) -> None:
-        """A checkpoint of other prompts is refused before anything is loaded."""
-        where = f"checkpoint {path or 'given'}"
-        data = [k for k in DATA_KEYS if k in changed]
-        if data:
-            k = data[0]
-            raise ConfigError(f"{where} was written for {k}={saved[k]!r} (this run: {now[k]!r});"
-                              f" resume with the run's {', '.join(data)}, or start a new run")
-        rows = len(st.get("sampler", {}).get("pass_rate", ()))
-        if rows and rows != len(self.train_rows):
-            raise ConfigError(f"{where} was written for a dataset of {rows} prompts, this run's "
-                              f"has {len(self.train_rows)} (the dataset file changed?); resume "
-                              "with the run's data, or start a new run")
 
     def save_checkpoint(self) -> Path:
         """last.pt, atomically: the old one becomes prev.pt, so a kill at any point loses at

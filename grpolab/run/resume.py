@@ -1,0 +1,59 @@
+"""What a resume may change: the settings a checkpoint can continue under, and the one-line
+errors for one it cannot (another model shape or optimiser grouping, other prompts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from grpolab.config import Config, ConfigError, to_dict
+from grpolab.run.checkpoint import CheckpointError
+
+# Config keys a resume may change without changing the maths (micro_batch splits a step
+# otherwise, for an out-of-memory run: float rounding then differs, as with the speed paths).
+RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every",
+                    "micro_batch", "log_samples", "overwrite", "reward_timeout", "reward_workers",
+                    "fail_on_reward_errors", "report_to", "shard", "speed"}
+# Config keys that change the trained weights' shapes (or the optimiser's parameter groups: a
+# weight decay on or off): a checkpoint of another value cannot load.
+SHAPE_KEYS = ("lora", "lora_r", "lora_target_modules", "model_path", "weight_decay")
+# Config keys that choose the prompts: the sampler's and posteriors' state is per prompt, so a
+# checkpoint of other data is refused (ConfigError, exit 2), not loaded into the wrong rows.
+DATA_KEYS = ("dataset", "eval_dataset", "dataset_size", "prompt_column", "answer_column",
+             "prompt_template", "task_config", "world_train_size", "world_heldout_size",
+             "world_top_share", "world_carry_share")
+
+
+def changed_settings(st: dict[str, Any], cfg: Config, rows: int,
+                     path: Path | None) -> dict[str, tuple[Any, Any]]:
+    """The settings this run changes from the checkpoint ``st``'s: {key: (saved, now)}, those
+    a resume may not change left out; a checkpoint of other prompts (``rows`` training prompts
+    here) refused before anything is loaded."""
+    saved, now = st.get("config") or {}, to_dict(cfg)
+    free = RESUME_FREE_KEYS - ({"steps"} if cfg.lr_schedule != "constant" else set())
+    changed = {k: (saved[k], now[k]) for k in sorted(now)
+               if k in saved and k not in free and saved[k] != now[k]}
+    where = f"checkpoint {path or 'given'}"
+    data = [k for k in DATA_KEYS if k in changed]
+    if data:
+        k = data[0]
+        raise ConfigError(f"{where} was written for {k}={saved[k]!r} (this run: {now[k]!r}); "
+                          f"resume with the run's {', '.join(data)}, or start a new run")
+    saved_rows = len(st.get("sampler", {}).get("pass_rate", ()))
+    if saved_rows and saved_rows != rows:
+        raise ConfigError(f"{where} was written for a dataset of {saved_rows} prompts, this "
+                          f"run's has {rows} (the dataset file changed?); resume with the run's "
+                          "data, or start a new run")
+    return changed
+
+
+def load_error(e: Exception, changed: dict[str, tuple[Any, Any]],
+               path: Path | None) -> Exception:
+    """The one-line error for weights or optimiser state that would not load: a ConfigError
+    naming the setting where one of ``SHAPE_KEYS`` changed (exit 2), else a CheckpointError."""
+    shape = [f"{k}={changed[k][0]!r} (this run: {changed[k][1]!r})" for k in SHAPE_KEYS
+             if k in changed]
+    why = f"it was written with {', '.join(shape)}" if shape else " ".join(str(e).split())[:160]
+    error = ConfigError if shape else CheckpointError
+    return error(f"checkpoint {path or 'given'} does not fit this model: {why}; resume with the "
+                 "run's settings, or start a new run")
