@@ -45,12 +45,14 @@ def test_eval_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     argv = ["eval", "--model-path", model, "--eval-dataset", str(data), "--prompt-column", "q",
             "--answer-column", "a", "--rewards", f"{rewards}:first_digit_odd", "--eval-samples",
             "6", "--budget", "8", "--max-new-tokens", "6", "--out-dir", str(out),
-            "--speed", "early_exit=false"]
+            "--speed", "early_exit=false", "--top-p", "0.95"]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     res = json.loads((out / "eval.json").read_text())
     assert res["prompts"] == 7 and res["samples_per_prompt"] == 6
     assert res["speed"] == {**dataclasses.asdict(Speed()), "early_exit": False}  # recorded
+    assert res["sampling"] == {"top_k": 0, "top_p": 0.95, "min_p": 0.0,
+                               "repetition_penalty": 1.0}
     assert 0 <= res["greedy_accuracy"] <= 1 and res["reward_problems"] == 0
     assert res["rewards/first_digit_odd"] == pytest.approx(res["greedy_accuracy"])
     passes = [res[f"pass@{k}"] for k in (1, 2, 4, 6)]

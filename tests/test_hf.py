@@ -157,14 +157,19 @@ def test_lora_final_model_matches_adapter_on_base(
 
 
 @pytest.mark.slow  # two or more grpolab train runs, compared
+@pytest.mark.parametrize("over", [
+    {"lora": True},
+    # full fine-tuning whose reference moves each step (TRL sync_ref_model): kept in the state
+    {"lora": False, "sync_ref_model": True, "ref_model_sync_steps": 1,
+     "ref_model_mixup_alpha": 0.5}], ids=["lora", "synced_reference"])
 def test_resume_continues_exactly(
-    llama: str, tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
+    llama: str, tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch, over: dict
 ) -> None:
     """2 steps + resume to 3 == 3 steps straight: the HF backend's state round-trips."""
-    whole_yaml, whole = write_config(tmp_path / "a", llama, lora=True, eval_dataset="",
-                                     device=device)
+    whole_yaml, whole = write_config(tmp_path / "a", llama, eval_dataset="", device=device,
+                                     **over)
     run_cli(monkeypatch, ["train", "--config", whole_yaml])
-    part_yaml, part = write_config(tmp_path / "b", llama, lora=True, eval_dataset="", device=device)
+    part_yaml, part = write_config(tmp_path / "b", llama, eval_dataset="", device=device, **over)
     run_cli(monkeypatch, ["train", "--config", part_yaml, "--steps", "2"])
     run_cli(monkeypatch, ["train", "--config", part_yaml, "--resume"])
 

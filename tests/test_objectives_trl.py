@@ -244,6 +244,72 @@ def test_entropy_bonus_and_selection_match_trl(loss_type: str, agg: str) -> None
               logp, ent)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_entropy_bonus_is_trls_token_mean_for_every_loss_type(loss_type: str) -> None:
+    """TRL's bonus is the token mean of the entropy whatever loss_type says: entropy_agg
+    token_mean (what a TRL config with entropy_coef gets)."""
+    agg = {"grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm",
+           "dapo": "token_mean"}[loss_type]
+    logp, old, ref, adv, mask = pair(9, spread=0.1)
+    ent = (torch.rand(logp.shape, generator=torch.Generator().manual_seed(2)) * 2
+           ).requires_grad_(True)
+    for q in (1.0, 0.4):
+        agree(lambda q=q: grpo_loss(logp, old, ref, adv, mask, beta=0.04, agg=agg,
+                                    norm_len=logp.shape[1], entropy=ent, entropy_coef=0.05,
+                                    entropy_agg="token_mean", top_entropy_quantile=q).loss,
+              lambda q=q: trl_loss(logp, old, ref, adv, mask, entropies=ent, beta=0.04,
+                                   loss_type=loss_type, entropy_coef=0.05,
+                                   top_entropy_quantile=q),
+              logp, ent)
+    split = [grpo_loss(logp[r], old[r], ref[r], adv[r], mask[r], beta=0.04, agg=agg,
+                       norm_len=logp.shape[1], entropy=ent[r], entropy_coef=0.05,
+                       entropy_agg="token_mean", global_rows=len(logp),
+                       global_tokens=int(mask.sum())).loss for r in (slice(0, 2), slice(2, None))]
+    whole = grpo_loss(logp, old, ref, adv, mask, beta=0.04, agg=agg, norm_len=logp.shape[1],
+                      entropy=ent, entropy_coef=0.05, entropy_agg="token_mean").loss
+    assert float(sum(split).detach()) == pytest.approx(float(whole.detach()), rel=1e-6)
+
+
+@pytest.mark.parametrize(("loss_type", "q"), [("grpo", 1.0), ("dapo", 0.5)])
+def test_adaptive_entropy_matches_trls_controller(loss_type: str, q: float) -> None:
+    """Skywork-OR1's controller (TRL's use_adaptive_entropy), step by step: the loss (no bonus
+    until a step's entropy is seen, then only while it is at most the target), its gradient
+    and the coefficient after each step, with entropies on both sides of the target."""
+    from trl_harness import adaptive_trainer, trl_step_loss
+
+    from grpolab.run.update import EntropyControl
+
+    knobs = {"entropy_target": 1.0, "entropy_coef_delta": 0.02, "entropy_coef_min": 0.01,
+             "entropy_coef_max": 0.06}
+    tr = adaptive_trainer(knobs, loss_type=loss_type, entropy_coef=0.05, beta=0.04,
+                          top_entropy_quantile=q)
+    control = EntropyControl(Config(use_adaptive_entropy=True, entropy_coef=0.05, **knobs))
+    agg = "seq_mean_token_mean" if loss_type == "grpo" else "token_mean"
+    def step(k: int, level: float, coef: float) -> float:
+        """One step on both sides; the entropy grpolab's controller is told."""
+        logp, old, ref, adv, mask = pair(20 + k, spread=0.1)
+        ent = (torch.rand(logp.shape, generator=torch.Generator().manual_seed(k)) * 2 * level
+               ).requires_grad_(True)
+        seen = []
+
+        def ours() -> torch.Tensor:
+            out = grpo_loss(logp, old, ref, adv, mask, beta=0.04, agg=agg, entropy=ent,
+                            entropy_coef=coef, entropy_agg="token_mean", top_entropy_quantile=q)
+            seen.append(out.trained_entropy / out.trained_tokens)
+            return out.loss
+
+        agree(ours, lambda: trl_step_loss(tr, logp, old, ref, adv, mask, ent), logp, ent)
+        return seen[0]
+
+    coefs = []
+    for k, level in enumerate((0.6, 0.8, 1.3, 0.7, 1.6, 1.4, 0.5)):  # mean entropy ~ level
+        control.observe(step(k, level, control.applied()))
+        assert control.coef == pytest.approx(tr.entropy_coef, abs=1e-12)
+        assert control.last == pytest.approx(tr._last_world_entropy, rel=1e-6)
+        coefs.append(control.coef)
+    assert len(set(coefs)) > 2 and max(coefs) == 0.06  # it moved both ways and hit the cap
+
+
 # --------------------------------------------------------------- TRL names --
 
 

@@ -13,6 +13,8 @@ from grpolab.config import Config, resolve
 @pytest.mark.parametrize("over", [
     {"entropy_coef": 0.1},
     {"entropy_coef": 0.1, "loss_agg": "token_mean"},
+    {"entropy_coef": 0.1, "entropy_agg": "token_mean"},  # (the loss a mean of replies)
+    {"use_adaptive_entropy": True, "entropy_coef": 0.1, "entropy_target": 100.0, "epochs": 2},
     {"loss_agg": "seq_mean_token_sum", "policy_loss": "gspo", "epochs": 2},
     {"policy_loss": "cispo", "loss_agg": "token_mean", "epochs": 2, "dual_clip": 3.0},
     {"scale": "batch", "kl_estimator": "k2", "kl_is_correction": True},
@@ -148,5 +150,22 @@ def test_clip_cov_random_draw_resumes_bitwise(tmp_path) -> None:
     resumed = second.train(resume=True)
     assert [r["loss"] for r in resumed] == [r["loss"] for r in rows[2:]]
     assert any(r["clip_frac"] > 0 for r in rows)  # tokens were drawn
+    for a, b in zip(second.params, whole.params):
+        assert torch.equal(a, b)
+
+
+def test_adaptive_entropy_resumes_bitwise(tmp_path) -> None:
+    """The adaptive coefficient and the last step's entropy are checkpointed: a run resumed
+    halfway applies what the whole run applied (no bonus only before the first step's
+    entropy is seen; a coefficient restarted at entropy_coef would differ)."""
+    over = {"use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": 100.0,
+            "entropy_coef_delta": 0.02, "checkpoint_every": 2}
+    whole = tiny_trainer(tmp_path / "whole", steps=4, **over)
+    rows = whole.train()[1:]
+    assert [round(r["entropy_coef"], 6) for r in rows] == [0.07, 0.09, 0.11, 0.13]
+    tiny_trainer(tmp_path / "cut", steps=2, **over).train()
+    second = tiny_trainer(tmp_path / "cut", steps=4, **over)
+    resumed = second.train(resume=True)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in rows[2:]]
     for a, b in zip(second.params, whole.params):
         assert torch.equal(a, b)

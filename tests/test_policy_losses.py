@@ -266,6 +266,9 @@ def test_a_setting_the_run_does_not_read_is_named(caplog) -> None:
         ("off_policy_mask acts only with epochs > 1 (TRL num_iterations): with one pass the "
         "policy is the one that sampled, and nothing is masked")]
     assert warnings({"off_policy_mask": 0.5, "epochs": 2}) == []
+    assert warnings({"entropy_target": 3.0, "entropy_coef_max": 0.5}) == [
+        "entropy_target, entropy_coef_max act only with use_adaptive_entropy"]
+    assert warnings({"entropy_target": 3.0, "use_adaptive_entropy": True}) == []
 
 
 def test_trl_warnings_on_loss_type_and_ratio_level(caplog) -> None:

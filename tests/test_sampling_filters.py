@@ -168,8 +168,8 @@ def test_graph_loop_keeps_the_penalty_between_steps(llama: str) -> None:
 
 
 def test_sampled_logprobs_score_the_filtered_draws(llama: str) -> None:
-    """Each drawn token has a finite log-probability under the filtered sampler and none is
-    more than the plain softmax's share allows; unfiltered, it is the plain log-softmax."""
+    """Each drawn token has a finite log-probability under the filtered sampler, another one
+    than the plain softmax's; unfiltered, it is the plain log-softmax the loss scores."""
     f = Filters(top_k=5, top_p=0.8, repetition_penalty=1.3)
     be = backend(llama, f)
     ro = be.generate(PROMPTS * 2, 0.9, 10, torch.Generator().manual_seed(4))
@@ -211,3 +211,33 @@ def test_world_pass_probability_is_the_filtered_samplers(tmp_path) -> None:
     assert p.bool().tolist() == right
     plain = world_trainer(tmp_path / "plain").backend.pass_probability(rows, 1.0)
     assert bool(((plain > 0) & (plain < 1)).all())
+
+
+def test_the_configs_filters_reach_the_backend_or_are_refused(tmp_path) -> None:
+    """The config's settings are what the backend samples with: a backend built with others,
+    or one whose sampling applies none, is refused in one line, not run unfiltered."""
+    from helpers import world_trainer
+
+    from grpolab.config import ConfigError, make_config
+    from grpolab.run.trainer import GRPOTrainer
+    from grpolab.world.model import TinyConfig, TinyGPT
+    from grpolab.world.task import make_splits
+
+    assert world_trainer(tmp_path / "a", top_p=0.5).backend.filters == Filters(top_p=0.5)
+    splits = make_splits(0, 64, 16)
+    model = TinyGPT(TinyConfig(d_model=16, n_layers=1, n_heads=2, max_len=24))
+
+    def trainer(backend, **over) -> GRPOTrainer:
+        cfg = make_config(None, {"progress": False, "budget": 8, "group_size": 4, **over})
+        return GRPOTrainer(cfg, backend, splits.train, [lambda p, c, **_: [0.0] * len(c)],
+                           out_dir=tmp_path / "b")
+
+    from grpolab.world.backend import TinyBackend
+
+    with pytest.raises(ConfigError, match="built to sample with Filters.top_k=0, top_p=0.5"):
+        trainer(TinyBackend(model, filters=Filters(top_p=0.5)), top_p=0.9)
+    unfiltered = TinyBackend(model)
+    unfiltered.filters = None  # as a subclass whose sampling applies none
+    with pytest.raises(ConfigError, match="TinyBackend applies no sampling filters"):
+        trainer(unfiltered, top_k=3)
+    assert trainer(unfiltered).backend.filters is None  # (at the defaults it runs)

@@ -156,9 +156,15 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     # TRL's sampling settings are grpolab's own; min_p's null is off; generation_kwargs win
     ({"top_p": 0.9, "top_k": 50, "min_p": 0.1, "repetition_penalty": 1.1, "num_generations": 8},
      {"top_p": 0.9, "top_k": 50, "min_p": 0.1, "repetition_penalty": 1.1}),
-    ({"top_p": 0.9, "generation_kwargs": {"top_p": 0.95, "min_p": 0.05, "temperature": 0.7}},
+    ({"top_p": 0.9, "temperature": 0.7,
+      "generation_kwargs": {"top_p": 0.95, "min_p": 0.05, "temperature": 0.7}},
      {"top_p": 0.95, "min_p": 0.05, "temperature": 0.7, "top_k": 0}),
     ({"generation_kwargs": '{"top_k": 20}'}, {"top_k": 20}),  # TRL's JSON text
+    # TRL's entropy bonus is a token mean whatever loss_type says; Skywork-OR1's controller
+    ({"loss_type": "grpo", "entropy_coef": 0.01}, {"entropy_agg": "token_mean"}),
+    ({"use_adaptive_entropy": True, "entropy_target": 2.0, "num_generations": 8},
+     {"use_adaptive_entropy": True, "entropy_target": 2.0, "entropy_agg": "token_mean"}),
+    ({"entropy_coef": 0.01}, {"entropy_agg": "loss"}),  # grpolab's own keys only: verl's
     ({"weight_decay": 0.1, "adam_beta2": 0.99, "adam_epsilon": 1e-6, "optim": "adamw_torch"},
      {"weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.99, "adam_epsilon": 1e-6}),
 ])
@@ -171,6 +177,8 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"generation_kwargs": {"num_beams": 4, "top_p": 0.9}}, "generation_kwargs: num_beams .TRL"),
     ({"generation_kwargs": "[1, 2]"}, "generation_kwargs .TRL. must be a mapping"),
     ({"generation_kwargs": {"top_p": 1.5}}, "top_p in .0, 1.,"),
+    ({"generation_kwargs": {"temperature": 0.7}}, "samples at another temperature than the"),
+    ({"generation_kwargs": {"top_k": None}}, "generation_kwargs: top_k null"),
     ({"optim": "adafactor"}, "optim: 'adafactor' .TRL. has no grpolab equivalent"),
     ({"num_train_epochs": 2}, "num_train_epochs / max_steps: -1 .TRL"),
     ({"max_steps": -1}, "set max_steps"),

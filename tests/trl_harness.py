@@ -76,6 +76,30 @@ def trl_loss(logp, old, ref, adv, mask, entropies=None, **over) -> torch.Tensor:
     return GRPOTrainer._compute_loss(tr, None, inputs)
 
 
+def adaptive_trainer(args: dict, **over) -> GRPOTrainer:
+    """A bare trainer (``over``: as ``bare_trainer``'s) with TRL's adaptive entropy control on
+    (``args``: entropy_target, entropy_coef_delta/min/max); the controller's state lives on
+    it, step after step."""
+    tr = bare_trainer(use_adaptive_entropy=True, **over)
+    tr.args.__dict__.update(args)
+    tr._entropy_bonus_enabled, tr._last_world_entropy = True, float("inf")
+    tr._entropy_window_stats = None
+    return tr
+
+
+def trl_step_loss(tr: GRPOTrainer, logp, old, ref, adv, mask, entropies) -> torch.Tensor:
+    """One optimiser step's loss of the trainer ``tr`` (one micro-batch), as ``trl_loss``."""
+    b, t = logp.shape
+    tr.max_completion_length = t
+    tr._get_per_token_logps_and_entropies = lambda *a, **k: (logp, entropies, None)
+    inputs = {"prompt_ids": torch.zeros(b, 1, dtype=torch.long),
+              "prompt_mask": torch.ones(b, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(b, t, dtype=torch.long), "completion_mask": mask,
+              "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": mask.sum()}
+    return GRPOTrainer._compute_loss(tr, None, inputs)
+
+
 def trl_advantages(per_fn: torch.Tensor, weights: list[float], g: int,
                    scale_rewards: str = "group",
                    aggregation: str = "sum_then_normalize") -> torch.Tensor:

@@ -335,6 +335,7 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
         "reward_problems": greedy.problems,
         "greedy_correct": ok.int().tolist(),  # per prompt, for paired comparisons
         "speed": dataclasses.asdict(cfg.speed),  # the sampling paths taken
+        "sampling": dataclasses.asdict(Filters.of(cfg)),  # (the penalty also shapes greedy)
     }
     if (by := by_difficulty(rows, ok.float())) is not None:
         out["greedy_accuracy_by_difficulty"] = by

@@ -85,7 +85,8 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
 
 def warn_idle(cfg: Config, where: str = "") -> None:
     """One warning for each kind of setting the run changed but does not read: another policy
-    loss's, and ``off_policy_mask`` with one epoch (pi = pi_old there: nothing is masked)."""
+    loss's, ``off_policy_mask`` with one epoch (pi = pi_old there: nothing is masked), the
+    adaptive entropy controller's without it."""
     idle = sorted(k for k in IDLE_KNOBS if k not in policy_knobs(cfg.policy_loss)
                   and getattr(cfg, k) != Config.__dataclass_fields__[k].default)
     if idle:
@@ -94,6 +95,10 @@ def warn_idle(cfg: Config, where: str = "") -> None:
     if cfg.off_policy_mask > 0 and cfg.epochs == 1:
         log.warning("%soff_policy_mask acts only with epochs > 1 (TRL num_iterations): with one "
                     "pass the policy is the one that sampled, and nothing is masked", where)
+    knobs = ("entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")
+    moved = [k for k in knobs if getattr(cfg, k) != Config.__dataclass_fields__[k].default]
+    if moved and not cfg.use_adaptive_entropy:
+        log.warning("%s%s act only with use_adaptive_entropy", where, ", ".join(moved))
 
 
 def _known(given: dict[str, Any], command: str) -> None:

@@ -153,6 +153,11 @@ class Config:
         "loss", RUN,
         "reward: beta x the answer's summed KL comes off its reward instead (verl "
         "use_kl_in_reward)")
+    sync_ref_model: bool = opt(
+        False, RUN, "TR-DPO's (TRL's): every ref_model_sync_steps optimiser steps the reference "
+        "becomes alpha x policy + (1 - alpha) x itself (full fine-tuning)")
+    ref_model_mixup_alpha: float = opt(0.6, RUN, "sync_ref_model: the policy's weight alpha")
+    ref_model_sync_steps: int = opt(512, RUN, "sync_ref_model: optimiser steps between syncs")
     policy_loss: PolicyLoss = opt(
         "clip", RUN,
         "clip: PPO per-token ratio; gspo: one ratio per answer; cispo: clipped importance "
@@ -220,6 +225,15 @@ class Config:
         "sum_then_normalize", RUN,
         "several rewards: normalize_then_sum = GDPO (each reward, then the sum)")
     entropy_coef: float = opt(0.0, RUN, "entropy bonus: the loss minus this x the tokens' entropy")
+    entropy_agg: Literal["loss", "token_mean"] = opt(
+        "loss", RUN, "the bonus's mean: as the loss's (verl's) or over tokens (TRL's)")
+    use_adaptive_entropy: bool = opt(
+        False, RUN, "Skywork-OR1's (TRL's): the bonus only while the last step's entropy <= "
+        "entropy_target; entropy_coef then +delta, else -delta")
+    entropy_target: float = opt(0.2, RUN, "use_adaptive_entropy: the entropy (nats) it keeps")
+    entropy_coef_delta: float = opt(0.005, RUN, "use_adaptive_entropy: the coefficient's step")
+    entropy_coef_min: float = opt(0.0, RUN, "use_adaptive_entropy: the coefficient's floor")
+    entropy_coef_max: float = opt(1.0, RUN, "use_adaptive_entropy: the coefficient's ceiling")
     top_entropy_quantile: float = opt(
         1.0, RUN,
         "the policy loss keeps this top share of tokens by entropy (0.2 in the 80/20 paper; 1 = "

@@ -202,8 +202,12 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             put("cispo_max", d.get("epsilon", 0.2), "loss_type")
         elif d.get("epsilon") is not None and "eps_high" not in out:
             put("eps_high", d["epsilon"], "epsilon")
+    if ({"entropy_coef", "use_adaptive_entropy"} & given.keys()
+            and "entropy_agg" not in d):  # TRL's bonus is always a token mean
+        put("entropy_agg", "token_mean", "entropy_coef" if "entropy_coef" in given
+            else "use_adaptive_entropy")
     if given.get("generation_kwargs") and "generation_kwargs" not in later:
-        out.update(_trl_generation(given["generation_kwargs"]))  # TRL: these win
+        out.update(_trl_generation(given["generation_kwargs"], d.get("temperature", 1.0)))
     if "warmup_steps" in given:  # TRL's: optimiser steps, or below 1 a share of max_steps
         out["warmup_steps"] = _trl_warmup(d, per_sample)
     if ({"eval_strategy", "eval_steps", "logging_steps"} & given.keys()
@@ -267,9 +271,11 @@ def _refuse(given: dict[str, Any], d: dict[str, Any],
                           "dapo): use loss_type: dapo")
 
 
-def _trl_generation(kwargs: Any) -> dict[str, Any]:
+def _trl_generation(kwargs: Any, temperature: Any) -> dict[str, Any]:
     """TRL's ``generation_kwargs`` (a mapping, or its JSON text): the sampling settings grpolab
-    has; any other generate option is refused in one line."""
+    has, which win over the keys of those names (as in TRL); any other generate option, and a
+    temperature other than the run's (TRL would sample at one and score at the other), is
+    refused in one line."""
     if isinstance(kwargs, str):
         try:
             kwargs = json.loads(kwargs)
@@ -281,6 +287,13 @@ def _trl_generation(kwargs: Any) -> dict[str, Any]:
     if other:
         raise ConfigError(f"generation_kwargs: {', '.join(other)} (TRL) has no grpolab "
                           f"equivalent; grpolab samples with {', '.join(_GENERATION)}")
+    if "temperature" in kwargs and _number(kwargs["temperature"]) != _number(temperature):
+        raise ConfigError(f"generation_kwargs: temperature {kwargs['temperature']!r} (TRL) "
+                          f"samples at another temperature than the loss scores at "
+                          f"({temperature!r}); set temperature instead")
+    if "top_k" in kwargs and kwargs["top_k"] is None:
+        raise ConfigError("generation_kwargs: top_k null (TRL) leaves it to the model's "
+                          "generation config; give a number (0: all tokens)")
     return {k: 0.0 if k == "min_p" and v is None else v for k, v in kwargs.items()}
 
 

@@ -65,8 +65,6 @@ TRL_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
     "data_seed": ((None,), "grpolab's seed orders the prompts; set seed"),
     "accelerator_config": ((None, {}), "grpolab batches without Accelerate's options"),
     # the loss and the reference
-    "sync_ref_model": ((False,), "grpolab's reference is the starting model, kept as it is"),
-    "use_adaptive_entropy": ((False,), "grpolab's entropy_coef is fixed"),
     # None: the model's own coefficient, nothing for a dense model; grpolab adds no router loss
     "router_aux_loss_coef": ((None, 0.0), "grpolab adds no MoE router loss"),
     "cast_lm_head_to_fp32": ((False,), "grpolab runs the LM head in dtype (softmax in float32)"),
@@ -127,8 +125,6 @@ TRL_ASIDE = frozenset({
     # read by TRL only beside a setting grpolab refuses at another value
     "optim_args", "optim_target_modules",  # optimisers other than AdamW
     "label_smoothing_factor",  # Trainer's own loss
-    "ref_model_mixup_alpha", "ref_model_sync_steps",  # sync_ref_model
-    "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
     "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage",  # load_in_4bit
     "max_tool_calling_iterations",  # tools (GRPOTrainer's argument, not the config's)
     "dataset_config", "dataset_train_split", "dataset_test_split",

@@ -68,6 +68,17 @@ def _validate_objective(cfg: Config) -> None:
     for key in ("vespo_k_pos", "vespo_k_neg", "off_policy_mask", "kl_cov_coef"):
         if not getattr(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0 (got {getattr(cfg, key)})")
+    if cfg.sync_ref_model and (cfg.lora or cfg.beta == 0 or cfg.shard == "fsdp"):
+        raise ConfigError("sync_ref_model moves a frozen copy of the policy: it needs full "
+                          "fine-tuning (--no-lora), beta > 0 and shard none (TRL refuses "
+                          "LoRA and beta 0 too)")
+    if cfg.sync_ref_model and not (0 <= cfg.ref_model_mixup_alpha <= 1
+                                   and cfg.ref_model_sync_steps >= 1):
+        raise ConfigError("ref_model_mixup_alpha must be in [0, 1], ref_model_sync_steps >= 1")
+    if cfg.use_adaptive_entropy and not (0 <= cfg.entropy_coef_min <= cfg.entropy_coef_max
+                                         and cfg.entropy_coef_delta >= 0):
+        raise ConfigError("use_adaptive_entropy needs 0 <= entropy_coef_min <= entropy_coef_max "
+                          "and entropy_coef_delta >= 0")
     if not 0.0 <= cfg.top_entropy_quantile <= 1.0:
         raise ConfigError("top_entropy_quantile must be in [0, 1] (got "
                           f"{cfg.top_entropy_quantile}): the share of tokens kept")

@@ -162,6 +162,10 @@ class LossOut:
     entropy: float | None = None  # mean entropy over the completion tokens (when given)
     entropy_share: float = 1.0  # share of completion tokens the policy loss trained on
     masked_share: float = 0.0  # share of completion tokens the off-policy mask dropped
+    # the entropy summed over the tokens the policy loss trained on, and their count (this
+    # part's own, never scaled: what an adaptive entropy coefficient reads)
+    trained_entropy: float = 0.0
+    trained_tokens: float = 0.0
 
 
 def grpo_loss(
@@ -183,6 +187,7 @@ def grpo_loss(
     cispo_max: float = 5.0,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    entropy_agg: str | None = None,
     top_entropy_quantile: float = 1.0,
     off_policy_mask: float = 0.0,
     global_rows: int | None = None,
@@ -198,9 +203,9 @@ def grpo_loss(
     gains a k * grad(log pi) term. ``entropy`` [B, T] (per-token entropies of the policy) is
     needed for ``top_entropy_quantile`` < 1 (the policy loss keeps only that top share of tokens
     by entropy; KL is kept on every token, as in TRL) and for ``entropy_coef`` > 0 (the loss
-    subtracts coef x the entropy, aggregated like the loss over the tokens trained on; verl
-    aggregates it the same way, TRL always takes its token mean). ``off_policy_mask`` > 0
-    drops the policy loss of the answers ``off_policy_keep`` drops (the KL term stays).
+    subtracts coef x the entropy over the tokens trained on, aggregated as ``entropy_agg``:
+    None, like the loss, as verl does; ``token_mean``, as TRL always does). ``off_policy_mask``
+    > 0 drops the policy loss of the answers ``off_policy_keep`` drops (the KL term stays).
 
     With one optimisation pass ``old_logp`` is ``logp.detach()``: the ratio is 1, its gradient
     is the policy gradient, and clipping never bites.
@@ -244,9 +249,12 @@ def grpo_loss(
         per_token = per_token + beta * kl
         kl_val = float(((kl * m).sum() / m.sum().clamp(min=1)).detach())
     loss = aggregate(per_token, mask, agg, norm_len)
+    trained = m if keep is None else m * keep.to(m.dtype)
+    bonus = None  # an entropy bonus aggregated otherwise than the loss, subtracted after
     if entropy_coef and entropy is not None:
-        trained = mask if keep is None else mask * keep.to(mask.dtype)
-        loss = loss - entropy_coef * aggregate(entropy, trained, agg, norm_len)
+        bonus = entropy_coef * aggregate(entropy, trained, entropy_agg or agg, norm_len)
+        if (entropy_agg or agg) == agg:
+            loss, bonus = loss - bonus, None
     elif entropy_coef:
         raise ValueError("entropy_coef > 0 needs the per-token entropies")
     denom = m.sum().clamp(min=1)
@@ -259,10 +267,18 @@ def grpo_loss(
         entropy=ent_val,
         entropy_share=1.0 if keep is None else float((keep.to(m.dtype) * m).sum() / denom),
         masked_share=0.0 if dropped is None else float(dropped.sum() / denom),
+        trained_entropy=0.0 if entropy is None else float((entropy.detach() * trained).sum()),
+        trained_tokens=float(trained.sum()),
     )
-    if global_rows is None and global_tokens is None:
-        return out
-    return share_of(out, mask, agg, global_rows, global_tokens)
+    split = global_rows is not None or global_tokens is not None
+    if split:
+        out = share_of(out, mask, agg, global_rows, global_tokens)
+    if bonus is not None:  # its own share of the batch: of the tokens, for a token mean
+        if split:
+            bonus = share_of(LossOut(bonus, 0.0, 0.0, 0.0), mask, str(entropy_agg),
+                             global_rows, global_tokens).loss
+        out.loss = out.loss - bonus
+    return out
 
 
 def share_of(out: LossOut, mask: Tensor, agg: str, global_rows: int | None,
@@ -280,4 +296,6 @@ def share_of(out: LossOut, mask: Tensor, agg: str, global_rows: int | None,
         entropy=None if out.entropy is None else out.entropy * tok_share,
         entropy_share=out.entropy_share * tok_share,
         masked_share=out.masked_share * tok_share,
+        trained_entropy=out.trained_entropy,
+        trained_tokens=out.trained_tokens,
     )

@@ -41,7 +41,7 @@ from grpolab.rollout.logprobs import (
     length_buckets,
 )
 from grpolab.rollout.packed import packed_linear
-from grpolab.rollout.sampling import NO_FILTERS, Filters, Forward
+from grpolab.rollout.sampling import Filters, Forward
 
 
 class Backend(Protocol):
@@ -79,8 +79,8 @@ class LMBackend:
     """``generate`` and ``logprobs`` written once for every model stack.
 
     A subclass sets ``model``, ``ref`` (None with LoRA), ``lora``, ``eos_ids``, ``pad_id`` and
-    ``device`` (and ``filters`` where sampling uses them), and provides ``encode_prompts``
-    (-> ids, mask), ``sample`` (-> completion ids, drawn as ``filters`` say),
+    ``device`` (and ``filters`` where its ``sample`` applies them), and provides
+    ``encode_prompts`` (-> ids, mask), ``sample`` (-> completion ids),
     ``decode_text``, ``forward_of(model, length)`` (its ``Forward``) and ``adapters_off()``.
     """
 
@@ -93,7 +93,9 @@ class LMBackend:
     share_prompts: bool = False  # score each distinct prompt once (needs a Forward.prefill)
     logit_chunk: int = 0  # answer tokens through a plain linear LM head at a time (0: all)
     speed: Speed = Speed(cpu_pack=False)  # the speed paths this backend takes (config's speed)
-    filters: Filters = NO_FILTERS  # what ``sample`` does to the logits besides the temperature
+    # what ``sample`` does to the logits besides the temperature; None: a subclass whose
+    # ``sample`` applies no filters (one that does sets them, NO_FILTERS by default)
+    filters: Filters | None = None
 
     @torch.no_grad()
     def generate(self, prompts: list[Any], temperature: float, max_new_tokens: int,

@@ -74,7 +74,8 @@ class VLLMBackend(HFBackend):
 
         self._sync_weights()
         base = draw_seed(generator, 2**31)
-        f = self.filters  # (vLLM's top_k -1 is off; its repetition penalty counts the prompt)
+        # (vLLM's top_k -1 is off; it applies min-p before top-k/top-p, generate after them)
+        f = self.filters
         params = [SamplingParams(temperature=float(temperature), max_tokens=int(max_new),
                                  seed=(base + i) % 2**31, stop_token_ids=list(self.eos_ids),
                                  top_k=f.top_k or -1, top_p=f.top_p, min_p=f.min_p,

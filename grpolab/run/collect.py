@@ -86,12 +86,16 @@ class Collector:
                  generator: torch.Generator, sampler: PromptSampler) -> None:
         self.cfg, self.backend, self.rows, self.scorer = cfg, backend, rows, scorer
         self.gen, self.sampler = generator, sampler
-        filters = Filters.of(cfg)  # the config's sampling settings are what the backend draws
-        if hasattr(backend, "filters"):
+        # the config's sampling settings are what the backend draws with
+        filters, built = Filters.of(cfg), getattr(backend, "filters", None)
+        if built is None and filters != NO_FILTERS:
+            raise ConfigError(f"{type(backend).__name__} applies no sampling filters (top_k, "
+                              "top_p, min_p, repetition_penalty); leave them at their defaults")
+        if built not in (None, NO_FILTERS, filters):
+            raise ConfigError(f"the backend was built to sample with {built}, the config says "
+                              f"{filters}; give the config's")
+        if built is not None:
             backend.filters = filters
-        elif filters != NO_FILTERS:
-            raise ConfigError(f"{type(backend).__name__} has no sampling filters (top_k, top_p, "
-                              "min_p, repetition_penalty); leave them at their defaults")
         self.tracker = PASS_RATE_PRIORS[cfg.predict_prior](len(rows), cfg.predict_decay,
                                                            cfg.predict_prior_strength,
                                                            kinds_of(rows, cfg.predict_group_by))

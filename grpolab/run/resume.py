@@ -14,9 +14,10 @@ from grpolab.run.checkpoint import CheckpointError
 RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every",
                     "micro_batch", "log_samples", "overwrite", "reward_timeout", "reward_workers",
                     "fail_on_reward_errors", "report_to", "shard", "speed"}
-# Config keys that change the trained weights' shapes (or the optimiser's parameter groups: a
-# weight decay on or off): a checkpoint of another value cannot load.
-SHAPE_KEYS = ("lora", "lora_r", "lora_target_modules", "model_path", "weight_decay")
+# Config keys that change the trained weights' shapes: a checkpoint of another value cannot
+# load. (A weight decay switched on or off changes the optimiser's parameter groups: refused
+# before loading, ``changed_settings``.)
+SHAPE_KEYS = ("lora", "lora_r", "lora_target_modules", "model_path", "use_dora")
 # Config keys that choose the prompts: the sampler's and posteriors' state is per prompt, so a
 # checkpoint of other data is refused (ConfigError, exit 2), not loaded into the wrong rows.
 DATA_KEYS = ("dataset", "eval_dataset", "dataset_size", "prompt_column", "answer_column",
@@ -27,8 +28,8 @@ DATA_KEYS = ("dataset", "eval_dataset", "dataset_size", "prompt_column", "answer
 def changed_settings(st: dict[str, Any], cfg: Config, rows: int,
                      path: Path | None) -> dict[str, tuple[Any, Any]]:
     """The settings this run changes from the checkpoint ``st``'s: {key: (saved, now)}, those
-    a resume may not change left out; a checkpoint of other prompts (``rows`` training prompts
-    here) refused before anything is loaded."""
+    a resume may change freely left out; a checkpoint of other prompts (``rows`` training
+    prompts here) or with weight decay switched refused before anything is loaded."""
     saved, now = st.get("config") or {}, to_dict(cfg)
     free = RESUME_FREE_KEYS - ({"steps"} if cfg.lr_schedule != "constant" else set())
     changed = {k: (saved[k], now[k]) for k in sorted(now)
@@ -39,6 +40,11 @@ def changed_settings(st: dict[str, Any], cfg: Config, rows: int,
         k = data[0]
         raise ConfigError(f"{where} was written for {k}={saved[k]!r} (this run: {now[k]!r}); "
                           f"resume with the run's {', '.join(data)}, or start a new run")
+    decay = changed.get("weight_decay")
+    if decay and bool(decay[0]) != bool(decay[1]):
+        raise ConfigError(f"{where} was written with weight_decay={decay[0]!r} (this run: "
+                          f"{decay[1]!r}): decay on or off changes the optimiser's parameter "
+                          "groups; resume with the run's weight_decay, or start a new run")
     saved_rows = len(st.get("sampler", {}).get("pass_rate", ()))
     if saved_rows and saved_rows != rows:
         raise ConfigError(f"{where} was written for a dataset of {saved_rows} prompts, this "

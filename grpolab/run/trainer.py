@@ -92,6 +92,7 @@ class GRPOTrainer:
         self.params, self.opt = update.optimizer(backend.model, cfg)
         # PPO's value model: a copy of the policy as it starts, with a value head
         self.critic = Critic(backend.model, cfg.critic_lr) if cfg.estimator == "ppo" else None
+        self.entropy_control = update.EntropyControl(cfg)  # the entropy bonus's coefficient
         self.step_num = 0
         self.metrics: MetricsWriter | None = None
         self.samples: MetricsWriter | None = None  # samples.jsonl (cfg.log_samples groups a step)
@@ -216,7 +217,8 @@ class GRPOTrainer:
         """``epochs`` passes of micro-batches over the scored batch; the update's metrics."""
         with self._intact():
             return update.optimize(self.cfg, self.backend, self.opt, self.params, scored, adv,
-                                   self.step_num, self.sharded, self.critic)
+                                   self.step_num, self.sharded, self.critic,
+                                   self.entropy_control)
 
     def update(self, batch: Batch) -> dict[str, float]:
         """``step`` without the sampling and the measuring: score, advantages, optimize."""
@@ -345,6 +347,9 @@ class GRPOTrainer:
             "run_id": self.run_id,  # the run whose metrics.jsonl goes with this state
             "watch": self.watch.state_dict(),  # the reward-hacking watch's history
             "alarm": self.rollouts.alarm.state_dict(),  # when the no-signal alarm last spoke
+            "entropy_control": self.entropy_control.state_dict(),  # (adaptive: it moves)
+            **({"reference": {k: v.detach().cpu() for k, v in self.backend.ref.state_dict()
+                              .items()}} if self.cfg.sync_ref_model else {}),  # it moves
             **({"critic": self.critic.state_dict()} if self.critic else {}),  # PPO's value model
         }
 
@@ -385,6 +390,9 @@ class GRPOTrainer:
         self.step_num = int(st["step"])
         self.watch.load_state_dict(st.get("watch") or {})
         self.rollouts.alarm.load_state_dict(st.get("alarm") or {})
+        self.entropy_control.load_state_dict(st.get("entropy_control") or {})
+        if self.cfg.sync_ref_model and "reference" in st:  # (a synced reference moves)
+            self.backend.ref.load_state_dict(st["reference"])
         if self.critic is not None:
             if "critic" not in st:
                 raise CheckpointError(f"checkpoint {path or 'given'} has no value model: it was "

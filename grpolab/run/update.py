@@ -86,6 +86,40 @@ class Scored:
     returns: Tensor | None = None  # [B, Tc] ppo: what the critic learns (GAE + old values)
 
 
+class EntropyControl:
+    """The entropy bonus's coefficient, and its state: ``entropy_coef`` fixed, or with
+    ``use_adaptive_entropy`` Skywork-OR1's controller as TRL 1.16 runs it: a step applies the
+    coefficient only if the previous optimiser step's entropy (over the tokens the policy
+    loss trained on, all micro-batches and ranks; none yet: no bonus) was at most
+    ``entropy_target``; after each step the coefficient rises by ``entropy_coef_delta`` if that
+    step's entropy was, else falls by it, within [``entropy_coef_min``, ``entropy_coef_max``]."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg, self.coef, self.last = cfg, float(cfg.entropy_coef), math.inf
+
+    def applied(self) -> float:
+        """The coefficient this optimiser step applies."""
+        adaptive = self.cfg.use_adaptive_entropy
+        return self.coef if not adaptive or self.last <= self.cfg.entropy_target else 0.0
+
+    def observe(self, entropy: float) -> None:
+        """After an optimiser step: that step's entropy moves the coefficient (adaptive only)."""
+        c = self.cfg
+        if c.use_adaptive_entropy:
+            step = c.entropy_coef_delta if entropy <= c.entropy_target else -c.entropy_coef_delta
+            self.coef = min(max(self.coef + step, c.entropy_coef_min), c.entropy_coef_max)
+            self.last = entropy
+
+    def state_dict(self) -> dict[str, float]:
+        return {"coef": self.coef, "last": self.last}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        # a fixed coefficient is the config's (a resume may change it); an older checkpoint
+        # has no state: the run's entropy_coef, no step seen
+        if state and self.cfg.use_adaptive_entropy:
+            self.coef, self.last = float(state["coef"]), float(state["last"])
+
+
 @dataclass
 class UpdateStats:
     """The numbers of one optimisation pass, summed over micro-batches (then over ranks)."""
@@ -98,6 +132,8 @@ class UpdateStats:
     entropy: float = 0.0
     entropy_share: float = 0.0
     masked_share: float = 0.0
+    trained_entropy: float = 0.0  # summed over the tokens trained on, and their count
+    trained_tokens: float = 0.0
 
     def add(self, res: LossOut, finite: bool) -> None:
         self.loss += float(res.loss.detach())
@@ -108,6 +144,8 @@ class UpdateStats:
         self.entropy += res.entropy or 0.0
         self.entropy_share += res.entropy_share
         self.masked_share += res.masked_share
+        self.trained_entropy += res.trained_entropy
+        self.trained_tokens += res.trained_tokens
 
     def summed_over_ranks(self) -> UpdateStats:
         return UpdateStats(*dist.all_reduce_sum(list(dataclasses.astuple(self))))
@@ -268,10 +306,13 @@ def optimizer(model: nn.Module, cfg: Config) -> tuple[list[nn.Parameter], torch.
 
 def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: list[Tensor],
              scored: Scored, adv: Tensor | None, step: int, sharded: bool = False,
-             critic: Critic | None = None) -> dict[str, float]:
+             critic: Critic | None = None,
+             control: EntropyControl | None = None) -> dict[str, float]:
     """``epochs`` optimisation passes over the scored batch (with ``critic``, each followed by
     one of the value model; the policy's skipped in the first ``critic_warmup`` steps); the
-    update's metrics."""
+    update's metrics. ``control``: the entropy bonus's coefficient (default: ``entropy_coef``
+    as it is), told each pass's entropy."""
+    control = control or EntropyControl(cfg)
     lr = cfg.lr * lr_factor(step, cfg.steps, cfg.lr_schedule, cfg.warmup_steps)
     if not scored.rows:
         return {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
@@ -299,7 +340,7 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
     parts = scored.parts
     backend.model.train()
     out: dict[str, float] = {}
-    for _ in range(cfg.epochs):
+    for epoch in range(cfg.epochs):
         if critic is not None:
             extra.update(critic_pass(cfg, backend, critic, scored))
         if not train_policy:
@@ -317,7 +358,7 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
             a = adv[part.rows]
             if a.dim() == 2:  # token-level: the micro-batch is cut to its longest answer
                 a = a[:, : part.rollout.completion_ids.shape[1]]
-            res = _part_loss(cfg, backend, part, a, scored, with_entropy)
+            res = _part_loss(cfg, backend, part, a, scored, with_entropy, control.applied())
             finite = bool(torch.isfinite(res.loss))
             if finite or sharded:  # (fsdp: every rank takes part in the reduction)
                 res.loss.backward()
@@ -333,8 +374,13 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
             raise TrainingError(f"non-finite gradient norm ({gn}) at step {step + 1}; the "
                                 "update was skipped")
         opt.step()
+        control.observe(stats.trained_entropy / max(stats.trained_tokens, 1.0))
+        if cfg.sync_ref_model and (step * cfg.epochs + epoch + 1) % cfg.ref_model_sync_steps == 0:
+            sync_reference(backend, cfg.ref_model_mixup_alpha)
         out = {"loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
                "clip_frac": stats.clip_frac, "grad_norm": gn, "lr": lr, **extra}
+        if cfg.use_adaptive_entropy:  # the coefficient the next step starts from (TRL's)
+            out["entropy_coef"] = control.coef
         if with_entropy:  # mean over the completion tokens, of the policy being trained
             out["entropy"] = stats.entropy
         if cfg.top_entropy_quantile < 1.0:  # share of tokens the policy loss trained on
@@ -343,6 +389,14 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
             out["off_policy_masked"] = stats.masked_share
     backend.model.eval()
     return out
+
+
+@torch.no_grad()
+def sync_reference(backend: Backend, alpha: float) -> None:
+    """TR-DPO's reference update (TRL's ``sync_ref_model``): every reference parameter becomes
+    alpha x the policy's + (1 - alpha) x its own, in place."""
+    for ref, p in zip(backend.ref.parameters(), backend.model.parameters(), strict=True):
+        ref.mul_(1.0 - alpha).add_(p.detach().to(ref.dtype), alpha=alpha)
 
 
 def critic_pass(cfg: Config, backend: Backend, critic: Critic, scored: Scored
@@ -370,12 +424,12 @@ def critic_pass(cfg: Config, backend: Backend, critic: Critic, scored: Scored
 
 
 def _part_loss(cfg: Config, backend: Backend, part: Part, adv: Tensor, scored: Scored,
-               with_entropy: bool) -> LossOut:
+               with_entropy: bool, entropy_coef: float) -> LossOut:
     """This micro-batch's share of the global GRPO loss, with autograd."""
     ro = part.rollout
     if with_entropy:  # the same log-probs, plus each position's entropy
         lp, ent = backend.logprobs_and_entropy(ro, cfg.temperature,
-                                               entropy_grad=bool(cfg.entropy_coef))
+                                               entropy_grad=bool(entropy_coef))
     else:
         lp, ent = backend.logprobs(ro, cfg.temperature), None
     old = lp.detach() if part.old_logprobs is None else part.old_logprobs
@@ -384,5 +438,6 @@ def _part_loss(cfg: Config, backend: Backend, part: Part, adv: Tensor, scored: S
         norm_len=cfg.max_new_tokens, policy_loss=cfg.policy_loss,
         **{k: getattr(cfg, k) for k in policy_knobs(cfg.policy_loss)},
         kl_estimator=cfg.kl_estimator, kl_is_correction=cfg.kl_is_correction, entropy=ent,
-        entropy_coef=cfg.entropy_coef, top_entropy_quantile=cfg.top_entropy_quantile,
+        entropy_coef=entropy_coef, top_entropy_quantile=cfg.top_entropy_quantile,
+        entropy_agg=None if cfg.entropy_agg == "loss" else cfg.entropy_agg,
         off_policy_mask=cfg.off_policy_mask, global_rows=scored.rows, global_tokens=scored.tokens)
