@@ -17,6 +17,7 @@ from grpolab.rollout.batch import shared_prompts
 from grpolab.rollout.graphdecode import GraphDecoder, draw, graph_decode, make_step
 from grpolab.rollout.hf import HFBackend
 from grpolab.rollout.models import load_model
+from grpolab.rollout.sampling import NO_FILTERS, Filters
 from grpolab.rollout.tinyhf import make_tiny_model
 
 PROMPTS = ["What is 2 + 3?", "Compute 12 * 7. So the answer is", "1", "<think> 40 - 8 ="]
@@ -35,7 +36,7 @@ def backends(tmp_path_factory: pytest.TempPathFactory) -> dict[str, HFBackend]:
 
 def graph_sample(be: HFBackend, prompts: list[str], temperature: float, max_new: int,
                  seed: int, step: Any = None, eos: list[int] | None = None,
-                 bucket: int = 4) -> torch.Tensor:
+                 bucket: int = 4, filters: Filters = NO_FILTERS) -> torch.Tensor:
     """Sampled by the fixed-shape loop; keys attended in buckets of 4 new positions, so a
     12-token answer crosses three attention widths."""
     ids, mask = be.encode_prompts(prompts)
@@ -43,7 +44,8 @@ def graph_sample(be: HFBackend, prompts: list[str], temperature: float, max_new:
         dec = GraphDecoder(be._fast, ids, mask, max_new, shared_prompts(ids, mask))
         gen = torch.Generator().manual_seed(seed)
         return graph_decode(dec, max_new, temperature, eos or be.eos_ids, be.pad_id, gen,
-                            step(dec) if step else None, bucket=bucket)
+                            step(dec) if step else None, bucket=bucket, filters=filters,
+                            prompts=(ids, mask))
 
 
 @pytest.mark.parametrize("name", list(TINY))
@@ -128,23 +130,26 @@ def test_attention_widens_by_buckets(backends: dict[str, HFBackend]) -> None:
     assert widths == [tp + w for w in (4, 4, 4, 4, 8, 8, 8, 8, 10)]  # t = 0..8 feeds tp + t
 
 
+@pytest.mark.parametrize("filters", [NO_FILTERS, Filters(top_k=50, top_p=0.9, min_p=0.02,
+                                                          repetition_penalty=1.3)], ids=str)
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_the_step_traces_whole(backends: dict[str, HFBackend], name: str) -> None:
+def test_the_step_traces_whole(backends: dict[str, HFBackend], name: str,
+                               filters: Filters) -> None:
     """torch.compile(fullgraph=True) fails on any host sync or data-dependent shape in the
-    step; compiled, it gives the eager step's tokens."""
+    step; compiled, it gives the eager step's tokens (with TRL's sampling filters too)."""
     import torch._dynamo
 
     be = backends[name]
     prompts = [p for p in PROMPTS for _ in range(2)]
-    eager = graph_sample(be, prompts, 1.0, 8, seed=3)
+    eager = graph_sample(be, prompts, 1.0, 8, seed=3, filters=filters)
     torch._dynamo.reset()
 
     def compiled(dec: GraphDecoder) -> Any:
-        return torch.compile(make_step(dec, 1.0, be.eos_ids, be.pad_id), fullgraph=True,
-                             backend="eager", dynamic=False)
+        return torch.compile(make_step(dec, 1.0, be.eos_ids, be.pad_id, filters),
+                             fullgraph=True, backend="eager", dynamic=False)
 
     try:
-        got = graph_sample(be, prompts, 1.0, 8, seed=3, step=compiled)
+        got = graph_sample(be, prompts, 1.0, 8, seed=3, step=compiled, filters=filters)
     finally:
         torch._dynamo.reset()
     assert torch.equal(got, eager)
