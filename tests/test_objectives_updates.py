@@ -169,3 +169,24 @@ def test_adaptive_entropy_resumes_bitwise(tmp_path) -> None:
     assert [r["loss"] for r in resumed] == [r["loss"] for r in rows[2:]]
     for a, b in zip(second.params, whole.params):
         assert torch.equal(a, b)
+
+
+def test_adaptive_entropy_reads_each_steps_entropy(tmp_path) -> None:
+    """The controller is told each optimiser step's entropy: the logged coefficients are what
+    its rule gives on the logged entropies (a target among them, so it moves both ways), and
+    micro-batches tell it the same."""
+    base = [r["entropy"] for r in tiny_trainer(tmp_path / "base", steps=8).train()[1:]]
+    low, high = sorted(base)[3:5]
+    target = (low + high) / 2
+    over = {"use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": target,
+            "entropy_coef_delta": 0.02, "steps": 8}
+    rows = tiny_trainer(tmp_path / "whole", **over).train()[1:]
+    coef, want = 0.05, []
+    for r in rows:
+        coef = min(coef + 0.02, 1.0) if r["entropy"] <= target else max(coef - 0.02, 0.0)
+        want.append(coef)
+    got = [r["entropy_coef"] for r in rows]
+    assert got == pytest.approx(want, abs=1e-12)
+    assert max(got) > 0.05 and min(got) < 0.05  # up and down
+    split = tiny_trainer(tmp_path / "split", micro_batch=4, **over).train()[1:]
+    assert [r["entropy_coef"] for r in split] == pytest.approx(got, abs=1e-12)

@@ -1,9 +1,8 @@
 """grpolab's policy losses against verl 0.9.1's own ``core_algos`` policy losses on identical
 inputs (values and gradients): vanilla PPO with its dual clip, GSPO, CISPO, SAPO, GMPO
-(verl's ``geo_mean``), KL-Cov, Clip-Cov, DPPO (TV and binary KL) and DRO, under each
-aggregation verl names the same way;
-and the KL estimators. verl's functions run
-from its source file as they are (verl_harness.py)."""
+(verl's ``geo_mean``), KL-Cov, Clip-Cov, DPPO (TV and binary KL), DRO and GPG (with its
+advantage), under each aggregation verl names the same way; and the KL estimators. verl's
+functions run from its source file as they are (verl_harness.py)."""
 
 from __future__ import annotations
 
@@ -207,3 +206,35 @@ def test_dro_matches_verl(agg: str, shape: str) -> None:
     agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, agg=agg, policy_loss="dro",
                             dro_beta=0.3).loss,
           lambda: verl_loss("dro", logp, old, adv, mask, agg, dro_beta=0.3), logp)
+
+
+@pytest.mark.parametrize("agg", list(AGG))
+@pytest.mark.parametrize("shape", ["answer", "token"])
+def test_gpg_loss_matches_verl(agg: str, shape: str) -> None:
+    logp, old, _, adv, mask = pair(41, spread=0.5)
+    adv = adv if shape == "answer" else token_level(adv, logp.shape[1])
+    agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, agg=agg,
+                            policy_loss="gpg").loss,
+          lambda: verl_loss("gpg", logp, old, adv, mask, agg), logp)
+
+
+def test_gpg_advantage_matches_verl() -> None:
+    """verl's compute_gpg_outcome_advantage: (r - group mean) x batch / nonzero rewards, no
+    std; grpolab's scale gpg (dead groups 0 either way), on groups and on ragged groups."""
+    import numpy as np
+
+    from grpolab.core import advantages as A
+
+    fn = verl_functions("compute_gpg_outcome_advantage")["compute_gpg_outcome_advantage"]
+    g = torch.Generator().manual_seed(5)
+    rewards = (torch.rand(24, generator=g) < 0.4).float() * torch.rand(24, generator=g).round()
+    rewards[8:12] = 1.0  # a dead group, all right
+    mask = torch.ones(24, 3)
+    token_rewards = torch.zeros(24, 3)
+    token_rewards[:, -1] = rewards
+    want, _ = fn(token_rewards, mask, np.repeat(np.arange(6), 4))
+    got = A.group_advantages(rewards, 4, scale="gpg")
+    torch.testing.assert_close(got, want[:, 0], rtol=1e-6, atol=1e-7)
+    assert float(torch.count_nonzero(rewards)) < 24 and bool((got[8:12] == 0).all())
+    ragged = A.group_advantages_ragged(rewards, A.group_ids_from_sizes([4] * 6), scale="gpg")
+    torch.testing.assert_close(ragged, want[:, 0], rtol=1e-6, atol=1e-7)

@@ -271,6 +271,21 @@ def test_a_setting_the_run_does_not_read_is_named(caplog) -> None:
     assert warnings({"entropy_target": 3.0, "use_adaptive_entropy": True}) == []
 
 
+def test_trl_entropy_bonus_with_micro_batches_is_warned(caplog) -> None:
+    """TRL's entropy bonus is each micro-batch's token mean, averaged; grpolab's the whole
+    batch's: a TRL config that splits the batch is told."""
+    def warned(over: dict) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="grpolab"):
+            make_config(None, over, command="train")
+        return [r.getMessage() for r in caplog.records if "micro-batch's token mean" in
+                r.getMessage()]
+
+    assert len(warned({"entropy_coef": 0.01, "gradient_accumulation_steps": 2,
+                       "per_device_train_batch_size": 8, "num_generations": 8})) == 1
+    assert warned({"entropy_coef": 0.01, "num_generations": 8}) == []
+
+
 def test_trl_warnings_on_loss_type_and_ratio_level(caplog) -> None:
     """TRL's own warnings, where grpolab runs what TRL runs: LUSPO at the token level, a
     token sum at the sequence level; and CISPO's cap left at epsilon."""

@@ -16,11 +16,11 @@ def test_config_choices_are_the_registries() -> None:
     lit = literal_fields()
     assert lit["policy_loss"] == tuple(L.POLICY_LOSSES) == (
         "clip", "gspo", "cispo", "sapo", "vespo", "gmpo", "kl_cov", "clip_cov", "dppo_tv",
-        "dppo_kl", "dro")
+        "dppo_kl", "dro", "gpg")
     assert lit["kl_estimator"] == tuple(L.KL_ESTIMATORS) == ("k1", "k2", "k3")
     assert lit["loss_agg"] == tuple(L.LOSS_AGGREGATIONS)
     assert lit["baseline"] == tuple(A.ADVANTAGE_BASELINES)
-    assert lit["scale"] == tuple(A.ADVANTAGE_SCALES) == ("std", "batch", "none")
+    assert lit["scale"] == tuple(A.ADVANTAGE_SCALES) == ("std", "batch", "none", "gpg")
     assert lit["reward_aggregation"] == tuple(A.REWARD_AGGREGATIONS)
     with pytest.raises(ConfigError, match="policy_loss must be one of"):
         make_config(None, {"policy_loss": "dapo"})

@@ -164,7 +164,8 @@ class Config:
         "weight, REINFORCE; sapo: a soft gate, no clip; vespo: REINFORCE weighted by the "
         "answer's ratio; gmpo: geometric mean of clipped token ratios (eps in log space); "
         "kl_cov, clip_cov: the entropy paper's, on the tokens of highest covariance; dppo_tv, "
-        "dppo_kl: a trust region on the token's probability; dro: a squared log-ratio penalty")
+        "dppo_kl: a trust region on the token's probability; dro: a squared log-ratio penalty; "
+        "gpg: plain REINFORCE")
     eps_low: float = opt(0.2, RUN, "the ratio's lower clip is 1 - eps_low (TRL epsilon; gmpo: "
                          "in log space; dppo_*: a divergence bound)")
     eps_high: float = opt(
@@ -217,7 +218,8 @@ class Config:
     baseline: Baseline = opt(
         "mean", RUN,
         "mean: r - group mean (GRPO); rloo: r - mean of the others")
-    scale: Scale = opt("std", RUN, "divide by the group's std, the batch's std, or none (Dr. GRPO)")
+    scale: Scale = opt("std", RUN, "divide by the group's std, the batch's std, or none (Dr. "
+                       "GRPO); gpg: times answers / answers rewarded (GPG)")
     std: StdKind = opt("population", RUN, "population (/G) or sample (/(G-1)) standard deviation")
     std_eps: float = opt(0.0, RUN, "added to the std before dividing (verl uses 1e-6, TRL 1e-4)")
     min_std: float = opt(0.0, RUN, "tiny-difference guard: divide by max(std, min_std)")

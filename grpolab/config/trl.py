@@ -206,6 +206,10 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             and "entropy_agg" not in d):  # TRL's bonus is always a token mean
         put("entropy_agg", "token_mean", "entropy_coef" if "entropy_coef" in given
             else "use_adaptive_entropy")
+        if _whole(d, "gradient_accumulation_steps", 1) * _world() > 1:
+            log.warning("entropy_coef (TRL) with several micro-batches: TRL averages each "
+                        "micro-batch's token mean of the entropy, grpolab takes the whole "
+                        "batch's (the same with one micro-batch)")
     if given.get("generation_kwargs") and "generation_kwargs" not in later:
         out.update(_trl_generation(given["generation_kwargs"], d.get("temperature", 1.0)))
     if "warmup_steps" in given:  # TRL's: optimiser steps, or below 1 a share of max_steps

@@ -113,10 +113,21 @@ def no_scale(adv: Tensor, r: Tensor, **_: object) -> Tensor:
     return adv
 
 
+def gpg_scale(adv: Tensor, r: Tensor, *, reduce: Reduce | None = None, **_: object) -> Tensor:
+    """GPG (Chu et al. 2025, verl's adv_estimator gpg): no division by a std; times the batch's
+    answers over its answers with a nonzero reward (over every process with ``reduce``), which
+    makes up for the gradient the zero-reward answers do not carry."""
+    n, nonzero = float(r.numel()), float(torch.count_nonzero(r))
+    if reduce is not None:
+        n, nonzero = reduce([n, nonzero])
+    return adv * (n / max(nonzero, 1.0))
+
+
 ADVANTAGE_SCALES: dict[str, Callable[..., Tensor]] = {
     "std": group_std_scale,
     "batch": batch_std_scale,
     "none": no_scale,
+    "gpg": gpg_scale,
 }
 
 
@@ -317,7 +328,9 @@ def _ragged_scale(adv: Tensor, r: Tensor, inv: Tensor, counts: Tensor, scale: st
         return _divide(adv, batch_mean_std(r, std, reduce)[1], std_eps, min_std)
     if scale == "none":
         return adv
-    raise ValueError(f"scale {scale!r} has no ragged-group version (std, batch, none)")
+    if scale == "gpg":
+        return gpg_scale(adv, r, reduce=reduce)
+    raise ValueError(f"scale {scale!r} has no ragged-group version (std, batch, none, gpg)")
 
 
 def group_advantages_ragged(

@@ -273,7 +273,8 @@ def grpo_loss(
     split = global_rows is not None or global_tokens is not None
     if split:
         out = share_of(out, mask, agg, global_rows, global_tokens)
-    if bonus is not None:  # its own share of the batch: of the tokens, for a token mean
+    if bonus is not None:  # its own share of the batch (for a token mean, of the completion
+        # tokens: with top_entropy_quantile < 1 each part's trained tokens are its own)
         if split:
             bonus = share_of(LossOut(bonus, 0.0, 0.0, 0.0), mask, str(entropy_agg),
                              global_rows, global_tokens).loss

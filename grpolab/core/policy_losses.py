@@ -252,6 +252,16 @@ def dro_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *
     return PolicyTerms(loss, torch.zeros_like(logp, dtype=torch.bool), torch.exp(d))
 
 
+def gpg_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+             **_: float) -> PolicyTerms:
+    """GPG (Chu et al. 2025, verl's gpg): plain REINFORCE, -A log pi, no ratio and no clip (its
+    advantage: ``scale: gpg``). Its gradient is the clipped surrogate's at ratio 1; on later
+    passes (``epochs`` > 1) nothing keeps it near the policy that sampled."""
+    loss = -logp * _per_token(advantages)
+    return PolicyTerms(loss, torch.zeros_like(logp, dtype=torch.bool),
+                       torch.exp(logp - old_logp))
+
+
 POLICY_LOSSES: dict[str, Callable[..., PolicyTerms]] = {
     "clip": ppo_clip_loss,
     "gspo": gspo_loss,
@@ -264,6 +274,7 @@ POLICY_LOSSES: dict[str, Callable[..., PolicyTerms]] = {
     "dppo_tv": dppo_tv_loss,
     "dppo_kl": dppo_kl_loss,
     "dro": dro_loss,
+    "gpg": gpg_loss,
 }
 
 

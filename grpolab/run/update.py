@@ -105,9 +105,11 @@ class EntropyControl:
     def observe(self, entropy: float) -> None:
         """After an optimiser step: that step's entropy moves the coefficient (adaptive only)."""
         c = self.cfg
-        if c.use_adaptive_entropy:
-            step = c.entropy_coef_delta if entropy <= c.entropy_target else -c.entropy_coef_delta
-            self.coef = min(max(self.coef + step, c.entropy_coef_min), c.entropy_coef_max)
+        if c.use_adaptive_entropy:  # (bounded on the side it moves to, as TRL does)
+            if entropy <= c.entropy_target:
+                self.coef = min(self.coef + c.entropy_coef_delta, c.entropy_coef_max)
+            else:
+                self.coef = max(self.coef - c.entropy_coef_delta, c.entropy_coef_min)
             self.last = entropy
 
     def state_dict(self) -> dict[str, float]:
@@ -379,7 +381,7 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
             sync_reference(backend, cfg.ref_model_mixup_alpha)
         out = {"loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
                "clip_frac": stats.clip_frac, "grad_norm": gn, "lr": lr, **extra}
-        if cfg.use_adaptive_entropy:  # the coefficient the next step starts from (TRL's)
+        if cfg.use_adaptive_entropy or cfg.entropy_coef:  # for the next step (TRL's log)
             out["entropy_coef"] = control.coef
         if with_entropy:  # mean over the completion tokens, of the policy being trained
             out["entropy"] = stats.entropy
