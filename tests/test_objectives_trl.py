@@ -18,6 +18,7 @@ from helpers import agree, pair
 from grpolab.config import Config, ConfigError, make_config
 from grpolab.config import trl as trl_names
 from grpolab.config.trl import TRL_ALIASES, TRL_FIXED, TRL_KEYS, TRL_VALUES
+from grpolab.config.trl_values import TRL_REWARDS
 from grpolab.core import advantages as A
 from grpolab.core import losses as L
 from grpolab.core.losses import grpo_loss
@@ -338,7 +339,7 @@ def test_trl_aliases_are_trl_fields() -> None:
     assert TRL_KEYS <= trl_fields
     assert trl_fields - TRL_KEYS - ours == set()
     assert not TRL_KEYS & ours  # (a key is translated, or grpolab's own: never both)
-    assert all(getattr(trl_rewards, name) for name in trl_names.TRL_REWARDS)
+    assert all(getattr(trl_rewards, name) for name in TRL_REWARDS)
     assert all(v in Config.__dataclass_fields__ for v in TRL_ALIASES.values())
 
 

@@ -141,6 +141,15 @@ def test_lr_schedule_hand_values() -> None:
     assert lr_factor(4, 10, "cosine", 2) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
     assert lr_factor(6, 10, "cosine", 2) == pytest.approx(0.5)
     assert lr_factor(0, 10, "linear", 0) == 1.0 and lr_factor(10, 10, "linear", 0) == 0.0
+    # cosine to a floor (transformers' cosine_with_min_lr), its own function past the warm-up
+    # (transformers defines this name twice; the module keeps the one taking min_lr_rate)
+    from transformers.optimization import _get_cosine_schedule_with_warmup_lr_lambda as with_min_lr
+
+    for step in range(2, 11):
+        assert lr_factor(step, 10, "cosine", 2, 0.1) == pytest.approx(with_min_lr(
+            step, num_warmup_steps=2, num_training_steps=10, num_cycles=0.5, min_lr_rate=0.1))
+    assert lr_factor(10, 10, "cosine", 2, 0.1) == pytest.approx(0.1)
+    assert lr_factor(6, 10, "linear", 2, 0.1) == 0.5  # (the floor is cosine's only)
 
 
 def test_lr_schedule_is_applied_and_logged(tmp_path, caplog) -> None:

@@ -165,6 +165,19 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"use_adaptive_entropy": True, "entropy_target": 2.0, "num_generations": 8},
      {"use_adaptive_entropy": True, "entropy_target": 2.0, "entropy_agg": "token_mean"}),
     ({"entropy_coef": 0.01}, {"entropy_agg": "loss"}),  # grpolab's own keys only: verl's
+    # open-r1's schedule: transformers' cosine_with_min_lr, its floor a share of the lr
+    ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}},
+     {"lr_schedule": "cosine", "min_lr_rate": 0.1}),
+    ({"lr_scheduler_type": "cosine_with_min_lr", "learning_rate": 2e-5,
+      "lr_scheduler_kwargs": '{"min_lr": 5e-6}'}, {"min_lr_rate": 0.25}),
+    ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"num_cycles": 0.5}},
+     {"lr_schedule": "cosine", "min_lr_rate": 0.0}),
+    # earlier TRL / transformers names
+    ({"torch_dtype": "bfloat16", "max_prompt_length": 256, "num_generations": 8},
+     {"dtype": "bfloat16", "max_prompt_tokens": 256}),
+    ({"warmup_ratio": 0.1, "max_steps": 50, "num_generations": 8}, {"warmup_steps": 5}),
+    ({"max_prompt_length": None, "overwrite_output_dir": True, "num_generations": 8},
+     {"max_prompt_tokens": 0}),
     ({"weight_decay": 0.1, "adam_beta2": 0.99, "adam_epsilon": 1e-6, "optim": "adamw_torch"},
      {"weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.99, "adam_epsilon": 1e-6}),
 ])
@@ -178,6 +191,12 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"generation_kwargs": "[1, 2]"}, "generation_kwargs .TRL. must be a mapping"),
     ({"generation_kwargs": {"top_p": 1.5}}, "top_p in .0, 1.,"),
     ({"generation_kwargs": {"temperature": 0.7}}, "samples at another temperature than the"),
+    ({"lr_scheduler_type": "cosine_with_min_lr"}, "needs one of lr_scheduler_kwargs' min_lr_rat"),
+    ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"num_cycles": 1.0}},
+     "lr_scheduler_kwargs: num_cycles for lr_scheduler_type cosine"),
+    ({"lr_scheduler_type": "linear", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}},
+     "lr_scheduler_kwargs: min_lr_rate for lr_scheduler_type linear"),
+    ({"torch_dtype": "bfloat16", "dtype": "float32"}, "torch_dtype .an earlier TRL name of dtype"),
     ({"generation_kwargs": {"top_k": None}}, "generation_kwargs: top_k null"),
     ({"optim": "adafactor"}, "optim: 'adafactor' .TRL. has no grpolab equivalent"),
     ({"num_train_epochs": 2}, "num_train_epochs / max_steps: -1 .TRL"),
@@ -434,3 +453,22 @@ def test_trl_batch_refused_in_trls_terms(tmp_path, monkeypatch, text: str, later
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match="group_size 4 does not divide the budget 6"):
         make_config(None, {"budget": 6, "num_generations": 4}, "train")
+
+
+def test_earlier_trl_names_are_read_and_named_once(tmp_path, caplog) -> None:
+    """An open-r1-style recipe (transformers 4's torch_dtype and warmup_ratio, TRL 0.x's
+    max_prompt_length, cosine_with_min_lr) loads, the earlier names in one notice."""
+    y = tmp_path / "recipe.yaml"
+    y.write_text("torch_dtype: bfloat16\nwarmup_ratio: 0.1\nmax_prompt_length: 512\n"
+                 "overwrite_output_dir: true\nlr_scheduler_type: cosine_with_min_lr\n"
+                 "lr_scheduler_kwargs:\n  min_lr_rate: 0.1\nmax_steps: 100\nnum_generations: 16\n"
+                 "per_device_train_batch_size: 16\ngradient_accumulation_steps: 4\n"
+                 "use_peft: true\nlearning_rate: 2.0e-05\ntemperature: 0.7\n")
+    with caplog.at_level("WARNING", logger="grpolab"):
+        c = make_config(y, None, "train")
+    assert (c.dtype, c.warmup_steps, c.max_prompt_tokens, c.lr_schedule, c.min_lr_rate) == (
+        "bfloat16", 10, 512, "cosine", 0.1)
+    notes = [r.getMessage() for r in caplog.records if "earlier TRL names" in r.getMessage()]
+    assert notes == [("earlier TRL names read as TRL 1.16's: torch_dtype as dtype, warmup_ratio "
+                      "as warmup_steps, max_prompt_length as max_prompt_tokens, "
+                      "overwrite_output_dir left aside")]

@@ -99,6 +99,8 @@ def warn_idle(cfg: Config, where: str = "") -> None:
     moved = [k for k in knobs if getattr(cfg, k) != Config.__dataclass_fields__[k].default]
     if moved and not cfg.use_adaptive_entropy:
         log.warning("%s%s act only with use_adaptive_entropy", where, ", ".join(moved))
+    if cfg.min_lr_rate and cfg.lr_schedule != "cosine":
+        log.warning("%smin_lr_rate acts only with lr_schedule cosine", where)
 
 
 def _known(given: dict[str, Any], command: str) -> None:
@@ -110,7 +112,8 @@ def _known(given: dict[str, Any], command: str) -> None:
 
 
 def _names(given: dict[Any, Any]) -> dict[str, Any]:
-    return {str(k).replace("-", "_"): v for k, v in given.items()}
+    """Keys as attribute names (``max-steps``: ``max_steps``), earlier TRL names as today's."""
+    return trl.renamed({str(k).replace("-", "_"): v for k, v in given.items()})
 
 
 def _read(given: dict[str, Any], later: dict[str, Any] | None = None,

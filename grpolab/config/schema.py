@@ -122,6 +122,8 @@ class Config:
     adam_epsilon: float = opt(1e-8, RUN, "Adam's denominator constant")
     lr_schedule: Literal["constant", "linear", "cosine"] = opt(
         "constant", RUN, "decay to 0 at `steps`")
+    min_lr_rate: float = opt(0.0, RUN, "cosine: decay to this share of lr, not 0 "
+                             "(transformers' cosine_with_min_lr)")
     warmup_steps: int = opt(0, RUN, "linear ramp from lr / warmup_steps up to lr")
     grad_clip: float = opt(1.0, RUN, "largest gradient norm kept (TRL max_grad_norm)")
     epochs: int = opt(1, RUN, "mu: optimisation passes over one batch (old-policy ratio when > 1)")

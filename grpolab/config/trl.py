@@ -13,15 +13,24 @@ translates a dict and refuses contradictions.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
 from typing import Any
 
 from grpolab.config.schema import ConfigError
 from grpolab.config.trl_fields import TRL_ASIDE, TRL_FIXED, TRL_VALUES
 from grpolab.config.trl_fields import VLLM_FIXED as _VLLM_FIXED
+from grpolab.config.trl_values import (
+    as_number,
+    as_word,
+    batch_settings,
+    generation_settings,
+    per_batches,
+    processes,
+    schedule_options,
+    script_rewards,
+    warmup_batches,
+    whole_count,
+)
 from grpolab.config.values import coerce
 
 # TRL GRPOConfig names -> grpolab's, where they differ (same meaning, value as is).
@@ -46,6 +55,13 @@ TRL_ALIASES: dict[str, str] = {
     "model_name_or_path": "model_path",  # ModelConfig's
     "use_peft": "lora",  # ModelConfig's
 }
+# Names of earlier TRL and transformers versions that recipes still carry, read as TRL 1.16's
+# (one notice): transformers 5 renamed torch_dtype to dtype and folded warmup_ratio into
+# warmup_steps (below 1: a share); TRL's max_prompt_length kept a prompt's last tokens, as
+# max_prompt_tokens does; overwrite_output_dir (None: left aside) deleted nothing.
+TRL_RENAMED: dict[str, str | None] = {"torch_dtype": "dtype", "warmup_ratio": "warmup_steps",
+                                      "max_prompt_length": "max_prompt_tokens",
+                                      "overwrite_output_dir": None}
 _OPT_STEPS = ("max_steps", "save_steps", "eval_steps")  # (warmup_steps: ``_trl_warmup``)
 # aliases whose None (TRL's "unset") grpolab reads: delta off, epsilon_high = epsilon,
 # eval_steps = logging_steps, TRL's own output folder, no model named here, no off-policy mask
@@ -63,12 +79,9 @@ _BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps",
 # `trl grpo`'s script arguments: its reward functions (as grpolab's reward specs) and reward
 # model, which it puts first
 _SCRIPT = ("reward_funcs", "reward_model_name_or_path", "dataset_name")
-TRL_REWARDS = {name: f"trl.rewards:{name}" for name in
-               ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward")}
-# TRL's sampling settings (grpolab's own keys), which ``generation_kwargs`` may override
-_GENERATION = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 TRL_KEYS = frozenset({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *_VLLM_FIXED, *TRL_ASIDE,
-                      *_BATCH, *_SCRIPT, "num_train_epochs", "generation_kwargs"})
+                      *_BATCH, *_SCRIPT, "num_train_epochs", "generation_kwargs",
+                      "lr_scheduler_kwargs"})
 # grpolab train's defaults that are not TRL 1.16's (docs/real-models.md#trl-configs): grpolab's
 # value as the warning shows it (filled in from the config), TRL's, and the keys in either
 # naming that set it. A TRL config that sets none of an entry's keys runs on grpolab's value.
@@ -107,6 +120,27 @@ _LORA_ONLY = ("lora_r", "lora_alpha", "lora_dropout")
 log = logging.getLogger("grpolab")
 
 
+def renamed(given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with the earlier names of ``TRL_RENAMED`` under today's (one notice); an
+    earlier name beside its new one is refused."""
+    old = [k for k in given if k in TRL_RENAMED]
+    if not old:
+        return given
+    out = {}
+    for key, value in given.items():
+        new = TRL_RENAMED.get(key, key)
+        if new is not None and new != key and new in given:
+            raise ConfigError(f"{key} (an earlier TRL name of {new}) and {new} are both given; "
+                              f"keep {new}")
+        if new == "max_prompt_tokens" and value is None:
+            value = 0  # TRL's unset: whole prompts (grpolab: the model's limit)
+        if new is not None:
+            out[new] = value
+    log.warning("earlier TRL names read as TRL 1.16's: %s", ", ".join(
+        f"{k} as {TRL_RENAMED[k]}" if TRL_RENAMED[k] else f"{k} left aside" for k in old))
+    return out
+
+
 def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
     """``TRL_DEFAULTS_DIFFER``'s entries that none of ``given`` (the keys of the file and of
     the overrides) sets, each as "grpolab's value (TRL's)"."""
@@ -137,7 +171,7 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     d = {**earlier, **given, **later}  # what the run is given: read for what TRL combines
     out = {k: [] if v is None and k in _NONE_IS_EMPTY else v
            for k, v in given.items() if k not in TRL_KEYS}
-    if _word(d.get("disable_dropout")) == "true" and "disable_dropout" not in later:
+    if as_word(d.get("disable_dropout")) == "true" and "disable_dropout" not in later:
         out.pop("lora_dropout", None)  # TRL zeroes LoRA's dropout too, after lora_dropout
     source: dict[str, str] = {}  # grpolab key -> the TRL key that set it
 
@@ -154,14 +188,14 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
         source.setdefault(key, trl_key)
 
     _refuse(given, d, (earlier, given, later))
-    per_sample = _whole(d, "num_iterations", 1)  # optimiser steps per sampled batch
-    skip = {"save_steps" if _word(d.get("save_strategy")) == "no" else "",
-            "eval_steps" if _word(d.get("eval_strategy")) == "no" else "",
-            "bf16" if d.get("bf16") is None and _word(d.get("fp16")) == "true" else "",
+    per_sample = whole_count(d, "num_iterations", 1)  # optimiser steps per sampled batch
+    skip = {"save_steps" if as_word(d.get("save_strategy")) == "no" else "",
+            "eval_steps" if as_word(d.get("eval_strategy")) == "no" else "",
+            "bf16" if d.get("bf16") is None and as_word(d.get("fp16")) == "true" else "",
             # TRL's GDPO scales each reward over its group whatever scale_rewards says
-            "scale_rewards" if _word(d.get("multi_objective_aggregation")) == "normalize_then_sum"
+            "scale_rewards" if as_word(d.get("multi_objective_aggregation")) == "normalize_then_sum"
             else ""}
-    loss_type, level = _word(d.get("loss_type")), _word(d.get("importance_sampling_level"))
+    loss_type, level = as_word(d.get("loss_type")), as_word(d.get("importance_sampling_level"))
     cispo = loss_type == "cispo"
     if {"loss_type", "importance_sampling_level"} & given.keys():
         _loss_type_notes(loss_type, level, d)
@@ -172,14 +206,14 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
         if trl_key in skip or trl_key in later:
             continue
         if trl_key in TRL_VALUES:
-            table, word = TRL_VALUES[trl_key], None if value is None else _word(value)
+            table, word = TRL_VALUES[trl_key], None if value is None else as_word(value)
             if word not in table:
                 raise ConfigError(f"{trl_key}: {value!r} (TRL) has no grpolab equivalent; "
                                   f"grpolab reads {', '.join(k for k in table if k)}")
             for key, v in table[word].items():
                 put(key, v, trl_key)
         elif trl_key in TRL_ALIASES:
-            value = value if trl_key in ("output_dir", "model_name_or_path") else _number(value)
+            value = value if trl_key in ("output_dir", "model_name_or_path") else as_number(value)
             if trl_key == "max_steps" and value == -1:  # TRL: num_train_epochs decides
                 continue
             if value is None:
@@ -190,7 +224,7 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
                     put(TRL_ALIASES[trl_key], 0.0, trl_key)
                 continue
             if trl_key in _OPT_STEPS and per_sample > 1:
-                value = _per_sample(trl_key, value, per_sample)
+                value = per_batches(trl_key, value, per_sample)
             key = "cispo_max" if trl_key == "epsilon_high" and cispo else TRL_ALIASES[trl_key]
             put(key, value, trl_key)
             if trl_key == "off_policy_mask_threshold" and not coerce(key, value) > 0:
@@ -206,30 +240,34 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             and "entropy_agg" not in d):  # TRL's bonus is always a token mean
         put("entropy_agg", "token_mean", "entropy_coef" if "entropy_coef" in given
             else "use_adaptive_entropy")
-        if _whole(d, "gradient_accumulation_steps", 1) * _world() > 1:
+        if whole_count(d, "gradient_accumulation_steps", 1) * processes() > 1:
             log.warning("entropy_coef (TRL) with several micro-batches: TRL averages each "
                         "micro-batch's token mean of the entropy, grpolab takes the whole "
                         "batch's (the same with one micro-batch)")
     if given.get("generation_kwargs") and "generation_kwargs" not in later:
-        out.update(_trl_generation(given["generation_kwargs"], d.get("temperature", 1.0)))
+        out.update(generation_settings(given["generation_kwargs"], d.get("temperature", 1.0)))
+    if ({"lr_scheduler_kwargs", "lr_scheduler_type"} & given.keys()
+            and "lr_scheduler_kwargs" not in later):
+        for key, value in schedule_options(d).items():
+            put(key, value, "lr_scheduler_kwargs")
     if "warmup_steps" in given:  # TRL's: optimiser steps, or below 1 a share of max_steps
-        out["warmup_steps"] = _trl_warmup(d, per_sample)
+        out["warmup_steps"] = warmup_batches(d, per_sample)
     if ({"eval_strategy", "eval_steps", "logging_steps"} & given.keys()
-            and _word(d.get("eval_strategy")) == "steps" and d.get("eval_steps") is None):
+            and as_word(d.get("eval_strategy")) == "steps" and d.get("eval_steps") is None):
         # transformers: eval_steps unset = logging_steps (10 by default)
-        put("eval_every", _per_sample("logging_steps", d.get("logging_steps", 10), per_sample),
+        put("eval_every", per_batches("logging_steps", d.get("logging_steps", 10), per_sample),
             "logging_steps" if "logging_steps" in d else "eval_strategy")
-    if ("num_train_epochs" in given or _number(given.get("max_steps")) == -1) and not (
-            "steps" in out or "steps" in d or _number(d.get("max_steps", -1)) != -1):
+    if ("num_train_epochs" in given or as_number(given.get("max_steps")) == -1) and not (
+            "steps" in out or "steps" in d or as_number(d.get("max_steps", -1)) != -1):
         raise ConfigError("num_train_epochs / max_steps: -1 (TRL: epochs over the dataset): "
                           "grpolab runs a number of steps; set max_steps (or steps)")
-    rewards = _trl_rewards(d) if set(_SCRIPT) & given.keys() else []
+    rewards = script_rewards(d) if set(_SCRIPT) & given.keys() else []
     if rewards:
         put("rewards", rewards, "reward_funcs" if "reward_funcs" in d
             else "reward_model_name_or_path")
     batch = [k for k in _BATCH if given.get(k) is not None]
     if batch:
-        for key, value in _trl_batch(d, _last((earlier, given, later), "group_size",
+        for key, value in batch_settings(d, _last((earlier, given, later), "group_size",
                                               "num_generations"),
                                      "budget" not in given.keys() | later.keys()).items():
             put(key, value, batch[0])
@@ -246,140 +284,37 @@ def _refuse(given: dict[str, Any], d: dict[str, Any],
     """The TRL settings grpolab cannot honour, each a one-line ConfigError: ``given``'s own,
     and those of what the run is given (``d``; ``layers``: the file, then overrides)."""
     fixed = {**TRL_FIXED, **(_VLLM_FIXED if _vllm(d) else {})}
-    if _word(given.get("use_vllm")) == "true" and "vllm_importance_sampling_correction" not in d:
+    if as_word(given.get("use_vllm")) == "true" and "vllm_importance_sampling_correction" not in d:
         given = {**given, "vllm_importance_sampling_correction": True}  # TRL's default
     for key, (values, why) in fixed.items():
-        if key in given and _number(given[key]) not in values and _word(given[key]) not in {
-                _word(v) for v in values}:
+        if key in given and as_number(given[key]) not in values and as_word(given[key]) not in {
+                as_word(v) for v in values}:
             raise ConfigError(f"{key}: {given[key]!r} (TRL) has no grpolab equivalent: {why}")
-    if _word(given.get("push_to_hub")) == "true":
+    if as_word(given.get("push_to_hub")) == "true":
         raise ConfigError("push_to_hub: true (TRL): grpolab does not upload; the final model "
                           "is saved to out_dir/final")
-    half = ("fp16" if _word(d.get("fp16")) == "true" else
-            "bf16" if "bf16" in d and _word(d["bf16"]) in ("true", "none") else None)
+    half = ("fp16" if as_word(d.get("fp16")) == "true" else
+            "bf16" if "bf16" in d and as_word(d["bf16"]) in ("true", "none") else None)
     lora = _last(layers, "lora", "use_peft")
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(half or "")
-    if half and _word(lora) == "false" and _word(_last(layers, "dtype")) != dtype:
+    if half and as_word(lora) == "false" and as_word(_last(layers, "dtype")) != dtype:
         raise ConfigError(f"{half} (TRL) with full fine-tuning: TRL keeps float32 weights "
                           "under autocast, grpolab would train the weights in that precision; "
                           f"set {half}: false (TRL's unset is on) or dtype: {dtype}, knowingly")
-    if (_word(d.get("lr_scheduler_type")) == "constant"
-            and _number(d.get("warmup_steps", 0)) not in (0, None)):
+    if (as_word(d.get("lr_scheduler_type")) == "constant"
+            and as_number(d.get("warmup_steps", 0)) not in (0, None)):
         raise ConfigError("lr_scheduler_type: constant (TRL) has no warm-up (transformers "
                           "ignores warmup_steps there): use constant_with_warmup, or drop "
                           "warmup_steps")
-    if _word(d.get("loss_type")) == "bnpo" and (
-            _whole(d, "gradient_accumulation_steps", 1) * _world() > 1):
+    if as_word(d.get("loss_type")) == "bnpo" and (
+            whole_count(d, "gradient_accumulation_steps", 1) * processes() > 1):
         raise ConfigError("loss_type: bnpo (TRL) with several micro-batches averages each "
                           "one's token mean; grpolab's token mean is the whole batch's (TRL's "
                           "dapo): use loss_type: dapo")
 
 
-def _trl_generation(kwargs: Any, temperature: Any) -> dict[str, Any]:
-    """TRL's ``generation_kwargs`` (a mapping, or its JSON text): the sampling settings grpolab
-    has, which win over the keys of those names (as in TRL); any other generate option, and a
-    temperature other than the run's (TRL would sample at one and score at the other), is
-    refused in one line."""
-    if isinstance(kwargs, str):
-        try:
-            kwargs = json.loads(kwargs)
-        except ValueError:
-            kwargs = None
-    if not isinstance(kwargs, dict):
-        raise ConfigError("generation_kwargs (TRL) must be a mapping of generate's options")
-    other = sorted(str(k) for k in kwargs if k not in _GENERATION)
-    if other:
-        raise ConfigError(f"generation_kwargs: {', '.join(other)} (TRL) has no grpolab "
-                          f"equivalent; grpolab samples with {', '.join(_GENERATION)}")
-    if "temperature" in kwargs and _number(kwargs["temperature"]) != _number(temperature):
-        raise ConfigError(f"generation_kwargs: temperature {kwargs['temperature']!r} (TRL) "
-                          f"samples at another temperature than the loss scores at "
-                          f"({temperature!r}); set temperature instead")
-    if "top_k" in kwargs and kwargs["top_k"] is None:
-        raise ConfigError("generation_kwargs: top_k null (TRL) leaves it to the model's "
-                          "generation config; give a number (0: all tokens)")
-    return {k: 0.0 if k == "min_p" and v is None else v for k, v in kwargs.items()}
-
-
-def _trl_rewards(d: dict[str, Any]) -> list[str]:
-    """`trl grpo`'s ``reward_model_name_or_path`` and ``reward_funcs`` as grpolab's ``rewards``
-    (TRL's registry names, dotted import paths)."""
-    if d.get("dataset_name"):
-        raise ConfigError(f"dataset_name: {d['dataset_name']!r} (TRL's script): grpolab reads "
-                          "local files and reasoning_gym tasks; set dataset (and eval_dataset)")
-    out = [f"rm:{d['reward_model_name_or_path']}"] if d.get("reward_model_name_or_path") else []
-    funcs = d.get("reward_funcs") or []
-    for name in [funcs] if isinstance(funcs, str) else funcs:
-        if name in TRL_REWARDS:
-            out.append(TRL_REWARDS[name])
-        elif "." in str(name) and name != "get_soft_overlong_punishment":
-            module, _, fn = str(name).rpartition(".")
-            out.append(f"{module}:{fn}")
-        else:
-            raise ConfigError(f"reward_funcs: {name!r} (TRL's script) has no grpolab equivalent; "
-                              f"grpolab reads {', '.join(TRL_REWARDS)} or a dotted import path")
-    return out
-
-
-def _trl_batch(d: dict[str, Any], group: Any, check: bool = True) -> dict[str, int]:
-    """TRL's batch settings as grpolab's ``budget`` (answers per optimiser step, over all
-    processes) and ``micro_batch`` (rows per forward/backward): exact where TRL samples each
-    optimiser step's answers afresh (``steps_per_generation`` = the accumulation, its default).
-    ``group``: the run's group size (None: 8, TRL's and grpolab's default); with ``check``, it
-    must divide the batch, said in TRL's terms (the budget comes from them)."""
-    per = _whole(d, "per_device_train_batch_size", 8)
-    acc = _whole(d, "gradient_accumulation_steps", 1)
-    answers = per * acc * _world()
-    spg, gbs = d.get("steps_per_generation"), d.get("generation_batch_size")
-    if spg is not None and gbs is not None:
-        raise ConfigError("steps_per_generation and generation_batch_size (TRL): set one or "
-                          "neither (TRL refuses both)")
-    if (spg is not None and _number(spg) != acc) or (gbs is not None and _number(gbs) != answers):
-        raise ConfigError("steps_per_generation / generation_batch_size (TRL): answers sampled "
-                          "once for several optimiser steps have no grpolab equivalent (its "
-                          "epochs reuse a step's answers within the step)")
-    g = _number(8 if group is None else group)
-    if check and isinstance(g, int) and g > 0 and answers % g:
-        n = _world()
-        raise ConfigError(
-            f"per_device_train_batch_size {per} x gradient_accumulation_steps {acc} x {n} "
-            f"process{'es' if n > 1 else ''} = {answers} answers a step (TRL's batch) is not "
-            f"divisible by num_generations {g}; TRL refuses it too (a step holds whole groups)")
-    return {"budget": answers, "micro_batch": per}
-
-
-def _trl_warmup(d: dict[str, Any], per_sample: int) -> Any:
-    """TRL's ``warmup_steps`` in sampled batches; below 1 it is a share of ``max_steps``
-    (rounded up, as transformers does)."""
-    w = _number(d["warmup_steps"])
-    if isinstance(w, float) and 0 < w < 1:
-        total = _number(d.get("max_steps"))
-        if not isinstance(total, int) or total < 1:
-            raise ConfigError(f"warmup_steps: {w} (TRL: a share of max_steps) needs max_steps")
-        w = math.ceil(total * w)
-    return _per_sample("warmup_steps", w, per_sample) if per_sample > 1 else w
-
-
-def _per_sample(key: str, value: Any, per_sample: int) -> int:
-    """TRL's count of optimiser steps as grpolab's count of sampled batches (each taken
-    through ``num_iterations`` optimiser steps)."""
-    n = _number(value)
-    if not isinstance(n, int) or n % per_sample:
-        raise ConfigError(f"{key}: {value!r} (TRL) counts optimiser steps, {per_sample} per "
-                          f"sampled batch (num_iterations); grpolab counts sampled batches: "
-                          f"use a multiple of {per_sample}")
-    return n // per_sample
-
-
-def _whole(d: dict[str, Any], key: str, default: int) -> int:
-    n = _number(d.get(key, default))
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError(f"{key}: {d.get(key)!r} (TRL) must be a whole number >= 1")
-    return n
-
-
 def _vllm(d: dict[str, Any]) -> bool:
-    return _word(d.get("use_vllm")) == "true" or _word(d.get("rollout_backend")) == "vllm"
+    return as_word(d.get("use_vllm")) == "true" or as_word(d.get("rollout_backend")) == "vllm"
 
 
 def _last(layers: tuple[dict[str, Any], ...], *keys: str) -> Any:
@@ -389,22 +324,6 @@ def _last(layers: tuple[dict[str, Any], ...], *keys: str) -> Any:
             if key in layer:
                 return layer[key]
     return None
-
-
-def _world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
-
-
-def _number(value: Any) -> Any:
-    """A YAML number as one: PyYAML reads 1e-8 (no dot) as a string. Integral values as int;
-    anything else as it was."""
-    try:
-        x = float(value) if isinstance(value, str) else value
-    except ValueError:
-        return value
-    if isinstance(x, float) and x.is_integer():
-        return int(x)
-    return x
 
 
 def _loss_type_notes(loss_type: str, level: str, d: dict[str, Any]) -> None:
@@ -424,10 +343,6 @@ def _loss_type_notes(loss_type: str, level: str, d: dict[str, Any]) -> None:
         log.warning("loss_type: cispo without epsilon_high caps the importance weight at "
                     "epsilon, %s, as TRL does (TRL's docs recommend epsilon_high: 5.0)",
                     d.get("epsilon", 0.2))
-
-
-def _word(value: Any) -> str:
-    return str(value).strip().lower()
 
 
 def _same(key: str, a: Any, b: Any) -> bool | None:

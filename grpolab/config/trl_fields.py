@@ -35,7 +35,9 @@ TRL_VALUES: dict[str, dict[str | None, dict[str, Any]]] = {
     # transformers' constant schedule has no warm-up (``_refuse``); constant_with_warmup has
     "lr_scheduler_type": {"linear": {"lr_schedule": "linear"}, "cosine": {"lr_schedule": "cosine"},
                           "constant": {"lr_schedule": "constant"},
-                          "constant_with_warmup": {"lr_schedule": "constant"}},
+                          "constant_with_warmup": {"lr_schedule": "constant"},
+                          # its floor: lr_scheduler_kwargs' min_lr_rate (``schedule_options``)
+                          "cosine_with_min_lr": {"lr_schedule": "cosine"}},
     "use_cpu": {"true": {"device": "cpu"}, "false": {}},
     # TRL autocasts over float32 weights; here the weights themselves (LoRA adapters stay
     # float32), so full fine-tuning is refused (``_refuse``). Unset (None) is on in TRL.
@@ -57,7 +59,6 @@ _LORA = "grpolab's LoRA is peft's plain LoRA of a causal LM (scale lora_alpha / 
 # trained at another value, so that value is refused.
 TRL_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
     # the optimiser, its schedule and batch
-    "lr_scheduler_kwargs": ((None, {}), "grpolab's schedules take no options"),
     "neftune_noise_alpha": ((None,), "grpolab adds no noise to the embeddings"),
     "auto_find_batch_size": ((False,), "grpolab keeps its batch (no halving on out-of-memory)"),
     # the prompts' order

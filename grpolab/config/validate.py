@@ -68,6 +68,8 @@ def _validate_objective(cfg: Config) -> None:
     for key in ("vespo_k_pos", "vespo_k_neg", "off_policy_mask", "kl_cov_coef"):
         if not getattr(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0 (got {getattr(cfg, key)})")
+    if not 0 <= cfg.min_lr_rate <= 1:
+        raise ConfigError(f"min_lr_rate must be in [0, 1] (got {cfg.min_lr_rate})")
     if cfg.sync_ref_model and (cfg.lora or cfg.beta == 0 or cfg.shard == "fsdp"):
         raise ConfigError("sync_ref_model moves a frozen copy of the policy: it needs full "
                           "fine-tuning (--no-lora), beta > 0 and shard none (TRL refuses "

@@ -45,11 +45,12 @@ class TrainingError(RuntimeError):
     """A run cannot go on (for example a non-finite loss); checkpoints and metrics are intact."""
 
 
-def lr_factor(step: int, steps: int, schedule: str, warmup: int) -> float:
+def lr_factor(step: int, steps: int, schedule: str, warmup: int, floor: float = 0.0) -> float:
     """Multiplier of the base lr for GRPO step ``step`` (0-based) of ``steps``: a linear
-    warm-up over ``warmup`` steps, then constant, linear to 0 or half a cosine to 0 at
-    ``steps`` (as transformers' schedulers do). A function of the step alone, so a resumed run
-    continues the schedule exactly."""
+    warm-up over ``warmup`` steps, then constant, linear to 0 or half a cosine to ``floor`` at
+    ``steps`` (as transformers' schedulers do; the floor: its cosine_with_min_lr's
+    min_lr_rate). A function of the step alone, so a resumed run continues the schedule
+    exactly."""
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -57,7 +58,8 @@ def lr_factor(step: int, steps: int, schedule: str, warmup: int) -> float:
     progress = min(1.0, (step - warmup) / max(1, steps - warmup))
     if schedule == "linear":
         return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cosine * (1 - floor) + floor if floor else cosine
 
 
 @dataclass
@@ -315,7 +317,7 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
     update's metrics. ``control``: the entropy bonus's coefficient (default: ``entropy_coef``
     as it is), told each pass's entropy."""
     control = control or EntropyControl(cfg)
-    lr = cfg.lr * lr_factor(step, cfg.steps, cfg.lr_schedule, cfg.warmup_steps)
+    lr = cfg.lr * lr_factor(step, cfg.steps, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr_rate)
     if not scored.rows:
         return {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
                 "grad_norm": 0.0, "lr": lr}

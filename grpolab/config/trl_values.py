@@ -1,0 +1,167 @@
+"""TRL settings whose values take more than a table to translate (``grpolab.config.trl``
+reads the rest): the batch, the warm-up, `trl grpo`'s rewards, generate's options, and the
+helpers that read TRL's values (YAML numbers, words, whole counts, torchrun's processes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from grpolab.config.schema import ConfigError
+
+TRL_REWARDS = {name: f"trl.rewards:{name}" for name in
+               ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward")}
+# TRL's sampling settings (grpolab's own keys), which ``generation_kwargs`` may override
+_GENERATION = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def generation_settings(kwargs: Any, temperature: Any) -> dict[str, Any]:
+    """TRL's ``generation_kwargs`` (a mapping, or its JSON text): the sampling settings grpolab
+    has, which win over the keys of those names (as in TRL); any other generate option, and a
+    temperature other than the run's (TRL would sample at one and score at the other), is
+    refused in one line."""
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except ValueError:
+            kwargs = None
+    if not isinstance(kwargs, dict):
+        raise ConfigError("generation_kwargs (TRL) must be a mapping of generate's options")
+    other = sorted(str(k) for k in kwargs if k not in _GENERATION)
+    if other:
+        raise ConfigError(f"generation_kwargs: {', '.join(other)} (TRL) has no grpolab "
+                          f"equivalent; grpolab samples with {', '.join(_GENERATION)}")
+    if "temperature" in kwargs and as_number(kwargs["temperature"]) != as_number(temperature):
+        raise ConfigError(f"generation_kwargs: temperature {kwargs['temperature']!r} (TRL) "
+                          f"samples at another temperature than the loss scores at "
+                          f"({temperature!r}); set temperature instead")
+    if "top_k" in kwargs and kwargs["top_k"] is None:
+        raise ConfigError("generation_kwargs: top_k null (TRL) leaves it to the model's "
+                          "generation config; give a number (0: all tokens)")
+    return {k: 0.0 if k == "min_p" and v is None else v for k, v in kwargs.items()}
+
+def script_rewards(d: dict[str, Any]) -> list[str]:
+    """`trl grpo`'s ``reward_model_name_or_path`` and ``reward_funcs`` as grpolab's ``rewards``
+    (TRL's registry names, dotted import paths)."""
+    if d.get("dataset_name"):
+        raise ConfigError(f"dataset_name: {d['dataset_name']!r} (TRL's script): grpolab reads "
+                          "local files and reasoning_gym tasks; set dataset (and eval_dataset)")
+    out = [f"rm:{d['reward_model_name_or_path']}"] if d.get("reward_model_name_or_path") else []
+    funcs = d.get("reward_funcs") or []
+    for name in [funcs] if isinstance(funcs, str) else funcs:
+        if name in TRL_REWARDS:
+            out.append(TRL_REWARDS[name])
+        elif "." in str(name) and name != "get_soft_overlong_punishment":
+            module, _, fn = str(name).rpartition(".")
+            out.append(f"{module}:{fn}")
+        else:
+            raise ConfigError(f"reward_funcs: {name!r} (TRL's script) has no grpolab equivalent; "
+                              f"grpolab reads {', '.join(TRL_REWARDS)} or a dotted import path")
+    return out
+
+def batch_settings(d: dict[str, Any], group: Any, check: bool = True) -> dict[str, int]:
+    """TRL's batch settings as grpolab's ``budget`` (answers per optimiser step, over all
+    processes) and ``micro_batch`` (rows per forward/backward): exact where TRL samples each
+    optimiser step's answers afresh (``steps_per_generation`` = the accumulation, its default).
+    ``group``: the run's group size (None: 8, TRL's and grpolab's default); with ``check``, it
+    must divide the batch, said in TRL's terms (the budget comes from them)."""
+    per = whole_count(d, "per_device_train_batch_size", 8)
+    acc = whole_count(d, "gradient_accumulation_steps", 1)
+    answers = per * acc * processes()
+    spg, gbs = d.get("steps_per_generation"), d.get("generation_batch_size")
+    if spg is not None and gbs is not None:
+        raise ConfigError("steps_per_generation and generation_batch_size (TRL): set one or "
+                          "neither (TRL refuses both)")
+    if (spg is not None and as_number(spg) != acc) or (gbs is not None and as_number(gbs) != answers):
+        raise ConfigError("steps_per_generation / generation_batch_size (TRL): answers sampled "
+                          "once for several optimiser steps have no grpolab equivalent (its "
+                          "epochs reuse a step's answers within the step)")
+    g = as_number(8 if group is None else group)
+    if check and isinstance(g, int) and g > 0 and answers % g:
+        n = processes()
+        raise ConfigError(
+            f"per_device_train_batch_size {per} x gradient_accumulation_steps {acc} x {n} "
+            f"process{'es' if n > 1 else ''} = {answers} answers a step (TRL's batch) is not "
+            f"divisible by num_generations {g}; TRL refuses it too (a step holds whole groups)")
+    return {"budget": answers, "micro_batch": per}
+
+def warmup_batches(d: dict[str, Any], per_sample: int) -> Any:
+    """TRL's ``warmup_steps`` in sampled batches; below 1 it is a share of ``max_steps``
+    (rounded up, as transformers does)."""
+    w = as_number(d["warmup_steps"])
+    if isinstance(w, float) and 0 < w < 1:
+        total = as_number(d.get("max_steps"))
+        if not isinstance(total, int) or total < 1:
+            raise ConfigError(f"warmup_steps: {w} (TRL: a share of max_steps) needs max_steps")
+        w = math.ceil(total * w)
+    return per_batches("warmup_steps", w, per_sample) if per_sample > 1 else w
+
+def per_batches(key: str, value: Any, per_sample: int) -> int:
+    """TRL's count of optimiser steps as grpolab's count of sampled batches (each taken
+    through ``num_iterations`` optimiser steps)."""
+    n = as_number(value)
+    if not isinstance(n, int) or n % per_sample:
+        raise ConfigError(f"{key}: {value!r} (TRL) counts optimiser steps, {per_sample} per "
+                          f"sampled batch (num_iterations); grpolab counts sampled batches: "
+                          f"use a multiple of {per_sample}")
+    return n // per_sample
+
+def whole_count(d: dict[str, Any], key: str, default: int) -> int:
+    n = as_number(d.get(key, default))
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{key}: {d.get(key)!r} (TRL) must be a whole number >= 1")
+    return n
+
+def processes() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
+
+def as_number(value: Any) -> Any:
+    """A YAML number as one: PyYAML reads 1e-8 (no dot) as a string. Integral values as int;
+    anything else as it was."""
+    try:
+        x = float(value) if isinstance(value, str) else value
+    except ValueError:
+        return value
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    return x
+
+def as_word(value: Any) -> str:
+    return str(value).strip().lower()
+
+
+def schedule_options(d: dict[str, Any]) -> dict[str, Any]:
+    """transformers' ``lr_scheduler_kwargs`` for ``lr_scheduler_type`` (TRL's): cosine's
+    ``num_cycles`` at its 0.5 (half a cosine), cosine_with_min_lr's ``min_lr_rate`` (or
+    ``min_lr`` over the learning rate) as ``min_lr_rate``; anything else refused."""
+    kind = as_word(d.get("lr_scheduler_type", "linear"))
+    kwargs = d.get("lr_scheduler_kwargs") or {}  # (unset: None)
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs) if kwargs.strip() else {}
+        except ValueError:
+            kwargs = None
+    if not isinstance(kwargs, dict):
+        raise ConfigError("lr_scheduler_kwargs (TRL) must be a mapping of the scheduler's "
+                          "options")
+    kwargs = dict(kwargs)
+    cycles = kwargs.pop("num_cycles", None)
+    if cycles is not None and (as_number(cycles) != 0.5
+                               or kind not in ("cosine", "cosine_with_min_lr")):
+        kwargs["num_cycles"] = cycles  # (refused below)
+    rate, floor = kwargs.pop("min_lr_rate", None), kwargs.pop("min_lr", None)
+    if kind == "cosine_with_min_lr":
+        if (rate is None) == (floor is None):
+            raise ConfigError("lr_scheduler_type: cosine_with_min_lr (TRL) needs one of "
+                              "lr_scheduler_kwargs' min_lr_rate and min_lr (transformers too)")
+        if floor is not None:
+            rate = float(floor) / float(as_number(d.get("learning_rate", d.get("lr", 1e-6))))
+    elif rate is not None or floor is not None:
+        kwargs["min_lr_rate"] = rate if floor is None else floor
+    if kwargs:
+        raise ConfigError(f"lr_scheduler_kwargs: {', '.join(sorted(kwargs))} for "
+                          f"lr_scheduler_type {kind} (TRL) has no grpolab equivalent (cosine's "
+                          "num_cycles 0.5; cosine_with_min_lr's min_lr_rate or min_lr)")
+    return {} if rate is None else {"min_lr_rate": float(rate)}
