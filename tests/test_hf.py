@@ -588,3 +588,41 @@ def test_shared_prompt_scoring_equals_one_pass(request: pytest.FixtureRequest, a
     torch.testing.assert_close(lp_a[m], lp_b[m], atol=2e-5, rtol=1e-5)
     for n in g_b:
         torch.testing.assert_close(g_a[n], g_b[n], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow  # a grpolab train run
+def test_a_trl_recipe_with_its_sampling_schedule_and_controls_trains(
+    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TRL YAML as recipes write them (earlier names, top-p/top-k/penalty, cosine to a floor
+    with a warm-up ratio, AdamW's decay, rsLoRA, adaptive entropy) trains end to end: the lr
+    follows transformers' schedule, the controller logs its coefficient, and the run records
+    the settings it sampled with."""
+    from grpolab.run.update import lr_factor
+
+    out = tmp_path / "run"
+    y = tmp_path / "trl.yaml"
+    y.write_text(yaml.safe_dump({
+        "model_name_or_path": llama, "torch_dtype": "float32", "bf16": False,
+        "use_peft": True, "lora_r": 8, "lora_alpha": 16, "use_rslora": True,
+        "dataset": write_jsonl(tmp_path / "train.jsonl", math_rows()),
+        "prompt_column": "question", "answer_column": "solution", "rewards": ["math", "format"],
+        "format_pattern": PATTERN, "num_generations": 4, "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2, "max_completion_length": 12, "temperature": 0.9,
+        "top_p": 0.95, "top_k": 50, "repetition_penalty": 1.1, "learning_rate": 0.01,
+        "lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
+        "warmup_ratio": 0.25, "max_steps": 4, "weight_decay": 0.01, "entropy_coef": 0.01,
+        "use_adaptive_entropy": True, "entropy_target": 100.0, "loss_type": "grpo",
+        "beta": 0.04, "save_strategy": "no", "eval_strategy": "no", "report_to": "none",
+        "output_dir": str(out), "disable_tqdm": True}))
+    trainer = run_cli(monkeypatch, ["train", "--config", str(y)])
+    rows = read_metrics(out)[1:]
+    assert [r["lr"] for r in rows] == pytest.approx(
+        [0.01 * lr_factor(s, 4, "cosine", 1, 0.1) for s in range(4)])
+    assert [r["entropy_coef"] for r in rows] == pytest.approx([0.015, 0.02, 0.025, 0.03])
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    recorded = json.loads((out / "config.json").read_text())
+    assert (recorded["top_p"], recorded["top_k"], recorded["repetition_penalty"],
+            recorded["min_lr_rate"], recorded["entropy_agg"]) == (0.95, 50, 1.1, 0.1,
+                                                                  "token_mean")
+    assert trainer.backend.filters.top_p == 0.95 and len(trainer.opt.param_groups) == 2

@@ -241,3 +241,26 @@ def test_the_configs_filters_reach_the_backend_or_are_refused(tmp_path) -> None:
     with pytest.raises(ConfigError, match="TinyBackend applies no sampling filters"):
         trainer(unfiltered, top_k=3)
     assert trainer(unfiltered).backend.filters is None  # (at the defaults it runs)
+
+
+def test_top_p_search_finds_hfs_boundary_in_a_few_tokens() -> None:
+    """top_p_drop looks among the most likely tokens first (no full sort where they hold
+    top_p): on peaked rows, flat rows (sorted in full) and a batch of both, HF's warper's
+    choice; and it never sorts the peaked rows."""
+    g = torch.Generator().manual_seed(6)
+    v = 6000
+    peaked = torch.randn(4, v, generator=g) * 6  # top-p 0.9 within the first 256 tokens
+    flat = torch.randn(3, v, generator=g) * 0.5  # ... within none of the searched sizes
+    from grpolab.rollout.sampling import top_p_drop
+
+    hf = TopPLogitsWarper(0.9)
+    for x in (peaked, flat, torch.cat([flat[:1], peaked, flat[1:]])):
+        assert torch.equal(top_p_drop(x, 0.9), torch.isinf(hf(None, x.clone())))
+    kept = (~top_p_drop(peaked, 0.9)).sum(-1)
+    assert bool((kept < 256).all()) and bool((kept > 1).all())
+    sort = torch.sort
+    try:
+        torch.sort = None  # a full sort would fail here
+        top_p_drop(peaked, 0.9)
+    finally:
+        torch.sort = sort

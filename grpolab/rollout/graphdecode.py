@@ -197,7 +197,7 @@ def draw(logits: Tensor, temperature: float, u: Tensor, filters: Filters = NO_FI
         logits = penalise(logits, seen, filters.repetition_penalty)
     if temperature == 0:
         return logits.argmax(dim=-1)
-    return _inverse_cdf(next_probs(logits, temperature, filters), u)
+    return _inverse_cdf(next_probs(logits, temperature, filters, fixed_shape=True), u)
 
 
 def graph_decode(dec: GraphDecoder, max_new: int, temperature: float, eos_ids: list[int],

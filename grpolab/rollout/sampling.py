@@ -52,24 +52,56 @@ NO_FILTERS = Filters()
 Draw = Callable[[Tensor, float, "torch.Generator | None", Filters], Tensor]
 
 
-def warp(logits: Tensor, temperature: float, f: Filters) -> Tensor:
+def warp(logits: Tensor, temperature: float, f: Filters, fixed_shape: bool = False) -> Tensor:
     """float32 logits [B, V] / T with the tokens top-k, top-p and min-p remove at -inf, as HF's
     ``TopKLogitsWarper``, ``TopPLogitsWarper`` and ``MinPLogitsWarper`` compute it (ties at the
-    k-th logit kept; top-p's sums over the ascending sort in float32)."""
+    k-th logit kept; ``top_p_drop``; with ``fixed_shape``, for a captured step, top-p's full
+    sort only)."""
     x = logits.float()
     x = x / temperature if temperature != 1 else x
     if f.top_k > 0:
         kth = torch.topk(x, min(f.top_k, x.shape[-1]), dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if f.top_p < 1.0:
-        ordered, where = torch.sort(x, dim=-1)
-        drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - f.top_p
-        drop[..., -1:] = False  # the most likely token stays
-        x = x.masked_fill(drop.scatter(-1, where, drop), float("-inf"))
+        x = x.masked_fill(top_p_drop(x, f.top_p, () if fixed_shape else TOP_P_SEARCH),
+                          float("-inf"))
     if f.min_p > 0.0:
         probs = x.softmax(dim=-1)  # (the most likely token is never under min_p <= 1 of itself)
         x = x.masked_fill(probs < f.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return x
+
+
+TOP_P_SEARCH = (256, 4096)  # the most likely tokens top_p_drop looks among before a full sort
+
+
+def top_p_drop(x: Tensor, top_p: float, search: tuple[int, ...] = TOP_P_SEARCH) -> Tensor:
+    """[B, V] bool: the tokens top-p removes from logits ``x`` [B, V], by HF's rule: a token
+    goes when the tokens more likely than it already hold ``top_p`` of the probability; the
+    most likely stays. A row's boundary is looked for among its ``search`` most likely tokens
+    first, kept where they hold top_p (HF's full sort costs ~75 ms a step at 32 x 49152 on 2
+    CPU cores, this ~8 ms on an LM's peaked distributions); other rows are sorted in full, as
+    HF does. The two sum the probabilities in another order, so a token within HF's float32
+    rounding of the boundary may fall the other way."""
+    b, v = x.shape
+    drop = torch.ones_like(x, dtype=torch.bool)
+    rows = torch.arange(b, device=x.device)
+    probs = x.softmax(dim=-1)
+    for k in search:
+        if k >= v or not len(rows):
+            break
+        top, where = probs[rows].topk(k, dim=-1)  # descending
+        cum = top.cumsum(dim=-1)
+        inside = cum[:, -1] >= top_p  # every token past the k-th goes
+        keep = (cum - top) < top_p
+        keep[:, 0] = True
+        drop[rows[inside]] = drop[rows[inside]].scatter(-1, where[inside], ~keep[inside])
+        rows = rows[~inside]
+    if len(rows):  # HF's own: the ascending sort, its cumulative sums, the top token kept
+        ordered, where = torch.sort(x[rows], dim=-1)
+        gone = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        gone[..., -1:] = False
+        drop[rows] = gone.scatter(-1, where, gone)
+    return drop
 
 
 def penalise(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
@@ -87,11 +119,12 @@ def prompt_tokens(ids: Tensor, mask: Tensor, vocab: int) -> Tensor:
     return seen[:, :vocab]
 
 
-def next_probs(logits: Tensor, temperature: float, filters: Filters = NO_FILTERS) -> Tensor:
+def next_probs(logits: Tensor, temperature: float, filters: Filters = NO_FILTERS,
+               fixed_shape: bool = False) -> Tensor:
     """float32 softmax(logits / T) [B, V], over what ``filters`` leave (T > 0)."""
     logits = logits.float()
     if filters.warps:
-        return torch.softmax(warp(logits, temperature, filters), dim=-1)
+        return torch.softmax(warp(logits, temperature, filters, fixed_shape), dim=-1)
     return torch.softmax(logits / temperature if temperature != 1 else logits, dim=-1)
 
 
