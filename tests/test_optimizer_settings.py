@@ -54,3 +54,20 @@ def test_resume_takes_the_runs_values_and_refuses_a_decay_switched(tmp_path) -> 
     assert tr.opt.param_groups[0]["betas"] == (0.9, 0.95)
     with pytest.raises(ConfigError, match=r"weight_decay=0.05 \(this run: 0.0\)"):
         tiny_trainer(tmp_path, steps=4, checkpoint_every=1).train(resume=True)
+
+
+def test_min_lr_is_over_the_runs_final_lr(tmp_path) -> None:
+    """transformers' min_lr is an lr, divided by the optimiser's: a TRL file's min_lr under an
+    lr given later still floors the schedule at min_lr itself."""
+    from grpolab.config import make_config
+    from grpolab.run.update import lr_factor
+
+    trl = {"lr_scheduler_type": "cosine_with_min_lr", "learning_rate": 1e-3,
+           "lr_scheduler_kwargs": {"min_lr": 1e-4}, "num_generations": 4}
+    c = make_config(trl, {"lr": 2e-3}, "train")
+    assert (c.lr, c.min_lr, c.min_lr_rate, c.lr_schedule) == (2e-3, 1e-4, 0.0, "cosine")
+    rows = tiny_trainer(tmp_path, steps=4, lr=2e-3, lr_schedule="cosine", min_lr=1e-4).train()
+    assert [r["lr"] for r in rows[1:]] == pytest.approx(
+        [2e-3 * lr_factor(s, 4, "cosine", 0, 0.05) for s in range(4)])
+    with pytest.raises(ConfigError, match="give one"):
+        make_config(None, {"min_lr": 1e-4, "min_lr_rate": 0.1})

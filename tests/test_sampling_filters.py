@@ -250,14 +250,19 @@ def test_top_p_search_finds_hfs_boundary_in_a_few_tokens() -> None:
     g = torch.Generator().manual_seed(6)
     v = 6000
     peaked = torch.randn(4, v, generator=g) * 6  # top-p 0.9 within the first 256 tokens
+    middle = torch.randn(2, v, generator=g) * 2.2  # ... within the first 4096
     flat = torch.randn(3, v, generator=g) * 0.5  # ... within none of the searched sizes
+    tied = torch.full((1, v), float("-inf"))
+    tied[0, :10] = 1.0  # ten tokens of 0.1: the boundary falls on a tie
     from grpolab.rollout.sampling import top_p_drop
 
     hf = TopPLogitsWarper(0.9)
-    for x in (peaked, flat, torch.cat([flat[:1], peaked, flat[1:]])):
+    for x in (peaked, middle, flat, torch.cat([flat[:1], peaked, middle, flat[1:]])):
         assert torch.equal(top_p_drop(x, 0.9), torch.isinf(hf(None, x.clone())))
-    kept = (~top_p_drop(peaked, 0.9)).sum(-1)
-    assert bool((kept < 256).all()) and bool((kept > 1).all())
+    kept = [(~top_p_drop(x, 0.9)).sum(-1) for x in (peaked, middle)]
+    assert bool((kept[0] < 256).all()) and bool((kept[0] > 1).all())
+    assert bool((kept[1] > 256).all()) and bool((kept[1] < 4096).all())
+    assert torch.equal(top_p_drop(tied, 0.5), torch.isinf(TopPLogitsWarper(0.5)(None, tied)))
     sort = torch.sort
     try:
         torch.sort = None  # a full sort would fail here

@@ -169,15 +169,16 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}},
      {"lr_schedule": "cosine", "min_lr_rate": 0.1}),
     ({"lr_scheduler_type": "cosine_with_min_lr", "learning_rate": 2e-5,
-      "lr_scheduler_kwargs": '{"min_lr": 5e-6}'}, {"min_lr_rate": 0.25}),
+      "lr_scheduler_kwargs": '{"min_lr": 5e-6}'}, {"min_lr": 5e-6, "min_lr_rate": 0.0}),
     ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"num_cycles": 0.5}},
      {"lr_schedule": "cosine", "min_lr_rate": 0.0}),
     # earlier TRL / transformers names
     ({"torch_dtype": "bfloat16", "max_prompt_length": 256, "num_generations": 8},
      {"dtype": "bfloat16", "max_prompt_tokens": 256}),
     ({"warmup_ratio": 0.1, "max_steps": 50, "num_generations": 8}, {"warmup_steps": 5}),
+    # (an override of None is unset: the default, as for any key)
     ({"max_prompt_length": None, "overwrite_output_dir": True, "num_generations": 8},
-     {"max_prompt_tokens": 0}),
+     {"max_prompt_tokens": 1024}),
     ({"weight_decay": 0.1, "adam_beta2": 0.99, "adam_epsilon": 1e-6, "optim": "adamw_torch"},
      {"weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.99, "adam_epsilon": 1e-6}),
 ])
@@ -472,3 +473,11 @@ def test_earlier_trl_names_are_read_and_named_once(tmp_path, caplog) -> None:
     assert notes == [("earlier TRL names read as TRL 1.16's: torch_dtype as dtype, warmup_ratio "
                       "as warmup_steps, max_prompt_length as max_prompt_tokens, "
                       "overwrite_output_dir left aside")]
+    y2 = tmp_path / "unset.yaml"  # TRL's null: whole prompts; torch_dtype's: the default
+    y2.write_text("max_prompt_length: null\ntorch_dtype: null\nwarmup_ratio: 0.25\n"
+                  "steps: 8\nnum_generations: 8\n")
+    c2 = make_config(y2, None, "train")
+    assert (c2.max_prompt_tokens, c2.dtype, c2.warmup_steps) == (0, "float32", 2)
+    y2.write_text("warmup_ratio: 1.0\nmax_steps: 8\nnum_generations: 8\n")
+    with pytest.raises(ConfigError, match="warms up the whole run"):
+        make_config(y2, None, "train")

@@ -52,7 +52,7 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     place. Rewards overridden without weights drop the file's weights (one line says so).
     """
     kwargs: dict[str, Any] = dict(command_defaults(command))
-    later = {k: v for k, v in _names(overrides or {}).items() if v is not None}
+    later = _names({k: v for k, v in (overrides or {}).items() if v is not None})
     _known(later, command)
     given_file = isinstance(yaml_path, (str, Path)) and bool(yaml_path)
     earlier = _names(load_yaml(yaml_path) if given_file else yaml_path or {})
@@ -99,8 +99,8 @@ def warn_idle(cfg: Config, where: str = "") -> None:
     moved = [k for k in knobs if getattr(cfg, k) != Config.__dataclass_fields__[k].default]
     if moved and not cfg.use_adaptive_entropy:
         log.warning("%s%s act only with use_adaptive_entropy", where, ", ".join(moved))
-    if cfg.min_lr_rate and cfg.lr_schedule != "cosine":
-        log.warning("%smin_lr_rate acts only with lr_schedule cosine", where)
+    if (cfg.min_lr_rate or cfg.min_lr) and cfg.lr_schedule != "cosine":
+        log.warning("%smin_lr_rate and min_lr act only with lr_schedule cosine", where)
 
 
 def _known(given: dict[str, Any], command: str) -> None:

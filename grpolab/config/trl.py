@@ -62,7 +62,7 @@ TRL_ALIASES: dict[str, str] = {
 TRL_RENAMED: dict[str, str | None] = {"torch_dtype": "dtype", "warmup_ratio": "warmup_steps",
                                       "max_prompt_length": "max_prompt_tokens",
                                       "overwrite_output_dir": None}
-_OPT_STEPS = ("max_steps", "save_steps", "eval_steps")  # (warmup_steps: ``_trl_warmup``)
+_OPT_STEPS = ("max_steps", "save_steps", "eval_steps")  # (warmup_steps: ``warmup_batches``)
 # aliases whose None (TRL's "unset") grpolab reads: delta off, epsilon_high = epsilon,
 # eval_steps = logging_steps, TRL's own output folder, no model named here, no off-policy mask
 _UNSET_OK = ("delta", "epsilon_high", "eval_steps", "output_dir", "model_name_or_path",
@@ -132,8 +132,13 @@ def renamed(given: dict[str, Any]) -> dict[str, Any]:
         if new is not None and new != key and new in given:
             raise ConfigError(f"{key} (an earlier TRL name of {new}) and {new} are both given; "
                               f"keep {new}")
+        if value is None and new != "max_prompt_tokens":
+            continue  # unset: the new key's default
         if new == "max_prompt_tokens" and value is None:
             value = 0  # TRL's unset: whole prompts (grpolab: the model's limit)
+        if key == "warmup_ratio" and as_number(value) >= 1:
+            raise ConfigError(f"warmup_ratio: {value!r} warms up the whole run; give "
+                              "warmup_steps (a count, or below 1 a share)")
         if new is not None:
             out[new] = value
     log.warning("earlier TRL names read as TRL 1.16's: %s", ", ".join(
@@ -251,7 +256,9 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
         for key, value in schedule_options(d).items():
             put(key, value, "lr_scheduler_kwargs")
     if "warmup_steps" in given:  # TRL's: optimiser steps, or below 1 a share of max_steps
-        out["warmup_steps"] = warmup_batches(d, per_sample)
+        length = next(((k, layer[k]) for layer in reversed((earlier, given, later))
+                       for k in ("steps", "max_steps") if k in layer), None)
+        out["warmup_steps"] = warmup_batches(d, per_sample, length)
     if ({"eval_strategy", "eval_steps", "logging_steps"} & given.keys()
             and as_word(d.get("eval_strategy")) == "steps" and d.get("eval_steps") is None):
         # transformers: eval_steps unset = logging_steps (10 by default)

@@ -87,16 +87,23 @@ def batch_settings(d: dict[str, Any], group: Any, check: bool = True) -> dict[st
             f"divisible by num_generations {g}; TRL refuses it too (a step holds whole groups)")
     return {"budget": answers, "micro_batch": per}
 
-def warmup_batches(d: dict[str, Any], per_sample: int) -> Any:
-    """TRL's ``warmup_steps`` in sampled batches; below 1 it is a share of ``max_steps``
-    (rounded up, as transformers does)."""
+def warmup_batches(d: dict[str, Any], per_sample: int,
+                   length: tuple[str, Any] | None = None) -> Any:
+    """TRL's ``warmup_steps`` in sampled batches; below 1 it is a share of the run's length
+    (rounded up, as transformers does): ``length``, the last of ``max_steps`` (optimiser
+    steps) and grpolab's ``steps`` (sampled batches) the run is given, as (key, value)."""
     w = as_number(d["warmup_steps"])
     if isinstance(w, float) and 0 < w < 1:
-        total = as_number(d.get("max_steps"))
+        key, total = length or ("max_steps", d.get("max_steps"))
+        total = as_number(total)
         if not isinstance(total, int) or total < 1:
-            raise ConfigError(f"warmup_steps: {w} (TRL: a share of max_steps) needs max_steps")
+            raise ConfigError(f"warmup_steps: {w} (TRL: a share of max_steps) needs max_steps "
+                              "or steps")
+        if key == "steps":  # sampled batches already
+            return math.ceil(total * w)
         w = math.ceil(total * w)
     return per_batches("warmup_steps", w, per_sample) if per_sample > 1 else w
+
 
 def per_batches(key: str, value: Any, per_sample: int) -> int:
     """TRL's count of optimiser steps as grpolab's count of sampled batches (each taken
@@ -134,8 +141,9 @@ def as_word(value: Any) -> str:
 
 def schedule_options(d: dict[str, Any]) -> dict[str, Any]:
     """transformers' ``lr_scheduler_kwargs`` for ``lr_scheduler_type`` (TRL's): cosine's
-    ``num_cycles`` at its 0.5 (half a cosine), cosine_with_min_lr's ``min_lr_rate`` (or
-    ``min_lr`` over the learning rate) as ``min_lr_rate``; anything else refused."""
+    ``num_cycles`` at its 0.5 (half a cosine), cosine_with_min_lr's ``min_lr_rate`` or
+    ``min_lr`` (grpolab's keys of those names; min_lr is divided by the run's final lr);
+    anything else refused."""
     kind = as_word(d.get("lr_scheduler_type", "linear"))
     kwargs = d.get("lr_scheduler_kwargs") or {}  # (unset: None)
     if isinstance(kwargs, str):
@@ -156,12 +164,12 @@ def schedule_options(d: dict[str, Any]) -> dict[str, Any]:
         if (rate is None) == (floor is None):
             raise ConfigError("lr_scheduler_type: cosine_with_min_lr (TRL) needs one of "
                               "lr_scheduler_kwargs' min_lr_rate and min_lr (transformers too)")
-        if floor is not None:
-            rate = float(floor) / float(as_number(d.get("learning_rate", d.get("lr", 1e-6))))
     elif rate is not None or floor is not None:
-        kwargs["min_lr_rate"] = rate if floor is None else floor
+        kwargs["min_lr_rate" if floor is None else "min_lr"] = rate if floor is None else floor
     if kwargs:
         raise ConfigError(f"lr_scheduler_kwargs: {', '.join(sorted(kwargs))} for "
                           f"lr_scheduler_type {kind} (TRL) has no grpolab equivalent (cosine's "
                           "num_cycles 0.5; cosine_with_min_lr's min_lr_rate or min_lr)")
-    return {} if rate is None else {"min_lr_rate": float(rate)}
+    if floor is not None:
+        return {"min_lr": float(as_number(floor))}
+    return {} if rate is None else {"min_lr_rate": float(as_number(rate))}

@@ -68,8 +68,14 @@ def _validate_objective(cfg: Config) -> None:
     for key in ("vespo_k_pos", "vespo_k_neg", "off_policy_mask", "kl_cov_coef"):
         if not getattr(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0 (got {getattr(cfg, key)})")
-    if not 0 <= cfg.min_lr_rate <= 1:
-        raise ConfigError(f"min_lr_rate must be in [0, 1] (got {cfg.min_lr_rate})")
+    if cfg.scale == "gpg" and cfg.reward_aggregation == "normalize_then_sum":
+        raise ConfigError("scale gpg multiplies by answers / answers rewarded: with "
+                          "normalize_then_sum each reward would get its own factor (another "
+                          "weighting); use sum_then_normalize")
+    if not (0 <= cfg.min_lr_rate <= 1 and 0 <= cfg.min_lr <= cfg.lr) or (
+            cfg.min_lr_rate and cfg.min_lr):
+        raise ConfigError(f"min_lr_rate {cfg.min_lr_rate}, min_lr {cfg.min_lr}: give one, "
+                          f"min_lr_rate in [0, 1] or min_lr in [0, lr {cfg.lr}]")
     if cfg.sync_ref_model and (cfg.lora or cfg.beta == 0 or cfg.shard == "fsdp"):
         raise ConfigError("sync_ref_model moves a frozen copy of the policy: it needs full "
                           "fine-tuning (--no-lora), beta > 0 and shard none (TRL refuses "

@@ -62,9 +62,9 @@ def warp(logits: Tensor, temperature: float, f: Filters, fixed_shape: bool = Fal
     if f.top_k > 0:
         kth = torch.topk(x, min(f.top_k, x.shape[-1]), dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
-    if f.top_p < 1.0:
-        x = x.masked_fill(top_p_drop(x, f.top_p, () if fixed_shape else TOP_P_SEARCH),
-                          float("-inf"))
+    if f.top_p < 1.0:  # (the search pays on the CPU's slow sort; a GPU sorts in full)
+        search = TOP_P_SEARCH if x.device.type == "cpu" and not fixed_shape else ()
+        x = x.masked_fill(top_p_drop(x, f.top_p, search), float("-inf"))
     if f.min_p > 0.0:
         probs = x.softmax(dim=-1)  # (the most likely token is never under min_p <= 1 of itself)
         x = x.masked_fill(probs < f.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
@@ -78,10 +78,12 @@ def top_p_drop(x: Tensor, top_p: float, search: tuple[int, ...] = TOP_P_SEARCH) 
     """[B, V] bool: the tokens top-p removes from logits ``x`` [B, V], by HF's rule: a token
     goes when the tokens more likely than it already hold ``top_p`` of the probability; the
     most likely stays. A row's boundary is looked for among its ``search`` most likely tokens
-    first, kept where they hold top_p (HF's full sort costs ~75 ms a step at 32 x 49152 on 2
-    CPU cores, this ~8 ms on an LM's peaked distributions); other rows are sorted in full, as
-    HF does. The two sum the probabilities in another order, so a token within HF's float32
-    rounding of the boundary may fall the other way."""
+    first (HF's full sort costs 66-90 ms a draw at 32 x 49152 on 2 CPU cores, this 7-10 ms on
+    an LM's peaked rows); rows where those do not hold top_p, or where a token's share lies
+    within float rounding of the boundary (ties), are sorted in full as HF does. The two sum
+    in another order, so a token within HF's float32 rounding of it may still fall otherwise."""
+    if not search:
+        return _hf_top_p_drop(x, top_p)
     b, v = x.shape
     drop = torch.ones_like(x, dtype=torch.bool)
     rows = torch.arange(b, device=x.device)
@@ -91,17 +93,23 @@ def top_p_drop(x: Tensor, top_p: float, search: tuple[int, ...] = TOP_P_SEARCH) 
             break
         top, where = probs[rows].topk(k, dim=-1)  # descending
         cum = top.cumsum(dim=-1)
-        inside = cum[:, -1] >= top_p  # every token past the k-th goes
-        keep = (cum - top) < top_p
+        before = cum - top  # the share of the tokens more likely than each
+        inside = (cum[:, -1] >= top_p) & ((before - top_p).abs() > 1e-6).all(dim=-1)
+        keep = before < top_p
         keep[:, 0] = True
         drop[rows[inside]] = drop[rows[inside]].scatter(-1, where[inside], ~keep[inside])
         rows = rows[~inside]
-    if len(rows):  # HF's own: the ascending sort, its cumulative sums, the top token kept
-        ordered, where = torch.sort(x[rows], dim=-1)
-        gone = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
-        gone[..., -1:] = False
-        drop[rows] = gone.scatter(-1, where, gone)
+    if len(rows):
+        drop[rows] = _hf_top_p_drop(x[rows], top_p)
     return drop
+
+
+def _hf_top_p_drop(x: Tensor, top_p: float) -> Tensor:
+    """HF's own: the ascending sort, its cumulative sums, the most likely token kept."""
+    ordered, where = torch.sort(x, dim=-1)
+    gone = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+    gone[..., -1:] = False
+    return gone.scatter(-1, where, gone)
 
 
 def penalise(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:

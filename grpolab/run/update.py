@@ -317,7 +317,8 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
     update's metrics. ``control``: the entropy bonus's coefficient (default: ``entropy_coef``
     as it is), told each pass's entropy."""
     control = control or EntropyControl(cfg)
-    lr = cfg.lr * lr_factor(step, cfg.steps, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr_rate)
+    floor = cfg.min_lr_rate or cfg.min_lr / cfg.lr  # (transformers' min_lr: over the lr)
+    lr = cfg.lr * lr_factor(step, cfg.steps, cfg.lr_schedule, cfg.warmup_steps, floor)
     if not scored.rows:
         return {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
                 "grad_norm": 0.0, "lr": lr}

@@ -56,7 +56,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "luspo": {"policy_loss": "gspo", "loss_agg": "seq_mean_token_sum", "eps_low": 3e-4,
               "eps_high": 4e-4},
     # GPG: REINFORCE on (r - group mean) x answers / answers rewarded (verl: gpg loss and
-    # advantage, its default token mean)
+    # advantage, its default token mean; the run's beta kept: one switch)
     "gpg": {"policy_loss": "gpg", "scale": "gpg", "loss_agg": "token_mean"},
     "dual_clip": {"dual_clip": 3.0},  # verl's clip_ratio_c default
     "batch_std": {"scale": "batch"},  # TRL scale_rewards: batch
