@@ -407,7 +407,7 @@ TRAIN_DEFAULTS_DIFFER = {
     "gradient_accumulation_steps", "use_peft", "lora_r", "lora_alpha", "lora_dropout",
     "learning_rate", "lr_scheduler_type", "max_completion_length", "gradient_checkpointing",
     "max_steps", "save_steps", "eval_strategy", "seed", "disable_dropout", "bf16",
-    "scale_rewards"}
+    "scale_rewards", "shuffle_dataset"}
 
 
 def test_train_defaults_against_trl(tmp_path, monkeypatch) -> None:

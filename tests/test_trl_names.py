@@ -369,6 +369,7 @@ def test_trl_config_names_grpolab_defaults_it_runs_on(tmp_path, caplog) -> None:
         "constant (TRL's lr_scheduler_type linear), max_new_tokens 256 (TRL's "
         "max_completion_length 512), gradient_checkpointing false (TRL true), checkpoint_every "
         "10 (TRL's save_steps 500), eval_every 10 (TRL's eval_strategy no), seed 0 (TRL 42), "
+        "prompt_order random (TRL's shuffled passes, shuffle_dataset true), "
         "dtype float32 (TRL's bf16 autocast), the model's dropout off (TRL's disable_dropout "
         "false), max_prompt_tokens 1024 (TRL: whole prompts)")]
     caplog.clear()
@@ -380,8 +381,9 @@ def test_trl_config_names_grpolab_defaults_it_runs_on(tmp_path, caplog) -> None:
         make_config(y, {"beta": 0.0, "kl_is_correction": True, "lr_schedule": "linear",
                         "seed": 42, "disable_dropout": True}, "train")
     assert grpolab_defaults_note(caplog) == [
-        ("this TRL config leaves these at grpolab's defaults, not TRL's: max_prompt_tokens 1024 "
-        "(TRL: whole prompts)")]
+        ("this TRL config leaves these at grpolab's defaults, not TRL's: prompt_order random "
+        "(TRL's shuffled passes, shuffle_dataset true), max_prompt_tokens 1024 (TRL: whole "
+        "prompts)")]
     caplog.clear()
     with caplog.at_level("WARNING", logger="grpolab"):  # grpolab's names; the workshop
         make_config(None, {"group_size": 8}, "train")

@@ -261,6 +261,9 @@ class Config:
         "DAPO overlong filtering: answers cut off by max_new_tokens (no EOS) add nothing to the "
         "loss")
     max_sampling_rounds: int = opt(8, RUN, "extra sampling rounds allowed per step")
+    prompt_order: Literal["random", "epochs", "sequential"] = opt(
+        "random", RUN, "random: each step draws afresh; epochs: shuffled passes, each prompt "
+        "once a pass (TRL's sampler); sequential: passes in the data's order")
     curriculum: bool = opt(False, RUN, "weight prompts by recent pass rate strictly in (0, 1)")
     curriculum_floor: float = opt(
         0.05, RUN,

@@ -112,6 +112,8 @@ TRL_DEFAULTS_DIFFER: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("eval_every {eval_every}", "TRL's eval_strategy no",
      ("eval_strategy", "eval_steps", "eval_every", "eval_size")),
     ("seed {seed}", "TRL 42", ("seed",)),
+    ("prompt_order {prompt_order}", "TRL's shuffled passes, shuffle_dataset true",
+     ("shuffle_dataset", "prompt_order")),
     ("dtype {dtype}", "TRL's bf16 autocast", ("bf16", "fp16", "dtype")),
     ("the model's dropout off", "TRL's disable_dropout false", ("disable_dropout",)),
     ("max_prompt_tokens {max_prompt_tokens}", "TRL: whole prompts", ("max_prompt_tokens",)),

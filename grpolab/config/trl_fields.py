@@ -39,6 +39,9 @@ TRL_VALUES: dict[str, dict[str | None, dict[str, Any]]] = {
                           # its floor: lr_scheduler_kwargs' min_lr_rate (``schedule_options``)
                           "cosine_with_min_lr": {"lr_schedule": "cosine"}},
     "use_cpu": {"true": {"device": "cpu"}, "false": {}},
+    # TRL's sampler: a shuffled pass over the data per epoch, or the data's order
+    "shuffle_dataset": {"true": {"prompt_order": "epochs"},
+                        "false": {"prompt_order": "sequential"}},
     # TRL autocasts over float32 weights; here the weights themselves (LoRA adapters stay
     # float32), so full fine-tuning is refused (``_refuse``). Unset (None) is on in TRL.
     "bf16": {"true": {"dtype": "bfloat16"}, None: {"dtype": "bfloat16"}, "false": {}},
@@ -62,7 +65,6 @@ TRL_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
     "neftune_noise_alpha": ((None,), "grpolab adds no noise to the embeddings"),
     "auto_find_batch_size": ((False,), "grpolab keeps its batch (no halving on out-of-memory)"),
     # the prompts' order
-    "shuffle_dataset": ((True,), "grpolab draws the prompts in a seeded random order"),
     "data_seed": ((None,), "grpolab's seed orders the prompts; set seed"),
     "accelerator_config": ((None, {}), "grpolab batches without Accelerate's options"),
     # the loss and the reference

@@ -68,6 +68,9 @@ def _validate_objective(cfg: Config) -> None:
     for key in ("vespo_k_pos", "vespo_k_neg", "off_policy_mask", "kl_cov_coef"):
         if not getattr(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0 (got {getattr(cfg, key)})")
+    if cfg.prompt_order != "random" and (cfg.curriculum or cfg.allocate):
+        raise ConfigError(f"prompt_order {cfg.prompt_order}: the curriculum and the allocator "
+                          "choose the prompts themselves; use prompt_order random with them")
     if cfg.scale == "gpg" and cfg.reward_aggregation == "normalize_then_sum":
         raise ConfigError("scale gpg multiplies by answers / answers rewarded: with "
                           "normalize_then_sum each reward would get its own factor (another "

@@ -1,8 +1,13 @@
-"""Which prompts to train on: uniform draws, or a curriculum from per-prompt running pass rates.
+"""Which prompts to train on: uniform draws, passes over the data, or a curriculum from
+per-prompt running pass rates.
 
-A group is only useful when the policy sometimes fails the prompt; the curriculum keeps an
-exponential moving average of each prompt's group pass rate and draws prompts with weight
-max(floor, 4 p (1 - p)), so prompts it always or never solves fade out but are never dropped.
+``order`` "random" draws each step's prompts afresh (distinct within a step); "epochs" takes
+them from a shuffled pass over the data, each prompt once a pass (TRL's sampler with
+shuffle_dataset); "sequential" from passes in the data's order (shuffle_dataset false).
+A group is only useful when the policy sometimes fails the prompt; the curriculum (random
+order only) keeps an exponential moving average of each prompt's group pass rate and draws
+prompts with weight max(floor, 4 p (1 - p)), so prompts it always or never solves fade out
+but are never dropped.
 """
 
 from __future__ import annotations
@@ -28,13 +33,17 @@ class PromptSampler:
         floor: float = 0.05,
         decay: float = 0.5,
         unseen: float = 0.5,
+        order: str = "random",
     ) -> None:
+        if curriculum and order != "random":
+            raise ValueError("the curriculum draws by weight: order must be random")
         self.n = n
         self.generator = generator
-        self.curriculum = curriculum
+        self.curriculum, self.order = curriculum, order
         self.floor, self.decay, self.unseen = floor, decay, unseen
         self.pass_rate = torch.zeros(n, dtype=torch.float64)
         self.visits = torch.zeros(n, dtype=torch.long)
+        self.queue = torch.zeros(0, dtype=torch.long)  # the current pass's prompts still to come
 
     def weights(self) -> Tensor:
         if not self.curriculum:
@@ -43,11 +52,28 @@ class PromptSampler:
 
     def draw(self, k: int, exclude: set[int] | None = None) -> list[int]:
         """k distinct prompts (without replacement within a draw)."""
+        if self.order != "random":
+            return self._from_passes(min(k, self.n))
         w = self.weights().clone()
         if exclude:
             w[list(exclude)] = 0.0
         k = min(k, int((w > 0).sum()))
         return torch.multinomial(w, k, replacement=False, generator=self.generator).tolist()
+
+    def _from_passes(self, k: int) -> list[int]:
+        """The next k prompts of the passes; where a pass ends the next begins, skipping the
+        prompts this draw already holds (they come first in the new pass's remainder)."""
+        out: list[int] = []
+        while len(out) < k:
+            if not len(self.queue):
+                self.queue = (torch.randperm(self.n, generator=self.generator)
+                              if self.order == "epochs" else torch.arange(self.n))
+            taken = set(out)
+            head = [i for i in self.queue.tolist() if i not in taken][: k - len(out)]
+            rest = [i for i in self.queue.tolist() if i not in set(head)]
+            out += head
+            self.queue = torch.tensor(rest, dtype=torch.long)
+        return out
 
     def update(self, idx: list[int], group_pass_rates: list[float]) -> None:
         """Fold each prompt's newest group pass rate into its moving average."""
@@ -59,8 +85,10 @@ class PromptSampler:
             self.visits[i] += 1
 
     def state_dict(self) -> dict:
-        return {"pass_rate": self.pass_rate.clone(), "visits": self.visits.clone()}
+        return {"pass_rate": self.pass_rate.clone(), "visits": self.visits.clone(),
+                "queue": self.queue.clone()}
 
     def load_state_dict(self, s: dict) -> None:
         self.pass_rate.copy_(s["pass_rate"])
         self.visits.copy_(s["visits"])
+        self.queue = s.get("queue", torch.zeros(0, dtype=torch.long)).clone()

@@ -82,7 +82,7 @@ class GRPOTrainer:
         self.gen = torch.Generator().manual_seed(cfg.seed + RANK_SEED_STRIDE * dist.rank())
         self.sampler = PromptSampler(len(train_rows), torch.Generator().manual_seed(cfg.seed + 1),
                                      curriculum=cfg.curriculum, floor=cfg.curriculum_floor,
-                                     decay=cfg.curriculum_decay)
+                                     decay=cfg.curriculum_decay, order=cfg.prompt_order)
         self.rollouts = Collector(cfg, backend, train_rows, self.scorer, self.gen, self.sampler)
         self.tracker = self.rollouts.tracker  # the pass-rate posteriors (grpolab.predict.posterior)
         dist.broadcast_module(backend.model)  # every rank starts from rank 0's weights
