@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from grpolab.config import ConfigError, make_config
+from grpolab.config import trl as trl_names
 
 
 @pytest.fixture(autouse=True)
@@ -234,6 +235,19 @@ def test_trl_training_refusals_are_one_line(trl_keys: dict, message: str) -> Non
 
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture(autouse=True)
+def _vllm_as_if_installed(monkeypatch) -> None:
+    """The translation of TRL's vLLM keys, as on a machine with vLLM (none is here)."""
+    monkeypatch.setattr(trl_names, "vllm_installed", lambda: True)
+
+
+def test_use_vllm_without_vllm_says_so_first(monkeypatch) -> None:
+    """On a machine without vLLM, use_vllm: true is refused for that, before its settings."""
+    monkeypatch.setattr(trl_names, "vllm_installed", lambda: False)
+    with pytest.raises(ConfigError, match="use_vllm: true .TRL. needs the vllm package"):
+        make_config(None, {"use_vllm": True, "num_generations": 8}, "train")
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
@@ -480,6 +494,38 @@ def test_earlier_trl_names_are_read_and_named_once(tmp_path, caplog) -> None:
                   "steps: 8\nnum_generations: 8\n")
     c2 = make_config(y2, None, "train")
     assert (c2.max_prompt_tokens, c2.dtype, c2.warmup_steps) == (0, "float32", 2)
+    y2.write_text("torch_dtype: bfloat16\ntop_k: null\nnum_generations: 8\n")  # (others' nulls)
+    with pytest.raises(ConfigError, match="top_k: null .TRL. leaves it to the model's"):
+        make_config(y2, None, "train")
     y2.write_text("warmup_ratio: 1.0\nmax_steps: 8\nnum_generations: 8\n")
     with pytest.raises(ConfigError, match="warms up the whole run"):
         make_config(y2, None, "train")
+
+
+def test_trl_names_as_flags(capsys) -> None:
+    """TRL's CLI spelling (``--learning_rate 3e-4``, ``--use_peft``, ``--max-steps=2``) on
+    grpolab's command line; anything else is argparse's one-line error, exit 2."""
+    from grpolab.app.cli import _overrides, build_parser, trl_flags
+
+    p = build_parser()
+    args, extra = p.parse_known_args(["train", "--max_steps", "2", "--learning_rate=3e-4",
+                                      "--use_peft", "--num-generations", "4", "--top_p", "0.9"])
+    c = make_config(None, {**_overrides(args), **trl_flags(extra, p)}, "train")
+    assert (c.steps, c.lr, c.lora, c.group_size, c.top_p) == (2, 3e-4, True, 4, 0.9)
+    with pytest.raises(SystemExit) as e:
+        trl_flags(["--max_stepz", "2"], p)
+    assert e.value.code == 2 and "unrecognized arguments: --max_stepz 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("eval_strategy: no\nnum_generations: 8\n", "write 'no'"),  # YAML's unquoted no: false
+    ("num_train_epochs: 1\nmax_steps: -1\nwarmup_ratio: 0.1\n", "set max_steps .or steps.$"),
+    ("reward_funcs: [reasoning_gym]\n", "grpolab's own rewards, math, reasoning_gym"),
+    ("eval_steps: 0\neval_strategy: steps\nnum_generations: 8\n",
+     "eval_size 0 turns evaluation off"),
+])
+def test_trl_mistakes_say_what_to_write(tmp_path, text: str, message: str) -> None:
+    y = tmp_path / "trl.yaml"
+    y.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        make_config(y, None, "train")

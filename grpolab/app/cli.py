@@ -98,12 +98,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def trl_flags(extra: list[str], parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """TRL's names as flags, as its CLI writes them (``--learning_rate 1e-6``, ``--use_peft``,
+    ``--max-steps=20``): what argparse left over, each a key the config reads (TRL's,
+    an earlier one, or grpolab's with underscores), translated with the file's keys."""
+    from grpolab.config.trl import TRL_KEYS, TRL_RENAMED
+
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(extra):
+        name, eq, value = extra[i][2:].partition("=") if extra[i].startswith("--") else "  "
+        key = name.replace("-", "_")
+        if key not in TRL_KEYS and key not in TRL_RENAMED and key not in Config.__dataclass_fields__:
+            parser.error(f"unrecognized arguments: {' '.join(extra[i:])}")
+        if not eq:  # (a flag alone is true, as TRL's boolean flags)
+            nxt = extra[i + 1] if i + 1 < len(extra) else "--"
+            value, i = ("true", i) if nxt.startswith("--") else (nxt, i + 1)
+        out[key] = value
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="grpolab: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    trl = trl_flags(extra, parser)
     out_dir = None
     try:
-        cfg = make_config(args.config, _overrides(args), args.command)
+        cfg = make_config(args.config, {**_overrides(args), **trl}, args.command)
         if args.command == "eval" and args.out_dir is None:  # a config file's is its training's
             cfg = dataclasses.replace(cfg, out_dir=command_defaults("eval")["out_dir"])
         dist.init()  # joins torchrun's process group; nothing in a single process

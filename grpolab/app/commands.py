@@ -336,6 +336,7 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
         "greedy_correct": ok.int().tolist(),  # per prompt, for paired comparisons
         "speed": dataclasses.asdict(cfg.speed),  # the sampling paths taken
         "sampling": dataclasses.asdict(Filters.of(cfg)),  # (the penalty also shapes greedy)
+        "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed, "dtype": cfg.dtype,
     }
     if (by := by_difficulty(rows, ok.float())) is not None:
         out["greedy_accuracy_by_difficulty"] = by

@@ -13,7 +13,9 @@ translates a dict and refuses contradictions.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 from typing import Any
 
 from grpolab.config.schema import ConfigError
@@ -134,8 +136,8 @@ def renamed(given: dict[str, Any]) -> dict[str, Any]:
         if new is not None and new != key and new in given:
             raise ConfigError(f"{key} (an earlier TRL name of {new}) and {new} are both given; "
                               f"keep {new}")
-        if value is None and new != "max_prompt_tokens":
-            continue  # unset: the new key's default
+        if value is None and key in TRL_RENAMED and new != "max_prompt_tokens":
+            continue  # an earlier name unset: the new key's default
         if new == "max_prompt_tokens" and value is None:
             value = 0  # TRL's unset: whole prompts (grpolab: the model's limit)
         if key == "warmup_ratio" and as_number(value) >= 1:
@@ -215,8 +217,10 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
         if trl_key in TRL_VALUES:
             table, word = TRL_VALUES[trl_key], None if value is None else as_word(value)
             if word not in table:
+                quote = (" (YAML reads an unquoted no as false: write 'no')"
+                         if word == "false" and "no" in table else "")
                 raise ConfigError(f"{trl_key}: {value!r} (TRL) has no grpolab equivalent; "
-                                  f"grpolab reads {', '.join(k for k in table if k)}")
+                                  f"grpolab reads {', '.join(k for k in table if k)}{quote}")
             for key, v in table[word].items():
                 put(key, v, trl_key)
         elif trl_key in TRL_ALIASES:
@@ -257,6 +261,10 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             and "lr_scheduler_kwargs" not in later):
         for key, value in schedule_options(d).items():
             put(key, value, "lr_scheduler_kwargs")
+    if ("num_train_epochs" in given or as_number(given.get("max_steps")) == -1) and not (
+            "steps" in out or "steps" in d or as_number(d.get("max_steps", -1)) != -1):
+        raise ConfigError("num_train_epochs / max_steps: -1 (TRL: epochs over the dataset): "
+                          "grpolab runs a number of steps; set max_steps (or steps)")
     if "warmup_steps" in given:  # TRL's: optimiser steps, or below 1 a share of max_steps
         length = next(((k, layer[k]) for layer in reversed((earlier, given, later))
                        for k in ("steps", "max_steps") if k in layer), None)
@@ -266,10 +274,6 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
         # transformers: eval_steps unset = logging_steps (10 by default)
         put("eval_every", per_batches("logging_steps", d.get("logging_steps", 10), per_sample),
             "logging_steps" if "logging_steps" in d else "eval_strategy")
-    if ("num_train_epochs" in given or as_number(given.get("max_steps")) == -1) and not (
-            "steps" in out or "steps" in d or as_number(d.get("max_steps", -1)) != -1):
-        raise ConfigError("num_train_epochs / max_steps: -1 (TRL: epochs over the dataset): "
-                          "grpolab runs a number of steps; set max_steps (or steps)")
     rewards = script_rewards(d) if set(_SCRIPT) & given.keys() else []
     if rewards:
         put("rewards", rewards, "reward_funcs" if "reward_funcs" in d
@@ -292,6 +296,10 @@ def _refuse(given: dict[str, Any], d: dict[str, Any],
             layers: tuple[dict[str, Any], ...]) -> None:
     """The TRL settings grpolab cannot honour, each a one-line ConfigError: ``given``'s own,
     and those of what the run is given (``d``; ``layers``: the file, then overrides)."""
+    if as_word(given.get("use_vllm")) == "true" and not vllm_installed():
+        raise ConfigError("use_vllm: true (TRL) needs the vllm package and a CUDA GPU, and "
+                          "vllm is not installed here: set use_vllm: false (grpolab samples "
+                          "on its own)")
     fixed = {**TRL_FIXED, **(_VLLM_FIXED if _vllm(d) else {})}
     if as_word(given.get("use_vllm")) == "true" and "vllm_importance_sampling_correction" not in d:
         given = {**given, "vllm_importance_sampling_correction": True}  # TRL's default
@@ -333,6 +341,10 @@ def _last(layers: tuple[dict[str, Any], ...], *keys: str) -> Any:
             if key in layer:
                 return layer[key]
     return None
+
+
+def vllm_installed() -> bool:
+    return "vllm" in sys.modules or importlib.util.find_spec("vllm") is not None
 
 
 def _loss_type_notes(loss_type: str, level: str, d: dict[str, Any]) -> None:

@@ -58,7 +58,8 @@ def script_rewards(d: dict[str, Any]) -> list[str]:
             out.append(f"{module}:{fn}")
         else:
             raise ConfigError(f"reward_funcs: {name!r} (TRL's script) has no grpolab equivalent; "
-                              f"grpolab reads {', '.join(TRL_REWARDS)} or a dotted import path")
+                              f"grpolab reads {', '.join(TRL_REWARDS)} or a dotted import path "
+                              "(grpolab's own rewards, math, reasoning_gym, ..., go in rewards)")
     return out
 
 def batch_settings(d: dict[str, Any], group: Any, check: bool = True) -> dict[str, int]:

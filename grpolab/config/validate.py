@@ -110,7 +110,8 @@ def validate(cfg: Config) -> None:
         )
     for name in ("steps", "budget", "epochs", "max_new_tokens", "eval_every"):
         if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name} must be >= 1 (got {getattr(cfg, name)})")
+            off = "; eval_size 0 turns evaluation off" if name == "eval_every" else ""
+            raise ConfigError(f"{name} must be >= 1 (got {getattr(cfg, name)}){off}")
     for name in ("temperature", "lr"):
         if not getattr(cfg, name) > 0:
             raise ConfigError(f"{name} must be > 0 (got {getattr(cfg, name)})")
