@@ -116,3 +116,31 @@ def test_python_api_train_with_a_callable_reward(llama: str, tmp_path: Path) -> 
     assert all(r["reward_problems"] == 0 and r["rewards/length_reward"] > 0
                for r in records[1:])
     assert (records.out_dir / "final" / "README.md").is_file()
+
+
+def test_a_reward_needing_a_column_the_rows_lack_stops_before_loading(
+        llama: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """TRL's accuracy_reward reads ``solution``: on rows with only an answer it would fail on
+    every answer after the model loads; it is refused at once (exit 2), naming the column."""
+    from grpolab.rewards.trl_compat import missing_columns
+
+    def keywords(completions, solution, **kwargs):  # TRL's style
+        return [0.0] * len(completions)
+
+    def positional(p, c, answer, **kw):  # grpolab's style
+        return [0.0] * len(c)
+
+    assert missing_columns(keywords, {"answer"}) == ["solution"]
+    assert missing_columns(keywords, {"answer", "solution"}) == []
+    assert missing_columns(positional, {"answer"}) == []
+    assert missing_columns(positional, {"solution"}) == ["answer"]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": "7"}) + "\n"
+                            for r in ROWS))
+    cfg = config(tmp_path, llama, dataset=str(data), eval_dataset=str(data),
+                 answer_column="answer", rewards=["trl.rewards:accuracy_reward"])
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["train", "--config", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "reward 'accuracy_reward' needs the column(s) solution" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -22,7 +22,7 @@ from grpolab.config import Config, ConfigError
 from grpolab.config.load import warn_idle
 from grpolab.config.schema import command_defaults
 from grpolab.rewards.builtin import CODE_REWARDS
-from grpolab.rewards.scorer import load_rewards, make_scorer, score_answers
+from grpolab.rewards.scorer import check_columns, load_rewards, make_scorer, score_answers
 from grpolab.rollout.sampling import Filters
 from grpolab.rollout.templates import check_render
 from grpolab.run import dist, shard
@@ -217,6 +217,7 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
                           "eval_dataset (and eval_size > 0)")
     _check_code_tests(cfg, (rows, cfg.dataset), (heldout, cfg.eval_dataset))
     reward_fns, watch = load_rewards(cfg)
+    check_columns(reward_fns, rows)
     model, tok = _load(cfg)
     if cfg.dtype != "float32" and not cfg.lora and dist.is_main():
         log.warning("full fine-tuning in %s: weights and Adam states stay in %s, and updates "
@@ -309,6 +310,7 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
                           f"of {same_as.get('dataset')!r}, this one would be of {len(rows)} of "
                           f"{dataset!r}; compare evaluations of the same prompts")
     scorer = make_scorer(cfg)
+    check_columns(scorer.reward_fns, rows)
     model, tok = _load(cfg)
     # The training backend's settings (chat template, prompt limit, seed), minus what only
     # training needs: adapters, the reference copy, checkpointing.

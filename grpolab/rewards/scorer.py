@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from grpolab.config import ConfigError
 from grpolab.rewards.builtin import REWARD_LIMIT, RewardFn
 from grpolab.rewards.pool import (
     RewardPool,
@@ -367,6 +368,22 @@ class Scorer:
             self.pool.close()
             self.pool = None
         self._pool_checked = False
+
+
+def check_columns(reward_fns: Sequence[RewardFn], rows: list[dict]) -> None:
+    """A reward that needs a column the rows do not have would fail on every answer, after the
+    model loads: refused at once, naming the column."""
+    from grpolab.rewards.trl_compat import missing_columns
+
+    have = set(row_columns(rows[:1]))
+    for fn in reward_fns:
+        missing = missing_columns(fn, have)
+        if missing:
+            raise ConfigError(
+                f"reward {getattr(fn, '__name__', fn)!r} needs the column(s) "
+                f"{', '.join(missing)}, which the rows do not have (they have "
+                f"{', '.join(sorted(have)) or 'none'}): point answer_column at it, add it to "
+                "the data, or use a reward that reads the rows' answer")
 
 
 def load_rewards(cfg: Any) -> tuple[list[RewardFn], RewardFn | None]:

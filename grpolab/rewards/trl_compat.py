@@ -138,6 +138,21 @@ class TRLReward:
         return f"TRLReward({self.fn!r})"
 
 
+def missing_columns(fn: Any, columns: set[str]) -> list[str]:
+    """The parameters reward ``fn`` requires that a call with these dataset ``columns`` would
+    leave unfilled (TRL's ``accuracy_reward`` on rows without ``solution``, say)."""
+    inner = fn.fn if isinstance(fn, TRLReward) else fn
+    sig = _signature(inner)
+    if sig is None:
+        return []
+    keywords = wants_keywords(inner)
+    params = list(sig.parameters.values())[0 if keywords else 2:]  # (else prompts, completions)
+    given = columns | ({"prompts", "completions"} if keywords else set())
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params
+            if p.default is p.empty and p.kind in kinds and p.name not in given]
+
+
 def adapt(fn: Any) -> Any:
     """``fn`` behind TRLReward (grpolab's own rewards and reward models are returned as is)."""
     inner = fn
