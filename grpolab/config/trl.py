@@ -140,7 +140,8 @@ def renamed(given: dict[str, Any]) -> dict[str, Any]:
             continue  # an earlier name unset: the new key's default
         if new == "max_prompt_tokens" and value is None:
             value = 0  # TRL's unset: whole prompts (grpolab: the model's limit)
-        if key == "warmup_ratio" and as_number(value) >= 1:
+        ratio = as_number(value) if key == "warmup_ratio" else None
+        if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio >= 1:
             raise ConfigError(f"warmup_ratio: {value!r} warms up the whole run; give "
                               "warmup_steps (a count, or below 1 a share)")
         if new is not None:
