@@ -286,7 +286,7 @@ def test_adaptive_entropy_matches_trls_controller(loss_type: str, q: float, star
     coefficient outside its bounds is bounded only on the side it moves to, as in TRL."""
     from trl_harness import adaptive_trainer, trl_step_loss
 
-    from grpolab.run.update import EntropyControl
+    from grpolab.run.optim import EntropyControl
 
     knobs = {"entropy_target": 1.0, "entropy_coef_delta": delta, "entropy_coef_min": 0.01,
              "entropy_coef_max": 0.06}

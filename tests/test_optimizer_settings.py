@@ -13,7 +13,7 @@ from transformers import Trainer
 from grpolab.config import Config, ConfigError
 from grpolab.rollout.models import load_model
 from grpolab.rollout.tinyhf import make_tiny_model
-from grpolab.run.update import optimizer
+from grpolab.run.optim import optimizer
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])  # RMSNorm by name; GPT-2's ln_1 by type
@@ -60,7 +60,7 @@ def test_min_lr_is_over_the_runs_final_lr(tmp_path) -> None:
     """transformers' min_lr is an lr, divided by the optimiser's: a TRL file's min_lr under an
     lr given later still floors the schedule at min_lr itself."""
     from grpolab.config import make_config
-    from grpolab.run.update import lr_factor
+    from grpolab.run.optim import lr_factor
 
     trl = {"lr_scheduler_type": "cosine_with_min_lr", "learning_rate": 1e-3,
            "lr_scheduler_kwargs": {"min_lr": 1e-4}, "num_generations": 4}
@@ -71,3 +71,22 @@ def test_min_lr_is_over_the_runs_final_lr(tmp_path) -> None:
         [2e-3 * lr_factor(s, 4, "cosine", 0, 0.05) for s in range(4)])
     with pytest.raises(ConfigError, match="give one"):
         make_config(None, {"min_lr": 1e-4, "min_lr_rate": 0.1})
+
+
+def test_the_lr_moves_each_optimiser_step(tmp_path) -> None:
+    """With epochs (TRL's num_iterations) each pass is an optimiser step and the schedule moves
+    at each, as TRL's scheduler does: steps x epochs of them, the warm-up likewise."""
+    from grpolab.run.optim import lr_factor
+
+    tr = tiny_trainer(tmp_path, steps=3, epochs=2, lr=1e-3, lr_schedule="linear",
+                      warmup_steps=1)
+    seen, step = [], tr.opt.step
+
+    def record(*a, **k):
+        seen.append(tr.opt.param_groups[0]["lr"])
+        return step(*a, **k)
+
+    tr.opt.step = record
+    tr.train()
+    assert seen == pytest.approx([1e-3 * lr_factor(i, 6, "linear", 2) for i in range(6)])
+    assert seen[2] > seen[3] > seen[4] > seen[5]  # (each step's two passes differ)

@@ -39,10 +39,11 @@ from grpolab.rollout.critic import Critic
 from grpolab.run import checkpoint, dist, resume, shard, update
 from grpolab.run.checkpoint import CheckpointError
 from grpolab.run.collect import Batch, Collector
+from grpolab.run.optim import EntropyControl, lr_factor, optimizer
 from grpolab.run.report import MetricsWriter, by_difficulty, sample_record, step_record
 from grpolab.run.stopping import RunStopped, StopSignals
 from grpolab.run.trackers import Reporter, finishing
-from grpolab.run.update import TrainingError, lr_factor
+from grpolab.run.update import TrainingError
 from grpolab.run.watch import Watch
 
 log = logging.getLogger("grpolab")
@@ -89,10 +90,10 @@ class GRPOTrainer:
         if cfg.shard == "fsdp":  # before the optimizer: sharding replaces the parameters
             shard.shard_backend(backend)
         self.sharded = shard.is_sharded(backend.model)
-        self.params, self.opt = update.optimizer(backend.model, cfg)
+        self.params, self.opt = optimizer(backend.model, cfg)
         # PPO's value model: a copy of the policy as it starts, with a value head
         self.critic = Critic(backend.model, cfg.critic_lr) if cfg.estimator == "ppo" else None
-        self.entropy_control = update.EntropyControl(cfg)  # the entropy bonus's coefficient
+        self.entropy_control = EntropyControl(cfg)  # the entropy bonus's coefficient
         self.step_num = 0
         self.metrics: MetricsWriter | None = None
         self.samples: MetricsWriter | None = None  # samples.jsonl (cfg.log_samples groups a step)

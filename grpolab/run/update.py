@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from grpolab.config import Config
 from grpolab.core import advantages as adv_mod
@@ -39,27 +38,11 @@ from grpolab.rollout.batch import Rollout, micro_batches
 from grpolab.rollout.critic import Critic
 from grpolab.run import dist, shard
 from grpolab.run.collect import Batch
+from grpolab.run.optim import EntropyControl, lr_factor
 
 
 class TrainingError(RuntimeError):
     """A run cannot go on (for example a non-finite loss); checkpoints and metrics are intact."""
-
-
-def lr_factor(step: int, steps: int, schedule: str, warmup: int, floor: float = 0.0) -> float:
-    """Multiplier of the base lr for GRPO step ``step`` (0-based) of ``steps``: a linear
-    warm-up over ``warmup`` steps, then constant, linear to 0 or half a cosine to ``floor`` at
-    ``steps`` (as transformers' schedulers do; the floor: its cosine_with_min_lr's
-    min_lr_rate). A function of the step alone, so a resumed run continues the schedule
-    exactly."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-    if schedule == "linear":
-        return 1.0 - progress
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cosine * (1 - floor) + floor if floor else cosine
 
 
 @dataclass
@@ -86,42 +69,6 @@ class Scored:
     token_penalty: Tensor | None = None  # [B, Tc] beta x per-token KL (token-level estimators)
     old_values: Tensor | None = None  # [B, Tc] ppo: the critic's values before the update
     returns: Tensor | None = None  # [B, Tc] ppo: what the critic learns (GAE + old values)
-
-
-class EntropyControl:
-    """The entropy bonus's coefficient, and its state: ``entropy_coef`` fixed, or with
-    ``use_adaptive_entropy`` Skywork-OR1's controller as TRL 1.16 runs it: a step applies the
-    coefficient only if the previous optimiser step's entropy (over the tokens the policy
-    loss trained on, all micro-batches and ranks; none yet: no bonus) was at most
-    ``entropy_target``; after each step the coefficient rises by ``entropy_coef_delta`` if that
-    step's entropy was, else falls by it, within [``entropy_coef_min``, ``entropy_coef_max``]."""
-
-    def __init__(self, cfg: Config) -> None:
-        self.cfg, self.coef, self.last = cfg, float(cfg.entropy_coef), math.inf
-
-    def applied(self) -> float:
-        """The coefficient this optimiser step applies."""
-        adaptive = self.cfg.use_adaptive_entropy
-        return self.coef if not adaptive or self.last <= self.cfg.entropy_target else 0.0
-
-    def observe(self, entropy: float) -> None:
-        """After an optimiser step: that step's entropy moves the coefficient (adaptive only)."""
-        c = self.cfg
-        if c.use_adaptive_entropy:  # (bounded on the side it moves to, as TRL does)
-            if entropy <= c.entropy_target:
-                self.coef = min(self.coef + c.entropy_coef_delta, c.entropy_coef_max)
-            else:
-                self.coef = max(self.coef - c.entropy_coef_delta, c.entropy_coef_min)
-            self.last = entropy
-
-    def state_dict(self) -> dict[str, float]:
-        return {"coef": self.coef, "last": self.last}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        # a fixed coefficient is the config's (a resume may change it); an older checkpoint
-        # has no state: the run's entropy_coef, no step seen
-        if state and self.cfg.use_adaptive_entropy:
-            self.coef, self.last = float(state["coef"]), float(state["last"])
 
 
 @dataclass
@@ -287,27 +234,6 @@ def answer_advantages(adv: Tensor | None, mask: Tensor) -> Tensor | None:
     return (adv * m).sum(-1) / m.sum(-1).clamp(min=1)
 
 
-# transformers' Trainer decays no bias and no norm's weight (``get_decay_parameter_names``)
-NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
-
-
-def optimizer(model: nn.Module, cfg: Config) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
-    """The trainable parameters and torch's Adam over them, as TRL's AdamW: decoupled weight
-    decay ``weight_decay`` on every one but biases and normalisation weights (by name, or
-    inside an ``nn.LayerNorm``), in a second parameter group; one group without decay."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
-    kw = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_epsilon}
-    if not cfg.weight_decay:
-        return params, torch.optim.Adam(params, **kw)
-    norms = {f"{m}.{n}".lstrip(".") for m, mod in model.named_modules()
-             if isinstance(mod, nn.LayerNorm) for n, _ in mod.named_parameters()}
-    plain = {n for n, _ in named if n in norms or NO_DECAY.search(n.lower())}
-    return params, torch.optim.AdamW(
-        [{"params": [p for n, p in named if n not in plain], "weight_decay": cfg.weight_decay},
-         {"params": [p for n, p in named if n in plain], "weight_decay": 0.0}], **kw)
-
-
 def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: list[Tensor],
              scored: Scored, adv: Tensor | None, step: int, sharded: bool = False,
              critic: Critic | None = None,
@@ -318,7 +244,13 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
     as it is), told each pass's entropy."""
     control = control or EntropyControl(cfg)
     floor = cfg.min_lr_rate or cfg.min_lr / cfg.lr  # (transformers' min_lr: over the lr)
-    lr = cfg.lr * lr_factor(step, cfg.steps, cfg.lr_schedule, cfg.warmup_steps, floor)
+    e = cfg.epochs  # the schedule moves each optimiser step (each pass), as TRL's scheduler
+
+    def lr_at(epoch: int) -> float:
+        return cfg.lr * lr_factor(step * e + epoch, cfg.steps * e, cfg.lr_schedule,
+                                  cfg.warmup_steps * e, floor)
+
+    lr = lr_at(0)
     if not scored.rows:
         return {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
                 "grad_norm": 0.0, "lr": lr}
@@ -352,6 +284,10 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
             out = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
                    "grad_norm": 0.0, "lr": lr, **extra}
             continue
+        if epoch:
+            lr = lr_at(epoch)
+            for group in opt.param_groups:
+                group["lr"] = lr
         opt.zero_grad(set_to_none=True)
         stats = UpdateStats()
         if sharded and dist.all_reduce_sum([float(not parts)])[0]:
