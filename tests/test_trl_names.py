@@ -515,6 +515,18 @@ def test_trl_names_as_flags(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         trl_flags(["--max_stepz", "2"], p)
     assert e.value.code == 2 and "unrecognized arguments: --max_stepz 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        trl_flags(["oops"], p)
+    assert e.value.code == 2 and "unrecognized arguments: oops" in capsys.readouterr().err
+    assert trl_flags(["--reward_funcs", "a.b", "c.d", "--use_peft"], p) == {
+        "reward_funcs": ["a.b", "c.d"], "use_peft": "true"}
+    from grpolab.app import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--group-size", "4", "--group_size", "8"])
+    assert e.value.code == 2 and "group_size given twice" in capsys.readouterr().err
+    trl = {"max_steps": 40, "num_iterations": 2, "num_generations": 8}  # a TRL file
+    assert make_config(trl, {"warmup_ratio": 0.1}, "train").warmup_steps == 2  # (4 opt steps)
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -104,18 +104,22 @@ def trl_flags(extra: list[str], parser: argparse.ArgumentParser) -> dict[str, An
     an earlier one, or grpolab's with underscores), translated with the file's keys."""
     from grpolab.config.trl import TRL_KEYS, TRL_RENAMED
 
+    known = {*TRL_KEYS, *TRL_RENAMED, *Config.__dataclass_fields__}
     out: dict[str, Any] = {}
     i = 0
     while i < len(extra):
-        name, eq, value = extra[i][2:].partition("=") if extra[i].startswith("--") else "  "
+        name, eq, value = extra[i][2:].partition("=")
         key = name.replace("-", "_")
-        if key not in TRL_KEYS and key not in TRL_RENAMED and key not in Config.__dataclass_fields__:
+        if not extra[i].startswith("--") or key not in known:
             parser.error(f"unrecognized arguments: {' '.join(extra[i:])}")
-        if not eq:  # (a flag alone is true, as TRL's boolean flags)
-            nxt = extra[i + 1] if i + 1 < len(extra) else "--"
-            value, i = ("true", i) if nxt.startswith("--") else (nxt, i + 1)
-        out[key] = value
         i += 1
+        if not eq:  # the values up to the next flag (a list where several; none: true)
+            values = []
+            while i < len(extra) and not extra[i].startswith("--"):
+                values.append(extra[i])
+                i += 1
+            value = values[0] if len(values) == 1 else values or "true"
+        out[key] = value
     return out
 
 
@@ -124,10 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     trl = trl_flags(extra, parser)
+    ours = {k: v for k, v in _overrides(args).items() if v is not None}
+    twice = sorted(set(ours) & set(trl))
+    if twice:
+        parser.error(f"{', '.join(twice)} given twice (as --{twice[0].replace('_', '-')} and "
+                     f"--{twice[0]}); keep one")
     out_dir = None
     try:
-        cfg = make_config(args.config, {**_overrides(args), **trl}, args.command)
-        if args.command == "eval" and args.out_dir is None:  # a config file's is its training's
+        cfg = make_config(args.config, {**ours, **trl}, args.command)
+        given_out = args.out_dir is not None or {"out_dir", "output_dir"} & trl.keys()
+        if args.command == "eval" and not given_out:  # a config file's is its training's
             cfg = dataclasses.replace(cfg, out_dir=command_defaults("eval")["out_dir"])
         dist.init()  # joins torchrun's process group; nothing in a single process
         cfg = choose_out_dir(cfg, args.command, getattr(args, "resume", False))

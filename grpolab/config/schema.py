@@ -125,7 +125,8 @@ class Config:
     min_lr_rate: float = opt(0.0, RUN, "cosine: decay to this share of lr, not 0 "
                              "(transformers' cosine_with_min_lr)")
     min_lr: float = opt(0.0, RUN, "cosine: decay to this lr, not 0 (min_lr_rate's other form)")
-    warmup_steps: int = opt(0, RUN, "linear ramp from lr / warmup_steps up to lr")
+    warmup_steps: int = opt(0, RUN, "steps of a linear ramp up to lr (per optimiser step: "
+                            "from lr / (warmup_steps x epochs))")
     grad_clip: float = opt(1.0, RUN, "largest gradient norm kept (TRL max_grad_norm)")
     epochs: int = opt(1, RUN, "mu: optimisation passes over one batch (old-policy ratio when > 1)")
     micro_batch: int = opt(0, RUN, "rows per forward/backward in the update (0 = all); same step")

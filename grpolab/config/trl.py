@@ -176,7 +176,8 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
         raise ConfigError("top_k: null (TRL) leaves it to the model's generation config (50 by "
                           "default); give a number (0: all tokens)")
     given = {k: _NONE_IS.get(k, v) if v is None else v for k, v in given.items()}
-    if not any(k in TRL_KEYS for k in given):
+    share = as_number(given.get("warmup_steps"))  # (below 1: TRL's share of max_steps)
+    if not any(k in TRL_KEYS for k in given) and not (isinstance(share, float) and share < 1):
         return dict(given)
     d = {**earlier, **given, **later}  # what the run is given: read for what TRL combines
     out = {k: [] if v is None and k in _NONE_IS_EMPTY else v

@@ -62,17 +62,21 @@ class PromptSampler:
 
     def _from_passes(self, k: int) -> list[int]:
         """The next k prompts of the passes; where a pass ends the next begins, skipping the
-        prompts this draw already holds (they come first in the new pass's remainder)."""
-        out: list[int] = []
+        prompts this draw already holds (they keep their place in the new pass)."""
+        if len(self.queue) >= k:  # within the pass: its next k
+            out, self.queue = self.queue[:k].tolist(), self.queue[k:]
+            return out
+        out = []
         while len(out) < k:
             if not len(self.queue):
                 self.queue = (torch.randperm(self.n, generator=self.generator)
                               if self.order == "epochs" else torch.arange(self.n))
             taken = set(out)
             head = [i for i in self.queue.tolist() if i not in taken][: k - len(out)]
-            rest = [i for i in self.queue.tolist() if i not in set(head)]
+            chosen = set(head)
             out += head
-            self.queue = torch.tensor(rest, dtype=torch.long)
+            self.queue = torch.tensor([i for i in self.queue.tolist() if i not in chosen],
+                                      dtype=torch.long)
         return out
 
     def update(self, idx: list[int], group_pass_rates: list[float]) -> None:

@@ -376,14 +376,21 @@ def check_columns(reward_fns: Sequence[RewardFn], rows: list[dict]) -> None:
     from grpolab.rewards.trl_compat import missing_columns
 
     have = set(row_columns(rows[:1]))
+    trainer_args = {"trainer_state", "log_extra", "log_metric", "completion_ids"}
     for fn in reward_fns:
         missing = missing_columns(fn, have)
+        name = getattr(fn, "__name__", fn)
+        if set(missing) & trainer_args:
+            raise ConfigError(f"reward {name!r} needs TRL's trainer argument(s) "
+                              f"{', '.join(sorted(set(missing) & trainer_args))}, which "
+                              "grpolab does not pass")
         if missing:
+            fix = ("answer_column names the column that becomes answer" if missing == ["answer"]
+                   else "add or rename that column in the data")
             raise ConfigError(
-                f"reward {getattr(fn, '__name__', fn)!r} needs the column(s) "
-                f"{', '.join(missing)}, which the rows do not have (they have "
-                f"{', '.join(sorted(have)) or 'none'}): point answer_column at it, add it to "
-                "the data, or use a reward that reads the rows' answer")
+                f"reward {name!r} needs the column(s) {', '.join(missing)}, which the rows do "
+                f"not have (they have {', '.join(sorted(have)) or 'none'}): {fix}, or use a "
+                "reward that reads the rows' answer")
 
 
 def load_rewards(cfg: Any) -> tuple[list[RewardFn], RewardFn | None]:
