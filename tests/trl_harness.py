@@ -64,16 +64,8 @@ def bare_trainer(**over) -> GRPOTrainer:
 
 def trl_loss(logp, old, ref, adv, mask, entropies=None, **over) -> torch.Tensor:
     """TRL 1.16's GRPO loss on these per-token log-probs (a single process, no accumulation)."""
-    b, t = logp.shape
-    tr = bare_trainer(max_completion_length=t, **over)
     ent = entropies if entropies is not None else torch.zeros_like(logp)
-    tr._get_per_token_logps_and_entropies = lambda *a, **k: (logp, ent, None)
-    inputs = {"prompt_ids": torch.zeros(b, 1, dtype=torch.long),
-              "prompt_mask": torch.ones(b, 1, dtype=torch.long),
-              "completion_ids": torch.zeros(b, t, dtype=torch.long), "completion_mask": mask,
-              "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": mask.sum()}
-    return GRPOTrainer._compute_loss(tr, None, inputs)
+    return trl_step_loss(bare_trainer(**over), logp, old, ref, adv, mask, ent)
 
 
 def adaptive_trainer(args: dict, **over) -> GRPOTrainer:
@@ -88,7 +80,8 @@ def adaptive_trainer(args: dict, **over) -> GRPOTrainer:
 
 
 def trl_step_loss(tr: GRPOTrainer, logp, old, ref, adv, mask, entropies) -> torch.Tensor:
-    """One optimiser step's loss of the trainer ``tr`` (one micro-batch), as ``trl_loss``."""
+    """One optimiser step's loss of the bare trainer ``tr`` (one micro-batch; its state, such
+    as the adaptive entropy controller's, carried from step to step)."""
     b, t = logp.shape
     tr.max_completion_length = t
     tr._get_per_token_logps_and_entropies = lambda *a, **k: (logp, entropies, None)

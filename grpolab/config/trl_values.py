@@ -22,12 +22,8 @@ def generation_settings(kwargs: Any, temperature: Any) -> dict[str, Any]:
     has, which win over the keys of those names (as in TRL); any other generate option, and a
     temperature other than the run's (TRL would sample at one and score at the other), is
     refused in one line."""
-    if isinstance(kwargs, str):
-        try:
-            kwargs = json.loads(kwargs)
-        except ValueError:
-            kwargs = None
-    if not isinstance(kwargs, dict):
+    kwargs = as_mapping(kwargs)
+    if kwargs is None:
         raise ConfigError("generation_kwargs (TRL) must be a mapping of generate's options")
     other = sorted(str(k) for k in kwargs if k not in _GENERATION)
     if other:
@@ -136,6 +132,17 @@ def as_number(value: Any) -> Any:
         return int(x)
     return x
 
+def as_mapping(value: Any) -> dict | None:
+    """A mapping, or its JSON text (TRL takes either for its ``*_kwargs``), as a dict; None
+    where it is neither."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
 def as_word(value: Any) -> str:
     return str(value).strip().lower()
 
@@ -147,12 +154,8 @@ def schedule_options(d: dict[str, Any]) -> dict[str, Any]:
     anything else refused."""
     kind = as_word(d.get("lr_scheduler_type", "linear"))
     kwargs = d.get("lr_scheduler_kwargs") or {}  # (unset: None)
-    if isinstance(kwargs, str):
-        try:
-            kwargs = json.loads(kwargs) if kwargs.strip() else {}
-        except ValueError:
-            kwargs = None
-    if not isinstance(kwargs, dict):
+    kwargs = as_mapping({} if isinstance(kwargs, str) and not kwargs.strip() else kwargs)
+    if kwargs is None:
         raise ConfigError("lr_scheduler_kwargs (TRL) must be a mapping of the scheduler's "
                           "options")
     kwargs = dict(kwargs)

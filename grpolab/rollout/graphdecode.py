@@ -44,7 +44,7 @@ from grpolab.rollout.sampling import (
     _inverse_cdf,
     next_probs,
     penalise,
-    prompt_tokens,
+    penalty_start,
 )
 
 SYNC_EVERY = 16  # steps between the host's checks that every answer has ended
@@ -221,11 +221,7 @@ def graph_decode(dec: GraphDecoder, max_new: int, temperature: float, eos_ids: l
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     eos = torch.as_tensor(eos_ids, device=dev)
     ts = torch.arange(max_new, device=dev)  # step t's index as a device tensor: a view, no copy
-    seen = None
-    if filters.penalises:
-        if prompts is None:
-            raise ValueError("a repetition penalty needs the prompts' tokens")
-        seen = prompt_tokens(prompts[0], prompts[1], logits.shape[-1])
+    seen = penalty_start(filters, prompts, logits.shape[-1], dev)
     nxt = draw(logits, temperature, u[0], filters, seen)
     steps = max_new
     for t in range(max_new):

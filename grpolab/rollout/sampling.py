@@ -127,6 +127,17 @@ def prompt_tokens(ids: Tensor, mask: Tensor, vocab: int) -> Tensor:
     return seen[:, :vocab]
 
 
+def penalty_start(filters: Filters, prompts: tuple[Tensor, Tensor] | None, vocab: int,
+                  device: torch.device) -> Tensor | None:
+    """[B, vocab] bool on ``device``: the tokens a repetition penalty starts from, each row's
+    prompt's (``prompt_tokens`` of ``prompts`` (ids, mask)); None without a penalty."""
+    if not filters.penalises:
+        return None
+    if prompts is None:
+        raise ValueError("a repetition penalty needs the prompts' tokens")
+    return prompt_tokens(prompts[0].to(device), prompts[1].to(device), vocab)
+
+
 def next_probs(logits: Tensor, temperature: float, filters: Filters = NO_FILTERS,
                fixed_shape: bool = False) -> Tensor:
     """float32 softmax(logits / T) [B, V], over what ``filters`` leave (T > 0)."""
@@ -142,7 +153,7 @@ def sampled_logprobs(logits: Tensor, targets: Tensor, temperature: float, filter
     logits [B, T, V] predicting ``targets`` [B, T] (an answer, after ``prompts`` (ids, mask)),
     penalised for the tokens before and filtered; -inf where a target is filtered out."""
     n, v = logits.shape[1:]
-    seen = prompt_tokens(*prompts, v) if filters.penalises else None
+    seen = penalty_start(filters, prompts, v, logits.device)
     out = []
     for t in range(n):
         x = logits[:, t] if seen is None else penalise(logits[:, t], seen,
@@ -285,11 +296,7 @@ def decode(dec: Decoder, max_new: int, temperature: float, eos_ids: list[int], p
     shrink = getattr(dec, "shrink", None) if early_exit else None
     live: Tensor | None = None  # the rows the decoder still computes (None: all)
     steps = max_new
-    seen = None
-    if filters.penalises:
-        if prompts is None:
-            raise ValueError("a repetition penalty needs the prompts' tokens")
-        seen = prompt_tokens(prompts[0].to(dev), prompts[1].to(dev), logits.shape[-1])
+    seen = penalty_start(filters, prompts, logits.shape[-1], dev)
     for t in range(max_new):
         scores = logits if seen is None else penalise(logits, seen, filters.repetition_penalty)
         nxt = draw(scores, temperature, generator, filters).masked_fill(done, pad_id)
