@@ -434,3 +434,24 @@ def test_train_defaults_against_trl(tmp_path, monkeypatch) -> None:
     # each is named, when a TRL config leaves it out, in the one warning (load.make_config)
     named = {k for _, _, keys in trl_names.TRL_DEFAULTS_DIFFER for k in keys}
     assert TRAIN_DEFAULTS_DIFFER <= named
+
+
+@pytest.mark.parametrize("over", [
+    {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "steps_per_generation": 8},
+    {"per_device_train_batch_size": 8, "generation_batch_size": 64},
+    {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4},
+    {"per_device_train_batch_size": 16, "steps_per_generation": 2, "num_iterations": 2},
+])
+def test_generation_batch_and_its_optimiser_steps_are_trls(tmp_path, over: dict) -> None:
+    """TRL's GRPOConfig resolves the generation batch (answers sampled at once) and its steps
+    per generation; grpolab samples that budget and takes steps_per_generation /
+    gradient_accumulation_steps optimiser steps on it, each of TRL's per-step batch."""
+    t = GRPOConfig(output_dir=str(tmp_path), num_generations=8, bf16=False, report_to=[], **over)
+    c = make_config(None, {"num_generations": 8, **over}, "train")
+    assert c.budget == t.generation_batch_size
+    assert c.minibatches == t.steps_per_generation // t.gradient_accumulation_steps
+    assert c.budget // c.minibatches == (t.per_device_train_batch_size
+                                         * t.gradient_accumulation_steps)
+    assert c.micro_batch == t.per_device_train_batch_size
+    assert c.epochs == t.num_iterations
+

@@ -22,6 +22,8 @@ from grpolab.config import Config, resolve
     {"policy_loss": "vespo", "loss_agg": "token_mean", "epochs": 2},
     {"policy_loss": "gmpo", "eps_low": 0.4, "eps_high": 0.4, "epochs": 2},
     {"off_policy_mask": 1e-4, "epochs": 2},
+    {"minibatches": 2, "epochs": 2, "entropy_coef": 0.1},
+    {"minibatches": 4, "minibatch_order": "shuffled", "loss_agg": "token_mean"},
 ])
 def test_micro_batches_take_the_whole_batch_step(tmp_path, over: dict) -> None:
     """micro_batch 8 (parts of two groups) takes the whole batch's step with the new options

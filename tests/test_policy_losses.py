@@ -263,9 +263,10 @@ def test_a_setting_the_run_does_not_read_is_named(caplog) -> None:
         "policy_loss clip does not read sapo_tau_neg (sapo_tau_neg: sapo)"]
     assert warnings({"policy_loss": "cispo", "cispo_min": 0.5, "cispo_max": 2.0}) == []
     assert warnings({"off_policy_mask": 0.5}) == [
-        ("off_policy_mask acts only with epochs > 1 (TRL num_iterations): with one pass the "
-        "policy is the one that sampled, and nothing is masked")]
+        ("off_policy_mask acts only with epochs > 1 (TRL num_iterations) or minibatches > 1: "
+         "with one optimiser step the policy is the one that sampled, and nothing is masked")]
     assert warnings({"off_policy_mask": 0.5, "epochs": 2}) == []
+    assert warnings({"off_policy_mask": 0.5, "minibatches": 2}) == []
     assert warnings({"entropy_target": 3.0, "entropy_coef_max": 0.5}) == [
         "entropy_target, entropy_coef_max act only with use_adaptive_entropy"]
     assert warnings({"entropy_target": 3.0, "use_adaptive_entropy": True}) == []

@@ -117,6 +117,12 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
       "steps_per_generation": 4}, {"budget": 16}),
     ({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4,
       "generation_batch_size": 16}, {"budget": 16}),
+    # a generation batch for several optimiser steps: each takes a random share (TRL's buffer)
+    ({"steps_per_generation": 4}, {"budget": 32, "minibatches": 4, "micro_batch": 8,
+                                   "minibatch_order": "shuffled"}),
+    ({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+      "generation_batch_size": 32, "num_iterations": 2, "max_steps": 40, "warmup_steps": 8},
+     {"budget": 32, "minibatches": 4, "epochs": 2, "steps": 5, "warmup_steps": 1}),
     ({"max_steps": 7, "num_train_epochs": 3}, {"steps": 7}),  # TRL: max_steps wins
     ({"save_strategy": "no", "save_steps": 500}, {"checkpoint_every": 0}),  # TRL ignores it
     ({"eval_strategy": "no", "eval_steps": 5}, {"eval_size": 0}),
@@ -203,8 +209,13 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"optim": "adafactor"}, "optim: 'adafactor' .TRL. has no grpolab equivalent"),
     ({"num_train_epochs": 2}, "num_train_epochs / max_steps: -1 .TRL"),
     ({"max_steps": -1}, "set max_steps"),
-    ({"steps_per_generation": 4}, "steps_per_generation / generation_batch_size"),
-    ({"per_device_train_batch_size": 4, "generation_batch_size": 64}, "generation_batch_size"),
+    ({"steps_per_generation": 3, "gradient_accumulation_steps": 2},
+     "steps_per_generation 3 .TRL. is not a multiple of gradient_accumulation_steps 2"),
+    ({"per_device_train_batch_size": 4, "generation_batch_size": 6},
+     "generation_batch_size 6 .TRL. must be a multiple of per_device_train_batch_size 4"),
+    ({"steps_per_generation": 2, "max_steps": 5}, "max_steps: 5 .TRL. counts optimiser steps, 2"),
+    ({"per_device_train_batch_size": 6, "steps_per_generation": 2},
+     "x 2 optimiser steps a generation = 12 answers"),
     ({"steps_per_generation": 1, "generation_batch_size": 8}, "set one or neither"),
     ({"per_device_train_batch_size": 4, "budget": 64}, "sets budget to 4, but budget"),
     ({"bf16": True, "dtype": "float32"}, "bf16: True .TRL. sets dtype"),

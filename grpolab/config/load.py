@@ -92,9 +92,10 @@ def warn_idle(cfg: Config, where: str = "") -> None:
     if idle:
         log.warning("%spolicy_loss %s does not read %s (%s)", where, cfg.policy_loss,
                     ", ".join(idle), "; ".join(f"{k}: {IDLE_KNOBS[k]}" for k in idle))
-    if cfg.off_policy_mask > 0 and cfg.epochs == 1:
-        log.warning("%soff_policy_mask acts only with epochs > 1 (TRL num_iterations): with one "
-                    "pass the policy is the one that sampled, and nothing is masked", where)
+    if cfg.off_policy_mask > 0 and cfg.epochs == 1 and cfg.minibatches == 1:
+        log.warning("%soff_policy_mask acts only with epochs > 1 (TRL num_iterations) or "
+                    "minibatches > 1: with one optimiser step the policy is the one that "
+                    "sampled, and nothing is masked", where)
     knobs = ("entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")
     moved = [k for k in knobs if getattr(cfg, k) != Config.__dataclass_fields__[k].default]
     if moved and not cfg.use_adaptive_entropy:

@@ -126,9 +126,14 @@ class Config:
                              "(transformers' cosine_with_min_lr)")
     min_lr: float = opt(0.0, RUN, "cosine: decay to this lr, not 0 (min_lr_rate's other form)")
     warmup_steps: int = opt(0, RUN, "steps of a linear ramp up to lr (per optimiser step: "
-                            "from lr / (warmup_steps x epochs))")
+                            "from lr / (warmup_steps x epochs x minibatches))")
     grad_clip: float = opt(1.0, RUN, "largest gradient norm kept (TRL max_grad_norm)")
     epochs: int = opt(1, RUN, "mu: optimisation passes over one batch (old-policy ratio when > 1)")
+    minibatches: int = opt(1, RUN, "optimiser steps per pass, each on a share of the batch (verl's "
+                           "train_batch_size / ppo_mini_batch_size); later ones off-policy")
+    minibatch_order: Literal["groups", "shuffled"] = opt(
+        "groups", RUN, "groups: whole groups in order (verl's); shuffled: answers dealt at random "
+        "(TRL's steps_per_generation)")
     micro_batch: int = opt(0, RUN, "rows per forward/backward in the update (0 = all); same step")
     shard: Literal["none", "fsdp"] = opt(
         "none", RUN, "torchrun: fsdp shards weights, grads, Adam (full FT)")

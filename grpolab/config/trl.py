@@ -26,6 +26,7 @@ from grpolab.config.trl_values import (
     as_word,
     batch_settings,
     generation_settings,
+    generation_steps,
     per_batches,
     processes,
     schedule_options,
@@ -199,7 +200,8 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
         source.setdefault(key, trl_key)
 
     _refuse(given, d, (earlier, given, later))
-    per_sample = whole_count(d, "num_iterations", 1)  # optimiser steps per sampled batch
+    # optimiser steps per sampled batch: passes x TRL's steps per generation batch
+    per_sample = whole_count(d, "num_iterations", 1) * generation_steps(d)
     skip = {"save_steps" if as_word(d.get("save_strategy")) == "no" else "",
             "eval_steps" if as_word(d.get("eval_strategy")) == "no" else "",
             "bf16" if d.get("bf16") is None and as_word(d.get("fp16")) == "true" else "",

@@ -58,31 +58,56 @@ def script_rewards(d: dict[str, Any]) -> list[str]:
                               "(grpolab's own rewards, math, reasoning_gym, ..., go in rewards)")
     return out
 
-def batch_settings(d: dict[str, Any], group: Any, check: bool = True) -> dict[str, int]:
-    """TRL's batch settings as grpolab's ``budget`` (answers per optimiser step, over all
-    processes) and ``micro_batch`` (rows per forward/backward): exact where TRL samples each
-    optimiser step's answers afresh (``steps_per_generation`` = the accumulation, its default).
-    ``group``: the run's group size (None: 8, TRL's and grpolab's default); with ``check``, it
-    must divide the batch, said in TRL's terms (the budget comes from them)."""
+def generation_steps(d: dict[str, Any]) -> int:
+    """Optimiser steps per TRL generation batch: ``steps_per_generation`` (or
+    ``generation_batch_size`` over the rows a micro-step takes on every process) over the
+    accumulation; 1 by default (each optimiser step samples its own answers)."""
     per = whole_count(d, "per_device_train_batch_size", 8)
     acc = whole_count(d, "gradient_accumulation_steps", 1)
-    answers = per * acc * processes()
     spg, gbs = d.get("steps_per_generation"), d.get("generation_batch_size")
     if spg is not None and gbs is not None:
         raise ConfigError("steps_per_generation and generation_batch_size (TRL): set one or "
                           "neither (TRL refuses both)")
-    if (spg is not None and as_number(spg) != acc) or (gbs is not None and as_number(gbs) != answers):
-        raise ConfigError("steps_per_generation / generation_batch_size (TRL): answers sampled "
-                          "once for several optimiser steps have no grpolab equivalent (its "
-                          "epochs reuse a step's answers within the step)")
+    if gbs is not None:
+        gbs = whole_count(d, "generation_batch_size", 1)
+        if gbs % (per * processes()):
+            raise ConfigError(f"generation_batch_size {gbs} (TRL) must be a multiple of "
+                              f"per_device_train_batch_size {per} x {processes()} process(es)")
+        spg = gbs // (per * processes())
+    elif spg is not None:
+        spg = whole_count(d, "steps_per_generation", 1)
+    spg = acc if spg is None else spg
+    if spg % acc:
+        raise ConfigError(f"steps_per_generation {spg} (TRL) is not a multiple of "
+                          f"gradient_accumulation_steps {acc}: an optimiser step would take "
+                          "answers of two generation batches (grpolab steps on one batch)")
+    return spg // acc
+
+
+def batch_settings(d: dict[str, Any], group: Any, check: bool = True) -> dict[str, Any]:
+    """TRL's batch settings as grpolab's ``budget`` (answers sampled at once, over all
+    processes: one generation batch), ``minibatches`` (optimiser steps on it, each on a random
+    share of it, as TRL deals its shuffled buffer out; with ``steps_per_generation`` > the
+    accumulation) and ``micro_batch`` (rows per forward/backward). ``group``: the run's group
+    size (None: 8, TRL's and grpolab's default); with ``check``, it must divide the generation
+    batch, said in TRL's terms (the budget comes from them)."""
+    per = whole_count(d, "per_device_train_batch_size", 8)
+    acc = whole_count(d, "gradient_accumulation_steps", 1)
+    k = generation_steps(d)
+    answers = per * acc * processes() * k
     g = as_number(8 if group is None else group)
     if check and isinstance(g, int) and g > 0 and answers % g:
         n = processes()
+        what = (f" x {k} optimiser steps a generation = {answers} answers (TRL's generation "
+                "batch)" if k > 1 else f" = {answers} answers a step (TRL's batch)")
         raise ConfigError(
             f"per_device_train_batch_size {per} x gradient_accumulation_steps {acc} x {n} "
-            f"process{'es' if n > 1 else ''} = {answers} answers a step (TRL's batch) is not "
-            f"divisible by num_generations {g}; TRL refuses it too (a step holds whole groups)")
-    return {"budget": answers, "micro_batch": per}
+            f"process{'es' if n > 1 else ''}{what} is not divisible by num_generations {g}; "
+            f"TRL refuses it too (a {'generation' if k > 1 else 'step'} holds whole groups)")
+    out: dict[str, Any] = {"budget": answers, "micro_batch": per}
+    if k > 1:
+        out.update(minibatches=k, minibatch_order="shuffled")
+    return out
 
 def warmup_batches(d: dict[str, Any], per_sample: int,
                    length: tuple[str, Any] | None = None) -> Any:
@@ -104,12 +129,13 @@ def warmup_batches(d: dict[str, Any], per_sample: int,
 
 def per_batches(key: str, value: Any, per_sample: int) -> int:
     """TRL's count of optimiser steps as grpolab's count of sampled batches (each taken
-    through ``num_iterations`` optimiser steps)."""
+    through ``num_iterations`` x ``generation_steps`` optimiser steps)."""
     n = as_number(value)
     if not isinstance(n, int) or n % per_sample:
         raise ConfigError(f"{key}: {value!r} (TRL) counts optimiser steps, {per_sample} per "
-                          f"sampled batch (num_iterations); grpolab counts sampled batches: "
-                          f"use a multiple of {per_sample}")
+                          "sampled batch (num_iterations x steps_per_generation / gradient_"
+                          "accumulation_steps); grpolab counts sampled batches: use a "
+                          f"multiple of {per_sample}")
     return n // per_sample
 
 def whole_count(d: dict[str, Any], key: str, default: int) -> int:

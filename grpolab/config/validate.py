@@ -100,6 +100,25 @@ def _validate_objective(cfg: Config) -> None:
         raise ConfigError(f"kl_in: reward needs reward_aggregation: sum_then_normalize (got "
                           f"{cfg.reward_aggregation}): the penalty comes off the total")
 
+def _validate_minibatches(cfg: Config) -> None:
+    """Mini-batches of equal size: whole groups (or answers, shuffled) that divide evenly."""
+    m = cfg.minibatches
+    if m == 1:
+        return
+    if cfg.minibatch_order == "shuffled":
+        if cfg.budget % m:
+            raise ConfigError(f"minibatches {m} does not divide the budget {cfg.budget} (answers "
+                              "dealt out at random, as many to each optimiser step)")
+    elif cfg.allocate:
+        if m > cfg.budget // cfg.allocate_max_group:
+            raise ConfigError(f"minibatches {m}: the allocator may choose as few as "
+                              f"{cfg.budget // cfg.allocate_max_group} groups a step")
+    elif cfg.prompts_per_step % m:
+        raise ConfigError(f"minibatches {m} does not divide the {cfg.prompts_per_step} prompts a "
+                          "step (whole groups to each optimiser step, as verl's "
+                          "ppo_mini_batch_size must divide train_batch_size)")
+
+
 def validate(cfg: Config) -> None:
     """Every setting in the range where it means something, with a one-line ConfigError."""
     if cfg.group_size < (1 if cfg.estimator == "ppo" else 2):
@@ -108,7 +127,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"group_size {cfg.group_size} does not divide the budget {cfg.budget}"
         )
-    for name in ("steps", "budget", "epochs", "max_new_tokens", "eval_every"):
+    for name in ("steps", "budget", "epochs", "minibatches", "max_new_tokens", "eval_every"):
         if getattr(cfg, name) < 1:
             off = "; eval_size 0 turns evaluation off" if name == "eval_every" else ""
             raise ConfigError(f"{name} must be >= 1 (got {getattr(cfg, name)}){off}")
@@ -127,6 +146,7 @@ def validate(cfg: Config) -> None:
     if cfg.beta < 0 or cfg.eps_low < 0 or cfg.eps_high < 0:
         raise ConfigError("beta, eps_low and eps_high must be >= 0")
     _validate_allocation(cfg)
+    _validate_minibatches(cfg)
     if cfg.max_sampling_rounds < 0:
         raise ConfigError("max_sampling_rounds must be >= 0")
     if cfg.max_prompt_tokens < 0:

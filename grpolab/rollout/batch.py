@@ -1,5 +1,6 @@
 """A batch of sampled answers (``Rollout``) and what is done to one: joining, cutting into
-micro-batches, the mask up to the first EOS, position ids, prompts shared by a group."""
+mini-batches and micro-batches, the mask up to the first EOS, position ids, prompts shared by
+a group."""
 
 from __future__ import annotations
 
@@ -64,14 +65,39 @@ def micro_batches(ro: Rollout, adv: Tensor, size: int) -> list[tuple[Rollout, Te
     n = len(ro.prompts)
     if not size or size >= n:
         return [(ro, adv)]
-    out = []
-    for lo in range(0, n, size):
-        part = ro.select(list(range(lo, min(lo + size, n))))
-        width = max(int(part.completion_mask.sum(1).max()), 1)
-        part.completion_ids = part.completion_ids[:, :width]
-        part.completion_mask = part.completion_mask[:, :width]
-        out.append((part, adv[lo : lo + size]))
-    return out
+    return [(cut_to_longest(ro.select(list(range(lo, min(lo + size, n))))), adv[lo : lo + size])
+            for lo in range(0, n, size)]
+
+
+def cut_to_longest(ro: Rollout) -> Rollout:
+    """``ro`` with its answers' padding cut to the longest answer, in place (a part of a batch
+    then costs what its own answers cost)."""
+    width = max(int(ro.completion_mask.sum(1).max()), 1)
+    ro.completion_ids, ro.completion_mask = ro.completion_ids[:, :width], ro.completion_mask[:, :width]
+    return ro
+
+
+def minibatch_rows(sizes: list[int], m: int, generator: torch.Generator | None = None
+                   ) -> list[Tensor]:
+    """The rows (ascending indices) of each of ``m`` mini-batches of a batch whose groups hold
+    ``sizes`` answers, in order: whole groups, contiguous, cut at the group boundaries nearest
+    equal shares of the answers (verl's split); with ``generator``, the answers shuffled and
+    dealt out in ``m`` runs of near-equal length (TRL's ``steps_per_generation`` buffer). A
+    mini-batch may be empty when there are fewer groups (or answers) than ``m``."""
+    n = sum(sizes)
+    if generator is not None:
+        perm = torch.randperm(n, generator=generator)
+        cut = [n * k // m for k in range(m + 1)]
+        return [perm[cut[k]:cut[k + 1]].sort().values for k in range(m)]
+    bounds = [0]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    cuts = [0]
+    for k in range(1, m):
+        ahead = [b for b in bounds if b >= cuts[-1]]
+        cuts.append(min(ahead, key=lambda b: (abs(b - n * k / m), b)))
+    cuts.append(n)
+    return [torch.arange(cuts[k], cuts[k + 1]) for k in range(m)]
 
 
 def first_eos_mask(ids: Tensor, eos_ids: list[int],

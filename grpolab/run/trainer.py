@@ -207,7 +207,7 @@ class GRPOTrainer:
     def score(self, batch: Batch) -> update.Scored:
         """The scoring pass (``grpolab.run.update.score``)."""
         with self._intact():
-            return update.score(self.cfg, self.backend, batch, self.critic)
+            return update.score(self.cfg, self.backend, batch, self.critic, self.step_num)
 
     def advantages(self, batch: Batch, scored: update.Scored) -> Tensor | None:
         """Each answer's advantage within its group (None when this rank has no answers)."""
@@ -215,7 +215,8 @@ class GRPOTrainer:
             return update.batch_advantages(self.cfg, batch, scored, self.step_num)
 
     def optimize(self, scored: update.Scored, adv: Tensor | None) -> dict[str, float]:
-        """``epochs`` passes of micro-batches over the scored batch; the update's metrics."""
+        """``epochs`` passes over the scored batch, an optimiser step per mini-batch; the
+        update's metrics."""
         with self._intact():
             return update.optimize(self.cfg, self.backend, self.opt, self.params, scored, adv,
                                    self.step_num, self.sharded, self.critic,

@@ -7,9 +7,11 @@ then the optimisation loop.
   optimizer step.
 * ``advantages`` is each answer's advantage within its group (``grpolab.core.advantages``), or
   with a token-level ``estimator`` (REINFORCE++) each token's (``grpolab.core.returns``).
-* ``optimize`` runs ``epochs`` passes of micro-batches with ``grpo_loss``; each micro-batch on
-  each rank gets its exact share of the global loss (the global reply and token counts), its
-  gradients accumulate and are summed over ranks, so any split takes the one-pass step.
+* ``optimize`` runs ``epochs`` passes over the batch, each ``minibatches`` optimiser steps
+  (PPO's mini-batches: verl's ``ppo_mini_batch_size``), each over micro-batches with
+  ``grpo_loss``; each micro-batch on each rank gets its exact share of its mini-batch's loss
+  (the mini-batch's global reply and token counts), its gradients accumulate and are summed
+  over ranks, so any split into micro-batches or ranks takes the same step.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from grpolab.core.returns import (
     value_loss,
 )
 from grpolab.rollout.backend import Backend
-from grpolab.rollout.batch import Rollout, micro_batches
+from grpolab.rollout.batch import Rollout, cut_to_longest, micro_batches, minibatch_rows
 from grpolab.rollout.critic import Critic
 from grpolab.run import dist, shard
 from grpolab.run.collect import Batch
@@ -50,10 +52,11 @@ class Part:
     """One micro-batch of a scored batch: its rows, and the frozen log-probs the loss compares
     against ([rows, Tc]; None where the objective needs none)."""
 
-    rows: slice
+    rows: Tensor  # [n] its rows of the batch
     rollout: Rollout
     ref_logprobs: Tensor | None
     old_logprobs: Tensor | None
+    mini: int = 0  # the mini-batch (optimiser step of a pass) it belongs to
 
 
 @dataclass
@@ -69,6 +72,8 @@ class Scored:
     token_penalty: Tensor | None = None  # [B, Tc] beta x per-token KL (token-level estimators)
     old_values: Tensor | None = None  # [B, Tc] ppo: the critic's values before the update
     returns: Tensor | None = None  # [B, Tc] ppo: what the critic learns (GAE + old values)
+    mini_rows: list[int] = field(default_factory=list)  # each mini-batch's, over every rank
+    mini_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -101,11 +106,19 @@ class UpdateStats:
     def summed_over_ranks(self) -> UpdateStats:
         return UpdateStats(*dist.all_reduce_sum(list(dataclasses.astuple(self))))
 
+    @staticmethod
+    def mean(stats: list[UpdateStats]) -> UpdateStats:
+        """Mini-batches' stats averaged (each is its mini-batch's mean already)."""
+        cols = zip(*(dataclasses.astuple(st) for st in stats), strict=True)
+        return UpdateStats(*(_avg(list(c)) for c in cols)) if stats else UpdateStats()
 
-def score(cfg: Config, backend: Backend, batch: Batch, critic: Critic | None = None) -> Scored:
+
+def score(cfg: Config, backend: Backend, batch: Batch, critic: Critic | None = None,
+          step: int = 0) -> Scored:
     """The scoring pass: every frozen number the loss needs, before the first optimizer step
-    (so the old policy is the one that sampled; with ``critic``, PPO's old values). Collective
-    under torchrun (the counts)."""
+    (so the old policy is the one that sampled; with ``critic``, PPO's old values), per
+    micro-batch of each mini-batch. Collective under torchrun (the counts). ``step``: seeds the
+    shuffled mini-batches' deal."""
     ro = batch.rollout
     if cfg.mask_truncated and ro.truncated is not None and bool(ro.truncated.any()):
         # DAPO's overlong filtering: a cut-off answer is no evidence either way. Its reward
@@ -121,22 +134,41 @@ def score(cfg: Config, backend: Backend, batch: Batch, critic: Critic | None = N
         else:  # each token's KL off that token's reward (REINFORCE++)
             tok_pen = cfg.beta * token_kl(cfg, backend, ro)
             kl_pen = (tok_pen * ro.completion_mask).sum(-1)
-    n_all, t_all = (int(v) for v in dist.all_reduce_sum([n_loc, t_loc]))
-    scored = Scored(ro, rewards, kl_pen, n_all, t_all, token_penalty=tok_pen)
+    minis = _minibatches(cfg, batch, step)
+    counts = [v for rows in minis for v in (len(rows), int(ro.completion_mask[rows].sum()))]
+    n_all, t_all, *per_mini = (int(v) for v in dist.all_reduce_sum([n_loc, t_loc, *counts]))
+    scored = Scored(ro, rewards, kl_pen, n_all, t_all, token_penalty=tok_pen,
+                    mini_rows=per_mini[0::2], mini_tokens=per_mini[1::2])
     if not n_loc:
         return scored
+    off_policy = cfg.epochs > 1 or cfg.minibatches > 1  # steps after the first see a new policy
     with torch.no_grad():
-        lo = 0
-        for part, _ in micro_batches(ro, torch.empty(n_loc), cfg.micro_batch):
-            rows = slice(lo, lo + len(part.prompts))
-            lo = rows.stop
-            ref_lp = (backend.logprobs(part, cfg.temperature, reference=True)
-                      if cfg.beta > 0 and cfg.kl_in == "loss" else None)
-            old_lp = backend.logprobs(part, cfg.temperature) if cfg.epochs > 1 else None
-            scored.parts.append(Part(rows, part, ref_lp, old_lp))
+        for k, rows in enumerate(minis):
+            if not len(rows):
+                continue
+            mini = ro if cfg.minibatches == 1 else cut_to_longest(ro.select(rows.tolist()))
+            lo = 0
+            for part, _ in micro_batches(mini, torch.empty(len(rows)), cfg.micro_batch):
+                at, lo = rows[lo:lo + len(part.prompts)], lo + len(part.prompts)
+                ref_lp = (backend.logprobs(part, cfg.temperature, reference=True)
+                          if cfg.beta > 0 and cfg.kl_in == "loss" else None)
+                old_lp = backend.logprobs(part, cfg.temperature) if off_policy else None
+                scored.parts.append(Part(at, part, ref_lp, old_lp, k))
         if critic is not None:
             scored.old_values = critic.values(backend, ro)
     return scored
+
+
+def _minibatches(cfg: Config, batch: Batch, step: int) -> list[Tensor]:
+    """This rank's rows of each mini-batch (``grpolab.rollout.batch.minibatch_rows``)."""
+    n = len(batch.rows)
+    if cfg.minibatches == 1:
+        return [torch.arange(n)]
+    sizes = batch.group_sizes or [cfg.group_size] * (n // cfg.group_size)
+    gen = None
+    if cfg.minibatch_order == "shuffled":  # its own stream: sampling's is left as it was
+        gen = torch.Generator().manual_seed((cfg.seed + 1) * 1_000_003 + step)
+    return minibatch_rows(sizes, cfg.minibatches, gen)
 
 
 @torch.no_grad()
@@ -238,16 +270,17 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
              scored: Scored, adv: Tensor | None, step: int, sharded: bool = False,
              critic: Critic | None = None,
              control: EntropyControl | None = None) -> dict[str, float]:
-    """``epochs`` optimisation passes over the scored batch (with ``critic``, each followed by
-    one of the value model; the policy's skipped in the first ``critic_warmup`` steps); the
-    update's metrics. ``control``: the entropy bonus's coefficient (default: ``entropy_coef``
-    as it is), told each pass's entropy."""
+    """``epochs`` optimisation passes over the scored batch, each an optimiser step per
+    mini-batch (with ``critic``, each pass preceded by one of the value model; the policy's
+    skipped in the first ``critic_warmup`` steps); the update's metrics, those of the last
+    pass (means over its mini-batches). ``control``: the entropy bonus's coefficient
+    (default: ``entropy_coef`` as it is), told each optimiser step's entropy."""
     control = control or EntropyControl(cfg)
     floor = cfg.min_lr_rate or cfg.min_lr / cfg.lr  # (transformers' min_lr: over the lr)
-    e = cfg.epochs  # the schedule moves each optimiser step (each pass), as TRL's scheduler
+    e = cfg.epochs * cfg.minibatches  # the schedule moves each optimiser step, as TRL's
 
-    def lr_at(epoch: int) -> float:
-        return cfg.lr * lr_factor(step * e + epoch, cfg.steps * e, cfg.lr_schedule,
+    def lr_at(i: int) -> float:
+        return cfg.lr * lr_factor(step * e + i, cfg.steps * e, cfg.lr_schedule,
                                   cfg.warmup_steps * e, floor)
 
     lr = lr_at(0)
@@ -274,7 +307,6 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
                      weight_decay=cfg.weight_decay if group["weight_decay"] else 0.0)
     with_entropy = hasattr(backend, "logprobs_and_entropy")
     train_policy = critic is None or step >= cfg.critic_warmup
-    parts = scored.parts
     backend.model.train()
     out: dict[str, float] = {}
     for epoch in range(cfg.epochs):
@@ -284,52 +316,76 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
             out = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
                    "grad_norm": 0.0, "lr": lr, **extra}
             continue
-        if epoch:
-            lr = lr_at(epoch)
-            for group in opt.param_groups:
-                group["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        stats = UpdateStats()
-        if sharded and dist.all_reduce_sum([float(not parts)])[0]:
-            raise TrainingError("a rank has no answers to train on this step; fsdp needs "
-                                "every rank in every backward")
-        for k, part in enumerate(parts):
-            if sharded:  # FSDP reduces once, in the last micro-batch's backward
-                shard.set_sync(backend.model, k == len(parts) - 1)
-            a = adv[part.rows]
-            if a.dim() == 2:  # token-level: the micro-batch is cut to its longest answer
-                a = a[:, : part.rollout.completion_ids.shape[1]]
-            res = _part_loss(cfg, backend, part, a, scored, with_entropy, control.applied())
-            finite = bool(torch.isfinite(res.loss))
-            if finite or sharded:  # (fsdp: every rank takes part in the reduction)
-                res.loss.backward()
-            stats.add(res, finite)
-        stats = stats.summed_over_ranks()  # all ranks raise together, none hangs
-        if stats.nonfinite:
-            raise TrainingError(f"non-finite loss ({stats.loss}) at step {step + 1}")
-        if not sharded:
-            dist.sum_grads(params)
-        gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
-        if not math.isfinite(gn):
-            raise TrainingError(f"non-finite gradient norm ({gn}) at step {step + 1}; the "
-                                "update was skipped")
-        opt.step()
-        control.observe(stats.trained_entropy / max(stats.trained_tokens, 1.0))
-        if cfg.sync_ref_model and (step * cfg.epochs + epoch + 1) % cfg.ref_model_sync_steps == 0:
-            sync_reference(backend, cfg.ref_model_mixup_alpha)
-        out = {"loss": stats.loss, "policy_loss": stats.policy_loss, "kl": stats.kl,
-               "clip_frac": stats.clip_frac, "grad_norm": gn, "lr": lr, **extra}
+        done: list[tuple[UpdateStats, float]] = []
+        for k in range(cfg.minibatches):
+            if not scored.mini_rows[k]:  # (fewer groups than mini-batches: no step)
+                continue
+            i = epoch * cfg.minibatches + k
+            if i:
+                lr = lr_at(i)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+            stats, gn = _opt_step(cfg, backend, opt, params, scored, adv, step, sharded, control, k,
+                                  with_entropy)
+            done.append((stats, gn))
+            if cfg.sync_ref_model and (step * e + i + 1) % cfg.ref_model_sync_steps == 0:
+                sync_reference(backend, cfg.ref_model_mixup_alpha)
+        mean = UpdateStats.mean([st for st, _ in done])
+        out = {"loss": mean.loss, "policy_loss": mean.policy_loss, "kl": mean.kl,
+               "clip_frac": mean.clip_frac, "grad_norm": _avg([gn for _, gn in done]), "lr": lr,
+               **extra}
         if cfg.use_adaptive_entropy or cfg.entropy_coef:  # for the next step (TRL's log)
             out["entropy_coef"] = control.coef
         if with_entropy:  # mean over the completion tokens, of the policy being trained
-            out["entropy"] = stats.entropy
+            out["entropy"] = mean.entropy
         if cfg.top_entropy_quantile < 1.0:  # share of tokens the policy loss trained on
-            out["entropy_token_share"] = stats.entropy_share
+            out["entropy_token_share"] = mean.entropy_share
         if cfg.off_policy_mask > 0:  # share of tokens whose policy loss the mask dropped
-            out["off_policy_masked"] = stats.masked_share
+            out["off_policy_masked"] = mean.masked_share
     backend.model.eval()
     return out
+
+
+def _opt_step(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: list[Tensor],
+              scored: Scored, adv: Tensor, step: int, sharded: bool, control: EntropyControl,
+              k: int, with_entropy: bool) -> tuple[UpdateStats, float]:
+    """One optimiser step on mini-batch ``k``: its micro-batches' losses and gradients, summed
+    over ranks, clipped; its stats (summed over ranks) and gradient norm."""
+    parts = [p for p in scored.parts if p.mini == k]
+    opt.zero_grad(set_to_none=True)
+    stats = UpdateStats()
+    if sharded and dist.all_reduce_sum([float(not parts)])[0]:
+        raise TrainingError("a rank has no answers to train on this step; fsdp needs "
+                            "every rank in every backward")
+    counts = (scored.mini_rows[k], scored.mini_tokens[k])
+    for j, part in enumerate(parts):
+        if sharded:  # FSDP reduces once, in the last micro-batch's backward
+            shard.set_sync(backend.model, j == len(parts) - 1)
+        a = adv[part.rows]
+        if a.dim() == 2:  # token-level: the micro-batch is cut to its longest answer
+            a = a[:, : part.rollout.completion_ids.shape[1]]
+        res = _part_loss(cfg, backend, part, a, counts, with_entropy, control.applied())
+        finite = bool(torch.isfinite(res.loss))
+        if finite or sharded:  # (fsdp: every rank takes part in the reduction)
+            res.loss.backward()
+        stats.add(res, finite)
+    stats = stats.summed_over_ranks()  # all ranks raise together, none hangs
+    if stats.nonfinite:
+        raise TrainingError(f"non-finite loss ({stats.loss}) at step {step + 1}")
+    if not sharded:
+        dist.sum_grads(params)
+    gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+    if not math.isfinite(gn):
+        raise TrainingError(f"non-finite gradient norm ({gn}) at step {step + 1}; the "
+                            "update was skipped")
+    opt.step()
+    control.observe(stats.trained_entropy / max(stats.trained_tokens, 1.0))
+    return stats, gn
+
+
+def _avg(values: list[float]) -> float:
+    return values[0] if len(values) == 1 else sum(values) / max(len(values), 1)
 
 
 @torch.no_grad()
@@ -342,15 +398,24 @@ def sync_reference(backend: Backend, alpha: float) -> None:
 
 def critic_pass(cfg: Config, backend: Backend, critic: Critic, scored: Scored
                 ) -> dict[str, float]:
-    """One pass of the value model over the scored batch's micro-batches: the clipped value
-    loss against the returns, its token mean over the global batch, one Adam step."""
+    """One pass of the value model over the scored batch: an Adam step per mini-batch (as
+    verl's critic, whose mini-batches are the actor's); the metrics' means over them."""
+    done = [_critic_step(cfg, backend, critic, scored, k) for k in range(cfg.minibatches)
+            if scored.mini_rows[k]]
+    return {key: _avg([d[key] for d in done]) for key in done[0]} if done else {}
+
+
+def _critic_step(cfg: Config, backend: Backend, critic: Critic, scored: Scored, k: int
+                 ) -> dict[str, float]:
+    """The clipped value loss against the returns over mini-batch ``k``'s micro-batches, its
+    token mean over the mini-batch (every rank), one Adam step."""
     critic.opt.zero_grad(set_to_none=True)
-    total, clip_hits = 0.0, 0.0
-    for part in scored.parts:
+    total, clip_hits, tokens = 0.0, 0.0, scored.mini_tokens[k]
+    for part in (p for p in scored.parts if p.mini == k):
         w = part.rollout.completion_ids.shape[1]
         v = critic.values(backend, part.rollout)
         loss, hit = value_loss(v, scored.old_values[part.rows, :w], scored.returns[part.rows, :w],
-                               part.rollout.completion_mask, cfg.value_clip, scored.tokens)
+                               part.rollout.completion_mask, cfg.value_clip, tokens)
         loss.backward()
         total += float(loss.detach())
         clip_hits += hit * float(part.rollout.completion_mask.sum())
@@ -360,13 +425,14 @@ def critic_pass(cfg: Config, backend: Backend, critic: Critic, scored: Scored
     if not math.isfinite(total) or not math.isfinite(gn):
         raise TrainingError(f"non-finite value loss ({total}) or its gradient norm ({gn})")
     critic.opt.step()
-    return {"value_loss": total, "value_clip_frac": clip_hits / max(scored.tokens, 1),
+    return {"value_loss": total, "value_clip_frac": clip_hits / max(tokens, 1),
             "critic_grad_norm": gn}
 
 
-def _part_loss(cfg: Config, backend: Backend, part: Part, adv: Tensor, scored: Scored,
+def _part_loss(cfg: Config, backend: Backend, part: Part, adv: Tensor, counts: tuple[int, int],
                with_entropy: bool, entropy_coef: float) -> LossOut:
-    """This micro-batch's share of the global GRPO loss, with autograd."""
+    """This micro-batch's share of its mini-batch's global GRPO loss (``counts``: the
+    mini-batch's answers and tokens over every rank), with autograd."""
     ro = part.rollout
     if with_entropy:  # the same log-probs, plus each position's entropy
         lp, ent = backend.logprobs_and_entropy(ro, cfg.temperature,
@@ -381,4 +447,4 @@ def _part_loss(cfg: Config, backend: Backend, part: Part, adv: Tensor, scored: S
         kl_estimator=cfg.kl_estimator, kl_is_correction=cfg.kl_is_correction, entropy=ent,
         entropy_coef=entropy_coef, top_entropy_quantile=cfg.top_entropy_quantile,
         entropy_agg=None if cfg.entropy_agg == "loss" else cfg.entropy_agg,
-        off_policy_mask=cfg.off_policy_mask, global_rows=scored.rows, global_tokens=scored.tokens)
+        off_policy_mask=cfg.off_policy_mask, global_rows=counts[0], global_tokens=counts[1])

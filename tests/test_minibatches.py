@@ -1,0 +1,142 @@
+"""Mini-batches: one sampled batch, several optimiser steps (verl's ppo_mini_batch_size, TRL's
+steps_per_generation), each on its share of the batch against the policy that sampled it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import world_trainer
+
+from grpolab.config import ConfigError, make_config
+from grpolab.core.losses import grpo_loss
+from grpolab.rollout.batch import minibatch_rows
+from grpolab.run import update
+
+
+def test_minibatch_rows_cut_whole_groups_nearest_equal_shares() -> None:
+    rows = minibatch_rows([8] * 8, 4)
+    assert [(int(r[0]), int(r[-1]) + 1) for r in rows] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    # 32 answers in groups of 4, 16, 4, 8: the boundaries are 0 4 20 24 32, and 20 is the
+    # one nearest 16 (verl cuts by count; ragged groups from the allocator need boundaries)
+    assert [len(r) for r in minibatch_rows([4, 16, 4, 8], 2)] == [20, 12]
+    assert [len(r) for r in minibatch_rows([4, 4], 4)] == [0, 4, 0, 4]  # fewer groups than m
+    assert [len(r) for r in minibatch_rows([], 2)] == [0, 0]
+
+
+def test_shuffled_minibatch_rows_deal_every_answer_once() -> None:
+    a = minibatch_rows([4] * 6, 4, torch.Generator().manual_seed(3))
+    b = minibatch_rows([4] * 6, 4, torch.Generator().manual_seed(3))
+    assert [len(r) for r in a] == [6, 6, 6, 6]
+    assert sorted(torch.cat(a).tolist()) == list(range(24))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))  # seeded: resumable
+    assert all(torch.equal(r, r.sort().values) for r in a)  # (ascending: groups stay near)
+    assert not torch.equal(torch.cat(a), torch.arange(24))  # not the groups' order
+
+
+def _flat(tr) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in tr.params])
+
+
+@pytest.mark.parametrize("over", [{}, {"loss_agg": "token_mean", "beta": 0.0},
+                                  {"loss_agg": "seq_mean_token_sum_norm", "epochs": 2}])
+def test_minibatches_are_optimiser_steps_on_shares_against_the_sampling_policy(
+        tmp_path, over: dict) -> None:
+    """minibatches 2 = two SGD steps, the first on the first 4 groups, the second on the last 4,
+    each loss a mean over its own half (its answers and tokens), the old log-probs those of
+    the policy that sampled; with epochs 2 both again. Computed here by hand with grpo_loss."""
+    cfg_over = {"budget": 32, "group_size": 4, "lr": 0.1, "beta": 0.04, **over}
+    tr = world_trainer(tmp_path / "mb", minibatches=2, **cfg_over)
+    tr.opt = torch.optim.SGD(tr.params, lr=0.1)
+    batch = tr.collect()
+    ref = world_trainer(tmp_path / "ref", **cfg_over)
+    ref.opt = torch.optim.SGD(ref.params, lr=0.1)
+    assert torch.equal(_flat(tr), _flat(ref))
+    out = tr.update(batch)
+
+    cfg, be, ro = ref.cfg, ref.backend, batch.rollout
+    adv = update.advantages(cfg, batch.rewards)
+    with torch.no_grad():
+        old = be.logprobs(ro, cfg.temperature)
+        ref_lp = be.logprobs(ro, cfg.temperature, reference=True)
+    losses = []
+    for _ in range(cfg.epochs):
+        for half in (slice(0, 16), slice(16, 32)):
+            part = ro.select(list(range(half.start, half.stop)))
+            width = int(part.completion_mask.sum(1).max())
+            mask = part.completion_mask[:, :width]
+            part.completion_ids, part.completion_mask = part.completion_ids[:, :width], mask
+            ref.opt.zero_grad()
+            res = grpo_loss(be.logprobs(part, cfg.temperature), old[half, :width],
+                            ref_lp[half, :width] if cfg.beta else None, adv[half], mask,
+                            beta=cfg.beta, agg=cfg.loss_agg, norm_len=cfg.max_new_tokens,
+                            global_rows=16, global_tokens=int(mask.sum()))
+            res.loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.params, cfg.grad_clip)
+            ref.opt.step()
+            losses.append(float(res.loss.detach()))
+    assert (_flat(ref) - _flat(tr)).abs().max() < 1e-6
+    assert (_flat(tr) - _flat(world_trainer(tmp_path / "x", **cfg_over))).abs().max() > 1e-3
+    assert out["loss"] == pytest.approx(sum(losses[-2:]) / 2, rel=1e-5)  # the last pass's mean
+
+
+def test_one_minibatch_is_the_plain_update(tmp_path) -> None:
+    """minibatches 1 in either order is the update as it was (bit for bit)."""
+    params = []
+    for i, over in enumerate([{}, {"minibatch_order": "shuffled"}]):
+        tr = world_trainer(tmp_path / str(i), epochs=2, lr=0.05, **over)
+        tr.update(tr.collect())
+        params.append(_flat(tr))
+    assert torch.equal(params[0], params[1])
+
+
+def test_lr_schedule_moves_per_optimiser_step(tmp_path) -> None:
+    """Linear decay over 2 steps x 2 mini-batches = 4 optimiser steps: the record's lr is its
+    last optimiser step's (3/4 then 1/4 of lr), and warm-up spans its steps' mini-batches."""
+    tr = world_trainer(tmp_path / "a", minibatches=2, lr=0.01, lr_schedule="linear")
+    recs = tr.train()
+    assert [r["lr"] for r in recs[1:]] == pytest.approx([0.0075, 0.0025])
+    tr = world_trainer(tmp_path / "b", minibatches=4, lr=0.01, warmup_steps=1, steps=3)
+    assert [r["lr"] for r in tr.train()[1:]] == pytest.approx([0.01, 0.01, 0.01])
+    tr = world_trainer(tmp_path / "c", minibatches=4, lr=0.01, warmup_steps=2, steps=3)
+    assert [r["lr"] for r in tr.train()[1:]] == pytest.approx([0.005, 0.01, 0.01])
+
+
+def test_shuffled_minibatches_differ_by_step_and_take_every_answer(tmp_path) -> None:
+    tr = world_trainer(tmp_path, minibatches=4, minibatch_order="shuffled")
+    seen = []
+    for step in (0, 1):
+        batch = tr.collect()
+        scored = update.score(tr.cfg, tr.backend, batch, step=step)
+        assert scored.mini_rows == [8, 8, 8, 8]
+        assert sum(scored.mini_tokens) == scored.tokens
+        rows = [p.rows for p in scored.parts]
+        assert sorted(torch.cat(rows).tolist()) == list(range(32))
+        assert all(p.old_logprobs is not None for p in scored.parts)
+        seen.append(torch.cat(rows))
+    assert not torch.equal(seen[0], seen[1])
+
+
+def test_ppo_critic_steps_per_minibatch(tmp_path) -> None:
+    """PPO's value model takes an Adam step per mini-batch too (verl: its mini-batches are the
+    actor's): after one update from the same start its weights differ from one step's."""
+    crit = []
+    for m in (1, 2):
+        tr = world_trainer(tmp_path / str(m), estimator="ppo", group_size=1, minibatches=m,
+                           kl_in="reward")
+        out = tr.update(tr.collect())
+        assert "value_loss" in out
+        crit.append(torch.cat([p.detach().flatten() for p in tr.critic.params]))
+    assert not torch.allclose(crit[0], crit[1])
+
+
+@pytest.mark.parametrize(("over", "says"), [
+    ({"minibatches": 3}, "does not divide the 8 prompts a step"),
+    ({"minibatches": 0}, "minibatches must be >= 1"),
+    ({"minibatches": 5, "minibatch_order": "shuffled", "budget": 32, "group_size": 4},
+     "does not divide the budget 32"),
+    ({"minibatches": 3, "allocate": True, "budget": 32, "group_size": 4,
+      "allocate_min_group": 4, "allocate_max_group": 16}, "as few as 2 groups"),
+])
+def test_minibatches_that_cannot_be_equal_are_refused(over: dict, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        make_config(None, over, "workshop")
