@@ -175,7 +175,8 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
     """``grpolab train``: GRPO on a local HF model and dataset; returns the ``GRPOTrainer``.
 
     Writes ``metrics.jsonl``, ``checkpoints/last.pt``, ``train.png``, ``summary.json`` and the
-    final model (LoRA merged) plus tokenizer in ``<out_dir>/final``.
+    final model (LoRA merged) plus tokenizer in ``<out_dir>/final`` (with ``save_model_every``,
+    also ``checkpoint-<step>/`` on the way: ``grpolab.run.export``).
     """
     need_hf("train")
     check_paths(cfg)
