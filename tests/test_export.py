@@ -25,7 +25,7 @@ class FolderBackend:
     def __init__(self, tag: str = "v1", fail: bool = False) -> None:
         self.tag, self.fail = tag, fail
 
-    def save_pretrained(self, out_dir: str) -> None:
+    def save_pretrained(self, out_dir: str, state_dict: dict | None = None) -> None:
         (Path(out_dir) / "model.txt").write_text(self.tag)
         if self.fail:
             raise OSError(28, "No space left on device")
@@ -116,10 +116,10 @@ def test_a_signal_during_a_model_save(tmp_path: Path, monkeypatch: pytest.Monkey
     tr = tiny_trainer(tmp_path, steps=4, save_model_every=2, checkpoint_every=1)
     real = type(tr.backend).save_pretrained
 
-    def signalled(self, out_dir: str) -> None:
+    def signalled(self, out_dir: str, state_dict: dict | None = None) -> None:
         for _ in range(signals):
             os.kill(os.getpid(), signal.SIGTERM)
-        real(self, out_dir)
+        real(self, out_dir, state_dict)
 
     monkeypatch.setattr(type(tr.backend), "save_pretrained", signalled)
     with pytest.raises(RunStopped) as info:

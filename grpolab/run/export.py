@@ -50,10 +50,7 @@ def save_model(backend: Any, path: Path, state_dict: dict | None = None,
     ``state_dict``: a sharded model's weights, gathered by the caller (collective); ``extra``
     writes more files into the folder before it is put in place (final/'s model card)."""
     with new_dir(path) as tmp:
-        if state_dict is None:  # (the workshop's backend takes no state_dict)
-            backend.save_pretrained(str(tmp))
-        else:
-            backend.save_pretrained(str(tmp), state_dict=state_dict)
+        backend.save_pretrained(str(tmp), state_dict=state_dict)
         if extra is not None:
             extra(tmp)
     return path
