@@ -39,13 +39,13 @@ def local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None
 
 
 def _trainer(out: Path, loss_agg: str = "token_mean", epochs: int = 1, micro_batch: int = 0,
-             steps: int = 4, minibatches: int = 1) -> GRPOTrainer:
+             steps: int = 4, minibatches: int = 1, save_model_every: int = 0) -> GRPOTrainer:
     torch.manual_seed(0)
     model = TinyGPT(TinyConfig(vocab_size=CharTokenizer().vocab_size, d_model=32, n_layers=2))
     cfg = Config(budget=G * GROUPS, group_size=G, loss_agg=loss_agg, epochs=epochs, beta=0.04,
                  progress=False, out_dir=str(out), micro_batch=micro_batch, lora=False,
                  shard="fsdp", steps=steps, checkpoint_every=1, overwrite=True,
-                 minibatches=minibatches)
+                 minibatches=minibatches, save_model_every=save_model_every)
     return GRPOTrainer(cfg, TinyBackend(model), make_splits(0, 64, 8).train, [digit_reward],
                        out_dir=out)
 
@@ -89,8 +89,9 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
     dist.init()
     try:
         res: dict = {"cases": [_update(Path(tmp) / f"u{rank}", *c) for c in CASES]}
-        # 4 steps in one go, and 2 + 2 with a resume from the sharded checkpoint
-        whole = _trainer(Path(tmp) / "whole")
+        # 4 steps in one go (a model folder every 2: gathered on both ranks, rank 0 writes),
+        # and 2 + 2 with a resume from the sharded checkpoint
+        whole = _trainer(Path(tmp) / "whole", save_model_every=2)
         whole.train()
         res["whole"] = _flat(whole)
         half = _trainer(Path(tmp) / "half", steps=2)
@@ -140,6 +141,14 @@ def test_fsdp_two_ranks_equal_one_and_resume(tmp_path: Path) -> None:
     assert not one.sharded and one.step_num == 4
     assert torch.equal(_flat(one), two["resumed"])
     assert torch.equal(_opt_state(one), two["resumed_opt"])
+    # the model folders hold the whole model, gathered from the shards
+    plain = _trainer(tmp_path / "plain").backend.model
+    assert sorted(p.name for p in (tmp_path / "whole").glob("checkpoint-*")) == [
+        "checkpoint-2", "checkpoint-4"]
+    plain.load_state_dict(torch.load(tmp_path / "whole" / "checkpoint-4" / "tiny_gpt.pt",
+                                     weights_only=True))
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in plain.parameters()]),
+                       two["whole"])
 
 
 def test_fsdp_is_for_full_fine_tuning() -> None:

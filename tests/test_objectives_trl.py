@@ -394,6 +394,7 @@ def test_trl_defaults_load(tmp_path, monkeypatch, caplog) -> None:
     assert (c.lr, c.lr_schedule, c.warmup_steps, c.grad_clip, c.seed) == (
         1e-6, "linear", 0, 1.0, 42)
     assert (c.max_new_tokens, c.checkpoint_every, c.gradient_checkpointing) == (512, 500, True)
+    assert (c.save_model_every, c.save_total_limit) == (500, 0)  # checkpoint-500/, all kept
     assert (c.lora_r, c.lora_alpha, c.lora_dropout) == (16, 32, 0.0)  # disable_dropout's 0
     assert (c.reward_weights, c.lora_target_modules, c.rollout_backend) == ([], [], "hf")
     left = [r.getMessage() for r in caplog.records if "grpolab's defaults" in r.getMessage()]

@@ -108,7 +108,7 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"use_peft": False}, {"lora": False}),
     ({"use_vllm": True, "vllm_importance_sampling_correction": False},
      {"rollout_backend": "vllm"}),
-    ({"save_strategy": "no"}, {"checkpoint_every": 0}),
+    ({"save_strategy": "no"}, {"checkpoint_every": 0, "save_model_every": 0}),
     ({"eval_strategy": "no"}, {"eval_size": 0}),
     ({"disable_tqdm": True}, {"progress": False}),
     ({"disable_dropout": True, "use_peft": True}, {"lora_dropout": 0.0, "lora": True}),
@@ -124,14 +124,20 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
       "generation_batch_size": 32, "num_iterations": 2, "max_steps": 40, "warmup_steps": 8},
      {"budget": 32, "minibatches": 4, "epochs": 2, "steps": 5, "warmup_steps": 1}),
     ({"max_steps": 7, "num_train_epochs": 3}, {"steps": 7}),  # TRL: max_steps wins
-    ({"save_strategy": "no", "save_steps": 500}, {"checkpoint_every": 0}),  # TRL ignores it
+    ({"save_strategy": "no", "save_steps": 500},  # TRL ignores it: no checkpoint-N folders
+     {"checkpoint_every": 0, "save_model_every": 0}),
+    # TRL's save_steps writes checkpoint-N model folders: grpolab's model folders and its
+    # checkpoints both; save_total_limit is grpolab's key too (TRL's null: all kept)
+    ({"save_steps": 2, "save_total_limit": 1},
+     {"checkpoint_every": 2, "save_model_every": 2, "save_total_limit": 1}),
+    ({"save_steps": 5, "save_total_limit": None}, {"save_model_every": 5, "save_total_limit": 0}),
     ({"eval_strategy": "no", "eval_steps": 5}, {"eval_size": 0}),
     # transformers: eval_steps unset = logging_steps
     ({"eval_strategy": "steps", "logging_steps": 5}, {"eval_every": 5}),
     ({"eval_strategy": "steps", "logging_steps": 5, "eval_steps": 4}, {"eval_every": 4}),
     # TRL counts optimiser steps, num_iterations of them per sampled batch; grpolab batches
     ({"num_iterations": 2, "max_steps": 10, "save_steps": 4, "eval_steps": 2},
-     {"epochs": 2, "steps": 5, "checkpoint_every": 2, "eval_every": 1}),
+     {"epochs": 2, "steps": 5, "checkpoint_every": 2, "save_model_every": 2, "eval_every": 1}),
     ({"scale_rewards": "group"}, {"scale": "std", "std": "sample", "std_eps": 1e-4}),
     ({"scale_rewards": "batch"}, {"scale": "batch", "std": "sample", "std_eps": 1e-4}),
     ({"loss_type": "bnpo"}, {"loss_agg": "token_mean"}),  # one micro-batch: exact
@@ -232,6 +238,8 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"reward_funcs": ["accuracy_reward"], "rewards": ["math"]}, "sets rewards to"),
     ({"dataset_name": "trl-lib/DeepMath-103K"}, "set dataset .and eval_dataset."),
     ({"save_steps": 0.5}, "save_steps: 0.5 .TRL, grpolab's checkpoint_every."),
+    ({"save_steps": 2, "save_model_every": 3}, "save_steps: 2 .TRL. sets save_model_every to 2"),
+    ({"num_iterations": 2, "save_steps": 3}, "save_steps: 3 .TRL. counts optimiser steps"),
     ({"save_strategy": "epoch"}, "save_strategy: 'epoch'"),
     ({"use_vllm": True, "vllm_importance_sampling_correction": False, "vllm_mode": "server"},
      "vllm_mode: 'server'"),
@@ -337,7 +345,8 @@ def test_trl_refusals_see_the_command_line(tmp_path, monkeypatch, caplog) -> Non
      {"budget": 8, "micro_batch": 4}),
     # optimiser steps over num_iterations, from the file or the call
     ("max_steps: 100\nsave_steps: 20\n", {"num_iterations": 2},
-     {"steps": 50, "checkpoint_every": 10, "epochs": 2}),
+     {"steps": 50, "checkpoint_every": 10, "save_model_every": 10, "epochs": 2}),
+    ("save_steps: 20\n", {"save_model_every": 0}, {"checkpoint_every": 20, "save_model_every": 0}),
     ("num_iterations: 2\n", {"max_steps": 100}, {"steps": 50, "epochs": 2}),
     ("warmup_steps: 0.1\nmax_steps: 100\n", {"max_steps": 200}, {"warmup_steps": 20, "steps": 200}),
     ("loss_type: cispo\n", {"epsilon_high": 5.0}, {"policy_loss": "cispo", "cispo_max": 5.0}),
@@ -393,7 +402,8 @@ def test_trl_config_names_grpolab_defaults_it_runs_on(tmp_path, caplog) -> None:
         "lora_dropout 0.0 (TRL 0.05), lr 1e-05 (TRL's learning_rate 1e-06), lr_schedule "
         "constant (TRL's lr_scheduler_type linear), max_new_tokens 256 (TRL's "
         "max_completion_length 512), gradient_checkpointing false (TRL true), checkpoint_every "
-        "10 (TRL's save_steps 500), eval_every 10 (TRL's eval_strategy no), seed 0 (TRL 42), "
+        "10, save_model_every 0 (TRL's save_steps 500, for both), eval_every 10 (TRL's "
+        "eval_strategy no), seed 0 (TRL 42), "
         "prompt_order random (TRL's shuffled passes, shuffle_dataset true), "
         "dtype float32 (TRL's bf16 autocast), the model's dropout off (TRL's disable_dropout "
         "false), max_prompt_tokens 1024 (TRL: whole prompts)")]

@@ -26,14 +26,8 @@ from grpolab.rewards.scorer import check_columns, load_rewards, make_scorer, sco
 from grpolab.rollout.sampling import Filters
 from grpolab.rollout.templates import check_render
 from grpolab.run import dist, shard
-from grpolab.run.checkpoint import (
-    CheckpointError,
-    busy_error,
-    holds_run,
-    lock_holder,
-    new_dir,
-    out_dir_lock,
-)
+from grpolab.run.checkpoint import CheckpointError, busy_error, holds_run, lock_holder, out_dir_lock
+from grpolab.run.export import save_model
 from grpolab.run.report import finish_run, read_metrics
 from grpolab.run.trackers import Reporter
 from grpolab.run.trainer import GRPOTrainer, TrainingError
@@ -181,7 +175,8 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
     """``grpolab train``: GRPO on a local HF model and dataset; returns the ``GRPOTrainer``.
 
     Writes ``metrics.jsonl``, ``checkpoints/last.pt``, ``train.png``, ``summary.json`` and the
-    final model (LoRA merged) plus tokenizer in ``<out_dir>/final``.
+    final model (LoRA merged) plus tokenizer in ``<out_dir>/final`` (with ``save_model_every``,
+    also ``checkpoint-<step>/`` on the way: ``grpolab.run.export``).
     """
     need_hf("train")
     check_paths(cfg)
@@ -251,10 +246,9 @@ def _finish_train(cfg: Config, trainer: GRPOTrainer, title: str, heldout: list) 
                          f"{Path(cfg.model_path).name}")
     from grpolab.run.model_card import write_model_card
 
-    with new_dir(out / "final") as final:  # whole or absent, whenever the run is stopped
-        backend.save_pretrained(str(final), state_dict=full)
-        write_model_card(final, cfg, summary, read_metrics(out / "metrics.jsonl"),
-                         len(heldout[: cfg.eval_size]))
+    # whole or absent, whenever the run is stopped
+    save_model(backend, out / "final", full, lambda final: write_model_card(
+        final, cfg, summary, read_metrics(out / "metrics.jsonl"), len(heldout[: cfg.eval_size])))
     acc = (f", held-out acc {summary['start_heldout_acc']:.3f} -> "
            f"{summary['final_heldout_acc']:.3f} (greedy)" if heldout and cfg.eval_size
            else " (no eval_dataset)" if not heldout else " (no evaluation: eval_size 0)")

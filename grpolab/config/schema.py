@@ -142,6 +142,11 @@ class Config:
                          "prompts measured: the first rows of eval_dataset, else of dataset")
     eval_samples: int = opt(0, EVAL, "grpolab eval: answers per prompt at `temperature` for pass@k")
     checkpoint_every: int = opt(10, RUN, "steps between checkpoints (0 = none)")
+    save_model_every: int = opt(
+        0, MODEL, "steps between model folders <out_dir>/checkpoint-<step>/ (LoRA merged, loads "
+        "with from_pretrained and grpolab eval --model-path); 0 = only final/")
+    save_total_limit: int = opt(
+        0, MODEL, "keep the newest N checkpoint-<step>/ folders (0 = all)")
     log_samples: int = opt(
         1, RUN,
         "groups a step written to samples.jsonl (answers, rewards); 0 = none")

@@ -52,7 +52,7 @@ TRL_ALIASES: dict[str, str] = {
     "learning_rate": "lr",
     "max_grad_norm": "grad_clip",
     "max_steps": "steps",  # these three count optimiser steps: / num_iterations
-    "save_steps": "checkpoint_every",
+    "save_steps": "checkpoint_every",  # and save_model_every: TRL's checkpoint-N folders
     "eval_steps": "eval_every",
     "output_dir": "out_dir",
     "model_name_or_path": "model_path",  # ModelConfig's
@@ -74,7 +74,7 @@ _UNSET_OK = ("delta", "epsilon_high", "eval_steps", "output_dir", "model_name_or
 # default modules for the architecture
 _NONE_IS_EMPTY = ("reward_weights", "lora_target_modules")
 # grpolab's own keys, also TRL's, whose None (TRL's unset) is off: no min-p filter, no options
-_NONE_IS = {"min_p": 0.0, "chat_template_kwargs": {}}
+_NONE_IS = {"min_p": 0.0, "chat_template_kwargs": {}, "save_total_limit": 0}  # (0: all kept)
 # TRL's batch: answers per optimiser step = per device x accumulation x processes (TRL's
 # defaults: 8, 1); each process's forward/backward takes per_device rows at a time.
 _BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps",
@@ -110,8 +110,9 @@ TRL_DEFAULTS_DIFFER: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("max_completion_length", "max_new_tokens")),
     ("gradient_checkpointing {gradient_checkpointing}", "TRL true", ("gradient_checkpointing",)),
     ("steps {steps}", "TRL's num_train_epochs 3", ("max_steps", "steps", "num_train_epochs")),
-    ("checkpoint_every {checkpoint_every}", "TRL's save_steps 500",
-     ("save_steps", "save_strategy", "checkpoint_every")),
+    ("checkpoint_every {checkpoint_every}, save_model_every {save_model_every}",
+     "TRL's save_steps 500, for both", ("save_steps", "save_strategy", "checkpoint_every",
+                                        "save_model_every")),
     ("eval_every {eval_every}", "TRL's eval_strategy no",
      ("eval_strategy", "eval_steps", "eval_every", "eval_size")),
     ("seed {seed}", "TRL 42", ("seed",)),
@@ -242,6 +243,8 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
                 value = per_batches(trl_key, value, per_sample)
             key = "cispo_max" if trl_key == "epsilon_high" and cispo else TRL_ALIASES[trl_key]
             put(key, value, trl_key)
+            if trl_key == "save_steps":  # TRL saves its checkpoint-N model folders with it
+                put("save_model_every", value, trl_key)
             if trl_key == "off_policy_mask_threshold" and not coerce(key, value) > 0:
                 raise ConfigError(f"off_policy_mask_threshold: {value!r} (TRL) must be > 0 here "
                                   "(grpolab's off_policy_mask 0 is off)")

@@ -47,7 +47,7 @@ TRL_VALUES: dict[str, dict[str | None, dict[str, Any]]] = {
     "bf16": {"true": {"dtype": "bfloat16"}, None: {"dtype": "bfloat16"}, "false": {}},
     "fp16": {"true": {"dtype": "float16"}, "false": {}},
     "use_vllm": {"true": {"rollout_backend": "vllm"}, "false": {}},
-    "save_strategy": {"steps": {}, "no": {"checkpoint_every": 0}},
+    "save_strategy": {"steps": {}, "no": {"checkpoint_every": 0, "save_model_every": 0}},
     "eval_strategy": {"steps": {}, "no": {"eval_size": 0}},
     "disable_tqdm": {"true": {"progress": False}, "false": {}, None: {}},
     "optim": {"adamw_torch": {}, "adamw_torch_fused": {}},  # grpolab's AdamW (Adam at weight_decay 0)
@@ -100,7 +100,7 @@ TRL_ASIDE = frozenset({
     "trackio_static_space_id", "skip_memory_metrics", "debug",
     "logging_steps",  # (but as the evaluation's interval, see from_trl)
     # saving, the Hub, resuming
-    "save_total_limit", "save_only_model", "save_on_each_node", "enable_jit_checkpoint",
+    "save_only_model", "save_on_each_node", "enable_jit_checkpoint",
     "push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo", "hub_token",
     "hub_always_push", "hub_revision", "ignore_data_skip", "restore_callback_states_from_checkpoint",
     # the held-out evaluation's own settings (it scores, trains nothing)

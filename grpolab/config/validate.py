@@ -204,8 +204,8 @@ def _validate_ranges(cfg: Config) -> None:
     for name in ("std_eps", "min_std", "reward_timeout"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0 (got {getattr(cfg, name)})")
-    for name in ("eval_size", "checkpoint_every", "sft_steps", "reward_workers",
-                 "world_heldout_size", "logit_chunk"):
+    for name in ("eval_size", "checkpoint_every", "save_model_every", "save_total_limit",
+                 "sft_steps", "reward_workers", "world_heldout_size", "logit_chunk"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0 (got {getattr(cfg, name)})")
     for name in ("lora_r", "lora_alpha", "world_train_size", "watch_window"):

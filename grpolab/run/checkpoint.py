@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from grpolab.config import ConfigError
-from grpolab.run import dist
+from grpolab.run import dist, export
 
 log = logging.getLogger("grpolab")
 
@@ -119,26 +119,6 @@ def write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
-
-
-def _work_dirs(path: Path) -> tuple[Path, Path]:
-    """``new_dir``'s folders beside ``path``: the one being written, the one being replaced."""
-    return path.with_name(f".{path.name}.partial"), path.with_name(f".{path.name}.old")
-
-
-@contextlib.contextmanager
-def new_dir(path: Path) -> Iterator[Path]:
-    """A folder written in full or not at all: the block fills a temporary sibling, which then
-    takes ``path``'s place (a reader, or a run killed mid-write, never sees half of it)."""
-    tmp, old = _work_dirs(path)
-    shutil.rmtree(tmp, ignore_errors=True)  # (a killed earlier attempt's)
-    tmp.mkdir(parents=True)
-    yield tmp
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_config(out_dir: Path, config: dict[str, Any], resumed_at: int | None = None,
@@ -254,16 +234,14 @@ def holds_run(out_dir: str | os.PathLike) -> bool:
 
 def clear_run(out_dir: str | os.PathLike) -> None:
     """Remove what a run wrote in ``out_dir`` (metrics, samples, checkpoints, its config,
-    summary, plots and final model) and nothing else: ``--overwrite`` replaces a run; it does
-    not empty the folder."""
+    summary, plots, final/ and checkpoint-<step>/ models) and nothing else: ``--overwrite``
+    replaces a run; it does not empty the folder."""
     d = Path(out_dir)
     for n in (*RUN_FILES, *RUN_OUTPUTS):
         (d / n).unlink(missing_ok=True)
-    for p in (d / "final", *_work_dirs(d / "final"), *d.glob("config.until-step-*.json")):
-        if p.is_dir():
-            shutil.rmtree(p)
-        else:
-            p.unlink(missing_ok=True)
+    for p in d.glob("config.until-step-*.json"):
+        p.unlink(missing_ok=True)
+    export.clear(d)
     ckpt = d / "checkpoints"
     if ckpt.is_dir():
         for p in ckpt.iterdir():

@@ -36,7 +36,7 @@ from grpolab.predict.curriculum import PromptSampler
 from grpolab.rewards.scorer import Scorer, make_scorer, score_answers
 from grpolab.rollout.backend import Backend
 from grpolab.rollout.critic import Critic
-from grpolab.run import checkpoint, dist, resume, shard, update
+from grpolab.run import checkpoint, dist, export, resume, shard, update
 from grpolab.run.checkpoint import CheckpointError
 from grpolab.run.collect import Batch, Collector
 from grpolab.run.optim import EntropyControl, lr_factor, optimizer
@@ -120,6 +120,7 @@ class GRPOTrainer:
         self._check_start()
         start = self.load_checkpoint() if resume else 0
         if resume and dist.is_main():  # where the run goes on from (as the out_dir notice)
+            export.drop_after(self.out_dir, start, self.run_id)  # model folders it will redo
             left = "" if start < cfg.steps else "; nothing left to run (raise --steps to go on)"
             print(f"grpolab: resumed {self.out_dir} at step {start} of {cfg.steps}{left}",
                   flush=True)
@@ -169,6 +170,8 @@ class GRPOTrainer:
                                acc="-" if acc is None else f"{acc:.2f}")
             if on_step:
                 on_step(rec)
+            if cfg.save_model_every and self.step_num % cfg.save_model_every == 0:
+                self.save_model()  # before the checkpoint: a kill between them redoes both
             saved = bool(cfg.checkpoint_every) and (self.step_num % cfg.checkpoint_every == 0
                                                     or self.step_num == cfg.steps)
             if saved:
@@ -411,6 +414,16 @@ class GRPOTrainer:
         path = checkpoint.save(st, self.ckpt_dir)
         checkpoint.prune_dcp(self.ckpt_dir, st)
         return path
+
+    def save_model(self) -> Path:
+        """``checkpoint-<step>/``, a model folder as final/ is (``grpolab.run.export``); past
+        ``save_total_limit``, older ones go. Collective under FSDP: every rank gathers the
+        weights, rank 0 writes. A stop signal meanwhile waits for it, as for a step."""
+        full = shard.full_state_dict(self.backend.model) if self.sharded else None
+        if dist.is_main():
+            export.save_step(self.backend, self.out_dir, self.step_num, self.run_id, full,
+                             self.cfg.save_total_limit)
+        return self.out_dir / f"{export.PREFIX}{self.step_num}"
 
     def load_checkpoint(self, path: str | os.PathLike | None = None) -> int:
         """The newest good checkpoint restored (``checkpoint.load_newest``); its step."""

@@ -135,6 +135,8 @@ class TinyBackend(LMBackend):
         if self.ref is not None:
             self.ref.load_state_dict(state["ref"])
 
-    def save_pretrained(self, out_dir: str) -> None:
+    def save_pretrained(self, out_dir: str, state_dict: dict | None = None) -> None:
+        """The weights as ``tiny_gpt.pt`` (``state_dict``: a sharded model's, gathered)."""
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        torch.save(self.model.state_dict(), Path(out_dir) / "tiny_gpt.pt")
+        torch.save(self.model.state_dict() if state_dict is None else state_dict,
+                   Path(out_dir) / "tiny_gpt.pt")

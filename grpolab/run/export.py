@@ -1,0 +1,117 @@
+"""Model folders: ``final/`` and ``checkpoint-<step>/``, each written whole or not at all.
+
+A model folder is what ``AutoModelForCausalLM.from_pretrained`` and ``grpolab eval
+--model-path`` load: the weights (LoRA merged), the tokenizer and, with LoRA, the adapters
+alone in ``adapter/`` (``backend.save_pretrained``). ``final/`` is the last step's, written
+after the run; ``checkpoint-<step>/`` every ``save_model_every`` steps, as TRL names its
+``save_steps`` folders, each carrying ``grpolab.json`` (its run and step) so that pruning,
+``--overwrite`` and a resume touch only the folders a grpolab run wrote. Resuming uses
+``checkpoints/`` (``grpolab.run.checkpoint``), not these. This module writes folders; it knows
+nothing of the trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+PREFIX = "checkpoint-"
+MARK = "grpolab.json"  # in each checkpoint-<step>/: {"run_id": ..., "step": ...}
+
+
+def work_dirs(path: Path) -> tuple[Path, Path]:
+    """``new_dir``'s folders beside ``path``: the one being written, the one being replaced."""
+    return path.with_name(f".{path.name}.partial"), path.with_name(f".{path.name}.old")
+
+
+@contextlib.contextmanager
+def new_dir(path: Path) -> Iterator[Path]:
+    """A folder written in full or not at all: the block fills a temporary sibling, which then
+    takes ``path``'s place (a reader, or a run killed mid-write, never sees half of it)."""
+    tmp, old = work_dirs(path)
+    shutil.rmtree(tmp, ignore_errors=True)  # (a killed earlier attempt's)
+    tmp.mkdir(parents=True)
+    yield tmp
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_model(backend: Any, path: Path, state_dict: dict | None = None,
+               extra: Callable[[Path], None] | None = None) -> Path:
+    """``backend``'s model (LoRA merged) and tokenizer as the folder ``path``, whole or absent;
+    ``state_dict``: a sharded model's weights, gathered by the caller (collective); ``extra``
+    writes more files into the folder before it is put in place (final/'s model card)."""
+    with new_dir(path) as tmp:
+        backend.save_pretrained(str(tmp), state_dict=state_dict)
+        if extra is not None:
+            extra(tmp)
+    return path
+
+
+def save_step(backend: Any, out_dir: Path, step: int, run_id: str | None,
+              state_dict: dict | None = None, keep: int = 0) -> Path:
+    """``checkpoint-<step>/`` in ``out_dir`` (replacing one of that step: a resume that repeats
+    a step rewrites its folder), then only the newest ``keep`` of this run's kept (0: all)."""
+    def mark(d: Path) -> None:
+        (d / MARK).write_text(json.dumps({"run_id": run_id, "step": step}) + "\n")
+
+    path = save_model(backend, out_dir / f"{PREFIX}{step}", state_dict, mark)
+    if keep:
+        for old in step_dirs(out_dir, run_id)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def _mark(d: Path) -> dict[str, Any] | None:
+    """A checkpoint-<step>/ folder's grpolab.json (None: not a grpolab model folder)."""
+    try:
+        got = json.loads((d / MARK).read_text())
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
+
+
+def step_dirs(out_dir: Path, run_id: str | None = None) -> list[Path]:
+    """The checkpoint-<step>/ folders grpolab wrote in ``out_dir`` (only run ``run_id``'s when
+    given), oldest step first: by number (checkpoint-10 after checkpoint-9)."""
+    found = []
+    for d in Path(out_dir).glob(f"{PREFIX}*"):
+        step = d.name.removeprefix(PREFIX)
+        mark = _mark(d) if step.isdigit() and d.is_dir() else None
+        if mark is not None and (run_id is None or mark.get("run_id") == run_id):
+            found.append((int(step), d))
+    return [d for _, d in sorted(found)]
+
+
+def drop_after(out_dir: Path, step: int, run_id: str | None) -> None:
+    """A resume at ``step``: run ``run_id``'s folders of later steps go (it trains those steps
+    again and writes them anew; left, they would be of the steps it abandoned), with any
+    folder a stopped save left half-written."""
+    for d in step_dirs(out_dir, run_id):
+        if int(d.name.removeprefix(PREFIX)) > step:
+            shutil.rmtree(d, ignore_errors=True)
+    for d in Path(out_dir).glob(f".{PREFIX}*"):
+        if d.is_dir() and d.name.endswith((".partial", ".old")):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def clear(out_dir: Path) -> None:
+    """``--overwrite``: the model folders a run wrote (final/, every grpolab checkpoint-<step>/,
+    half-written ones) go; another tool's folders of those names stay."""
+    d = Path(out_dir)
+    models = [d / "final", *step_dirs(d)]
+    work = [w for w in (*d.glob(".final.*"), *d.glob(f".{PREFIX}*"))
+            if w.name.endswith((".partial", ".old"))]
+    for p in (*models, *work):
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
