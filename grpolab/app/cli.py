@@ -16,9 +16,11 @@ import sys
 import typing
 from typing import Any, NoReturn
 
+import yaml
+
 from grpolab.app import commands
 from grpolab.app.commands import choose_out_dir
-from grpolab.config import Config, ConfigError, literal_fields, make_config
+from grpolab.config import Config, ConfigError, literal_fields, make_config, yamlsafe
 from grpolab.config.schema import command_defaults
 from grpolab.run import dist
 
@@ -85,7 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--variants", default=None, help=variants_help())
     w.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
     _add_config_flags(w, "workshop")
-    t = sub.add_parser("train", help="GRPO on a Hugging Face model and a local dataset")
+    t = sub.add_parser("train", help="GRPO on a Hugging Face model and a local dataset",
+                       epilog="TRL's names work as flags (--learning_rate 1e-6), verl's as its "
+                              "scripts write them (data.train_batch_size=32 "
+                              "actor_rollout_ref.rollout.n=8): docs/real-models.md")
     t.add_argument("--config", help="YAML file of config keys")
     t.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
     _add_config_flags(t, "train")
@@ -100,14 +105,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def trl_flags(extra: list[str], parser: argparse.ArgumentParser) -> dict[str, Any]:
     """TRL's names as flags, as its CLI writes them (``--learning_rate 1e-6``, ``--use_peft``,
-    ``--max-steps=20``): what argparse left over, each a key the config reads (TRL's,
-    an earlier one, or grpolab's with underscores), translated with the file's keys."""
+    ``--max-steps=20``), and verl's overrides as its run scripts write them
+    (``data.train_batch_size=32``, ``trainer.logger='["console","wandb"]'``, values read as
+    Hydra reads them, YAML): what argparse left over, each a key the config reads (TRL's, an
+    earlier one, grpolab's with underscores, or verl's), translated with the file's keys."""
     from grpolab.config.trl import TRL_KEYS, TRL_RENAMED
+    from grpolab.config.verl import is_verl
 
     known = {*TRL_KEYS, *TRL_RENAMED, *Config.__dataclass_fields__}
     out: dict[str, Any] = {}
     i = 0
     while i < len(extra):
+        key, eq, value = extra[i].lstrip("+").partition("=")
+        if not extra[i].startswith("-") and eq and is_verl(key):
+            try:
+                out[key] = yamlsafe.safe_load(value) if value.strip() else None
+            except yaml.YAMLError:
+                parser.error(f"{key}={value}: not a value verl's overrides could hold")
+            i += 1
+            continue
         name, eq, value = extra[i][2:].partition("=")
         key = name.replace("-", "_")
         if not extra[i].startswith("--") or key not in known:

@@ -1,5 +1,6 @@
 """Reading a config: defaults (the command's), then a YAML file, then overrides (flags or
-keyword arguments), each TRL name translated (``grpolab.config.trl``); resolved and validated."""
+keyword arguments), each TRL or verl name translated (``grpolab.config.trl``,
+``grpolab.config.verl``); resolved and validated."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from grpolab.config import trl, yamlsafe
+from grpolab.config import trl, verl, yamlsafe
 from grpolab.config.schema import Config, ConfigError, command_defaults, field_types
 from grpolab.config.validate import resolve
 from grpolab.config.values import coerce, unknown_key
@@ -80,6 +81,11 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
         if left:
             log.warning("this TRL config leaves these at grpolab's defaults, not TRL's: %s",
                         ", ".join(left))
+    if command == "train" and any(verl.is_verl(k) for k in given):
+        left = verl.unset_defaults(given, cfg)
+        if left:
+            log.warning("this verl config leaves these at grpolab's defaults, not verl 0.9.1's: "
+                        "%s", ", ".join(left))
     return cfg
 
 
@@ -105,23 +111,27 @@ def warn_idle(cfg: Config, where: str = "") -> None:
 
 
 def _known(given: dict[str, Any], command: str) -> None:
-    """Every key is grpolab's or TRL's; a misspelt one is named with the closest of both."""
+    """Every key is grpolab's, TRL's or verl's (``from_verl`` names a verl key it cannot
+    read); a misspelt one is named with the closest of grpolab's and TRL's."""
     known = [*field_types(), "cpu_pack", *sorted(trl.TRL_KEYS)]
     for name in given:
-        if name not in known:
+        if name not in known and not verl.is_verl(name):
             raise unknown_key(name, known, command)
 
 
 def _names(given: dict[Any, Any]) -> dict[str, Any]:
-    """Keys as attribute names (``max-steps``: ``max_steps``), earlier TRL names as today's."""
-    return trl.renamed({str(k).replace("-", "_"): v for k, v in given.items()})
+    """Keys as attribute names (``max-steps``: ``max_steps``), earlier TRL names as today's,
+    verl's nested keys dotted."""
+    given = verl.flatten({str(k): v for k, v in given.items()})
+    return trl.renamed({k if verl.is_verl(k) else k.replace("-", "_"): v
+                        for k, v in given.items()})
 
 
 def _read(given: dict[str, Any], later: dict[str, Any] | None = None,
           earlier: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Keys in grpolab's names (TRL's translated), values coerced; ``earlier`` and ``later``:
-    the file before them and the overrides after (TRL combines some keys)."""
-    given = trl.from_trl(given, later, earlier)
+    """Keys in grpolab's names (verl's and TRL's translated), values coerced; ``earlier`` and
+    ``later``: the file before them and the overrides after (TRL and verl combine keys)."""
+    given = trl.from_trl(verl.from_verl(given, later, earlier), later, earlier)
     if "cpu_pack" in given:  # its earlier place, before the speed options
         speed = dataclasses.asdict(coerce("speed", given.get("speed", {})))
         given["speed"] = {**speed, "cpu_pack": given.pop("cpu_pack")}

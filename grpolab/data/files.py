@@ -193,6 +193,22 @@ def _check_prompt(prompt: Any, row: str, column: str, where: str) -> None:
     )
 
 
+_MISSING = object()
+
+
+def field(row: dict[str, Any], name: str, default: Any = None) -> Any:
+    """``row[name]``, or with dots a field of a nested column (verl's data keeps the gold
+    answer as ``reward_model.ground_truth``); ``default`` when there is none."""
+    if name in row:
+        return row[name]
+    value: Any = row
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return default
+        value = value[part]
+    return value
+
+
 def load_rows(
     path: str,
     prompt_column: str = "prompt",
@@ -216,7 +232,7 @@ def load_rows(
 
     columns = list(rows[0])
     for wanted, role in ((prompt_column, "prompt"), (answer_column, "answer")):
-        if wanted is not None and wanted not in columns:
+        if wanted is not None and field(rows[0], wanted, _MISSING) is _MISSING:
             hint = ("; answer_column: null (--answer-column '') reads none (the code reward's "
                     "tests need none)") \
                 if role == "answer" else ""
@@ -227,7 +243,7 @@ def load_rows(
 
     out = []
     for i, row in enumerate(rows):
-        prompt = row[prompt_column]
+        prompt = field(row, prompt_column)
         _check_prompt(prompt, _RowName(files, i), prompt_column, where)
         size = len(prompt) if isinstance(prompt, str) else sum(len(str(m["content"]))
                                                                for m in prompt)
@@ -242,7 +258,7 @@ def load_rows(
         new = dict(row)
         new["prompt"] = prompt
         if answer_column is not None:
-            new["answer"] = gold_text(row[answer_column], _RowName(files, i), answer_column,
+            new["answer"] = gold_text(field(row, answer_column), _RowName(files, i), answer_column,
                                       where)
         out.append(new)
     return out

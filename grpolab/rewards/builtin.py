@@ -203,6 +203,10 @@ def load_reward(spec: str, format_pattern: str | None = None,
     ``math`` and ``reasoning_gym`` rewards look for the final answer (``verifiers.SOURCES``).
     """
     spec = spec.strip()
+    if spec.startswith("verl:"):  # a function with verl's signature (rewards.verl_compat)
+        from grpolab.rewards.verl_compat import adapt_verl
+
+        return adapt_verl(_load_callable(spec, spec[5:]))
     if spec.startswith("rm:"):  # a local Hugging Face sequence-classification reward model
         from grpolab.rewards.reward_models import load_reward_model
 
@@ -226,12 +230,22 @@ def load_reward(spec: str, format_pattern: str | None = None,
 
         return code_reward if spec == "code" else code_all_reward
 
-    if spec.endswith(".py") and ":" not in spec:
+    from grpolab.rewards.trl_compat import (
+        adapt,  # TRL reward hook: keywords, None, chat completions
+    )
+
+    return adapt(_load_callable(spec, spec))
+
+
+def _load_callable(spec: str, where_fn: str) -> Any:
+    """The function ``where_fn`` names (``pkg.module:function``, ``pkg.module.function`` or
+    ``path/to/file.py:function``); one-line ValueErrors naming ``spec``."""
+    if where_fn.endswith(".py") and ":" not in where_fn:
         raise ValueError(f"reward spec {spec!r}: name the function too, as 'file.py:function'")
-    if ":" in spec:
-        where, _, attr = spec.rpartition(":")
-    elif "." in spec:
-        where, _, attr = spec.rpartition(".")
+    if ":" in where_fn:
+        where, _, attr = where_fn.rpartition(":")
+    elif "." in where_fn:
+        where, _, attr = where_fn.rpartition(".")
     else:
         raise ValueError(
             f"unknown reward {spec!r}: expected one of {', '.join(BUILTIN_REWARDS)}, "
@@ -250,8 +264,4 @@ def load_reward(spec: str, format_pattern: str | None = None,
     if not callable(obj):  # ValueError, not TypeError: the CLI reports every bad spec alike
         msg = f"reward spec {spec!r}: {attr!r} is a {type(obj).__name__}, not callable"
         raise ValueError(msg)  # noqa: TRY004
-    from grpolab.rewards.trl_compat import (
-        adapt,  # TRL reward hook: keywords, None, chat completions
-    )
-
-    return adapt(obj)
+    return obj

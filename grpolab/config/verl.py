@@ -1,0 +1,360 @@
+"""verl's names for grpolab's settings: a verl run script's overrides
+(``data.train_batch_size=32 actor_rollout_ref.rollout.n=8 ...``, as ``grpolab train``
+arguments or dotted YAML keys) or verl's nested YAML, read as verl 0.9.1 means them.
+
+``from_verl`` translates: one-to-one keys (``verl_fields.VERL_ALIASES``), keys verl reads
+together (the batch and its mini-batches, the KL term, the advantage estimator, the policy
+loss, the rewards, the schedule), keys left aside because nothing trained changes (one
+notice), and the rest refused in one line. ``unset_defaults`` names verl's defaults a config
+leaves at grpolab's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from grpolab.config.schema import ConfigError
+from grpolab.config.trl_values import as_number, as_word
+from grpolab.config.values import coerce
+from grpolab.config.verl_fields import (
+    VERL_ALIASES,
+    VERL_ASIDE,
+    VERL_COMBINED,
+    VERL_DEFAULTS,
+    VERL_DEFAULTS_DIFFER,
+    VERL_ROOTS,
+    A,
+    M,
+    R,
+)
+
+log = logging.getLogger("grpolab")
+_KL = {"low_var_kl": "k3", "k3": "k3", "kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2"}
+_ESTIMATORS: dict[str, dict[str, Any]] = {
+    "grpo": {"estimator": "grpo", "baseline": "mean"},
+    "rloo": {"estimator": "grpo", "baseline": "rloo", "scale": "none"},
+    "gpg": {"estimator": "grpo", "scale": "gpg"},
+    "reinforce_plus_plus": {"estimator": "reinforce_pp"},
+    "reinforce_plus_plus_baseline": {"estimator": "reinforce_pp_baseline"},
+    "gae": {"estimator": "ppo"}}
+_LOSS_MODES = {"vanilla": "clip", "geo_mean": "gmpo", "gspo": "gspo", "cispo": "cispo",
+               "sapo": "sapo", "gpg": "gpg", "clip_cov": "clip_cov", "kl_cov": "kl_cov",
+               "dppo_tv": "dppo_tv", "dppo_kl": "dppo_kl", "dro": "dro"}
+_TRACKERS = ("wandb", "tensorboard", "mlflow", "trackio")
+
+
+def is_verl(key: str) -> bool:
+    return "." in key and key.split(".", 1)[0] in VERL_ROOTS
+
+
+def flatten(given: dict[str, Any]) -> dict[str, Any]:
+    """verl's nested YAML (``actor_rollout_ref: {actor: {optim: {lr: ...}}}``) as dotted keys;
+    Hydra's ``+key`` as ``key``; other keys as they are."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        else:
+            out[prefix] = value
+
+    for key, value in given.items():
+        key = str(key).lstrip("+")
+        if key.split(".", 1)[0] in VERL_ROOTS and isinstance(value, dict):
+            walk(key, value)
+        else:
+            out[key] = value
+    return out
+
+
+def known(key: str) -> bool:
+    return key in VERL_ALIASES or key in VERL_COMBINED or key.startswith(VERL_ASIDE)
+
+
+def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
+              earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Translate the verl keys of ``given`` (other keys pass unchanged). ``earlier`` (a YAML
+    file) and ``later`` (overrides) are read where verl combines keys, as ``from_trl`` does;
+    a verl key and the grpolab key it sets that disagree are an error."""
+    given = flatten(given)
+    if not any(is_verl(k) for k in given):
+        return given
+    later, earlier = flatten(later or {}), flatten(earlier or {})
+    d = {**earlier, **given, **later}
+    out = {k: v for k, v in given.items() if not is_verl(k)}
+    source: dict[str, str] = {}
+
+    def put(key: str, value: Any, verl_key: str) -> None:
+        try:
+            coerce(key, value)
+        except ConfigError as e:
+            raise ConfigError(f"{verl_key}={d.get(verl_key)!r} (verl, grpolab's {key}): {e}"
+                              ) from None
+        if key in out and out[key] != value and key not in source:
+            raise ConfigError(f"{verl_key}={d.get(verl_key)!r} (verl) sets {key} to {value!r}, "
+                              f"but {key} sets it to {out[key]!r}; keep one of them")
+        out[key] = value
+        source.setdefault(key, verl_key)
+
+    mine = [k for k in given if is_verl(k) and k not in later]
+    aside = []
+    for key in mine:
+        if key in VERL_ALIASES:
+            put(VERL_ALIASES[key], d[key], key)
+        elif key.startswith(VERL_ASIDE):
+            aside.append(key)
+        elif key not in VERL_COMBINED:
+            raise ConfigError(f"{key}={given[key]!r} (verl) has no grpolab equivalent; remove "
+                              "it (or ask for it: it changes what is trained)")
+    touched = set(mine)
+    for keys, rule in _RULES:
+        if touched & set(keys):
+            for key, value in rule(d).items():
+                put(key, value, next(k for k in keys if k in touched))
+    if aside:
+        log.warning("verl settings left aside (they change nothing that is trained here): %s",
+                    ", ".join(sorted(aside)))
+    return out
+
+
+def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
+    """``VERL_DEFAULTS_DIFFER``'s entries none of ``given`` sets, as "grpolab's (verl's)"."""
+    shown = {k: str(v).lower() if isinstance(v, bool) else v for k, v in vars(cfg).items()}
+    return [f"{ours.format_map(shown)} ({theirs})" for ours, theirs, keys in VERL_DEFAULTS_DIFFER
+            if not set(given) & set(keys)]
+
+
+# --------------------------------------------------------------- what verl reads together
+
+
+def _whole(d: dict[str, Any], key: str) -> int:
+    n = as_number(d.get(key, VERL_DEFAULTS.get(key)))
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"{key}={d.get(key)!r} (verl) must be a whole number >= 1")
+    return n
+
+
+def _batch(d: dict[str, Any]) -> dict[str, Any]:
+    """data.train_batch_size prompts x rollout.n answers a step; train_batch_size /
+    ppo_mini_batch_size optimiser steps on it (verl refuses shares that are not equal)."""
+    if not {"data.train_batch_size", A + "ppo_mini_batch_size"} & d.keys():
+        return {}  # (rollout.n alone: group_size)
+    if "data.train_batch_size" not in d:
+        raise ConfigError(f"{A}ppo_mini_batch_size (verl) counts prompts of "
+                          "data.train_batch_size: give that too")
+    prompts, mini = _whole(d, "data.train_batch_size"), _whole(d, A + "ppo_mini_batch_size")
+    group = as_number(d.get(R + "n", d.get("group_size", d.get("num_generations", 8))))
+    if prompts % mini:
+        default = "" if A + "ppo_mini_batch_size" in d else " (verl's default)"
+        raise ConfigError(f"data.train_batch_size {prompts} is not a multiple of "
+                          f"{A}ppo_mini_batch_size {mini}{default}: verl refuses it too")
+    return {"budget": prompts * int(group), "minibatches": prompts // mini}
+
+
+def _kl(d: dict[str, Any]) -> dict[str, Any]:
+    in_loss = as_word(d.get(A + "use_kl_loss", False)) == "true"
+    in_reward = as_word(d.get("algorithm.use_kl_in_reward", False)) == "true"
+    if in_loss and in_reward:
+        raise ConfigError(f"{A}use_kl_loss and algorithm.use_kl_in_reward (verl) are both "
+                          "true: grpolab puts the KL in one place (kl_in: loss or reward)")
+    if as_word(d.get("algorithm.kl_ctrl.type", "fixed")) != "fixed":
+        raise ConfigError("algorithm.kl_ctrl.type (verl): grpolab's KL weight is fixed")
+    key = A + "kl_loss_type" if in_loss else "algorithm.kl_penalty"
+    kind = as_word(d.get(key, "low_var_kl" if in_loss else "kl"))
+    if (in_loss or in_reward) and kind not in _KL:
+        raise ConfigError(f"{key}={kind} (verl) has no grpolab estimator; grpolab reads "
+                          f"{', '.join(_KL)}")
+    if in_loss:
+        return {"kl_in": "loss", "beta": d.get(A + "kl_loss_coef", 0.001), "kl_estimator": _KL[kind]}
+    if in_reward:
+        return {"kl_in": "reward", "beta": d.get("algorithm.kl_ctrl.kl_coef", 0.001),
+                "kl_estimator": _KL[kind]}
+    return {"beta": 0.0}  # verl adds no KL unless asked
+
+
+def _advantage(d: dict[str, Any]) -> dict[str, Any]:
+    name = as_word(d.get("algorithm.adv_estimator", VERL_DEFAULTS["algorithm.adv_estimator"]))
+    if name not in _ESTIMATORS:
+        raise ConfigError(f"algorithm.adv_estimator={name} (verl) has no grpolab equivalent; "
+                          f"grpolab reads {', '.join(_ESTIMATORS)}")
+    out = dict(_ESTIMATORS[name])
+    if as_word(d.get("algorithm.norm_adv_by_std_in_grpo", True)) == "false":
+        if name != "grpo":
+            raise ConfigError("algorithm.norm_adv_by_std_in_grpo (verl) acts only with "
+                              "adv_estimator grpo")
+        out["scale"] = "none"  # Dr. GRPO's advantage
+    return out
+
+
+def _loss(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if A + "loss_agg_mode" in d:
+        out["loss_agg"] = as_word(d[A + "loss_agg_mode"]).replace("-", "_")
+    mode = as_word(d.get(A + "policy_loss.loss_mode", "vanilla"))
+    if mode not in _LOSS_MODES:
+        raise ConfigError(f"{A}policy_loss.loss_mode={mode} (verl) has no grpolab equivalent; "
+                          f"grpolab reads {', '.join(_LOSS_MODES)}")
+    out["policy_loss"] = _LOSS_MODES[mode]
+    if mode == "cispo":  # verl's bounds on the weight: 1 - low and 1 + high
+        out["cispo_min"] = 1 - float(d.get(A + "clip_ratio_low", 0.2))
+        out["cispo_max"] = 1 + float(d.get(A + "clip_ratio_high", 0.2))
+    if A + "clip_ratio" in d and not {A + "clip_ratio_low", A + "clip_ratio_high"} & d.keys():
+        log.warning("%sclip_ratio (verl) is left aside: verl 0.9.1 clips at clip_ratio_low and "
+                    "clip_ratio_high (0.2 each by default), not at it", A)
+    return out
+
+
+def _model(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if M + "lora_rank" in d:
+        r = as_number(d[M + "lora_rank"])
+        out.update({"lora": False} if r == 0 else {"lora": True, "lora_r": r})
+    if M + "target_modules" in d:
+        t = d[M + "target_modules"]
+        out["lora_target_modules"] = [t] if isinstance(t, str) else list(t)
+    return out
+
+
+def _sampling(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if R + "top_k" in d:
+        k = as_number(d[R + "top_k"])
+        out["top_k"] = 0 if k == -1 else k
+    if as_word(d.get(R + "do_sample", True)) == "false":
+        raise ConfigError(f"{R}do_sample=false (verl): GRPO samples its answers (greedy groups "
+                          "would all be dead)")
+    name = as_word(d.get(R + "name", "vllm"))
+    if R + "name" in d and name not in ("vllm", "hf"):
+        raise ConfigError(f"{R}name={name} (verl): grpolab samples with hf or vllm")
+    if R + "name" in d:
+        out["rollout_backend"] = name
+    return out
+
+
+def _data(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, ours in (("data.train_files", "dataset"), ("data.val_files", "eval_dataset")):
+        if key in d:
+            files = d[key] if isinstance(d[key], list) else [d[key]]
+            if len(files) != 1:
+                raise ConfigError(f"{key} (verl): grpolab reads one file or folder (a folder "
+                                  f"holds several); got {len(files)}")
+            out[ours] = str(files[0])
+    if "data.train_files" in d and "answer_column" not in d:
+        out["answer_column"] = "reward_model.ground_truth"  # verl's data layout
+    if "data.shuffle" in d:
+        out["prompt_order"] = "epochs" if as_word(d["data.shuffle"]) == "true" else "sequential"
+    return out
+
+
+def _trainer(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if "trainer.total_epochs" in d and not {"trainer.total_training_steps", "steps",
+                                             "max_steps"} & d.keys():
+        raise ConfigError("trainer.total_epochs (verl: passes over the data): grpolab runs a "
+                          "number of steps; set trainer.total_training_steps (or steps)")
+    if "trainer.save_freq" in d:
+        out["checkpoint_every"] = max(int(as_number(d["trainer.save_freq"])), 0)
+    test = as_number(d.get("trainer.test_freq", -1))
+    if isinstance(test, int) and test > 0:
+        out["eval_every"] = test
+    if "trainer.logger" in d:
+        loggers = d["trainer.logger"] if isinstance(d["trainer.logger"], list) else [
+            d["trainer.logger"]]
+        bad = [x for x in loggers if x not in ("console", *_TRACKERS)]
+        if bad:
+            raise ConfigError(f"trainer.logger (verl): {', '.join(map(str, bad))} is not one of "
+                              f"grpolab's trackers ({', '.join(_TRACKERS)})")
+        out["report_to"] = [x for x in loggers if x != "console"]
+    return out
+
+
+def _rewards(d: dict[str, Any]) -> dict[str, Any]:
+    specs = []
+    if as_word(d.get("reward_model.enable", False)) == "true":
+        if not d.get("reward_model.model.path"):
+            raise ConfigError("reward_model.enable (verl) needs reward_model.model.path")
+        specs.append(f"rm:{d['reward_model.model.path']}")
+    for root in ("custom_reward_function.", "reward.custom_reward_function."):
+        if d.get(root + "path"):
+            specs.append(f"verl:{d[root + 'path']}:{d.get(root + 'name') or 'compute_score'}")
+    return {"rewards": specs} if specs else {}
+
+
+def _schedule(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    kind = as_word(d.get(A + "optim.warmup_style") or d.get(A + "optim.lr_scheduler_type")
+                   or "constant")
+    if kind not in ("constant", "cosine"):
+        raise ConfigError(f"{A}optim.lr_scheduler_type={kind} (verl): grpolab reads constant "
+                          "or cosine")
+    if {A + "optim.warmup_style", A + "optim.lr_scheduler_type"} & d.keys():
+        out["lr_schedule"] = kind
+    if as_number(d.get(A + "optim.num_cycles", 0.5)) != 0.5:
+        raise ConfigError(f"{A}optim.num_cycles (verl): grpolab's cosine is half a cycle (0.5)")
+    if as_word(d.get(A + "optim.optimizer", "AdamW")) not in ("adamw", "adam"):
+        raise ConfigError(f"{A}optim.optimizer (verl): grpolab's optimiser is AdamW")
+    if A + "optim.betas" in d:
+        out["adam_beta1"], out["adam_beta2"] = (float(b) for b in d[A + "optim.betas"])
+    steps = as_number(d.get(A + "optim.lr_warmup_steps", -1))
+    ratio = float(as_number(d.get(A + "optim.lr_warmup_steps_ratio", 0.0)))
+    if isinstance(steps, int) and steps > 0:  # (verl: counted in training steps, as here)
+        out["warmup_steps"] = steps
+    elif ratio > 0:
+        total = as_number(d.get("trainer.total_training_steps", d.get("steps")))
+        if not isinstance(total, int):
+            raise ConfigError(f"{A}optim.lr_warmup_steps_ratio (verl) needs "
+                              "trainer.total_training_steps")
+        out["warmup_steps"] = int(ratio * total)  # (verl rounds down)
+    return out
+
+
+def _critic(d: dict[str, Any]) -> dict[str, Any]:
+    """grpolab's value model is a copy of the policy, stepped on the actor's mini-batches."""
+    if d.get("critic.model.path") not in (None, d.get(M + "path"), d.get("model_path")):
+        raise ConfigError("critic.model.path (verl): grpolab's value model is a copy of the "
+                          "policy (actor_rollout_ref.model.path)")
+    for key, actor in (("critic.ppo_mini_batch_size", A + "ppo_mini_batch_size"),
+                       ("critic.ppo_epochs", A + "ppo_epochs")):
+        if key in d and str(d[key]) != str(d.get(actor, VERL_DEFAULTS.get(actor, 1))):
+            raise ConfigError(f"{key} (verl): grpolab's value model takes the actor's ({actor})")
+    return {}
+
+
+def _filter_groups(d: dict[str, Any]) -> dict[str, Any]:
+    if as_word(d.get("algorithm.filter_groups.enable", False)) != "true":
+        return {}
+    metric = as_word(d.get("algorithm.filter_groups.metric", "acc"))
+    if metric not in ("acc", "score", "seq_reward", "seq_final_reward"):
+        raise ConfigError(f"algorithm.filter_groups.metric={metric} (verl): grpolab keeps the "
+                          "groups whose rewards differ")
+    n = as_number(d.get("algorithm.filter_groups.max_num_gen_batches", 0))
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError("algorithm.filter_groups.max_num_gen_batches (verl) 0 samples without "
+                          "end; grpolab caps the rounds: give a number")
+    return {"max_sampling_rounds": n - 1}  # (verl counts the first batch too)
+
+
+_RULES = (
+    (("data.train_batch_size", A + "ppo_mini_batch_size", R + "n"), _batch),
+    ((A + "use_kl_loss", A + "kl_loss_coef", A + "kl_loss_type", "algorithm.use_kl_in_reward",
+      "algorithm.kl_ctrl.kl_coef", "algorithm.kl_penalty", "algorithm.kl_ctrl.type"), _kl),
+    (("algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo"), _advantage),
+    ((A + "policy_loss.loss_mode", A + "loss_agg_mode", A + "clip_ratio"), _loss),
+    ((M + "lora_rank", M + "target_modules"), _model),
+    ((R + "top_k", R + "do_sample", R + "name"), _sampling),
+    (("data.train_files", "data.val_files", "data.shuffle"), _data),
+    (("trainer.total_epochs", "trainer.save_freq", "trainer.test_freq", "trainer.logger"),
+     _trainer),
+    (("reward_model.enable", "reward_model.model.path", "custom_reward_function.path",
+      "custom_reward_function.name", "reward.custom_reward_function.path",
+      "reward.custom_reward_function.name"), _rewards),
+    ((A + "optim.lr_scheduler_type", A + "optim.warmup_style", A + "optim.lr_warmup_steps",
+      A + "optim.lr_warmup_steps_ratio", A + "optim.betas", A + "optim.optimizer",
+      A + "optim.num_cycles"), _schedule),
+    (("critic.model.path", "critic.ppo_mini_batch_size", "critic.ppo_epochs"), _critic),
+    (("algorithm.filter_groups.enable", "algorithm.filter_groups.metric",
+      "algorithm.filter_groups.max_num_gen_batches"), _filter_groups),
+)

@@ -1,0 +1,66 @@
+"""verl's reward functions, used unchanged (``rewards: [verl:my_reward.py:compute_score]``, or
+verl's ``custom_reward_function.path`` and ``.name``).
+
+verl's reward manager calls ``compute_score(data_source=..., solution_str=...,
+ground_truth=..., extra_info=...)`` once per answer and takes a number, or a dict whose
+``score`` is the reward (its other keys are extra metrics, not read here). The answer is the
+completion's text; the gold is the row's ``reward_model.ground_truth`` (verl's data layout),
+else its ``answer``; ``data_source`` and ``extra_info`` are the row's columns of those names
+(None where the data has none). A scorer of verl's own gets only the keywords it names, so
+``verl:<verl's folder>/utils/reward_score/gsm8k.py:compute_score`` runs verl's GSM8K check.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from typing import Any
+
+
+def _text(completion: Any) -> str:
+    """A chat completion ([{"role": "assistant", "content": ...}]) as its text."""
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+def _accepts(fn: Any) -> set[str] | None:
+    """The keywords ``fn`` takes (None: any, it has ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}
+
+
+def adapt_verl(fn: Any) -> Any:
+    """``fn`` with verl's signature, as a grpolab reward (prompts, completions, **columns).
+    A scorer of verl's own (``verl/utils/reward_score/gsm8k.py:compute_score``, which takes
+    ``solution_str`` and ``ground_truth`` only) gets only the keywords it names."""
+    takes = _accepts(fn)
+
+    def reward(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+        n = len(completions)
+        holders = columns.get("reward_model") or [None] * n
+        answers = columns.get("answer") or [None] * n
+        sources = columns.get("data_source") or [None] * n
+        extras = columns.get("extra_info") or [None] * n
+        out = []
+        for i in range(n):
+            holder = holders[i]
+            gold = holder.get("ground_truth") if isinstance(holder, dict) else answers[i]
+            args = {"data_source": sources[i], "solution_str": _text(completions[i]),
+                    "ground_truth": gold, "extra_info": extras[i]}
+            got = fn(**{k: v for k, v in args.items() if takes is None or k in takes})
+            got = got.get("score") if isinstance(got, dict) else got
+            if isinstance(got, bool) or not isinstance(got, numbers.Real):
+                raise TypeError(f"a verl reward returns a number or a dict with 'score'; "
+                                f"{getattr(fn, '__name__', fn)} returned {type(got).__name__}")
+            out.append(float(got))
+        return out
+
+    # its name, not its signature (``__wrapped__`` would make the columns check read verl's)
+    reward.__name__ = reward.__qualname__ = getattr(fn, "__name__", "verl_reward")
+    return reward

@@ -1,0 +1,263 @@
+"""verl's names: a verl run script's overrides (or its nested YAML) read as verl 0.9.1 means
+them; verl's defaults as its own config file states them; verl's reward functions."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpolab.config import ConfigError, make_config
+from grpolab.config import verl as V
+from grpolab.config.verl_fields import (
+    VERL_ALIASES,
+    VERL_ASIDE,
+    VERL_COMBINED,
+    VERL_DEFAULTS,
+    VERL_DEFAULTS_DIFFER,
+    A,
+    M,
+    R,
+)
+from grpolab.rewards.builtin import load_reward
+
+# verl's examples/grpo_trainer LoRA GSM8K script, as its overrides
+SCRIPT = {
+    "algorithm.adv_estimator": "grpo", "trainer.val_before_train": False,
+    "data.train_files": "train.parquet", "data.val_files": "test.parquet",
+    "data.train_batch_size": 16, "data.max_prompt_length": 512,
+    "data.max_response_length": 1024, "data.filter_overlong_prompts": True,
+    "data.truncation": "error", "data.shuffle": False, M + "path": "runs/tiny-llama",
+    M + "use_shm": True, M + "lora_rank": 64, M + "lora_alpha": 32, A + "optim.lr": 3e-5,
+    M + "use_remove_padding": True, A + "ppo_mini_batch_size": 4,
+    A + "ppo_micro_batch_size_per_gpu": 40, A + "use_kl_loss": True, A + "kl_loss_coef": 0.001,
+    A + "kl_loss_type": "low_var_kl", A + "entropy_coeff": 0,
+    M + "enable_gradient_checkpointing": True, A + "fsdp_config.param_offload": False,
+    A + "fsdp_config.optimizer_offload": False, R + "log_prob_micro_batch_size_per_gpu": 40,
+    R + "tensor_model_parallel_size": 2, R + "name": "vllm", R + "gpu_memory_utilization": 0.6,
+    R + "n": 5, R + "load_format": "safetensors", R + "layered_summon": True,
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 40,
+    "actor_rollout_ref.ref.fsdp_config.param_offload": True,
+    "algorithm.use_kl_in_reward": False, "trainer.critic_warmup": 0,
+    "trainer.logger": ["console", "wandb"], "trainer.project_name": "verl_grpo_example_gsm8k",
+    "trainer.experiment_name": "qwen2.5_3b_grpo_lora", "trainer.n_gpus_per_node": 2,
+    "trainer.nnodes": 1, "trainer.save_freq": 20, "trainer.test_freq": 5,
+    "trainer.total_epochs": 15, "trainer.total_training_steps": 60,
+}
+
+
+def _cfg(over: dict, **kw) -> object:
+    return make_config(None, {**over, **kw}, "train")
+
+
+def test_a_verl_grpo_script_reads_as_verl_means_it(monkeypatch) -> None:
+    monkeypatch.setattr("grpolab.config.trl.vllm_installed", lambda: True)
+    c = _cfg(SCRIPT)
+    want = {
+        "estimator": "grpo", "baseline": "mean", "scale": "std", "group_size": 5,
+        "budget": 80, "minibatches": 4, "minibatch_order": "groups", "micro_batch": 40,
+        "lr": 3e-5, "lora": True, "lora_r": 64, "lora_alpha": 32, "kl_in": "loss",
+        "beta": 0.001, "kl_estimator": "k3", "entropy_coef": 0.0,
+        "gradient_checkpointing": True, "rollout_backend": "vllm", "max_new_tokens": 1024,
+        "max_prompt_tokens": 512, "prompt_order": "sequential", "dataset": "train.parquet",
+        "eval_dataset": "test.parquet", "answer_column": "reward_model.ground_truth",
+        "prompt_column": "prompt", "report_to": ["wandb"], "checkpoint_every": 20,
+        "eval_every": 5, "steps": 60, "critic_warmup": 0, "model_path": "runs/tiny-llama"}
+    assert {k: getattr(c, k) for k in want} == want
+
+
+def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
+    nested: dict = {}
+    for key, value in SCRIPT.items():
+        node = nested
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    nested["actor_rollout_ref"]["rollout"]["name"] = "hf"
+    (tmp_path / "verl.yaml").write_text(yaml.safe_dump(nested))
+    assert make_config(tmp_path / "verl.yaml", None, "train") == _cfg(SCRIPT, **{R + "name": "hf"})
+
+
+@pytest.mark.parametrize(("over", "want"), [
+    ({"algorithm.adv_estimator": "rloo"}, {"baseline": "rloo", "scale": "none"}),
+    ({"algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": False},
+     {"scale": "none"}),
+    ({"algorithm.adv_estimator": "gae"}, {"estimator": "ppo"}),
+    ({"algorithm.adv_estimator": "reinforce_plus_plus"}, {"estimator": "reinforce_pp"}),
+    ({"algorithm.adv_estimator": "gpg", A + "policy_loss.loss_mode": "gpg"},
+     {"scale": "gpg", "policy_loss": "gpg"}),
+    ({A + "policy_loss.loss_mode": "cispo", A + "clip_ratio_low": 0.3, A + "clip_ratio_high": 4},
+     {"policy_loss": "cispo", "cispo_min": 0.7, "cispo_max": 5.0}),
+    ({A + "policy_loss.loss_mode": "geo_mean"}, {"policy_loss": "gmpo"}),
+    ({A + "loss_agg_mode": "seq-mean-token-sum-norm"}, {"loss_agg": "seq_mean_token_sum_norm"}),
+    ({"algorithm.use_kl_in_reward": True}, {"kl_in": "reward", "beta": 0.001, "kl_estimator": "k1"}),
+    ({"algorithm.use_kl_in_reward": True, "algorithm.kl_penalty": "mse",
+      "algorithm.kl_ctrl.kl_coef": 0.02}, {"kl_in": "reward", "beta": 0.02, "kl_estimator": "k2"}),
+    ({A + "kl_loss_coef": 0.5}, {"beta": 0.0}),  # verl reads it only with use_kl_loss
+    ({R + "top_k": -1, R + "top_p": 0.9}, {"top_k": 0, "top_p": 0.9}),
+    ({M + "lora_rank": 0}, {"lora": False}),
+    ({M + "lora_rank": 16, M + "target_modules": "all-linear"},
+     {"lora": True, "lora_r": 16, "lora_target_modules": ["all-linear"]}),
+    ({"data.shuffle": True}, {"prompt_order": "epochs"}),
+    ({"trainer.save_freq": -1}, {"checkpoint_every": 0}),
+    ({A + "optim.lr_scheduler_type": "cosine", A + "optim.min_lr_ratio": 0.1,
+      A + "optim.lr_warmup_steps_ratio": 0.1, "trainer.total_training_steps": 25,
+      A + "optim.betas": [0.9, 0.95]},
+     {"lr_schedule": "cosine", "min_lr_rate": 0.1, "warmup_steps": 2, "steps": 25,
+      "adam_beta2": 0.95}),
+    ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
+      "algorithm.filter_groups.max_num_gen_batches": 10},
+     {"dynamic_sampling": True, "max_sampling_rounds": 9}),
+    ({"custom_reward_function.path": "r.py"}, {"rewards": ["verl:r.py:compute_score"]}),
+    ({"reward.custom_reward_function.path": "r.py", "reward.custom_reward_function.name": "f"},
+     {"rewards": ["verl:r.py:f"]}),
+    ({"data.train_batch_size": 8, R + "n": 4}, {"budget": 32, "minibatches": 1}),  # 8 < 256
+])
+def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want: dict) -> None:
+    if over.get("data.train_batch_size") == 8:  # (verl's default mini-batch is 256 prompts)
+        over = {**over, A + "ppo_mini_batch_size": 8}
+    c = _cfg(over)
+    for key, value in want.items():
+        assert getattr(c, key) == (pytest.approx(value) if isinstance(value, float) else value), key
+
+
+@pytest.mark.parametrize(("over", "says"), [
+    ({A + "optim.foo": 1}, "optim.foo=1 .verl. has no grpolab equivalent"),
+    ({"trainer.total_epochs": 15}, "set trainer.total_training_steps"),
+    ({"data.train_batch_size": 10, A + "ppo_mini_batch_size": 4}, "not a multiple of"),
+    ({"data.train_batch_size": 16}, "ppo_mini_batch_size 256 .verl's default."),
+    ({A + "ppo_mini_batch_size": 4}, "give that too"),
+    ({"algorithm.adv_estimator": "remax"}, "adv_estimator=remax .verl. has no grpolab"),
+    ({A + "use_kl_loss": True, "algorithm.use_kl_in_reward": True}, "both true"),
+    ({A + "use_kl_loss": True, A + "kl_loss_type": "low_var_kl+"}, "has no grpolab estimator"),
+    ({A + "policy_loss.loss_mode": "fancy"}, "loss_mode=fancy"),
+    ({"algorithm.filter_groups.enable": True}, "max_num_gen_batches .verl. 0 samples"),
+    ({"trainer.logger": ["console", "swanlab"]}, "swanlab is not one of"),
+    ({"critic.model.path": "other", M + "path": "runs/x"}, "a copy of the policy"),
+    ({"data.train_files": ["a.parquet", "b.parquet"]}, "grpolab reads one file or folder"),
+    ({R + "name": "sglang"}, "grpolab samples with hf or vllm"),
+    ({R + "do_sample": False}, "greedy groups"),
+    ({A + "optim.lr": 1e-6, "lr": 1e-5}, "sets lr to 1e-06, but lr sets it to 1e-05"),
+])
+def test_what_verl_names_and_grpolab_cannot_honour_is_refused(over: dict, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        _cfg(over)
+
+
+def test_aside_settings_are_named_once(caplog) -> None:
+    with caplog.at_level("WARNING", logger="grpolab"):
+        _cfg({R + "gpu_memory_utilization": 0.6, "trainer.n_gpus_per_node": 8, R + "n": 4})
+    notes = [r.getMessage() for r in caplog.records if "left aside" in r.getMessage()]
+    assert notes == [("verl settings left aside (they change nothing that is trained here): "
+                      f"{R}gpu_memory_utilization, trainer.n_gpus_per_node")]
+
+
+def _verl_root() -> Path:
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("verl is not installed: pip install --no-deps verl==0.9.1 (.ci/run does)")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _verl_defaults() -> dict:
+    tree = yaml.safe_load((_verl_root() / "trainer/config/_generated_ppo_trainer.yaml").read_text())
+    return dict(V.flatten(tree))
+
+
+def test_verl_defaults_named_are_verl_0_9_1s_own() -> None:
+    """The defaults the warning quotes, and every key grpolab reads, are verl's config's."""
+    theirs = _verl_defaults()
+    for key, value in VERL_DEFAULTS.items():
+        assert theirs[key] == value, key
+    read = {*VERL_ALIASES, *VERL_COMBINED} - {A + "grad_clip", "custom_reward_function.path",
+                                              "custom_reward_function.name",
+                                              "reward_model.enable", "reward_model.model.path"}
+    assert sorted(k for k in read if k not in theirs) == []  # (older names: grad_clip, ...)
+    assert all(any(k.startswith(p) for k in theirs) for p in VERL_ASIDE if p.count(".") > 1
+               and not p.startswith(("actor_rollout_ref.hybrid", R + "free_cache",
+                                     R + "multi_turn", "critic.model.", "critic.use_dyn",
+                                     "critic.strategy", "reward_model.")))
+    # a rule reads every combined key, and none is also one-to-one
+    assert {k for keys, _ in V._RULES for k in keys} >= VERL_COMBINED
+    assert not VERL_COMBINED & VERL_ALIASES.keys()
+
+
+def test_a_config_that_leaves_verls_defaults_is_told_which(caplog) -> None:
+    with caplog.at_level("WARNING", logger="grpolab"):
+        _cfg({R + "n": 4, "algorithm.adv_estimator": "grpo"})
+    (note,) = [r.getMessage() for r in caplog.records if "verl 0.9.1's" in r.getMessage()]
+    assert "beta 0.04 (verl: no KL term" in note and "dual_clip 0.0 (verl's clip_ratio_c 3.0)" in note
+    assert "estimator" not in note and "group_size" not in note  # (given)
+    assert len(VERL_DEFAULTS_DIFFER) == note.count(" (verl") + 2  # less estimator, group_size
+
+
+# ------------------------------------------------------------------------- rewards
+
+
+def test_verl_reward_functions_get_verls_arguments(tmp_path) -> None:
+    f = tmp_path / "r.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    return {'score': float(ground_truth in solution_str) + extra_info['k'],"
+                 " 'acc': 1} if data_source == 'd' else 0.5\n")
+    fn = load_reward(f"verl:{f}:compute_score")
+    cols = {"data_source": ["d", "d", "other"], "extra_info": [{"k": 0}, {"k": 0.25}, {"k": 0}],
+            "reward_model": [{"ground_truth": "7"}] * 3, "answer": ["7"] * 3}
+    assert fn(["p"] * 3, ["it is 7", "it is 8", "7"], **cols) == [1.0, 0.25, 0.5]
+    chat = [[{"role": "assistant", "content": "7"}]]
+    assert fn(["p"], chat, data_source=["d"], extra_info=[{"k": 0}], answer=["7"]) == [1.0]
+    g = tmp_path / "bad.py"
+    g.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                 "    return 'yes'\n")
+    bad = load_reward(f"verl:{g}:compute_score")
+    with pytest.raises(TypeError, match="returned str"):
+        bad(["p"], ["x"], answer=["1"])
+
+
+def test_verls_own_gsm8k_scorer_runs_unchanged() -> None:
+    """verl's GSM8K check (strict '#### answer'), given only the arguments it takes."""
+    spec = f"verl:{_verl_root() / 'utils/reward_score/gsm8k.py'}:compute_score"
+    fn = load_reward(spec)
+    got = fn(["q"] * 3, ["so #### 72", "72", "#### 7"], reward_model=[{"ground_truth": "72"}] * 3)
+    assert got == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_a_verl_script_trains_from_the_command_line(tmp_path) -> None:
+    """verl's overrides as grpolab train's arguments, on verl-layout parquet data (chat prompts,
+    reward_model.ground_truth, data_source, extra_info) with a verl reward function."""
+    pd = pytest.importorskip("pandas")
+    from grpolab.rollout.tinyhf import make_tiny_model
+
+    make_tiny_model(tmp_path / "tiny", chat_template=True)
+    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+             "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+             "extra_info": {"index": i}} for i, (a, b) in enumerate([(1, 2), (3, 4), (2, 2),
+                                                                    (5, 1), (6, 2), (4, 4)])]
+    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
+    (tmp_path / "r.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    assert data_source == 'arith' and isinstance(extra_info, dict)\n"
+        "    return float(any(ch.isdigit() for ch in solution_str))\n")
+    args = ["algorithm.adv_estimator=grpo", "data.train_files=train.parquet",
+            "data.train_batch_size=4", "data.max_response_length=6",
+            "actor_rollout_ref.model.path=tiny", "actor_rollout_ref.model.lora_rank=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.rollout.name=hf",
+            "trainer.logger=['console']", "trainer.total_training_steps=2",
+            "+trainer.default_local_dir=out", "custom_reward_function.path=r.py"]
+    p = subprocess.run([sys.executable, "-m", "grpolab", "train", "--no-progress", *args],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    cfg = json.loads((tmp_path / "out/config.json").read_text())
+    assert (cfg["budget"], cfg["minibatches"], cfg["group_size"], cfg["lora_r"]) == (8, 2, 2, 4)
+    samples = [json.loads(x) for x in (tmp_path / "out/samples.jsonl").read_text().splitlines()]
+    for group in samples[0]["groups"]:
+        assert group["rewards"] == [float(any(ch.isdigit() for ch in c))
+                                    for c in group["completions"]]
+        assert group["answer"] in {"3", "7", "4", "6", "8"}  # the nested ground truth
