@@ -15,8 +15,9 @@ import torch
 import yaml
 from helpers import run_cli, tiny_trainer, weights
 
+from grpolab.config import ConfigError
 from grpolab.run import checkpoint, export
-from grpolab.run.trainer import RunStopped
+from grpolab.run.trainer import RunStopped, TrainingError
 
 
 class FolderBackend:
@@ -105,6 +106,28 @@ def test_the_trainer_saves_prunes_and_a_resume_rewrites_later_steps(tmp_path: Pa
     assert again.run_id == tr.run_id
     assert steps_of(out) == [3, 4, 5, 6]  # 7 is gone; 5 is the resumed run's
     assert (out / "checkpoint-5" / "tiny_gpt.pt").is_file()
+
+
+def test_a_folder_this_run_did_not_write_is_never_replaced(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another tool's checkpoint-2/ (TRL's, say) in out_dir: refused before the first step, in
+    one line, the folder untouched. A save that fails (a full disk) stops the run, named."""
+    out = tmp_path / "run"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoint-2" / "optimizer.pt").write_text("TRL's")
+    tr = tiny_trainer(out, steps=2, save_model_every=1)
+    with pytest.raises(ConfigError, match="holds checkpoint-2 not written by this run"):
+        tr.train()
+    assert os.listdir(out / "checkpoint-2") == ["optimizer.pt"]
+
+    def full(*_a, **_k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "save_step", full)
+    tr = tiny_trainer(tmp_path / "full", steps=2, save_model_every=1)
+    with pytest.raises(TrainingError, match="model folder of step 1 could not be written: "
+                                            "OSError: .Errno 28. No space left"):
+        tr.train()
 
 
 @pytest.mark.parametrize("signals", [1, 2])

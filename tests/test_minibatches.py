@@ -8,7 +8,9 @@ import torch
 from helpers import world_trainer
 
 from grpolab.config import ConfigError, make_config
+from grpolab.config.validate import validate_ranks
 from grpolab.core.losses import grpo_loss
+from grpolab.core.returns import value_loss
 from grpolab.rollout.batch import minibatch_rows
 from grpolab.run import update
 
@@ -79,16 +81,6 @@ def test_minibatches_are_optimiser_steps_on_shares_against_the_sampling_policy(
     assert out["loss"] == pytest.approx(sum(losses[-2:]) / 2, rel=1e-5)  # the last pass's mean
 
 
-def test_one_minibatch_is_the_plain_update(tmp_path) -> None:
-    """minibatches 1 in either order is the update as it was (bit for bit)."""
-    params = []
-    for i, over in enumerate([{}, {"minibatch_order": "shuffled"}]):
-        tr = world_trainer(tmp_path / str(i), epochs=2, lr=0.05, **over)
-        tr.update(tr.collect())
-        params.append(_flat(tr))
-    assert torch.equal(params[0], params[1])
-
-
 def test_lr_schedule_moves_per_optimiser_step(tmp_path) -> None:
     """Linear decay over 2 steps x 2 mini-batches = 4 optimiser steps: the record's lr is its
     last optimiser step's (3/4 then 1/4 of lr), and warm-up spans its steps' mini-batches."""
@@ -117,16 +109,51 @@ def test_shuffled_minibatches_differ_by_step_and_take_every_answer(tmp_path) -> 
 
 
 def test_ppo_critic_steps_per_minibatch(tmp_path) -> None:
-    """PPO's value model takes an Adam step per mini-batch too (verl: its mini-batches are the
-    actor's): after one update from the same start its weights differ from one step's."""
-    crit = []
-    for m in (1, 2):
-        tr = world_trainer(tmp_path / str(m), estimator="ppo", group_size=1, minibatches=m,
-                           kl_in="reward")
-        out = tr.update(tr.collect())
-        assert "value_loss" in out
-        crit.append(torch.cat([p.detach().flatten() for p in tr.critic.params]))
-    assert not torch.allclose(crit[0], crit[1])
+    """PPO's value model takes an SGD step per mini-batch too (verl: its mini-batches are the
+    actor's), each a token mean over its own half; computed here by hand with value_loss."""
+    over = {"estimator": "ppo", "group_size": 1, "kl_in": "reward", "budget": 8}
+    tr = world_trainer(tmp_path / "mb", minibatches=2, **over)
+    ref = world_trainer(tmp_path / "ref", **over)
+    for t in (tr, ref):
+        t.critic.opt = torch.optim.SGD(t.critic.params, lr=0.5)
+    batch = tr.collect()
+    scored = update.score(tr.cfg, tr.backend, batch, tr.critic)
+    update.batch_advantages(tr.cfg, batch, scored, 0)  # (the returns the critic learns)
+    out = update.critic_pass(tr.cfg, tr.backend, tr.critic, scored)
+    ro, losses = batch.rollout, []
+    for half in (slice(0, 4), slice(4, 8)):
+        part = ro.select(list(range(half.start, half.stop)))
+        w = int(part.completion_mask.sum(1).max())
+        part.completion_ids, part.completion_mask = part.completion_ids[:, :w], part.completion_mask[:, :w]
+        ref.critic.opt.zero_grad()
+        loss, _ = value_loss(ref.critic.values(ref.backend, part), scored.old_values[half, :w],
+                             scored.returns[half, :w], part.completion_mask, ref.cfg.value_clip,
+                             int(part.completion_mask.sum()))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.critic.params, ref.cfg.grad_clip)
+        ref.critic.opt.step()
+        losses.append(float(loss.detach()))
+    got, want = (torch.cat([p.detach().flatten() for p in t.critic.params]) for t in (tr, ref))
+    start = torch.cat([p.detach().flatten() for p in world_trainer(tmp_path / "x", **over)
+                       .critic.params])
+    assert (got - start).abs().max() > 1e-4  # it moved ...
+    assert (got - want).abs().max() < 1e-6  # ... as two steps on the halves move it
+    assert out["value_loss"] == pytest.approx(sum(losses) / 2, rel=1e-5)
+
+
+@pytest.mark.parametrize(("over", "world", "says"), [
+    ({"budget": 64, "minibatches": 8}, 2, "each of the 2 ranks holds 4 prompts"),
+    ({"budget": 96, "minibatches": 4}, 2, "each of the 2 ranks holds 6 prompts"),
+    ({"budget": 64, "minibatches": 32, "minibatch_order": "shuffled"}, 4,
+     "each of the 4 ranks deals out its 16 answers"),
+    ({"budget": 64, "minibatches": 2, "shard": "fsdp", "lora": False,
+      "dynamic_sampling": True}, 2, "a rank may hold no group of a mini-batch"),
+])
+def test_each_rank_must_split_its_share_evenly(over: dict, world: int, says: str) -> None:
+    cfg = make_config(None, over, "workshop")
+    with pytest.raises(ConfigError, match=says):
+        validate_ranks(cfg, world)
+    validate_ranks(cfg, 1)  # one process: the batch's own check suffices
 
 
 @pytest.mark.parametrize(("over", "says"), [

@@ -117,11 +117,20 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
     ({"custom_reward_function.path": "r.py"}, {"rewards": ["verl:r.py:compute_score"]}),
     ({"reward.custom_reward_function.path": "r.py", "reward.custom_reward_function.name": "f"},
      {"rewards": ["verl:r.py:f"]}),
-    ({"data.train_batch_size": 8, R + "n": 4}, {"budget": 32, "minibatches": 1}),  # 8 < 256
+    ({"data.train_batch_size": 512, R + "n": 2}, {"budget": 1024, "minibatches": 2}),  # 256's
+    ({A + "policy_loss.loss_mode": "dppo_tv", A + "clip_ratio_c": 10.0},
+     {"policy_loss": "dppo_tv", "dppo_cap": 10.0, "dual_clip": 0.0}),
+    ({A + "clip_ratio_c": 3.0}, {"dual_clip": 3.0}),
+    ({A + "shuffle": True}, {"minibatch_order": "shuffled"}),
+    ({"algorithm.adv_estimator": "rloo", "algorithm.norm_adv_by_std_in_grpo": False},
+     {"baseline": "rloo", "scale": "none"}),  # (verl reads it with grpo only)
+    ({"algorithm.filter_groups.enable": True}, {"dynamic_sampling": True,
+                                                "max_sampling_rounds": 8}),
+    ({"reward.reward_model.enable": True, "reward.reward_model.model_path": "rm"},
+     {"rewards": ["rm:rm"]}),
+    ({"data.truncation": "left", "data.max_prompt_length": 64}, {"max_prompt_tokens": 64}),
 ])
 def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want: dict) -> None:
-    if over.get("data.train_batch_size") == 8:  # (verl's default mini-batch is 256 prompts)
-        over = {**over, A + "ppo_mini_batch_size": 8}
     c = _cfg(over)
     for key, value in want.items():
         assert getattr(c, key) == (pytest.approx(value) if isinstance(value, float) else value), key
@@ -137,7 +146,9 @@ def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want:
     ({A + "use_kl_loss": True, "algorithm.use_kl_in_reward": True}, "both true"),
     ({A + "use_kl_loss": True, A + "kl_loss_type": "low_var_kl+"}, "has no grpolab estimator"),
     ({A + "policy_loss.loss_mode": "fancy"}, "loss_mode=fancy"),
-    ({"algorithm.filter_groups.enable": True}, "max_num_gen_batches .verl. 0 samples"),
+    ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "len"},
+     "metric=len"),
+    ({"data.truncation": "right"}, "data.truncation=right"),
     ({"trainer.logger": ["console", "swanlab"]}, "swanlab is not one of"),
     ({"critic.model.path": "other", M + "path": "runs/x"}, "a copy of the policy"),
     ({"data.train_files": ["a.parquet", "b.parquet"]}, "grpolab reads one file or folder"),
@@ -211,6 +222,10 @@ def test_verl_reward_functions_get_verls_arguments(tmp_path) -> None:
     assert fn(["p"] * 3, ["it is 7", "it is 8", "7"], **cols) == [1.0, 0.25, 0.5]
     chat = [[{"role": "assistant", "content": "7"}]]
     assert fn(["p"], chat, data_source=["d"], extra_info=[{"k": 0}], answer=["7"]) == [1.0]
+    h = tmp_path / "h.py"  # verl always passes a dict as extra_info, and takes a bool score
+    h.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                 "    return extra_info.get('w', True)\n")
+    assert load_reward(f"verl:{h}:compute_score")(["p"], ["x"], answer=["1"]) == [1.0]
     g = tmp_path / "bad.py"
     g.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
                  "    return 'yes'\n")

@@ -257,3 +257,28 @@ def check_report_to(names: list[str]) -> None:
         if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
             raise ConfigError(f"report_to {name} needs the {TRACKER_PACKAGES[name]} package: "
                               "pip install 'grpolab[trackers]'")
+
+
+def validate_ranks(cfg: Config, world: int) -> None:
+    """What ``world`` processes need: whole groups on every rank and, with mini-batches (each
+    rank splits its own share), equal ones on every rank; with FSDP, where every rank takes
+    part in every backward, no mini-batch a rank could hold nothing of."""
+    if cfg.prompts_per_step % world:
+        raise ConfigError(
+            f"prompts_per_step {cfg.prompts_per_step} (budget {cfg.budget} / group_size "
+            f"{cfg.group_size}) cannot be split into whole groups across {world} ranks")
+    m, share = cfg.minibatches, cfg.prompts_per_step // world
+    if m == 1 or world == 1:
+        return
+    if cfg.minibatch_order == "groups" and share % m and not cfg.allocate:
+        raise ConfigError(f"minibatches {m}: each of the {world} ranks holds {share} prompts a "
+                          "step and splits them into its own mini-batches (as verl's ranks "
+                          "do), so minibatches must divide them")
+    if cfg.minibatch_order == "shuffled" and (cfg.budget // world) % m:
+        raise ConfigError(f"minibatches {m}: each of the {world} ranks deals out its "
+                          f"{cfg.budget // world} answers, so minibatches must divide them")
+    if cfg.shard == "fsdp" and (cfg.dynamic_sampling or cfg.allocate):
+        raise ConfigError("minibatches > 1 with shard: fsdp and dynamic_sampling or allocate: a "
+                          "rank may hold no group of a mini-batch, and fsdp needs every rank "
+                          "in every backward")
+

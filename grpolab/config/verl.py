@@ -180,11 +180,8 @@ def _advantage(d: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"algorithm.adv_estimator={name} (verl) has no grpolab equivalent; "
                           f"grpolab reads {', '.join(_ESTIMATORS)}")
     out = dict(_ESTIMATORS[name])
-    if as_word(d.get("algorithm.norm_adv_by_std_in_grpo", True)) == "false":
-        if name != "grpo":
-            raise ConfigError("algorithm.norm_adv_by_std_in_grpo (verl) acts only with "
-                              "adv_estimator grpo")
-        out["scale"] = "none"  # Dr. GRPO's advantage
+    if as_word(d.get("algorithm.norm_adv_by_std_in_grpo", True)) == "false" and name == "grpo":
+        out["scale"] = "none"  # Dr. GRPO's advantage (verl reads it with grpo only)
     return out
 
 
@@ -197,6 +194,8 @@ def _loss(d: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"{A}policy_loss.loss_mode={mode} (verl) has no grpolab equivalent; "
                           f"grpolab reads {', '.join(_LOSS_MODES)}")
     out["policy_loss"] = _LOSS_MODES[mode]
+    if A + "clip_ratio_c" in d:  # the dual clip; for DPPO the importance weight's cap
+        out["dppo_cap" if mode.startswith("dppo") else "dual_clip"] = d[A + "clip_ratio_c"]
     if mode == "cispo":  # verl's bounds on the weight: 1 - low and 1 + high
         out["cispo_min"] = 1 - float(d.get(A + "clip_ratio_low", 0.2))
         out["cispo_max"] = 1 + float(d.get(A + "clip_ratio_high", 0.2))
@@ -246,6 +245,15 @@ def _data(d: dict[str, Any]) -> dict[str, Any]:
         out["answer_column"] = "reward_model.ground_truth"  # verl's data layout
     if "data.shuffle" in d:
         out["prompt_order"] = "epochs" if as_word(d["data.shuffle"]) == "true" else "sequential"
+    if A + "shuffle" in d:  # verl's actor deals its answers into mini-batches at random
+        out["minibatch_order"] = "shuffled" if as_word(d[A + "shuffle"]) == "true" else "groups"
+    cut = as_word(d.get("data.truncation", "error"))
+    if cut not in ("error", "left"):
+        raise ConfigError(f"data.truncation={cut} (verl): grpolab keeps a long prompt's last "
+                          "max_prompt_length tokens (verl's left)")
+    if as_word(d.get("data.filter_overlong_prompts", False)) == "true":
+        log.warning("data.filter_overlong_prompts (verl drops prompts over max_prompt_length): "
+                    "grpolab keeps their last max_prompt_length tokens instead")
     return out
 
 
@@ -273,10 +281,12 @@ def _trainer(d: dict[str, Any]) -> dict[str, Any]:
 
 def _rewards(d: dict[str, Any]) -> dict[str, Any]:
     specs = []
-    if as_word(d.get("reward_model.enable", False)) == "true":
-        if not d.get("reward_model.model.path"):
-            raise ConfigError("reward_model.enable (verl) needs reward_model.model.path")
-        specs.append(f"rm:{d['reward_model.model.path']}")
+    for on, path in (("reward_model.enable", "reward_model.model.path"),
+                     ("reward.reward_model.enable", "reward.reward_model.model_path")):
+        if as_word(d.get(on, False)) == "true":
+            if not d.get(path):
+                raise ConfigError(f"{on} (verl) needs {path}")
+            specs.append(f"rm:{d[path]}")
     for root in ("custom_reward_function.", "reward.custom_reward_function."):
         if d.get(root + "path"):
             specs.append(f"verl:{d[root + 'path']}:{d.get(root + 'name') or 'compute_score'}")
@@ -326,15 +336,16 @@ def _critic(d: dict[str, Any]) -> dict[str, Any]:
 def _filter_groups(d: dict[str, Any]) -> dict[str, Any]:
     if as_word(d.get("algorithm.filter_groups.enable", False)) != "true":
         return {}
-    metric = as_word(d.get("algorithm.filter_groups.metric", "acc"))
-    if metric not in ("acc", "score", "seq_reward", "seq_final_reward"):
+    metric = as_word(d.get("algorithm.filter_groups.metric", "reward"))
+    if metric not in ("reward", "acc", "score", "seq_reward", "seq_final_reward"):
         raise ConfigError(f"algorithm.filter_groups.metric={metric} (verl): grpolab keeps the "
                           "groups whose rewards differ")
     n = as_number(d.get("algorithm.filter_groups.max_num_gen_batches", 0))
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError("algorithm.filter_groups.max_num_gen_batches (verl) 0 samples without "
-                          "end; grpolab caps the rounds: give a number")
-    return {"max_sampling_rounds": n - 1}  # (verl counts the first batch too)
+    if isinstance(n, int) and n >= 1:  # DAPO's recipe: batches sampled, the first included
+        return {"max_sampling_rounds": n - 1}
+    log.warning("algorithm.filter_groups (verl 0.9.1 samples until the batch is full): "
+                "grpolab caps the extra rounds at max_sampling_rounds")
+    return {}
 
 
 _RULES = (
@@ -342,13 +353,16 @@ _RULES = (
     ((A + "use_kl_loss", A + "kl_loss_coef", A + "kl_loss_type", "algorithm.use_kl_in_reward",
       "algorithm.kl_ctrl.kl_coef", "algorithm.kl_penalty", "algorithm.kl_ctrl.type"), _kl),
     (("algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo"), _advantage),
-    ((A + "policy_loss.loss_mode", A + "loss_agg_mode", A + "clip_ratio"), _loss),
+    ((A + "policy_loss.loss_mode", A + "loss_agg_mode", A + "clip_ratio", A + "clip_ratio_c"),
+     _loss),
     ((M + "lora_rank", M + "target_modules"), _model),
     ((R + "top_k", R + "do_sample", R + "name"), _sampling),
-    (("data.train_files", "data.val_files", "data.shuffle"), _data),
+    (("data.train_files", "data.val_files", "data.shuffle", A + "shuffle", "data.truncation",
+      "data.filter_overlong_prompts"), _data),
     (("trainer.total_epochs", "trainer.save_freq", "trainer.test_freq", "trainer.logger"),
      _trainer),
-    (("reward_model.enable", "reward_model.model.path", "custom_reward_function.path",
+    (("reward_model.enable", "reward_model.model.path", "reward.reward_model.enable",
+      "reward.reward_model.model_path", "custom_reward_function.path",
       "custom_reward_function.name", "reward.custom_reward_function.path",
       "reward.custom_reward_function.name"), _rewards),
     ((A + "optim.lr_scheduler_type", A + "optim.warmup_style", A + "optim.lr_warmup_steps",

@@ -17,7 +17,7 @@ VERL_ALIASES: dict[str, str] = {
     A + "optim.clip_grad": "grad_clip", A + "grad_clip": "grad_clip",
     A + "optim.min_lr_ratio": "min_lr_rate",
     A + "clip_ratio_low": "eps_low", A + "clip_ratio_high": "eps_high",
-    A + "clip_ratio_c": "dual_clip", A + "entropy_coeff": "entropy_coef",
+    A + "entropy_coeff": "entropy_coef",
     A + "tau_pos": "sapo_tau_pos", A + "tau_neg": "sapo_tau_neg",
     A + "policy_loss.clip_cov_ratio": "clip_cov_ratio", A + "policy_loss.clip_cov_lb": "clip_cov_lb",
     A + "policy_loss.clip_cov_ub": "clip_cov_ub", A + "policy_loss.kl_cov_ratio": "kl_cov_ratio",
@@ -48,13 +48,15 @@ VERL_COMBINED = frozenset({
     "algorithm.filter_groups.max_num_gen_batches", A + "optim.lr_scheduler_type",
     A + "optim.warmup_style", A + "optim.lr_warmup_steps", A + "optim.lr_warmup_steps_ratio",
     A + "optim.betas", A + "optim.optimizer", A + "optim.num_cycles", "critic.model.path",
-    "critic.ppo_mini_batch_size", "critic.ppo_epochs"})
+    "critic.ppo_mini_batch_size", "critic.ppo_epochs", A + "clip_ratio_c", A + "shuffle",
+    "reward.reward_model.enable", "reward.reward_model.model_path",
+    "data.filter_overlong_prompts", "data.truncation"})
 # keys (or the start of keys) that change nothing trained here: engines, memory, placement,
 # logging names; named in one notice
 VERL_ASIDE = (
     A + "fsdp_config.", A + "use_dynamic_bsz", A + "ppo_max_token_len_per_gpu",
     A + "ppo_micro_batch_size", A + "ulysses_sequence_parallel_size", A + "use_torch_compile",
-    A + "shuffle", A + "checkpoint.", A + "entropy_from_logits", A + "entropy_checkpointing",
+    A + "checkpoint.", A + "entropy_from_logits", A + "entropy_checkpointing",
     A + "strategy", A + "data_loader_seed", A + "use_remove_padding", A + "use_fused_kernels",
     A + "calculate_entropy", A + "profiler.", A + "optim.optimizer_impl",
     A + "optim.total_training_steps", A + "optim.zero_indexed_step",
@@ -69,7 +71,7 @@ VERL_ASIDE = (
     R + "n_gpus_per_node",
     M + "use_remove_padding", M + "use_shm", M + "use_fused_kernels", M + "use_liger",
     M + "enable_activation_offload", M + "fused_kernel_options.",
-    "data.filter_overlong_prompts", "data.truncation", "data.dataloader_num_workers",
+    "data.filter_overlong_prompts_workers", "data.dataloader_num_workers",
     "data.return_raw_chat", "data.return_full_prompt", "data.use_shm", "data.reward_fn_key",
     "data.val_batch_size", "data.validation_shuffle", "data.tokenizer",
     "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.project_name",
@@ -85,6 +87,8 @@ VERL_ASIDE = (
     "critic.optim.optimizer_impl", "critic.optim.total_training_steps",
     "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl", "reward_model.reward_manager",
     "reward.reward_manager.", "reward.num_workers", "reward_model.num_workers",
+    "reward.reward_model.rollout.", "reward.reward_model.enable_resource_pool",
+    "reward.reward_model.n_gpus_per_node", "reward.reward_model.nnodes",
     "algorithm.filter_groups.max_inflight_gen_batches")
 
 # verl 0.9.1's defaults (trainer/config/_generated_ppo_trainer.yaml; a test reads that file)
@@ -129,6 +133,6 @@ VERL_DEFAULTS_DIFFER: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("data.shuffle", "prompt_order")),
     ("rewards {rewards}", "verl's default_compute_score by data_source",
      ("custom_reward_function.path", "reward.custom_reward_function.path",
-      "reward_model.enable", "rewards")),
+      "reward_model.enable", "reward.reward_model.enable", "rewards")),
     ("dtype {dtype}", "verl: bfloat16 compute", ("dtype",)),
 )

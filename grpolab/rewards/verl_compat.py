@@ -6,7 +6,7 @@ ground_truth=..., extra_info=...)`` once per answer and takes a number, or a dic
 ``score`` is the reward (its other keys are extra metrics, not read here). The answer is the
 completion's text; the gold is the row's ``reward_model.ground_truth`` (verl's data layout),
 else its ``answer``; ``data_source`` and ``extra_info`` are the row's columns of those names
-(None where the data has none). A scorer of verl's own gets only the keywords it names, so
+(``{}`` for ``extra_info`` where the data has none, as verl passes). A scorer of verl's own gets only the keywords it names, so
 ``verl:<verl's folder>/utils/reward_score/gsm8k.py:compute_score`` runs verl's GSM8K check.
 """
 
@@ -46,16 +46,16 @@ def adapt_verl(fn: Any) -> Any:
         holders = columns.get("reward_model") or [None] * n
         answers = columns.get("answer") or [None] * n
         sources = columns.get("data_source") or [None] * n
-        extras = columns.get("extra_info") or [None] * n
+        extras = columns.get("extra_info") or [None] * n  # (verl passes {} where none)
         out = []
         for i in range(n):
             holder = holders[i]
             gold = holder.get("ground_truth") if isinstance(holder, dict) else answers[i]
             args = {"data_source": sources[i], "solution_str": _text(completions[i]),
-                    "ground_truth": gold, "extra_info": extras[i]}
+                    "ground_truth": gold, "extra_info": extras[i] if extras[i] is not None else {}}
             got = fn(**{k: v for k, v in args.items() if takes is None or k in takes})
             got = got.get("score") if isinstance(got, dict) else got
-            if isinstance(got, bool) or not isinstance(got, numbers.Real):
+            if not isinstance(got, numbers.Real):  # (a bool is one, as verl takes it)
                 raise TypeError(f"a verl reward returns a number or a dict with 'score'; "
                                 f"{getattr(fn, '__name__', fn)} returned {type(got).__name__}")
             out.append(float(got))

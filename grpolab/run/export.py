@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from grpolab.config import ConfigError
+
 PREFIX = "checkpoint-"
 MARK = "grpolab.json"  # in each checkpoint-<step>/: {"run_id": ..., "step": ...}
 
@@ -89,6 +91,18 @@ def step_dirs(out_dir: Path, run_id: str | None = None) -> list[Path]:
         if mark is not None and (run_id is None or mark.get("run_id") == run_id):
             found.append((int(step), d))
     return [d for _, d in sorted(found)]
+
+
+def check_free(out_dir: Path, run_id: str | None) -> None:
+    """Before a run writes model folders: a ``checkpoint-<step>/`` it did not write (another
+    tool's, another run's) would be replaced at that step; refused in one line instead."""
+    theirs = sorted(d.name for d in Path(out_dir).glob(f"{PREFIX}*")
+                    if d.is_dir() and d.name.removeprefix(PREFIX).isdigit()
+                    and (_mark(d) or {}).get("run_id", object()) != run_id)
+    if theirs:
+        raise ConfigError(f"out_dir {out_dir} holds {', '.join(theirs[:3])} not written by this "
+                          "run; its model folders would replace them: move them or choose "
+                          "another out_dir")
 
 
 def drop_after(out_dir: Path, step: int, run_id: str | None) -> None:

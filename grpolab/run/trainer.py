@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from grpolab.config import Config, ConfigError, to_dict
+from grpolab.config.validate import validate_ranks
 from grpolab.core import advantages as adv_mod
 from grpolab.predict.curriculum import PromptSampler
 from grpolab.rewards.scorer import Scorer, make_scorer, score_answers
@@ -74,11 +75,7 @@ class GRPOTrainer:
         self.out_dir = Path(out_dir or cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = self.out_dir / "checkpoints"
-        if cfg.prompts_per_step % dist.world_size():
-            raise ConfigError(
-                f"prompts_per_step {cfg.prompts_per_step} (budget {cfg.budget} / group_size "
-                f"{cfg.group_size}) cannot be split into whole groups across "
-                f"{dist.world_size()} ranks")
+        validate_ranks(cfg, dist.world_size())  # whole groups, equal mini-batches per rank
         torch.manual_seed(cfg.seed)
         self.gen = torch.Generator().manual_seed(cfg.seed + RANK_SEED_STRIDE * dist.rank())
         self.sampler = PromptSampler(len(train_rows), torch.Generator().manual_seed(cfg.seed + 1),
@@ -127,6 +124,8 @@ class GRPOTrainer:
         if not resume:
             checkpoint.claim_out_dir(self.out_dir, cfg.overwrite)
             self.run_id = checkpoint.new_run_id()
+        if cfg.save_model_every:  # (every rank reads it: all refuse together)
+            export.check_free(self.out_dir, self.run_id)
         if dist.is_main():  # one writer; every rank computes the same global records
             after = start if resume else None
             self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl", after, self.run_id)
@@ -420,9 +419,16 @@ class GRPOTrainer:
         ``save_total_limit``, older ones go. Collective under FSDP: every rank gathers the
         weights, rank 0 writes. A stop signal meanwhile waits for it, as for a step."""
         full = shard.full_state_dict(self.backend.model) if self.sharded else None
+        failed = ""
         if dist.is_main():
-            export.save_step(self.backend, self.out_dir, self.step_num, self.run_id, full,
-                             self.cfg.save_total_limit)
+            try:
+                export.save_step(self.backend, self.out_dir, self.step_num, self.run_id, full,
+                                 self.cfg.save_total_limit)
+            except OSError as e:  # (a full disk: every rank stops, none waits on rank 0)
+                failed = f"{type(e).__name__}: {e}"
+        if dist.all_reduce_sum([float(bool(failed))])[0]:
+            raise TrainingError(f"the model folder of step {self.step_num} could not be written"
+                                f"{': ' + failed if failed else ' (rank 0)'}")
         return self.out_dir / f"{export.PREFIX}{self.step_num}"
 
     def load_checkpoint(self, path: str | os.PathLike | None = None) -> int:

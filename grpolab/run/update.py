@@ -355,8 +355,8 @@ def _opt_step(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params:
     opt.zero_grad(set_to_none=True)
     stats = UpdateStats()
     if sharded and dist.all_reduce_sum([float(not parts)])[0]:
-        raise TrainingError("a rank has no answers to train on this step; fsdp needs "
-                            "every rank in every backward")
+        raise TrainingError(f"a rank has no answers in mini-batch {k + 1} of step {step + 1}; "
+                            "fsdp needs every rank in every backward")
     counts = (scored.mini_rows[k], scored.mini_tokens[k])
     for j, part in enumerate(parts):
         if sharded:  # FSDP reduces once, in the last micro-batch's backward
