@@ -48,6 +48,7 @@ SCRIPT = {
     "trainer.experiment_name": "qwen2.5_3b_grpo_lora", "trainer.n_gpus_per_node": 2,
     "trainer.nnodes": 1, "trainer.save_freq": 20, "trainer.test_freq": 5,
     "trainer.total_epochs": 15, "trainer.total_training_steps": 60,
+    "custom_reward_function.path": "r.py",  # (verl's default scorer is not at hand here)
 }
 
 
@@ -67,7 +68,9 @@ def test_a_verl_grpo_script_reads_as_verl_means_it(monkeypatch) -> None:
         "max_prompt_tokens": 512, "prompt_order": "sequential", "dataset": "train.parquet",
         "eval_dataset": "test.parquet", "answer_column": "reward_model.ground_truth",
         "prompt_column": "prompt", "report_to": ["wandb"], "checkpoint_every": 20,
-        "eval_every": 5, "steps": 60, "critic_warmup": 0, "model_path": "runs/tiny-llama"}
+        "eval_every": 5, "steps": 60, "critic_warmup": 0, "model_path": "runs/tiny-llama",
+        "lora_target_modules": ["all-linear"], "eval_size": 1_000_000,
+        "rewards": ["verl:r.py:compute_score"]}
     assert {k: getattr(c, k) for k in want} == want
 
 
@@ -118,6 +121,13 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
     ({"reward.custom_reward_function.path": "r.py", "reward.custom_reward_function.name": "f"},
      {"rewards": ["verl:r.py:f"]}),
     ({"data.train_batch_size": 512, R + "n": 2}, {"budget": 1024, "minibatches": 2}),  # 256's
+    ({A + "use_kl_loss": 1, "algorithm.norm_adv_by_std_in_grpo": "0",  # OmegaConf's booleans
+      "algorithm.adv_estimator": "grpo"},
+     {"kl_in": "loss", "beta": 0.001, "scale": "none"}),
+    ({"algorithm.adv_estimator": "grpo_vectorized"}, {"estimator": "grpo", "baseline": "mean"}),
+    ({M + "lora_rank": 8}, {"lora_target_modules": ["all-linear"]}),  # verl's default
+    ({"data.val_files": "v.parquet", "trainer.test_freq": -1, "trainer.total_training_steps": 7},
+     {"answer_column": "reward_model.ground_truth", "eval_size": 1_000_000, "eval_every": 7}),
     ({A + "policy_loss.loss_mode": "dppo_tv", A + "clip_ratio_c": 10.0},
      {"policy_loss": "dppo_tv", "dppo_cap": 10.0, "dual_clip": 0.0}),
     ({A + "clip_ratio_c": 3.0}, {"dual_clip": 3.0}),
@@ -149,6 +159,9 @@ def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want:
     ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "len"},
      "metric=len"),
     ({"data.truncation": "right"}, "data.truncation=right"),
+    ({A + "use_kl_loss": "ture"}, "use_kl_loss='ture' .verl.: not true or false"),
+    ({A + "kl_loss_coeff": 0.1}, "did you mean actor_rollout_ref.actor.kl_loss_coef"),
+    ({"data.train_files": "t.parquet"}, "without a reward"),
     ({"trainer.logger": ["console", "swanlab"]}, "swanlab is not one of"),
     ({"critic.model.path": "other", M + "path": "runs/x"}, "a copy of the policy"),
     ({"data.train_files": ["a.parquet", "b.parquet"]}, "grpolab reads one file or folder"),
@@ -159,6 +172,21 @@ def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want:
 def test_what_verl_names_and_grpolab_cannot_honour_is_refused(over: dict, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         _cfg(over)
+
+
+def test_overrides_over_a_yaml_as_hydra_takes_them(tmp_path) -> None:
+    """key=null unsets the file's key; a group size given later resizes the file's batch."""
+    y = tmp_path / "v.yaml"
+    y.write_text(yaml.safe_dump({"trainer": {"total_training_steps": 2},
+                                 "data": {"train_batch_size": 4},
+                                 "actor_rollout_ref": {"rollout": {"n": 4},
+                                                       "actor": {"ppo_mini_batch_size": 2}}}))
+    assert make_config(y, {"trainer.total_training_steps": 6}, "train").steps == 6
+    with pytest.raises(ConfigError, match="set trainer.total_training_steps"):
+        make_config(y, {"trainer.total_training_steps": None, "trainer.total_epochs": 15},
+                    "train")
+    c = make_config(y, {"group_size": 2}, "train")
+    assert (c.group_size, c.budget, c.minibatches) == (2, 8, 2)  # 4 prompts x 2, as verl's n
 
 
 def test_aside_settings_are_named_once(caplog) -> None:

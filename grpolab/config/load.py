@@ -53,7 +53,8 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     place. Rewards overridden without weights drop the file's weights (one line says so).
     """
     kwargs: dict[str, Any] = dict(command_defaults(command))
-    later = _names({k: v for k, v in (overrides or {}).items() if v is not None})
+    later = _names({k: v for k, v in (overrides or {}).items()  # (verl's key=null: unset)
+                    if v is not None or verl.is_verl(str(k).lstrip("+"))})
     _known(later, command)
     given_file = isinstance(yaml_path, (str, Path)) and bool(yaml_path)
     earlier = _names(load_yaml(yaml_path) if given_file else yaml_path or {})

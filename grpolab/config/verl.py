@@ -11,6 +11,7 @@ leaves at grpolab's.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from typing import Any
 
@@ -38,10 +39,23 @@ _ESTIMATORS: dict[str, dict[str, Any]] = {
     "reinforce_plus_plus": {"estimator": "reinforce_pp"},
     "reinforce_plus_plus_baseline": {"estimator": "reinforce_pp_baseline"},
     "gae": {"estimator": "ppo"}}
+_ESTIMATORS.update(grpo_vectorized=_ESTIMATORS["grpo"], rloo_vectorized=_ESTIMATORS["rloo"])
 _LOSS_MODES = {"vanilla": "clip", "geo_mean": "gmpo", "gspo": "gspo", "cispo": "cispo",
                "sapo": "sapo", "gpg": "gpg", "clip_cov": "clip_cov", "kl_cov": "kl_cov",
                "dppo_tv": "dppo_tv", "dppo_kl": "dppo_kl", "dro": "dro"}
 _TRACKERS = ("wandb", "tensorboard", "mlflow", "trackio")
+
+
+def _flag(d: dict[str, Any], key: str, default: bool = False) -> bool:
+    """A verl switch read as OmegaConf reads it (true/false, 1/0, yes/no); anything else is a
+    one-line error, not false."""
+    value = d.get(key, default)
+    word = as_word(value)
+    if word in ("true", "1", "yes", "on"):
+        return True
+    if word in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"{key}={value!r} (verl): not true or false")
 
 
 def is_verl(key: str) -> bool:
@@ -83,6 +97,12 @@ def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
         return given
     later, earlier = flatten(later or {}), flatten(earlier or {})
     d = {**earlier, **given, **later}
+    d = {k: v for k, v in d.items() if v is not None}  # (Hydra's key=null: unset)
+    for layer in (later, given, earlier):  # the group size the run ends with
+        g = next((layer[k] for k in (R + "n", "group_size", "num_generations") if k in layer), None)
+        if g is not None:
+            d["__group"] = g
+            break
     out = {k: v for k, v in given.items() if not is_verl(k)}
     source: dict[str, str] = {}
 
@@ -102,12 +122,16 @@ def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
     aside = []
     for key in mine:
         if key in VERL_ALIASES:
-            put(VERL_ALIASES[key], d[key], key)
+            if key in d:  # (null: grpolab's default)
+                put(VERL_ALIASES[key], d[key], key)
         elif key.startswith(VERL_ASIDE):
             aside.append(key)
         elif key not in VERL_COMBINED:
+            near = difflib.get_close_matches(key, [*VERL_ALIASES, *VERL_COMBINED], n=1, cutoff=0.8)
+            hint = f"; did you mean {near[0]}?" if near else (
+                " (or ask for it: it changes what is trained)")
             raise ConfigError(f"{key}={given[key]!r} (verl) has no grpolab equivalent; remove "
-                              "it (or ask for it: it changes what is trained)")
+                              f"it{hint}")
     touched = set(mine)
     for keys, rule in _RULES:
         if touched & set(keys):
@@ -122,8 +146,10 @@ def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
 def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
     """``VERL_DEFAULTS_DIFFER``'s entries none of ``given`` sets, as "grpolab's (verl's)"."""
     shown = {k: str(v).lower() if isinstance(v, bool) else v for k, v in vars(cfg).items()}
+    moot = {"std": cfg.estimator != "grpo" or cfg.scale != "std",  # (no std division)
+            "dual_clip": cfg.policy_loss != "clip"}  # (verl's dual clip: vanilla's only)
     return [f"{ours.format_map(shown)} ({theirs})" for ours, theirs, keys in VERL_DEFAULTS_DIFFER
-            if not set(given) & set(keys)]
+            if not set(given) & set(keys) and not moot.get(ours.split()[0])]
 
 
 # --------------------------------------------------------------- what verl reads together
@@ -145,7 +171,7 @@ def _batch(d: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"{A}ppo_mini_batch_size (verl) counts prompts of "
                           "data.train_batch_size: give that too")
     prompts, mini = _whole(d, "data.train_batch_size"), _whole(d, A + "ppo_mini_batch_size")
-    group = as_number(d.get(R + "n", d.get("group_size", d.get("num_generations", 8))))
+    group = as_number(d.get("__group", 8))
     if prompts % mini:
         default = "" if A + "ppo_mini_batch_size" in d else " (verl's default)"
         raise ConfigError(f"data.train_batch_size {prompts} is not a multiple of "
@@ -154,8 +180,7 @@ def _batch(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _kl(d: dict[str, Any]) -> dict[str, Any]:
-    in_loss = as_word(d.get(A + "use_kl_loss", False)) == "true"
-    in_reward = as_word(d.get("algorithm.use_kl_in_reward", False)) == "true"
+    in_loss, in_reward = _flag(d, A + "use_kl_loss"), _flag(d, "algorithm.use_kl_in_reward")
     if in_loss and in_reward:
         raise ConfigError(f"{A}use_kl_loss and algorithm.use_kl_in_reward (verl) are both "
                           "true: grpolab puts the KL in one place (kl_in: loss or reward)")
@@ -180,7 +205,7 @@ def _advantage(d: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"algorithm.adv_estimator={name} (verl) has no grpolab equivalent; "
                           f"grpolab reads {', '.join(_ESTIMATORS)}")
     out = dict(_ESTIMATORS[name])
-    if as_word(d.get("algorithm.norm_adv_by_std_in_grpo", True)) == "false" and name == "grpo":
+    if not _flag(d, "algorithm.norm_adv_by_std_in_grpo", True) and name == "grpo":
         out["scale"] = "none"  # Dr. GRPO's advantage (verl reads it with grpo only)
     return out
 
@@ -210,9 +235,10 @@ def _model(d: dict[str, Any]) -> dict[str, Any]:
     if M + "lora_rank" in d:
         r = as_number(d[M + "lora_rank"])
         out.update({"lora": False} if r == 0 else {"lora": True, "lora_r": r})
-    if M + "target_modules" in d:
-        t = d[M + "target_modules"]
-        out["lora_target_modules"] = [t] if isinstance(t, str) else list(t)
+    if out.get("lora") or M + "target_modules" in d:  # (verl's default: every linear layer)
+        t = d.get(M + "target_modules", "all-linear")
+        if M + "target_modules" in d or "lora_target_modules" not in d:
+            out["lora_target_modules"] = [t] if isinstance(t, str) else list(t)
     return out
 
 
@@ -221,7 +247,7 @@ def _sampling(d: dict[str, Any]) -> dict[str, Any]:
     if R + "top_k" in d:
         k = as_number(d[R + "top_k"])
         out["top_k"] = 0 if k == -1 else k
-    if as_word(d.get(R + "do_sample", True)) == "false":
+    if not _flag(d, R + "do_sample", True):
         raise ConfigError(f"{R}do_sample=false (verl): GRPO samples its answers (greedy groups "
                           "would all be dead)")
     name = as_word(d.get(R + "name", "vllm"))
@@ -241,17 +267,25 @@ def _data(d: dict[str, Any]) -> dict[str, Any]:
                 raise ConfigError(f"{key} (verl): grpolab reads one file or folder (a folder "
                                   f"holds several); got {len(files)}")
             out[ours] = str(files[0])
-    if "data.train_files" in d and "answer_column" not in d:
+    if {"data.train_files", "data.val_files"} & d.keys() and "answer_column" not in d:
         out["answer_column"] = "reward_model.ground_truth"  # verl's data layout
+    if "data.val_files" in d and "eval_size" not in d:
+        out["eval_size"] = 1_000_000  # verl validates every row (grpolab: the first eval_size)
+    named = ("rewards", "custom_reward_function.path", "reward.custom_reward_function.path",
+             "reward_model.enable", "reward.reward_model.enable")
+    if "data.train_files" in d and not named[0] in d and not any(k in d for k in named[1:]):
+        raise ConfigError("data.train_files (verl) without a reward: verl's default "
+                          "(default_compute_score by data_source) is not at hand here; name one "
+                          "(custom_reward_function.path=..., or rewards: [math])")
     if "data.shuffle" in d:
-        out["prompt_order"] = "epochs" if as_word(d["data.shuffle"]) == "true" else "sequential"
+        out["prompt_order"] = "epochs" if _flag(d, "data.shuffle") else "sequential"
     if A + "shuffle" in d:  # verl's actor deals its answers into mini-batches at random
-        out["minibatch_order"] = "shuffled" if as_word(d[A + "shuffle"]) == "true" else "groups"
+        out["minibatch_order"] = "shuffled" if _flag(d, A + "shuffle") else "groups"
     cut = as_word(d.get("data.truncation", "error"))
     if cut not in ("error", "left"):
         raise ConfigError(f"data.truncation={cut} (verl): grpolab keeps a long prompt's last "
                           "max_prompt_length tokens (verl's left)")
-    if as_word(d.get("data.filter_overlong_prompts", False)) == "true":
+    if _flag(d, "data.filter_overlong_prompts"):
         log.warning("data.filter_overlong_prompts (verl drops prompts over max_prompt_length): "
                     "grpolab keeps their last max_prompt_length tokens instead")
     return out
@@ -266,8 +300,11 @@ def _trainer(d: dict[str, Any]) -> dict[str, Any]:
     if "trainer.save_freq" in d:
         out["checkpoint_every"] = max(int(as_number(d["trainer.save_freq"])), 0)
     test = as_number(d.get("trainer.test_freq", -1))
+    steps = as_number(d.get("trainer.total_training_steps", d.get("steps")))
     if isinstance(test, int) and test > 0:
         out["eval_every"] = test
+    elif "trainer.test_freq" in d and isinstance(steps, int) and steps > 0:
+        out["eval_every"] = steps  # verl: before training only (grpolab also after the last)
     if "trainer.logger" in d:
         loggers = d["trainer.logger"] if isinstance(d["trainer.logger"], list) else [
             d["trainer.logger"]]
@@ -283,7 +320,7 @@ def _rewards(d: dict[str, Any]) -> dict[str, Any]:
     specs = []
     for on, path in (("reward_model.enable", "reward_model.model.path"),
                      ("reward.reward_model.enable", "reward.reward_model.model_path")):
-        if as_word(d.get(on, False)) == "true":
+        if _flag(d, on):
             if not d.get(path):
                 raise ConfigError(f"{on} (verl) needs {path}")
             specs.append(f"rm:{d[path]}")
@@ -334,7 +371,7 @@ def _critic(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _filter_groups(d: dict[str, Any]) -> dict[str, Any]:
-    if as_word(d.get("algorithm.filter_groups.enable", False)) != "true":
+    if not _flag(d, "algorithm.filter_groups.enable"):
         return {}
     metric = as_word(d.get("algorithm.filter_groups.metric", "reward"))
     if metric not in ("reward", "acc", "score", "seq_reward", "seq_final_reward"):
@@ -358,7 +395,7 @@ _RULES = (
     ((M + "lora_rank", M + "target_modules"), _model),
     ((R + "top_k", R + "do_sample", R + "name"), _sampling),
     (("data.train_files", "data.val_files", "data.shuffle", A + "shuffle", "data.truncation",
-      "data.filter_overlong_prompts"), _data),
+      "data.filter_overlong_prompts", "custom_reward_function.path"), _data),
     (("trainer.total_epochs", "trainer.save_freq", "trainer.test_freq", "trainer.logger"),
      _trainer),
     (("reward_model.enable", "reward_model.model.path", "reward.reward_model.enable",

@@ -95,6 +95,9 @@ class _Failed:
         self.message = message
 
 
+LOGGED_PER_BATCH = 3
+
+
 def _log_once(message: str) -> None:
     """Warn once per distinct problem so a bad reward does not flood every step's log."""
     if message in _LOGGED:
@@ -320,8 +323,11 @@ def score(
                 "fail_on_reward_errors: false to score such answers reward_on_error)"
             )
         per_fn[:, j] = torch.tensor(vals, dtype=torch.float32)
-    for message in problems:
-        _log_once(message)
+    for message in problems[:LOGGED_PER_BATCH]:  # a reward failing on many answers: the
+        _log_once(message)                          # first few, then a count (metrics keep all)
+    if len(problems) > LOGGED_PER_BATCH:
+        logger.warning("... and %d more reward problems in this batch (counted as "
+                       "reward_problems in metrics.jsonl)", len(problems) - LOGGED_PER_BATCH)
     total = per_fn @ torch.tensor(w, dtype=torch.float32) if k else torch.zeros(n)
     return ScoreResult(total=total, per_fn=per_fn, names=names, problems=problems)
 
