@@ -11,7 +11,7 @@
 #   grpolab eval --config examples/smollm2_addition.yaml --seed 0 --eval-size 600 \
 #     --model-path runs/arith-long/grpo-s0/final --out-dir runs/arith-long/eval600
 #   python bench/arith_table.py runs/arith-long --operators runs/arith-long/eval600 --seeds 0
-# Mini-batches (4 optimiser steps on each batch): METHODS="grpo minibatches" SEEDS="0 1 2"
+# Mini-batches (4 optimiser steps on each batch): METHODS="grpo minibatches grpo-lr4" SEEDS="0 1 2"
 # GRPO against PPO and REINFORCE++:
 #   METHODS="grpo ppo ppo-g1 reinforce-pp reinforce-pp-baseline" TABLE=--estimators bench/arith_compare.sh
 set -euo pipefail
@@ -34,6 +34,7 @@ for seed in $SEEDS; do
       allocate-by-kind) flag="--allocate --predict-group-by difficulty --allocate-by-kind" ;;
       dynamic) flag="--dynamic-sampling --steps 4 --eval-every 4" ;;  # ~ the others' answers
       minibatches) flag="--minibatches 4" ;;  # 4 optimiser steps a batch, a group each (verl)
+      grpo-lr4) flag="--lr 1.2e-3" ;;  # one step at 4x the lr: as far per batch?
       # the estimators GRPO is measured against (issue: PPO, REINFORCE++), KL in the reward
       ppo) flag="--estimator ppo --kl-in reward --kl-estimator k1 --critic-lr 1e-3" ;;
       ppo-g1) flag="--estimator ppo --kl-in reward --kl-estimator k1 --critic-lr 1e-3

@@ -234,3 +234,20 @@ def test_module_reward_specs_do_not_put_the_working_dir_first(
         sys.modules.pop("grpolab_test_rewards", None)
         if saved is not None:
             sys.modules["math_verify"] = saved
+
+
+def test_a_reward_failing_on_many_answers_logs_a_few_and_a_count(caplog) -> None:
+    """20 answers each raising: the first three (distinct) lines, then one count; every
+    problem still counted."""
+    def picky(prompts, completions, **_):
+        if len(completions) > 1:
+            raise ValueError("batch")
+        raise ValueError(f"cannot grade {completions[0]}")
+
+    with caplog.at_level("WARNING", logger="grpolab.rewards.builtin"):
+        res = score([picky], ["p"] * 20, [f"a{i}" for i in range(20)])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(res.problems) == 20
+    assert len(lines) == 4 and all("cannot grade a" in x for x in lines[:3])
+    assert lines[3] == "... and 17 more problems of reward 'picky' in this batch (all counted " \
+                       "in reward_problems)"

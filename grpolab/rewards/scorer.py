@@ -85,6 +85,7 @@ def _as_list(value: Any) -> list[Any] | None:
 
 
 _LOGGED: set[str] = set()
+LOGGED_PER_BATCH = 3  # problem lines a reward logs per batch (then a count)
 
 
 class _Failed:
@@ -95,9 +96,6 @@ class _Failed:
         self.message = message
 
 
-LOGGED_PER_BATCH = 3
-
-
 def _log_once(message: str) -> None:
     """Warn once per distinct problem so a bad reward does not flood every step's log."""
     if message in _LOGGED:
@@ -106,7 +104,6 @@ def _log_once(message: str) -> None:
         _LOGGED.clear()
     _LOGGED.add(message)
     logger.warning(message)
-
 
 
 def _score_one_fn(
@@ -314,6 +311,7 @@ def score(
     problems: list[str] = []
     per_fn = torch.zeros(n, k, dtype=torch.float32)
     for j, (fn, name) in enumerate(zip(reward_fns, names)):
+        start = len(problems)
         vals, failed, first = _score_one_fn(fn, name, prompts, completions, cols, on_error,
                                             problems, pool, group_size)
         if fail_on_all_errors and n and failed == n:
@@ -322,12 +320,13 @@ def score(
                 f"{first.removeprefix(f'reward {name!r} ')} (fix the reward, or set "
                 "fail_on_reward_errors: false to score such answers reward_on_error)"
             )
+        mine = problems[start:]  # a reward failing on many answers: its first few, a count
+        for message in mine[:LOGGED_PER_BATCH]:
+            _log_once(message)
+        if len(mine) > LOGGED_PER_BATCH:
+            logger.warning("... and %d more problems of reward %r in this batch (all counted "
+                           "in reward_problems)", len(mine) - LOGGED_PER_BATCH, name)
         per_fn[:, j] = torch.tensor(vals, dtype=torch.float32)
-    for message in problems[:LOGGED_PER_BATCH]:  # a reward failing on many answers: the
-        _log_once(message)                          # first few, then a count (metrics keep all)
-    if len(problems) > LOGGED_PER_BATCH:
-        logger.warning("... and %d more reward problems in this batch (counted as "
-                       "reward_problems in metrics.jsonl)", len(problems) - LOGGED_PER_BATCH)
     total = per_fn @ torch.tensor(w, dtype=torch.float32) if k else torch.zeros(n)
     return ScoreResult(total=total, per_fn=per_fn, names=names, problems=problems)
 
