@@ -83,10 +83,6 @@ def flatten(given: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def known(key: str) -> bool:
-    return key in VERL_ALIASES or key in VERL_COMBINED or key.startswith(VERL_ASIDE)
-
-
 def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
               earlier: dict[str, Any] | None = None) -> dict[str, Any]:
     """Translate the verl keys of ``given`` (other keys pass unchanged). ``earlier`` (a YAML
