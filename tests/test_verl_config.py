@@ -187,6 +187,9 @@ def test_overrides_over_a_yaml_as_hydra_takes_them(tmp_path) -> None:
                     "train")
     c = make_config(y, {"group_size": 2}, "train")
     assert (c.group_size, c.budget, c.minibatches) == (2, 8, 2)  # 4 prompts x 2, as verl's n
+    with pytest.raises(ConfigError) as e:  # the override's mistake is not the file's
+        make_config(y, {"data.train_batch_size": 3}, "train")
+    assert str(e.value).startswith("data.train_batch_size 3 is not a multiple of")
 
 
 def test_aside_settings_are_named_once(caplog) -> None:

@@ -129,8 +129,8 @@ def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
             raise ConfigError(f"{key}={given[key]!r} (verl) has no grpolab equivalent; remove "
                               f"it{hint}")
     touched = set(mine)
-    for keys, rule in _RULES:
-        if touched & set(keys):
+    for keys, rule in _RULES:  # (a rule the overrides touch too is read with them, there)
+        if touched & set(keys) and not later.keys() & set(keys):
             for key, value in rule(d).items():
                 put(key, value, next(k for k in keys if k in touched))
     if aside:
