@@ -158,6 +158,11 @@ def _whole(d: dict[str, Any], key: str) -> int:
     return n
 
 
+def _total_steps(d: dict[str, Any]) -> Any:
+    """The run's length as given (verl's total_training_steps, or grpolab's steps)."""
+    return as_number(d.get("trainer.total_training_steps", d.get("steps")))
+
+
 def _batch(d: dict[str, Any]) -> dict[str, Any]:
     """data.train_batch_size prompts x rollout.n answers a step; train_batch_size /
     ppo_mini_batch_size optimiser steps on it (verl refuses shares that are not equal)."""
@@ -246,10 +251,10 @@ def _sampling(d: dict[str, Any]) -> dict[str, Any]:
     if not _flag(d, R + "do_sample", True):
         raise ConfigError(f"{R}do_sample=false (verl): GRPO samples its answers (greedy groups "
                           "would all be dead)")
-    name = as_word(d.get(R + "name", "vllm"))
-    if R + "name" in d and name not in ("vllm", "hf"):
-        raise ConfigError(f"{R}name={name} (verl): grpolab samples with hf or vllm")
     if R + "name" in d:
+        name = as_word(d[R + "name"])
+        if name not in ("vllm", "hf"):
+            raise ConfigError(f"{R}name={name} (verl): grpolab samples with hf or vllm")
         out["rollout_backend"] = name
     return out
 
@@ -295,8 +300,7 @@ def _trainer(d: dict[str, Any]) -> dict[str, Any]:
                           "number of steps; set trainer.total_training_steps (or steps)")
     if "trainer.save_freq" in d:
         out["checkpoint_every"] = max(int(as_number(d["trainer.save_freq"])), 0)
-    test = as_number(d.get("trainer.test_freq", -1))
-    steps = as_number(d.get("trainer.total_training_steps", d.get("steps")))
+    test, steps = as_number(d.get("trainer.test_freq", -1)), _total_steps(d)
     if isinstance(test, int) and test > 0:
         out["eval_every"] = test
     elif "trainer.test_freq" in d and isinstance(steps, int) and steps > 0:
@@ -346,7 +350,7 @@ def _schedule(d: dict[str, Any]) -> dict[str, Any]:
     if isinstance(steps, int) and steps > 0:  # (verl: counted in training steps, as here)
         out["warmup_steps"] = steps
     elif ratio > 0:
-        total = as_number(d.get("trainer.total_training_steps", d.get("steps")))
+        total = _total_steps(d)
         if not isinstance(total, int):
             raise ConfigError(f"{A}optim.lr_warmup_steps_ratio (verl) needs "
                               "trainer.total_training_steps")

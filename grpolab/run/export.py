@@ -81,24 +81,33 @@ def _mark(d: Path) -> dict[str, Any] | None:
     return got if isinstance(got, dict) else None
 
 
+def _folders(out_dir: Path) -> list[tuple[int, Path, dict[str, Any] | None]]:
+    """Every ``checkpoint-<step>/`` folder in ``out_dir``, whoever wrote it, oldest step first
+    (by number: checkpoint-10 after checkpoint-9), with its mark (None: not grpolab's)."""
+    found = [(int(d.name.removeprefix(PREFIX)), d) for d in Path(out_dir).glob(f"{PREFIX}*")
+             if d.name.removeprefix(PREFIX).isdigit() and d.is_dir()]
+    return [(step, d, _mark(d)) for step, d in sorted(found)]
+
+
 def step_dirs(out_dir: Path, run_id: str | None = None) -> list[Path]:
     """The checkpoint-<step>/ folders grpolab wrote in ``out_dir`` (only run ``run_id``'s when
-    given), oldest step first: by number (checkpoint-10 after checkpoint-9)."""
-    found = []
-    for d in Path(out_dir).glob(f"{PREFIX}*"):
-        step = d.name.removeprefix(PREFIX)
-        mark = _mark(d) if step.isdigit() and d.is_dir() else None
-        if mark is not None and (run_id is None or mark.get("run_id") == run_id):
-            found.append((int(step), d))
-    return [d for _, d in sorted(found)]
+    given), oldest step first."""
+    return [d for _, d, mark in _folders(out_dir)
+            if mark is not None and (run_id is None or mark.get("run_id") == run_id)]
+
+
+def _leftovers(out_dir: Path, *names: str) -> list[Path]:
+    """What a stopped ``new_dir`` left beside the folders whose names start with one of
+    ``names`` (``.<name>.partial``, ``.<name>.old``)."""
+    return [w for name in names for w in Path(out_dir).glob(f".{name}*")
+            if w.name.endswith((".partial", ".old"))]
 
 
 def check_free(out_dir: Path, run_id: str | None) -> None:
     """Before a run writes model folders: a ``checkpoint-<step>/`` it did not write (another
     tool's, another run's) would be replaced at that step; refused in one line instead."""
-    theirs = sorted(d.name for d in Path(out_dir).glob(f"{PREFIX}*")
-                    if d.is_dir() and d.name.removeprefix(PREFIX).isdigit()
-                    and (_mark(d) or {}).get("run_id", object()) != run_id)
+    theirs = [d.name for _, d, mark in _folders(out_dir)
+              if (mark or {}).get("run_id", object()) != run_id]
     if theirs:
         raise ConfigError(f"out_dir {out_dir} holds {', '.join(theirs[:3])} not written by this "
                           "run; its model folders would replace them: move them or choose "
@@ -112,8 +121,8 @@ def drop_after(out_dir: Path, step: int, run_id: str | None) -> None:
     for d in step_dirs(out_dir, run_id):
         if int(d.name.removeprefix(PREFIX)) > step:
             shutil.rmtree(d, ignore_errors=True)
-    for d in Path(out_dir).glob(f".{PREFIX}*"):
-        if d.is_dir() and d.name.endswith((".partial", ".old")):
+    for d in _leftovers(out_dir, PREFIX):
+        if d.is_dir():
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -121,10 +130,7 @@ def clear(out_dir: Path) -> None:
     """``--overwrite``: the model folders a run wrote (final/, every grpolab checkpoint-<step>/,
     half-written ones) go; another tool's folders of those names stay."""
     d = Path(out_dir)
-    models = [d / "final", *step_dirs(d)]
-    work = [w for w in (*d.glob(".final.*"), *d.glob(f".{PREFIX}*"))
-            if w.name.endswith((".partial", ".old"))]
-    for p in (*models, *work):
+    for p in (d / "final", *step_dirs(d), *_leftovers(d, "final.", PREFIX)):
         if p.is_dir():
             shutil.rmtree(p)
         else:
