@@ -595,10 +595,9 @@ def test_a_trl_recipe_with_its_sampling_schedule_and_controls_trains(
     llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A TRL YAML as recipes write them (earlier names, top-p/top-k/penalty, cosine to a floor
-    with a warm-up ratio, AdamW's decay, rsLoRA, adaptive entropy) trains end to end: past
-    the warm-up the lr is transformers' schedule's (grpolab's warm-up starts at lr / warm-up
-    steps, transformers' at 0), the controller logs its coefficient, and the run records
-    the settings it sampled with."""
+    with a warm-up ratio, AdamW's decay, rsLoRA, adaptive entropy) trains end to end: every
+    step's lr is transformers' schedule's (its warm-up from lr 0), the controller logs its
+    coefficient, and the run records the settings it sampled with."""
     from transformers.optimization import _get_cosine_schedule_with_warmup_lr_lambda as hf_lr
 
     out = tmp_path / "run"
@@ -618,9 +617,10 @@ def test_a_trl_recipe_with_its_sampling_schedule_and_controls_trains(
         "output_dir": str(out), "disable_tqdm": True}))
     trainer = run_cli(monkeypatch, ["train", "--config", str(y)])
     rows = read_metrics(out)[1:]
-    assert [r["lr"] for r in rows] == pytest.approx([0.01] + [0.01 * hf_lr(
+    assert [r["lr"] for r in rows] == pytest.approx([0.01 * hf_lr(
         s, num_warmup_steps=1, num_training_steps=4, num_cycles=0.5, min_lr_rate=0.1)
-        for s in (1, 2, 3)])
+        for s in range(4)])
+    assert rows[0]["lr"] == 0.0
     assert [r["entropy_coef"] for r in rows] == pytest.approx([0.015, 0.02, 0.025, 0.03])
     assert all(math.isfinite(r["loss"]) for r in rows)
     recorded = json.loads((out / "config.json").read_text())

@@ -364,7 +364,6 @@ def load_as_yaml(tmp_path, keys: dict) -> Config:  # (None stays None, as TRL's 
 
 # TRL's defaults that grpolab cannot run as they are, each refused in one line
 DEFAULTS_REFUSED = {
-    "max_steps": (5, "num_train_epochs / max_steps: -1"),  # TRL: 3 epochs over the dataset
     "disable_dropout": (True, "disable_dropout: False"),  # grpolab's model has no dropout
     "bf16": (False, "bf16 .TRL. with full fine-tuning"),  # float32 weights under autocast
 }
@@ -372,7 +371,7 @@ DEFAULTS_REFUSED = {
 
 def test_trl_defaults_load(tmp_path, monkeypatch, caplog) -> None:
     """A YAML of every field of GRPOConfig, ModelConfig and the script at TRL's default loads
-    but for the three refused in one line, and runs TRL's defaults: only max_prompt_tokens
+    but for the two refused in one line, and runs TRL's defaults: only max_prompt_tokens
     (TRL has no prompt limit) is named at grpolab's own default."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     every = trl_defaults()
@@ -385,8 +384,8 @@ def test_trl_defaults_load(tmp_path, monkeypatch, caplog) -> None:
         c = load_as_yaml(tmp_path, given)
     # TRL's defaults: 8 answers a step (8 per device, no accumulation), each forward all 8,
     # no held-out evaluation (eval_strategy "no"), full fine-tuning in float32 (bf16 false),
-    # the advantage over the sample std + 1e-4, dapo's token mean, HF sampling
-    assert (c.budget, c.micro_batch, c.group_size, c.eval_size, c.steps) == (8, 8, 8, 0, 5)
+    # the advantage over the sample std + 1e-4, dapo's token mean, HF sampling, 3 epochs
+    assert (c.budget, c.micro_batch, c.group_size, c.eval_size, c.passes) == (8, 8, 8, 0, 3.0)
     assert (c.scale, c.std, c.std_eps, c.dtype, c.lora) == ("std", "sample", 1e-4, "float32",
                                                             False)
     assert (c.beta, c.loss_agg, c.kl_is_correction, c.eps_low, c.eps_high) == (

@@ -123,7 +123,10 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
       "generation_batch_size": 32, "num_iterations": 2, "max_steps": 40, "warmup_steps": 8},
      {"budget": 32, "minibatches": 4, "epochs": 2, "steps": 5, "warmup_steps": 1}),
-    ({"max_steps": 7, "num_train_epochs": 3}, {"steps": 7}),  # TRL: max_steps wins
+    ({"max_steps": 7, "num_train_epochs": 3}, {"steps": 7, "passes": 0.0}),  # max_steps wins
+    # epochs: passes over the data, counted when it is read (TRL's default 3)
+    ({"num_train_epochs": 2}, {"passes": 2.0}), ({"max_steps": -1}, {"passes": 3.0}),
+    ({"num_train_epochs": 0.5, "max_steps": -1}, {"passes": 0.5}),
     ({"save_strategy": "no", "save_steps": 500},  # TRL ignores it: no checkpoint-N folders
      {"checkpoint_every": 0, "save_model_every": 0}),
     # TRL's save_steps writes checkpoint-N model folders: grpolab's model folders and its
@@ -147,9 +150,10 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 3},
      {"lr_schedule": "constant", "warmup_steps": 3}),
     ({"num_iterations": 2, "max_steps": 10, "warmup_steps": 4}, {"steps": 5, "warmup_steps": 2}),
-    # below 1, a share of max_steps, rounded up (transformers' get_warmup_steps)
-    ({"max_steps": 50, "warmup_steps": 0.05, "num_generations": 8}, {"warmup_steps": 3}),
-    ({"max_steps": 40, "warmup_steps": 0.1, "num_iterations": 2}, {"warmup_steps": 2}),
+    # below 1, a share of the run (test_trl_warmup_is_transformers), from lr 0 as TRL's
+    ({"max_steps": 50, "warmup_steps": 0.05, "num_generations": 8},
+     {"warmup_steps": 0.05, "warmup_from_zero": True}),
+    ({"num_generations": 8, "warmup_steps": 0.1}, {"warmup_steps": 0.1}),
     # eval_steps unset: logging_steps, 10 optimiser steps by default = 5 sampled batches
     ({"eval_strategy": "steps", "num_iterations": 2, "max_steps": 10}, {"eval_every": 5}),
     ({"max_steps": "1e1"}, {"steps": 10}),  # (PyYAML's reading of 1e1)
@@ -188,7 +192,7 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     # earlier TRL / transformers names
     ({"torch_dtype": "bfloat16", "max_prompt_length": 256, "num_generations": 8},
      {"dtype": "bfloat16", "max_prompt_tokens": 256}),
-    ({"warmup_ratio": 0.1, "max_steps": 50, "num_generations": 8}, {"warmup_steps": 5}),
+    ({"warmup_ratio": 0.1, "max_steps": 50, "num_generations": 8}, {"warmup_steps": 0.1}),
     # (an override of None is unset: the default, as for any key)
     ({"max_prompt_length": None, "overwrite_output_dir": True, "num_generations": 8},
      {"max_prompt_tokens": 1024}),
@@ -213,8 +217,6 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"torch_dtype": "bfloat16", "dtype": "float32"}, "torch_dtype .an earlier TRL name of dtype"),
     ({"generation_kwargs": {"top_k": None}}, "generation_kwargs: top_k null"),
     ({"optim": "adafactor"}, "optim: 'adafactor' .TRL. has no grpolab equivalent"),
-    ({"num_train_epochs": 2}, "num_train_epochs / max_steps: -1 .TRL"),
-    ({"max_steps": -1}, "set max_steps"),
     ({"steps_per_generation": 3, "gradient_accumulation_steps": 2},
      "steps_per_generation 3 .TRL. is not a multiple of gradient_accumulation_steps 2"),
     ({"per_device_train_batch_size": 4, "generation_batch_size": 6},
@@ -233,7 +235,6 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"model_revision": "v2"}, "model_revision: 'v2'"),
     ({"gradient_accumulation_steps": 1.5}, "must be a whole number"),
     ({"lr_scheduler_type": "constant", "warmup_steps": 3}, "use constant_with_warmup"),
-    ({"num_generations": 8, "warmup_steps": 0.1}, "warmup_steps: 0.1 .TRL: a share of max_st"),
     ({"reward_funcs": ["get_soft_overlong_punishment"]}, "reward_funcs: 'get_soft_overlong"),
     ({"reward_funcs": ["accuracy_reward"], "rewards": ["math"]}, "sets rewards to"),
     ({"dataset_name": "trl-lib/DeepMath-103K"}, "set dataset .and eval_dataset."),
@@ -289,16 +290,16 @@ def test_trl_named_example_is_hf_tiny() -> None:
 
 def test_trl_yaml_numbers_and_later_keys(tmp_path, caplog) -> None:
     """PyYAML reads 1e-8 (no dot) as a string: TRL's default still loads. A step count given
-    on the command line completes a YAML that counts epochs. The logging_steps that set the
+    on the command line replaces a YAML's epochs. The logging_steps that set the
     evaluation's interval is not in the notice of settings left aside."""
     y = tmp_path / "trl.yaml"
     y.write_text("adam_epsilon: 1e-8\nnum_train_epochs: 2\neval_strategy: steps\n"
                  "logging_steps: 3\nattn_implementation: sdpa\n")
-    with pytest.raises(ConfigError, match="num_train_epochs"):
-        make_config(y, None, "train")
+    assert make_config(y, None, "train").passes == 2.0
+    caplog.clear()
     with caplog.at_level("WARNING", logger="grpolab"):
-        c = make_config(y, {"steps": 6}, "train")
-    assert (c.steps, c.eval_every) == (6, 3)
+        c = make_config(y, {"steps": 6}, "train")  # (a later step count replaces the epochs)
+    assert (c.steps, c.passes, c.eval_every) == (6, 0.0, 3)
     assert [r.getMessage().rsplit(": ", 1)[1] for r in caplog.records
             if "left aside" in r.getMessage()] == ["attn_implementation"]
     y.write_text("top_k: null\n")  # unset: generate's own default, 50
@@ -348,7 +349,7 @@ def test_trl_refusals_see_the_command_line(tmp_path, monkeypatch, caplog) -> Non
      {"steps": 50, "checkpoint_every": 10, "save_model_every": 10, "epochs": 2}),
     ("save_steps: 20\n", {"save_model_every": 0}, {"checkpoint_every": 20, "save_model_every": 0}),
     ("num_iterations: 2\n", {"max_steps": 100}, {"steps": 50, "epochs": 2}),
-    ("warmup_steps: 0.1\nmax_steps: 100\n", {"max_steps": 200}, {"warmup_steps": 20, "steps": 200}),
+    ("warmup_steps: 0.1\nmax_steps: 100\n", {"max_steps": 200}, {"warmup_steps": 0.1, "steps": 200}),
     ("loss_type: cispo\n", {"epsilon_high": 5.0}, {"policy_loss": "cispo", "cispo_max": 5.0}),
     ("epsilon_high: 5.0\n", {"loss_type": "cispo"}, {"policy_loss": "cispo", "cispo_max": 5.0}),
     ("reward_funcs: [accuracy_reward]\n", {"reward_model_name_or_path": "runs/rm"},
@@ -505,7 +506,7 @@ def test_earlier_trl_names_are_read_and_named_once(tmp_path, caplog) -> None:
     with caplog.at_level("WARNING", logger="grpolab"):
         c = make_config(y, None, "train")
     assert (c.dtype, c.warmup_steps, c.max_prompt_tokens, c.lr_schedule, c.min_lr_rate) == (
-        "bfloat16", 10, 512, "cosine", 0.1)
+        "bfloat16", 0.1, 512, "cosine", 0.1)
     notes = [r.getMessage() for r in caplog.records if "earlier TRL names" in r.getMessage()]
     assert notes == [("earlier TRL names read as TRL 1.16's: torch_dtype as dtype, warmup_ratio "
                       "as warmup_steps, max_prompt_length as max_prompt_tokens, "
@@ -514,7 +515,7 @@ def test_earlier_trl_names_are_read_and_named_once(tmp_path, caplog) -> None:
     y2.write_text("max_prompt_length: null\ntorch_dtype: null\nwarmup_ratio: 0.25\n"
                   "steps: 8\nnum_generations: 8\n")
     c2 = make_config(y2, None, "train")
-    assert (c2.max_prompt_tokens, c2.dtype, c2.warmup_steps) == (0, "float32", 2)
+    assert (c2.max_prompt_tokens, c2.dtype, c2.warmup_steps) == (0, "float32", 0.25)
     y2.write_text("torch_dtype: bfloat16\ntop_k: null\nnum_generations: 8\n")  # (others' nulls)
     with pytest.raises(ConfigError, match="top_k: null .TRL. leaves it to the model's"):
         make_config(y2, None, "train")
@@ -547,12 +548,14 @@ def test_trl_names_as_flags(capsys) -> None:
         cli.main(["train", "--group-size", "4", "--group_size", "8"])
     assert e.value.code == 2 and "group_size given twice" in capsys.readouterr().err
     trl = {"max_steps": 40, "num_iterations": 2, "num_generations": 8}  # a TRL file
-    assert make_config(trl, {"warmup_ratio": 0.1}, "train").warmup_steps == 2  # (4 opt steps)
+    from grpolab.run.optim import schedule_length
+
+    c = make_config(trl, {"warmup_ratio": 0.1}, "train")  # 40 optimiser steps, 4 of warm-up
+    assert (c.warmup_steps, schedule_length(c)) == (0.1, (2, 40, 4))
 
 
 @pytest.mark.parametrize(("text", "message"), [
     ("eval_strategy: no\nnum_generations: 8\n", "write 'no'"),  # YAML's unquoted no: false
-    ("num_train_epochs: 1\nmax_steps: -1\nwarmup_ratio: 0.1\n", "set max_steps .or steps.$"),
     ("reward_funcs: [reasoning_gym]\n", "grpolab's own rewards, math, reasoning_gym"),
     ("eval_steps: 0\neval_strategy: steps\nnum_generations: 8\n",
      "eval_size 0 turns evaluation off"),

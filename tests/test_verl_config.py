@@ -113,7 +113,12 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
       A + "optim.lr_warmup_steps_ratio": 0.1, "trainer.total_training_steps": 25,
       A + "optim.betas": [0.9, 0.95]},
      {"lr_schedule": "cosine", "min_lr_rate": 0.1, "warmup_steps": 2, "steps": 25,
-      "adam_beta2": 0.95}),
+      "adam_beta2": 0.95, "warmup_from_zero": True, "schedule_per": "step"}),
+    # passes over the data (counted when it is read); verl evaluates before training only
+    ({"trainer.total_epochs": 15, "trainer.test_freq": -1}, {"passes": 15, "eval_every": 10**9}),
+    ({"trainer.total_epochs": 15, "trainer.total_training_steps": 4}, {"passes": 0, "steps": 4}),
+    ({A + "optim.lr_warmup_steps": 3, A + "optim.zero_indexed_step": False},
+     {"warmup_steps": 3, "warmup_from_zero": False, "schedule_per": "step"}),
     ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
       "algorithm.filter_groups.max_num_gen_batches": 10},
      {"dynamic_sampling": True, "max_sampling_rounds": 9}),
@@ -148,7 +153,10 @@ def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want:
 
 @pytest.mark.parametrize(("over", "says"), [
     ({A + "optim.foo": 1}, "optim.foo=1 .verl. has no grpolab equivalent"),
-    ({"trainer.total_epochs": 15}, "set trainer.total_training_steps"),
+    ({"trainer.total_epochs": 2, A + "optim.lr_warmup_steps_ratio": 0.1},
+     "rounds ratio x total_training_steps down: give trainer.total_training_steps"),
+    ({A + "optim.zero_indexed_step": False, A + "optim.lr_scheduler_type": "cosine"},
+     "zero_indexed_step=false"),
     ({"data.train_batch_size": 10, A + "ppo_mini_batch_size": 4}, "not a multiple of"),
     ({"data.train_batch_size": 16}, "ppo_mini_batch_size 256 .verl's default."),
     ({A + "ppo_mini_batch_size": 4}, "give that too"),
@@ -182,9 +190,9 @@ def test_overrides_over_a_yaml_as_hydra_takes_them(tmp_path) -> None:
                                  "actor_rollout_ref": {"rollout": {"n": 4},
                                                        "actor": {"ppo_mini_batch_size": 2}}}))
     assert make_config(y, {"trainer.total_training_steps": 6}, "train").steps == 6
-    with pytest.raises(ConfigError, match="set trainer.total_training_steps"):
-        make_config(y, {"trainer.total_training_steps": None, "trainer.total_epochs": 15},
+    c = make_config(y, {"trainer.total_training_steps": None, "trainer.total_epochs": 15},
                     "train")
+    assert c.passes == 15  # (verl: 15 passes over the data, counted when it is read)
     c = make_config(y, {"group_size": 2}, "train")
     assert (c.group_size, c.budget, c.minibatches) == (2, 8, 2)  # 4 prompts x 2, as verl's n
     with pytest.raises(ConfigError) as e:  # the override's mistake is not the file's

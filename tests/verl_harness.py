@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import math
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,17 +18,20 @@ import torch
 
 def verl_functions(*names: str) -> dict[str, Any]:
     """verl 0.9's functions ``names`` from trainer/ppo/core_algos.py and utils/
-    torch_functional.py, executed as written (decorators left off)."""
+    torch_functional.py (its masked helpers, its lr schedules), executed as written
+    (decorators left off)."""
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
         pytest.fail("verl is not installed: pip install --no-deps verl==0.9.1 (.ci/run does)")
     root = Path(spec.submodule_search_locations[0])
     ns: dict[str, Any] = {"torch": torch, "defaultdict": defaultdict, "Optional": Optional,
                           "Any": Any, "AlgoConfig": type("AlgoConfig", (), {}),
-                          "ActorConfig": object}  # the tests' configs are namespaces
+                          "ActorConfig": object,  # the tests' configs are namespaces
+                          "math": math, "Optimizer": torch.optim.Optimizer,
+                          "LambdaLR": torch.optim.lr_scheduler.LambdaLR}  # (the schedules')
     helpers = ("masked_sum", "masked_mean", "masked_var", "masked_whiten")
     names = (*names, "agg_loss") if "agg_loss" not in names else names
-    for file, wanted in (("utils/torch_functional.py", helpers),
+    for file, wanted in (("utils/torch_functional.py", (*helpers, *names)),
                          ("trainer/ppo/core_algos.py", names)):
         tree = ast.parse((root / file).read_text())
         for node in tree.body:

@@ -21,6 +21,7 @@ import torch
 from grpolab.config import Config, ConfigError
 from grpolab.config.load import warn_idle
 from grpolab.config.schema import command_defaults
+from grpolab.config.validate import with_length
 from grpolab.rewards.builtin import CODE_REWARDS
 from grpolab.rewards.scorer import check_columns, load_rewards, make_scorer, score_answers
 from grpolab.rollout.sampling import Filters
@@ -207,6 +208,11 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
 
         hf_logging.disable_progress_bar()
     rows, heldout = run_rows(cfg, warn=dist.is_main())  # (said once, not per rank)
+    cfg = with_length(cfg, len(rows))  # passes: steps, now that the prompts are counted
+    if cfg.passes > 0 and dist.is_main():
+        print(f"grpolab: {cfg.passes:g} passes over {len(rows)} prompts, "
+              f"{len(rows) // cfg.prompts_per_step} steps of {cfg.prompts_per_step} a pass: "
+              f"{cfg.steps} steps", flush=True)
     if cfg.watch_reward and not heldout[: cfg.eval_size]:  # it would watch nothing
         raise ConfigError(f"watch_reward {cfg.watch_reward} checks held-out prompts: set "
                           "eval_dataset (and eval_size > 0)")

@@ -72,6 +72,8 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
         # the file's weights were for its own rewards: they no longer pair with these
         log.warning("the overrides' rewards replace the config's, so its reward_weights %s are "
                     "dropped (each reward weighs 1)", kwargs.pop("reward_weights"))
+    if "steps" in ours and "passes" not in ours:  # a later length replaces a file's passes
+        kwargs["passes"] = 0.0
     kwargs.update(ours)
     cfg = resolve(Config(**kwargs))
     if command == "train":  # (the workshop warns per run: a sweep's variants change them)
@@ -133,6 +135,9 @@ def _read(given: dict[str, Any], later: dict[str, Any] | None = None,
     """Keys in grpolab's names (verl's and TRL's translated), values coerced; ``earlier`` and
     ``later``: the file before them and the overrides after (TRL and verl combine keys)."""
     given = trl.from_trl(verl.from_verl(given, later, earlier), later, earlier)
+    if "steps" in given and "passes" in given and coerce("passes", given["passes"]) > 0:
+        raise ConfigError(f"steps {given['steps']} and passes {given['passes']} both given: "
+                          "passes sets the steps; keep one")
     if "cpu_pack" in given:  # its earlier place, before the speed options
         speed = dataclasses.asdict(coerce("speed", given.get("speed", {})))
         given["speed"] = {**speed, "cpu_pack": given.pop("cpu_pack")}

@@ -98,6 +98,8 @@ class Config:
     seed: int = opt(0, ALL, "seeds sampling, prompt order, LoRA init and the world",
                     "seeds the eval_samples answers and a reasoning_gym: dataset")
     steps: int = opt(40, RUN, "GRPO steps (optimiser updates of one sampled batch each)")
+    passes: float = opt(0.0, MODEL, "passes over the training prompts (TRL's num_train_epochs, "
+                        "verl's total_epochs): > 0 sets steps to passes x a pass's whole batches")
     budget: int = opt(64, ALL, "answers generated per step (before dynamic-sampling top-ups)",
                       "answers generated at a time (bounds memory)")
     group_size: int = opt(8, RUN, "G: answers per prompt")
@@ -125,8 +127,13 @@ class Config:
     min_lr_rate: float = opt(0.0, RUN, "cosine: decay to this share of lr, not 0 "
                              "(transformers' cosine_with_min_lr)")
     min_lr: float = opt(0.0, RUN, "cosine: decay to this lr, not 0 (min_lr_rate's other form)")
-    warmup_steps: int = opt(0, RUN, "steps of a linear ramp up to lr (per optimiser step: "
-                            "from lr / (warmup_steps x epochs x minibatches))")
+    warmup_steps: float = opt(0, RUN, "steps of a linear ramp up to lr; below 1 a share of the "
+                              "run, rounded up (counted as schedule_per counts)")
+    warmup_from_zero: bool = opt(False, RUN, "the warm-up's first step at lr 0 (transformers' and "
+                                 "verl's); off: at lr / its length, no step wasted")
+    schedule_per: Literal["optimiser_step", "step"] = opt(
+        "optimiser_step", RUN, "the lr schedule moves each optimiser step (TRL's) or each "
+        "sampled batch (verl's: its mini-batches at one lr)")
     grad_clip: float = opt(1.0, RUN, "largest gradient norm kept (TRL max_grad_norm)")
     epochs: int = opt(1, RUN, "mu: optimisation passes over one batch (old-policy ratio when > 1)")
     minibatches: int = opt(1, RUN, "optimiser steps per pass, each on a share of the batch (verl's "
@@ -406,17 +413,13 @@ class Config:
     rollout_backend: Literal["hf", "vllm"] = opt("hf", MODEL, "vllm: in-process engine on a GPU")
     # --- reliability ---
     overwrite: bool = opt(
-        False, RUN,
-        "start afresh in an out_dir holding a run (deletes its metrics, ckpts)")
+        False, RUN, "start afresh in an out_dir holding a run (deletes its metrics, ckpts)")
     reward_timeout: float = opt(
-        10.0, ALL,
-        "seconds per call of a user reward (in a worker); 0 = no limit")
+        10.0, ALL, "seconds per call of a user reward (in a worker); 0 = no limit")
     reward_workers: int = opt(
-        0, ALL,
-        "worker processes for user rewards; 0 = one per core (2 to 8)")
+        0, ALL, "worker processes for user rewards; 0 = one per core (2 to 8)")
     fail_on_reward_errors: bool = opt(
-        True, ALL,
-        "stop when a reward fails on every answer of a batch")
+        True, ALL, "stop when a reward fails on every answer of a batch")
 
     @property
     def prompts_per_step(self) -> int:

@@ -109,7 +109,8 @@ TRL_DEFAULTS_DIFFER: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("max_new_tokens {max_new_tokens}", "TRL's max_completion_length 512",
      ("max_completion_length", "max_new_tokens")),
     ("gradient_checkpointing {gradient_checkpointing}", "TRL true", ("gradient_checkpointing",)),
-    ("steps {steps}", "TRL's num_train_epochs 3", ("max_steps", "steps", "num_train_epochs")),
+    ("steps {steps}", "TRL's num_train_epochs 3",
+     ("max_steps", "steps", "num_train_epochs", "passes")),
     ("checkpoint_every {checkpoint_every}, save_model_every {save_model_every}",
      "TRL's save_steps 500, for both", ("save_steps", "save_strategy", "checkpoint_every",
                                         "save_model_every")),
@@ -178,8 +179,7 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
         raise ConfigError("top_k: null (TRL) leaves it to the model's generation config (50 by "
                           "default); give a number (0: all tokens)")
     given = {k: _NONE_IS.get(k, v) if v is None else v for k, v in given.items()}
-    share = as_number(given.get("warmup_steps"))  # (below 1: TRL's share of max_steps)
-    if not any(k in TRL_KEYS for k in given) and not (isinstance(share, float) and share < 1):
+    if not any(k in TRL_KEYS for k in given):
         return dict(given)
     d = {**earlier, **given, **later}  # what the run is given: read for what TRL combines
     out = {k: [] if v is None and k in _NONE_IS_EMPTY else v
@@ -269,13 +269,15 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
         for key, value in schedule_options(d).items():
             put(key, value, "lr_scheduler_kwargs")
     if ("num_train_epochs" in given or as_number(given.get("max_steps")) == -1) and not (
-            "steps" in out or "steps" in d or as_number(d.get("max_steps", -1)) != -1):
-        raise ConfigError("num_train_epochs / max_steps: -1 (TRL: epochs over the dataset): "
-                          "grpolab runs a number of steps; set max_steps (or steps)")
+            {"steps", "passes"} & d.keys() or as_number(d.get("max_steps", -1)) != -1):
+        # TRL: epochs over the dataset (3 unless given), counted when the data is read
+        put("passes", d.get("num_train_epochs", 3.0),
+            "num_train_epochs" if "num_train_epochs" in d else "max_steps")
     if "warmup_steps" in given:  # TRL's: optimiser steps, or below 1 a share of max_steps
-        length = next(((k, layer[k]) for layer in reversed((earlier, given, later))
-                       for k in ("steps", "max_steps") if k in layer), None)
-        out["warmup_steps"] = warmup_batches(d, per_sample, length)
+        out["warmup_steps"] = warmup_batches(d, per_sample)
+        if as_number(d["warmup_steps"]) and "warmup_from_zero" not in d:  # (transformers':
+            # the first warm-up step at lr 0)
+            put("warmup_from_zero", True, "warmup_steps")
     if ({"eval_strategy", "eval_steps", "logging_steps"} & given.keys()
             and as_word(d.get("eval_strategy")) == "steps" and d.get("eval_steps") is None):
         # transformers: eval_steps unset = logging_steps (10 by default)

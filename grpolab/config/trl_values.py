@@ -5,7 +5,6 @@ helpers that read TRL's values (YAML numbers, words, whole counts, torchrun's pr
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
@@ -109,21 +108,12 @@ def batch_settings(d: dict[str, Any], group: Any, check: bool = True) -> dict[st
         out.update(minibatches=k, minibatch_order="shuffled")
     return out
 
-def warmup_batches(d: dict[str, Any], per_sample: int,
-                   length: tuple[str, Any] | None = None) -> Any:
-    """TRL's ``warmup_steps`` in sampled batches; below 1 it is a share of the run's length
-    (rounded up, as transformers does): ``length``, the last of ``max_steps`` (optimiser
-    steps) and grpolab's ``steps`` (sampled batches) the run is given, as (key, value)."""
+def warmup_batches(d: dict[str, Any], per_sample: int) -> Any:
+    """TRL's ``warmup_steps`` as grpolab's: a count of optimiser steps in sampled batches; below
+    1 a share of the run, as it is (grpolab's share is of the optimiser steps, as TRL's)."""
     w = as_number(d["warmup_steps"])
     if isinstance(w, float) and 0 < w < 1:
-        key, total = length or ("max_steps", d.get("max_steps"))
-        total = as_number(total)
-        if not isinstance(total, int) or total < 1:
-            raise ConfigError(f"warmup_steps: {w} (TRL: a share of max_steps) needs max_steps "
-                              "or steps")
-        if key == "steps":  # sampled batches already
-            return math.ceil(total * w)
-        w = math.ceil(total * w)
+        return w
     return per_batches("warmup_steps", w, per_sample) if per_sample > 1 else w
 
 

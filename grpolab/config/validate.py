@@ -29,6 +29,8 @@ def resolve(cfg: Config) -> Config:
         c.eps_high = max(c.eps_high, 0.28)
     if c.rloo:
         c.baseline, c.scale = "rloo", "none"
+    if float(c.warmup_steps).is_integer():  # a count reads as one (a share stays)
+        c.warmup_steps = int(c.warmup_steps)
     validate(c)
     _validate_objective(c)
     return c
@@ -153,8 +155,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"max_prompt_tokens must be >= 0 (got {cfg.max_prompt_tokens})")
     if cfg.eval_samples < 0:
         raise ConfigError(f"eval_samples must be >= 0 (got {cfg.eval_samples})")
-    if cfg.warmup_steps < 0:
-        raise ConfigError(f"warmup_steps must be >= 0 (got {cfg.warmup_steps})")
+    if not 0 <= cfg.warmup_steps < math.inf or (cfg.warmup_steps > 1 and cfg.warmup_steps % 1):
+        raise ConfigError(f"warmup_steps must be a count, or below 1 a share of the run (got "
+                          f"{cfg.warmup_steps})")
+    if not 0 <= cfg.passes < math.inf:
+        raise ConfigError(f"passes must be >= 0 (got {cfg.passes}); 0: the run is steps long")
     if cfg.log_samples < 0:
         raise ConfigError(f"log_samples must be >= 0 (got {cfg.log_samples})")
     if cfg.shard == "fsdp" and cfg.lora:
@@ -282,3 +287,16 @@ def validate_ranks(cfg: Config, world: int) -> None:
                           "rank may hold no group of a mini-batch, and fsdp needs every rank "
                           "in every backward")
 
+
+
+def with_length(cfg: Config, prompts: int) -> Config:
+    """``cfg`` with ``passes`` turned into ``steps`` for a dataset of ``prompts`` training
+    prompts: passes x the whole batches in one pass (its part batch left out, as the data
+    loaders of TRL and verl drop it), rounded up as transformers does. Unchanged at passes 0."""
+    if not cfg.passes > 0:
+        return cfg
+    per_pass = prompts // cfg.prompts_per_step
+    if per_pass < 1:
+        raise ConfigError(f"passes {cfg.passes:g}: the dataset's {prompts} prompts fill no step "
+                          f"of {cfg.prompts_per_step}; give steps, or more prompts")
+    return dataclasses.replace(cfg, steps=math.ceil(cfg.passes * per_pass))

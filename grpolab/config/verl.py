@@ -295,16 +295,16 @@ def _data(d: dict[str, Any]) -> dict[str, Any]:
 def _trainer(d: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "trainer.total_epochs" in d and not {"trainer.total_training_steps", "steps",
-                                             "max_steps"} & d.keys():
-        raise ConfigError("trainer.total_epochs (verl: passes over the data): grpolab runs a "
-                          "number of steps; set trainer.total_training_steps (or steps)")
+                                             "max_steps", "passes"} & d.keys():
+        # verl: total_epochs x the whole batches of a pass, counted when the data is read
+        out["passes"] = _whole(d, "trainer.total_epochs")
     if "trainer.save_freq" in d:
         out["checkpoint_every"] = max(int(as_number(d["trainer.save_freq"])), 0)
     test, steps = as_number(d.get("trainer.test_freq", -1)), _total_steps(d)
     if isinstance(test, int) and test > 0:
         out["eval_every"] = test
-    elif "trainer.test_freq" in d and isinstance(steps, int) and steps > 0:
-        out["eval_every"] = steps  # verl: before training only (grpolab also after the last)
+    elif "trainer.test_freq" in d:  # verl: before training only (grpolab also after the last)
+        out["eval_every"] = steps if isinstance(steps, int) and steps > 0 else 10**9
     if "trainer.logger" in d:
         loggers = d["trainer.logger"] if isinstance(d["trainer.logger"], list) else [
             d["trainer.logger"]]
@@ -347,14 +347,23 @@ def _schedule(d: dict[str, Any]) -> dict[str, Any]:
         out["adam_beta1"], out["adam_beta2"] = (float(b) for b in d[A + "optim.betas"])
     steps = as_number(d.get(A + "optim.lr_warmup_steps", -1))
     ratio = float(as_number(d.get(A + "optim.lr_warmup_steps_ratio", 0.0)))
-    if isinstance(steps, int) and steps > 0:  # (verl: counted in training steps, as here)
+    if isinstance(steps, int) and steps > 0:
         out["warmup_steps"] = steps
     elif ratio > 0:
         total = _total_steps(d)
         if not isinstance(total, int):
-            raise ConfigError(f"{A}optim.lr_warmup_steps_ratio (verl) needs "
-                              "trainer.total_training_steps")
-        out["warmup_steps"] = int(ratio * total)  # (verl rounds down)
+            raise ConfigError(f"{A}optim.lr_warmup_steps_ratio (verl) rounds ratio x "
+                              "total_training_steps down: give trainer.total_training_steps, "
+                              "or optim.lr_warmup_steps")
+        out["warmup_steps"] = int(ratio * total)
+    from_zero = _flag(d, A + "optim.zero_indexed_step", True)
+    if not from_zero and kind == "cosine":
+        raise ConfigError(f"{A}optim.zero_indexed_step=false (verl: a cosine counted from 1, "
+                          "torchtitan's): grpolab's schedule counts steps from 0")
+    if out.get("warmup_steps") and "warmup_from_zero" not in d:
+        out["warmup_from_zero"] = from_zero  # (verl: the first step at lr 0)
+    if (out.get("warmup_steps") or kind == "cosine") and "schedule_per" not in d:
+        out["schedule_per"] = "step"  # verl moves its schedule once a training step
     return out
 
 
@@ -404,7 +413,7 @@ _RULES = (
       "reward.custom_reward_function.name"), _rewards),
     ((A + "optim.lr_scheduler_type", A + "optim.warmup_style", A + "optim.lr_warmup_steps",
       A + "optim.lr_warmup_steps_ratio", A + "optim.betas", A + "optim.optimizer",
-      A + "optim.num_cycles"), _schedule),
+      A + "optim.num_cycles", A + "optim.zero_indexed_step"), _schedule),
     (("critic.model.path", "critic.ppo_mini_batch_size", "critic.ppo_epochs"), _critic),
     (("algorithm.filter_groups.enable", "algorithm.filter_groups.metric",
       "algorithm.filter_groups.max_num_gen_batches"), _filter_groups),

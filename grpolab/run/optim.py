@@ -1,5 +1,5 @@
 """The optimiser and what sets each optimiser step's hyperparameters: torch's Adam with TRL's
-AdamW decay groups (``optimizer``), the learning-rate schedule (``lr_factor``) and the entropy
+AdamW decay groups (``optimizer``), the learning-rate schedule (``lr_at``) and the entropy
 bonus's coefficient (``EntropyControl``, Skywork-OR1's adaptive controller). Each is read by
 ``grpolab.run.update.optimize``; the trainer owns their state."""
 
@@ -14,14 +14,16 @@ from torch import nn
 from grpolab.config import Config
 
 
-def lr_factor(step: int, steps: int, schedule: str, warmup: int, floor: float = 0.0) -> float:
+def lr_factor(step: int, steps: int, schedule: str, warmup: int, floor: float = 0.0,
+              from_zero: bool = False) -> float:
     """Multiplier of the base lr for GRPO step ``step`` (0-based) of ``steps``: a linear
-    warm-up over ``warmup`` steps, then constant, linear to 0 or half a cosine to ``floor`` at
+    warm-up over ``warmup`` steps (from lr / warmup, or with ``from_zero`` from 0 as
+    transformers' and verl's), then constant, linear to 0 or half a cosine to ``floor`` at
     ``steps`` (as transformers' schedulers do; the floor: its cosine_with_min_lr's
     min_lr_rate). A function of the step alone, so a resumed run continues the schedule
     exactly."""
     if step < warmup:
-        return (step + 1) / warmup
+        return (step + (0 if from_zero else 1)) / warmup
     if schedule == "constant":
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, steps - warmup))
@@ -29,6 +31,24 @@ def lr_factor(step: int, steps: int, schedule: str, warmup: int, floor: float = 
         return 1.0 - progress
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return cosine * (1 - floor) + floor if floor else cosine
+
+
+def schedule_length(cfg: Config) -> tuple[int, int, int]:
+    """What the lr schedule counts: (units per GRPO step, units in the run, warm-up units).
+    Optimiser steps (``steps x epochs x minibatches``, TRL's) or with ``schedule_per: step``
+    sampled batches (a batch's optimiser steps at one lr, verl's); a ``warmup_steps`` share
+    is of the run's units, rounded up (transformers')."""
+    per = cfg.epochs * cfg.minibatches if cfg.schedule_per == "optimiser_step" else 1
+    w = cfg.warmup_steps
+    return per, cfg.steps * per, math.ceil(w * cfg.steps * per) if 0 < w < 1 else int(w) * per
+
+
+def lr_at(cfg: Config, step: int, i: int = 0) -> float:
+    """The lr of optimiser step ``i`` of GRPO step ``step`` (``schedule_length``'s count)."""
+    per, total, warmup = schedule_length(cfg)
+    floor = cfg.min_lr_rate or cfg.min_lr / cfg.lr  # (transformers' min_lr: over the lr)
+    return cfg.lr * lr_factor(step * per + (i if per > 1 else 0), total, cfg.lr_schedule,
+                              warmup, floor, cfg.warmup_from_zero)
 
 
 # transformers' Trainer decays no bias and no norm's weight (``get_decay_parameter_names``)

@@ -40,7 +40,7 @@ from grpolab.rollout.batch import Rollout, cut_to_longest, micro_batches, miniba
 from grpolab.rollout.critic import Critic
 from grpolab.run import dist, shard
 from grpolab.run.collect import Batch
-from grpolab.run.optim import EntropyControl, lr_factor
+from grpolab.run.optim import EntropyControl, lr_at
 
 
 class TrainingError(RuntimeError):
@@ -276,14 +276,7 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
     pass (means over its mini-batches). ``control``: the entropy bonus's coefficient
     (default: ``entropy_coef`` as it is), told each optimiser step's entropy."""
     control = control or EntropyControl(cfg)
-    floor = cfg.min_lr_rate or cfg.min_lr / cfg.lr  # (transformers' min_lr: over the lr)
-    e = cfg.epochs * cfg.minibatches  # the schedule moves each optimiser step, as TRL's
-
-    def lr_at(i: int) -> float:
-        return cfg.lr * lr_factor(step * e + i, cfg.steps * e, cfg.lr_schedule,
-                                  cfg.warmup_steps * e, floor)
-
-    lr = lr_at(0)
+    lr = lr_at(cfg, step)
     if not scored.rows:
         return {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_frac": 0.0,
                 "grad_norm": 0.0, "lr": lr}
@@ -309,6 +302,7 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
     train_policy = critic is None or step >= cfg.critic_warmup
     backend.model.train()
     out: dict[str, float] = {}
+    per_step = cfg.epochs * cfg.minibatches  # (TRL's sync counts optimiser steps)
     for epoch in range(cfg.epochs):
         if critic is not None:
             extra.update(critic_pass(cfg, backend, critic, scored))
@@ -322,13 +316,13 @@ def optimize(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params: 
                 continue
             i = epoch * cfg.minibatches + k
             if i:
-                lr = lr_at(i)
+                lr = lr_at(cfg, step, i)
                 for group in opt.param_groups:
                     group["lr"] = lr
             stats, gn = _opt_step(cfg, backend, opt, params, scored, adv, step, sharded, control, k,
                                   with_entropy)
             done.append((stats, gn))
-            if cfg.sync_ref_model and (step * e + i + 1) % cfg.ref_model_sync_steps == 0:
+            if cfg.sync_ref_model and (step * per_step + i + 1) % cfg.ref_model_sync_steps == 0:
                 sync_reference(backend, cfg.ref_model_mixup_alpha)
         mean = UpdateStats.mean([st for st, _ in done])
         out = {"loss": mean.loss, "policy_loss": mean.policy_loss, "kl": mean.kl,
