@@ -12,6 +12,7 @@
 #     --model-path runs/arith-long/grpo-s0/final --out-dir runs/arith-long/eval600
 #   python bench/arith_table.py runs/arith-long --operators runs/arith-long/eval600 --seeds 0
 # Mini-batches (4 optimiser steps on each batch): METHODS="grpo minibatches grpo-lr4" SEEDS="0 1 2"
+# DAPO's soft overlong punishment: METHODS="grpo overlong"
 # GRPO against PPO and REINFORCE++:
 #   METHODS="grpo ppo ppo-g1 reinforce-pp reinforce-pp-baseline" TABLE=--estimators bench/arith_compare.sh
 set -euo pipefail
@@ -35,6 +36,7 @@ for seed in $SEEDS; do
       dynamic) flag="--dynamic-sampling --steps 4 --eval-every 4" ;;  # ~ the others' answers
       minibatches) flag="--minibatches 4" ;;  # 4 optimiser steps a batch, a group each (verl)
       grpo-lr4) flag="--lr 1.2e-3" ;;  # one step at 4x the lr: as far per batch?
+      overlong) flag="--rewards math,overlong:10" ;;  # DAPO's soft punishment past 30 tokens
       # the estimators GRPO is measured against (issue: PPO, REINFORCE++), KL in the reward
       ppo) flag="--estimator ppo --kl-in reward --kl-estimator k1 --critic-lr 1e-3" ;;
       ppo-g1) flag="--estimator ppo --kl-in reward --kl-estimator k1 --critic-lr 1e-3

@@ -193,6 +193,8 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"torch_dtype": "bfloat16", "max_prompt_length": 256, "num_generations": 8},
      {"dtype": "bfloat16", "max_prompt_tokens": 256}),
     ({"warmup_ratio": 0.1, "max_steps": 50, "num_generations": 8}, {"warmup_steps": 0.1}),
+    # the script's registry entry: DAPO's soft overlong punishment at 1280 tokens, 256 soft
+    ({"reward_funcs": ["get_soft_overlong_punishment"]}, {"rewards": ["overlong:1280:256"]}),
     # (an override of None is unset: the default, as for any key)
     ({"max_prompt_length": None, "overwrite_output_dir": True, "num_generations": 8},
      {"max_prompt_tokens": 1024}),
@@ -235,7 +237,6 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"model_revision": "v2"}, "model_revision: 'v2'"),
     ({"gradient_accumulation_steps": 1.5}, "must be a whole number"),
     ({"lr_scheduler_type": "constant", "warmup_steps": 3}, "use constant_with_warmup"),
-    ({"reward_funcs": ["get_soft_overlong_punishment"]}, "reward_funcs: 'get_soft_overlong"),
     ({"reward_funcs": ["accuracy_reward"], "rewards": ["math"]}, "sets rewards to"),
     ({"dataset_name": "trl-lib/DeepMath-103K"}, "set dataset .and eval_dataset."),
     ({"save_steps": 0.5}, "save_steps: 0.5 .TRL, grpolab's checkpoint_every."),

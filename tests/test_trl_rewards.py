@@ -118,6 +118,38 @@ def test_python_api_train_with_a_callable_reward(llama: str, tmp_path: Path) -> 
     assert (records.out_dir / "final" / "README.md").is_file()
 
 
+def test_token_id_rewards_get_completion_ids(llama: str, tmp_path: Path) -> None:
+    """TRL's rewards that read ``completion_ids`` run unchanged (in the reward workers): its
+    soft overlong punishment gives what grpolab's ``overlong:8:4`` gives, its repetition
+    penalty is <= 0; a reward that neither names completion_ids nor takes **kwargs is not
+    given them."""
+    def strict(prompts, completions, answer, solution):  # (no **kwargs)
+        return [0.0] * len(completions)
+
+    soft = trl_rewards.get_soft_overlong_punishment(max_completion_len=8, soft_punish_cache=4)
+    rep = trl_rewards.get_repetition_penalty_reward(ngram_size=2)
+    records = grpolab.train(config(tmp_path, llama, rewards=[soft, "overlong:8:4", rep, strict]),
+                            steps=2, report_to=["none"])
+    for r in records[1:]:
+        assert r["reward_problems"] == 0
+        assert r["rewards/soft_overlong_punishment_reward"] == r["rewards/overlong"] < 0
+        assert -1 <= r["rewards/repetition_penalty_reward"] <= 0
+
+
+def test_overlong_is_dapos_soft_punishment() -> None:
+    """grpolab's overlong reward is TRL's get_soft_overlong_punishment at every length (0 up to
+    MAX - BUFFER tokens, a linear fall to -1 at MAX, -1 beyond); ``overlong:BUFFER`` takes the
+    run's max_new_tokens; a bad spec is one line."""
+    ids = [[5] * n for n in range(26)]
+    theirs = trl_rewards.get_soft_overlong_punishment(20, 6)(ids)
+    assert load_reward("overlong:20:6")([], [], completion_ids=ids) == theirs
+    assert load_reward("overlong:6", max_new_tokens=20)([], [], completion_ids=ids) == theirs
+    assert theirs[14] == 0.0 and theirs[17] == pytest.approx(-0.5) and theirs[25] == -1.0
+    for bad in ("overlong", "overlong:0", "overlong:30:31", "overlong:x"):
+        with pytest.raises(ValueError, match="write overlong:BUFFER"):
+            load_reward(bad, max_new_tokens=20)
+
+
 def test_a_reward_needing_a_column_the_rows_lack_stops_before_loading(
         llama: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """TRL's accuracy_reward reads ``solution``: on rows with only an answer it would fail on

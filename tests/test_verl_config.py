@@ -15,6 +15,7 @@ import yaml
 from grpolab.config import ConfigError, make_config
 from grpolab.config import verl as V
 from grpolab.config.verl_fields import (
+    OVERLONG,
     VERL_ALIASES,
     VERL_ASIDE,
     VERL_COMBINED,
@@ -114,6 +115,15 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
       A + "optim.betas": [0.9, 0.95]},
      {"lr_schedule": "cosine", "min_lr_rate": 0.1, "warmup_steps": 2, "steps": 25,
       "adam_beta2": 0.95, "warmup_from_zero": True, "schedule_per": "step"}),
+    # DAPO's soft overlong punishment, added to the named reward's score x penalty_factor
+    ({"custom_reward_function.path": "r.py", "reward_model.overlong_buffer.enable": True,
+      "reward_model.overlong_buffer.len": 64, "reward_model.overlong_buffer.penalty_factor": 0.5,
+      "reward_model.overlong_buffer.log": True, "data.max_response_length": 256},
+     {"rewards": ["verl:r.py:compute_score", "overlong:256:64"], "reward_weights": [1.0, 0.5]}),
+    ({"reward.custom_reward_function.path": "r.py",
+      "+reward.reward_kwargs.overlong_buffer_cfg.enable": True,
+      "+reward.reward_kwargs.overlong_buffer_cfg.len": 16, "+reward.reward_kwargs.max_resp_len": 128},
+     {"rewards": ["verl:r.py:compute_score", "overlong:128:16"], "reward_weights": []}),
     # passes over the data (counted when it is read); verl evaluates before training only
     ({"trainer.total_epochs": 15, "trainer.test_freq": -1}, {"passes": 15, "eval_every": 10**9}),
     ({"trainer.total_epochs": 15, "trainer.total_training_steps": 4}, {"passes": 0, "steps": 4}),
@@ -136,6 +146,10 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
     ({A + "policy_loss.loss_mode": "dppo_tv", A + "clip_ratio_c": 10.0},
      {"policy_loss": "dppo_tv", "dppo_cap": 10.0, "dual_clip": 0.0}),
     ({A + "clip_ratio_c": 3.0}, {"dual_clip": 3.0}),
+    # beside grpolab's own policy_loss, verl's loss keys leave it (no conflict), as verl would
+    ({"policy_loss": "gspo", A + "loss_agg_mode": "token-mean"},
+     {"policy_loss": "gspo", "loss_agg": "token_mean"}),
+    ({"policy_loss": "dppo_tv", A + "clip_ratio_c": 5.0}, {"dppo_cap": 5.0, "dual_clip": 0.0}),
     ({A + "shuffle": True}, {"minibatch_order": "shuffled"}),
     ({"algorithm.adv_estimator": "rloo", "algorithm.norm_adv_by_std_in_grpo": False},
      {"baseline": "rloo", "scale": "none"}),  # (verl reads it with grpo only)
@@ -153,6 +167,8 @@ def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want:
 
 @pytest.mark.parametrize(("over", "says"), [
     ({A + "optim.foo": 1}, "optim.foo=1 .verl. has no grpolab equivalent"),
+    ({"reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 8},
+     "adds to the score of the reward verl names"),
     ({"trainer.total_epochs": 2, A + "optim.lr_warmup_steps_ratio": 0.1},
      "rounds ratio x total_training_steps down: give trainer.total_training_steps"),
     ({A + "optim.zero_indexed_step": False, A + "optim.lr_scheduler_type": "cosine"},
@@ -170,6 +186,7 @@ def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want:
     ({A + "use_kl_loss": "ture"}, "use_kl_loss='ture' .verl.: not true or false"),
     ({A + "kl_loss_coeff": 0.1}, "did you mean actor_rollout_ref.actor.kl_loss_coef"),
     ({"data.train_files": "t.parquet"}, "without a reward"),
+    ({"data.train_files": "t.parquet", "reward_model.enable": False}, "without a reward"),
     ({"trainer.logger": ["console", "swanlab"]}, "swanlab is not one of"),
     ({"critic.model.path": "other", M + "path": "runs/x"}, "a copy of the policy"),
     ({"data.train_files": ["a.parquet", "b.parquet"]}, "grpolab reads one file or folder"),
@@ -227,8 +244,16 @@ def test_verl_defaults_named_are_verl_0_9_1s_own() -> None:
         assert theirs[key] == value, key
     read = {*VERL_ALIASES, *VERL_COMBINED} - {A + "grad_clip", "custom_reward_function.path",
                                               "custom_reward_function.name",
-                                              "reward_model.enable", "reward_model.model.path"}
+                                              "reward_model.enable", "reward_model.model.path",
+                                              *OVERLONG}
     assert sorted(k for k in read if k not in theirs) == []  # (older names: grad_clip, ...)
+    # the overlong keys: given with +, read by verl 0.9.1's DAPO reward manager (and the
+    # DAPO recipe's reward_model.overlong_buffer before it)
+    dapo = (Path(importlib.util.find_spec("verl").submodule_search_locations[0])
+            / "experimental/reward_loop/reward_manager/dapo.py").read_text()
+    for name in ('get("overlong_buffer_cfg"', 'get("max_resp_len"', ".len", ".penalty_factor",
+                 ".enable", ".log"):
+        assert name in dapo, name
     assert all(any(k.startswith(p) for k in theirs) for p in VERL_ASIDE if p.count(".") > 1
                and not p.startswith(("actor_rollout_ref.hybrid", R + "free_cache",
                                      R + "multi_turn", "critic.model.", "critic.use_dyn",

@@ -23,7 +23,8 @@ from grpolab.config.load import warn_idle
 from grpolab.config.schema import command_defaults
 from grpolab.config.validate import with_length
 from grpolab.rewards.builtin import CODE_REWARDS
-from grpolab.rewards.scorer import check_columns, load_rewards, make_scorer, score_answers
+from grpolab.rewards.scorer import load_rewards, make_scorer, score_answers
+from grpolab.rewards.trl_compat import check_columns
 from grpolab.rollout.sampling import Filters
 from grpolab.rollout.templates import check_render
 from grpolab.run import dist, shard

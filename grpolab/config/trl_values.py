@@ -48,7 +48,9 @@ def script_rewards(d: dict[str, Any]) -> list[str]:
     for name in [funcs] if isinstance(funcs, str) else funcs:
         if name in TRL_REWARDS:
             out.append(TRL_REWARDS[name])
-        elif "." in str(name) and name != "get_soft_overlong_punishment":
+        elif name == "get_soft_overlong_punishment":  # (the script's: 1280 tokens, 256 soft)
+            out.append("overlong:1280:256")
+        elif "." in str(name):
             module, _, fn = str(name).rpartition(".")
             out.append(f"{module}:{fn}")
         else:

@@ -19,6 +19,7 @@ from grpolab.config.schema import ConfigError
 from grpolab.config.trl_values import as_number, as_word
 from grpolab.config.values import coerce
 from grpolab.config.verl_fields import (
+    OVERLONG,
     VERL_ALIASES,
     VERL_ASIDE,
     VERL_COMBINED,
@@ -219,9 +220,11 @@ def _loss(d: dict[str, Any]) -> dict[str, Any]:
     if mode not in _LOSS_MODES:
         raise ConfigError(f"{A}policy_loss.loss_mode={mode} (verl) has no grpolab equivalent; "
                           f"grpolab reads {', '.join(_LOSS_MODES)}")
-    out["policy_loss"] = _LOSS_MODES[mode]
+    if A + "policy_loss.loss_mode" in d:  # (else grpolab's policy_loss, if given, stands)
+        out["policy_loss"] = _LOSS_MODES[mode]
     if A + "clip_ratio_c" in d:  # the dual clip; for DPPO the importance weight's cap
-        out["dppo_cap" if mode.startswith("dppo") else "dual_clip"] = d[A + "clip_ratio_c"]
+        dppo = _LOSS_MODES[mode] if A + "policy_loss.loss_mode" in d else d.get("policy_loss")
+        out["dppo_cap" if str(dppo).startswith("dppo") else "dual_clip"] = d[A + "clip_ratio_c"]
     if mode == "cispo":  # verl's bounds on the weight: 1 - low and 1 + high
         out["cispo_min"] = 1 - float(d.get(A + "clip_ratio_low", 0.2))
         out["cispo_max"] = 1 + float(d.get(A + "clip_ratio_high", 0.2))
@@ -272,9 +275,10 @@ def _data(d: dict[str, Any]) -> dict[str, Any]:
         out["answer_column"] = "reward_model.ground_truth"  # verl's data layout
     if "data.val_files" in d and "eval_size" not in d:
         out["eval_size"] = 1_000_000  # verl validates every row (grpolab: the first eval_size)
-    named = ("rewards", "custom_reward_function.path", "reward.custom_reward_function.path",
-             "reward_model.enable", "reward.reward_model.enable")
-    if "data.train_files" in d and not named[0] in d and not any(k in d for k in named[1:]):
+    named = ("rewards" in d or d.get("custom_reward_function.path")
+             or d.get("reward.custom_reward_function.path") or _flag(d, "reward_model.enable")
+             or _flag(d, "reward.reward_model.enable"))
+    if "data.train_files" in d and not named:
         raise ConfigError("data.train_files (verl) without a reward: verl's default "
                           "(default_compute_score by data_source) is not at hand here; name one "
                           "(custom_reward_function.path=..., or rewards: [math])")
@@ -327,7 +331,24 @@ def _rewards(d: dict[str, Any]) -> dict[str, Any]:
     for root in ("custom_reward_function.", "reward.custom_reward_function."):
         if d.get(root + "path"):
             specs.append(f"verl:{d[root + 'path']}:{d.get(root + 'name') or 'compute_score'}")
-    return {"rewards": specs} if specs else {}
+    out: dict[str, Any] = {"rewards": specs} if specs else {}
+    for root, limit in (("reward_model.overlong_buffer.", "data.max_response_length"),
+                        ("reward.reward_kwargs.overlong_buffer_cfg.",
+                         "reward.reward_kwargs.max_resp_len")):
+        if not _flag(d, root + "enable"):
+            continue  # (DAPO's reward manager adds factor x the soft overlong punishment)
+        if not specs:
+            raise ConfigError(f"{root}enable (verl) adds to the score of the reward verl names: "
+                              "give custom_reward_function.path, or grpolab's rewards with "
+                              "overlong:LEN and reward_weights")
+        length = _whole(d, root + "len")
+        top = d.get(limit, d.get("data.max_response_length", d.get("max_new_tokens")))
+        out["rewards"] = [*specs, f"overlong:{top}:{length}" if top is not None
+                          else f"overlong:{length}"]
+        factor = float(as_number(d.get(root + "penalty_factor", 1.0)))
+        if factor != 1.0:
+            out["reward_weights"] = [1.0] * len(specs) + [factor]
+    return out
 
 
 def _schedule(d: dict[str, Any]) -> dict[str, Any]:
@@ -410,7 +431,7 @@ _RULES = (
     (("reward_model.enable", "reward_model.model.path", "reward.reward_model.enable",
       "reward.reward_model.model_path", "custom_reward_function.path",
       "custom_reward_function.name", "reward.custom_reward_function.path",
-      "reward.custom_reward_function.name"), _rewards),
+      "reward.custom_reward_function.name", *OVERLONG), _rewards),
     ((A + "optim.lr_scheduler_type", A + "optim.warmup_style", A + "optim.lr_warmup_steps",
       A + "optim.lr_warmup_steps_ratio", A + "optim.betas", A + "optim.optimizer",
       A + "optim.num_cycles", A + "optim.zero_indexed_step"), _schedule),

@@ -33,8 +33,13 @@ VERL_ALIASES: dict[str, str] = {
     "trainer.default_local_dir": "out_dir",
     "critic.optim.lr": "critic_lr", "critic.cliprange_value": "value_clip",
 }
+# DAPO's soft overlong punishment: the recipe's keys, and verl 0.9's reward manager's
+OVERLONG = tuple(f"{root}{k}" for root in ("reward_model.overlong_buffer.",
+                                           "reward.reward_kwargs.overlong_buffer_cfg.")
+                 for k in ("enable", "len", "penalty_factor", "log")) + (
+    "reward.reward_kwargs.max_resp_len",)
 # verl keys read with others (grpolab.config.verl): each listed so that it is known
-VERL_COMBINED = frozenset({
+VERL_COMBINED = frozenset({*OVERLONG,
     "data.train_batch_size", A + "ppo_mini_batch_size", A + "use_kl_loss", A + "kl_loss_coef",
     A + "kl_loss_type", "algorithm.use_kl_in_reward", "algorithm.kl_ctrl.kl_coef",
     "algorithm.kl_penalty", "algorithm.kl_ctrl.type", "algorithm.adv_estimator",

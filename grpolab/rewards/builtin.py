@@ -189,12 +189,44 @@ def _import_file(spec: str, path: str) -> Any:
     return module
 
 
+def overlong_punishment(max_len: int, buffer: int) -> RewardFn:
+    """DAPO's soft overlong punishment (its Eq. 13; TRL's ``get_soft_overlong_punishment``,
+    verl's ``overlong_buffer``): 0 up to ``max_len - buffer`` tokens (EOS included), then a
+    linear fall to -1 at ``max_len``; -1 beyond."""
+    edge = max_len - buffer
+
+    def overlong(prompts: list, completions: list, completion_ids: list[list[int]],
+                 **_: Any) -> list[float]:
+        return [0.0 if len(ids) <= edge else -1.0 if len(ids) > max_len
+                else (edge - len(ids)) / buffer for ids in completion_ids]
+
+    return overlong
+
+
+def _overlong(spec: str, max_new_tokens: int | None) -> RewardFn:
+    """``overlong:BUFFER`` (its length limit: max_new_tokens) or ``overlong:MAX:BUFFER``."""
+    parts = spec.split(":")[1:]
+    try:
+        nums = [int(x) for x in parts]
+    except ValueError:
+        nums = []
+    if len(nums) == 1:  # (the length limit: the run's)
+        nums = [max_new_tokens or 0, *nums]
+    limit, buffer = nums if len(nums) == 2 else (0, 0)
+    if not 0 < buffer <= limit:
+        raise ValueError(f"reward spec {spec!r}: write overlong:BUFFER (its length limit "
+                         "max_new_tokens) or overlong:MAX:BUFFER, 0 < BUFFER <= MAX tokens")
+    return overlong_punishment(limit, buffer)
+
+
 CODE_REWARDS = ("code", "code_all")  # a question's tests, in a sandbox (rewards.sandbox)
-BUILTIN_REWARDS = ("exact", "math", "math_lenient", "format", "reasoning_gym", *CODE_REWARDS)
+BUILTIN_REWARDS = ("exact", "math", "math_lenient", "format", "reasoning_gym", *CODE_REWARDS,
+                   "overlong:BUFFER")
 
 
 def load_reward(spec: str, format_pattern: str | None = None,
-                answer_sources: Sequence[str] | None = None) -> RewardFn:
+                answer_sources: Sequence[str] | None = None,
+                max_new_tokens: int | None = None) -> RewardFn:
     """Resolve a reward spec to a callable.
 
     ``spec`` is a built-in name (``BUILTIN_REWARDS``), ``pkg.module:function``,
@@ -220,6 +252,8 @@ def load_reward(spec: str, format_pattern: str | None = None,
         return math_lenient
     if spec == "format":
         return format_reward(format_pattern or THINK_ANSWER_PATTERN)
+    if spec == "overlong" or spec.startswith("overlong:"):
+        return _overlong(spec, max_new_tokens)
     if spec == "reasoning_gym":
         from grpolab.data.tasks import task_reward
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from grpolab.config import ConfigError
 from grpolab.rewards.builtin import REWARD_LIMIT, RewardFn
 from grpolab.rewards.pool import (
     RewardPool,
@@ -27,6 +26,7 @@ from grpolab.rewards.pool import (
     pool_for,
     runs_in_process,
 )
+from grpolab.rewards.trl_compat import takes
 
 logger = logging.getLogger("grpolab.rewards.builtin")
 
@@ -312,7 +312,9 @@ def score(
     per_fn = torch.zeros(n, k, dtype=torch.float32)
     for j, (fn, name) in enumerate(zip(reward_fns, names)):
         start = len(problems)
-        vals, failed, first = _score_one_fn(fn, name, prompts, completions, cols, on_error,
+        mine = cols if takes(fn, "completion_ids") else {  # (TRL's trainer argument)
+            k: v for k, v in cols.items() if k != "completion_ids"}
+        vals, failed, first = _score_one_fn(fn, name, prompts, completions, mine, on_error,
                                             problems, pool, group_size)
         if fail_on_all_errors and n and failed == n:
             raise RewardError(
@@ -354,9 +356,12 @@ class Scorer:
         self._pool_checked = False
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[str], rows: list[dict],
-                 group_size: int = 1) -> ScoreResult:
-        cfg = self.cfg
-        return score(self.reward_fns, prompts, completions, row_columns(rows),
+                 group_size: int = 1, ids: Callable[[], list] | None = None) -> ScoreResult:
+        """``ids``: the answers' token ids (read only when a reward takes ``completion_ids``)."""
+        cfg, cols = self.cfg, row_columns(rows)
+        if ids is not None and any(takes(fn, "completion_ids") for fn in self.reward_fns):
+            cols["completion_ids"] = ids()
+        return score(self.reward_fns, prompts, completions, cols,
                      weights=cfg.reward_weights or None, on_error=cfg.reward_on_error,
                      pool=self._pool(), fail_on_all_errors=cfg.fail_on_reward_errors,
                      group_size=group_size)
@@ -375,35 +380,13 @@ class Scorer:
         self._pool_checked = False
 
 
-def check_columns(reward_fns: Sequence[RewardFn], rows: list[dict]) -> None:
-    """A reward that needs a column the rows do not have would fail on every answer, after the
-    model loads: refused at once, naming the column."""
-    from grpolab.rewards.trl_compat import missing_columns
-
-    have = set(row_columns(rows[:1]))
-    trainer_args = {"trainer_state", "log_extra", "log_metric", "completion_ids"}
-    for fn in reward_fns:
-        missing = missing_columns(fn, have)
-        name = getattr(fn, "__name__", fn)
-        if set(missing) & trainer_args:
-            raise ConfigError(f"reward {name!r} needs TRL's trainer argument(s) "
-                              f"{', '.join(sorted(set(missing) & trainer_args))}, which "
-                              "grpolab does not pass")
-        if missing:
-            fix = ("answer_column names the column that becomes answer" if missing == ["answer"]
-                   else "add or rename that column in the data")
-            raise ConfigError(
-                f"reward {name!r} needs the column(s) {', '.join(missing)}, which the rows do "
-                f"not have (they have {', '.join(sorted(have)) or 'none'}): {fix}, or use a "
-                "reward that reads the rows' answer")
-
-
 def load_rewards(cfg: Any) -> tuple[list[RewardFn], RewardFn | None]:
     """The config's reward functions and its reward-hacking watch check (None when off)."""
     from grpolab.rewards.builtin import load_reward
 
     def one(spec: str) -> RewardFn:
-        return load_reward(spec, cfg.format_pattern or None, cfg.answer_sources)
+        return load_reward(spec, cfg.format_pattern or None, cfg.answer_sources,
+                           cfg.max_new_tokens)
 
     return [one(s) for s in cfg.rewards], (one(cfg.watch_reward) if cfg.watch_reward else None)
 
@@ -438,7 +421,7 @@ def score_answers(backend: Any, rows: list[dict], scorer: Scorer, max_new_tokens
         part = rows[lo : lo + chunk] if chunk else rows
         ro = backend.generate([r["prompt"] for r in part], temperature, max_new_tokens,
                               *([generator] if generator is not None else []))
-        parts.append(scorer(ro.prompts, ro.completions, part, group_size))
+        parts.append(scorer(ro.prompts, ro.completions, part, group_size, ro.answer_ids))
         texts += list(ro.completions)
         if check_fn is not None:
             checks.append(score([check_fn], ro.prompts, ro.completions, row_columns(part))

@@ -18,8 +18,11 @@ skipped, so it counts 0), and for conversational data each completion is a list 
   AttributeError) and the same call with messages succeeds; the format found is kept;
 * ``None`` counted 0 (TRL's nan-sum), not as a failure; logged once per function.
 
-Not provided: ``completion_ids`` (token ids), ``trainer_state``, ``log_extra`` and
-``log_metric``; a TRL reward that requires one of them fails with a one-line reward error.
+``completion_ids`` (each answer's token ids, its EOS included, as TRL passes them) reaches the
+rewards that name it or take ``**kwargs`` (``takes``), so TRL's ``get_soft_overlong_punishment``
+and ``get_repetition_penalty_reward`` run unchanged. Not provided: ``trainer_state``,
+``log_extra`` and ``log_metric``; a reward that requires one is refused in one line
+(``check_columns``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import functools
 import inspect
 import logging
 from typing import Any
+
+from grpolab.config import ConfigError
 
 log = logging.getLogger("grpolab.rewards.builtin")
 
@@ -48,8 +53,9 @@ def wants_keywords(fn: Any) -> bool:
     if sig is None:
         return False
     params = sig.parameters
-    if "completions" in params:
-        return params["completions"].kind is not inspect.Parameter.POSITIONAL_ONLY
+    for name in ("completions", "completion_ids"):  # (TRL's token-id rewards name only these)
+        if name in params:
+            return params[name].kind is not inspect.Parameter.POSITIONAL_ONLY
     named = [p for p in params.values()
              if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
     return not named and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -151,6 +157,35 @@ def missing_columns(fn: Any, columns: set[str]) -> list[str]:
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return [p.name for p in params
             if p.default is p.empty and p.kind in kinds and p.name not in given]
+
+
+def takes(fn: Any, name: str) -> bool:
+    """Whether reward ``fn`` can be given keyword ``name``: it names it or takes ``**kwargs``."""
+    inner = fn.fn if isinstance(fn, TRLReward) else fn
+    sig = _signature(inner)
+    return sig is not None and (name in sig.parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()))
+
+
+def check_columns(reward_fns: Any, rows: list[dict]) -> None:
+    """A reward that needs a column the rows do not have would fail on every answer, after the
+    model loads: refused at once, naming the column."""
+    have = {k for k in (rows[0] if rows else {}) if k != "prompt"} | {"completion_ids"}
+    trainer_args = {"trainer_state", "log_extra", "log_metric"}
+    for fn in reward_fns:
+        missing = missing_columns(fn, have)
+        name = getattr(fn, "__name__", fn)
+        if set(missing) & trainer_args:
+            raise ConfigError(f"reward {name!r} needs TRL's trainer argument(s) "
+                              f"{', '.join(sorted(set(missing) & trainer_args))}, which "
+                              "grpolab does not pass")
+        if missing:
+            fix = ("answer_column names the column that becomes answer" if missing == ["answer"]
+                   else "add or rename that column in the data")
+            raise ConfigError(
+                f"reward {name!r} needs the column(s) {', '.join(missing)}, which the rows do "
+                f"not have (they have {', '.join(sorted(have - {'completion_ids'})) or 'none'}): "
+                f"{fix}, or use a reward that reads the rows' answer")
 
 
 def adapt(fn: Any) -> Any:

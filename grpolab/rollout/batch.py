@@ -23,6 +23,11 @@ class Rollout:
     completions: list[str]
     truncated: Tensor | None = None  # [B] bool: cut off at max_new_tokens, no EOS (if known)
 
+    def answer_ids(self) -> list[list[int]]:
+        """Each answer's token ids, its EOS included (TRL's ``completion_ids``)."""
+        return [row[m.bool()].tolist() for row, m in zip(self.completion_ids,
+                                                          self.completion_mask)]
+
     def select(self, idx: list[int]) -> Rollout:
         t = torch.as_tensor(idx, dtype=torch.long)
         return Rollout(

@@ -144,7 +144,7 @@ class Collector:
                                    cfg.max_new_tokens, self.gen)
         ragged = any(n != g for n in sizes)
         return ro, rows, self.scorer(ro.prompts, ro.completions, rows,
-                                     len(rows) if ragged else g)
+                                     len(rows) if ragged else g, ro.answer_ids)
 
     def sample_round(
         self, n: int
