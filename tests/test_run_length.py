@@ -193,3 +193,64 @@ def test_train_runs_trls_epochs_end_to_end(llama: str, tmp_path, capsys) -> None
     assert cli.main(["train", "--config", str(y), "--no-progress", "--resume",
                      "--steps", "8"]) == 0
     assert "at step 6 of 8" in capsys.readouterr().out
+
+
+def test_verl_constant_warmup_reads_no_zero_indexed_step() -> None:
+    """verl's constant schedule takes no zero_indexed_step: from lr 0 whatever it says."""
+    f = verl_functions("get_constant_schedule_with_warmup")["get_constant_schedule_with_warmup"]
+    opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
+    sched, theirs = f(opt, 3), []
+    for _ in range(5):
+        theirs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    c = make_config(None, {VERL + "optim.lr": 1.0, VERL + "optim.lr_warmup_steps": 3,
+                           VERL + "optim.zero_indexed_step": False,
+                           "trainer.total_training_steps": 5}, "train")
+    assert [lr_at(c, s) for s in range(5)] == pytest.approx(theirs)
+
+
+def test_later_lengths_replace_earlier_ones() -> None:
+    """A later --steps is the length verl's warm-up ratio reads, and test_freq -1 stays
+    "before and after training" at any length; a later epoch count replaces a file's passes;
+    TRL's num_train_epochs 0 (no step) is refused, not read as grpolab's unset 0."""
+    f = {"trainer.total_training_steps": 25, VERL + "optim.lr_warmup_steps_ratio": 0.1,
+         "trainer.test_freq": -1}
+    c = make_config(f, {"steps": 50}, "train")
+    assert (c.steps, c.warmup_steps, c.eval_every) == (50, 5, 10**9)
+    with pytest.raises(ConfigError, match="lr_warmup_steps_ratio"):  # (ratio x passes)
+        make_config(f, {"passes": 2}, "train")
+    assert make_config({"passes": 2}, {"num_train_epochs": 3}, "train").passes == 3
+    assert make_config({"passes": 2}, {"trainer.total_epochs": 3}, "train").passes == 3
+    assert make_config({"steps": 7}, {"num_train_epochs": 3}, "train").passes == 0  # (TRL:
+    # max_steps wins over epochs)
+    with pytest.raises(ConfigError, match="num_train_epochs: 0 .TRL. trains nothing"):
+        make_config(None, {"num_train_epochs": 0}, "train")
+    with pytest.raises(ConfigError, match="too many steps"):
+        with_length(make_config(None, {"passes": 1e308}, "train"), 100)
+
+
+def test_resume_sees_a_warmup_share_move() -> None:
+    """A resume may change steps under a constant lr, unless a warm-up share makes the
+    warm-up's length follow them; passes alone (steps unchanged) change nothing."""
+    from grpolab.config import to_dict
+    from grpolab.run.resume import changed_settings
+
+    trl = {"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 0.1,
+           "num_generations": 8}
+    a = make_config(None, {**trl, "max_steps": 100}, "train")
+    b = make_config(None, {**trl, "max_steps": 200}, "train")
+    assert changed_settings({"config": to_dict(a)}, b, 10, None) == {"steps": (100, 200)}
+    p = with_length(make_config(None, {"passes": 2, "budget": 16, "group_size": 4}, "train"), 8)
+    q = make_config(None, {"steps": 4, "budget": 16, "group_size": 4}, "train")
+    assert changed_settings({"config": to_dict(p)}, q, 8, None) == {}
+
+
+def test_api_takes_a_config_with_passes() -> None:
+    """grpolab.train(config) with a Config that counts passes (it holds steps too)."""
+    from grpolab.app.api import _config
+
+    c = make_config(None, {"num_train_epochs": 2, "num_generations": 8}, "train")
+    for given in (c, with_length(c, 100)):
+        assert _config(given, {}, "train").passes == 2
+    assert _config(c, {"steps": 5}, "train").passes == 0

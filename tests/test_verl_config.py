@@ -127,8 +127,9 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
     # passes over the data (counted when it is read); verl evaluates before training only
     ({"trainer.total_epochs": 15, "trainer.test_freq": -1}, {"passes": 15, "eval_every": 10**9}),
     ({"trainer.total_epochs": 15, "trainer.total_training_steps": 4}, {"passes": 0, "steps": 4}),
+    # verl's constant schedule reads no zero_indexed_step: its warm-up starts at 0 regardless
     ({A + "optim.lr_warmup_steps": 3, A + "optim.zero_indexed_step": False},
-     {"warmup_steps": 3, "warmup_from_zero": False, "schedule_per": "step"}),
+     {"warmup_steps": 3, "warmup_from_zero": True, "schedule_per": "step"}),
     ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
       "algorithm.filter_groups.max_num_gen_batches": 10},
      {"dynamic_sampling": True, "max_sampling_rounds": 9}),
@@ -142,7 +143,8 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
     ({"algorithm.adv_estimator": "grpo_vectorized"}, {"estimator": "grpo", "baseline": "mean"}),
     ({M + "lora_rank": 8}, {"lora_target_modules": ["all-linear"]}),  # verl's default
     ({"data.val_files": "v.parquet", "trainer.test_freq": -1, "trainer.total_training_steps": 7},
-     {"answer_column": "reward_model.ground_truth", "eval_size": 1_000_000, "eval_every": 7}),
+     {"answer_column": "reward_model.ground_truth", "eval_size": 1_000_000,
+      "eval_every": 10**9}),  # (before training and after the last step, whatever its length)
     ({A + "policy_loss.loss_mode": "dppo_tv", A + "clip_ratio_c": 10.0},
      {"policy_loss": "dppo_tv", "dppo_cap": 10.0, "dual_clip": 0.0}),
     ({A + "clip_ratio_c": 3.0}, {"dual_clip": 3.0}),

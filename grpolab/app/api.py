@@ -58,6 +58,8 @@ def _config(config: Config | dict | str | Path | None, overrides: dict[str, Any]
         to_dict(config) if isinstance(config, Config) else
         _callables(dict(config)) if isinstance(config, dict) else
         None if config is None else str(config))
+    if isinstance(config, Config) and config.passes > 0:
+        del base["steps"]  # (passes set the steps: a Config holds both)
     return make_config(base, _callables(dict(overrides)), command)
 
 

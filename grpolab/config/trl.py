@@ -269,10 +269,14 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
         for key, value in schedule_options(d).items():
             put(key, value, "lr_scheduler_kwargs")
     if ("num_train_epochs" in given or as_number(given.get("max_steps")) == -1) and not (
-            {"steps", "passes"} & d.keys() or as_number(d.get("max_steps", -1)) != -1):
-        # TRL: epochs over the dataset (3 unless given), counted when the data is read
-        put("passes", d.get("num_train_epochs", 3.0),
-            "num_train_epochs" if "num_train_epochs" in d else "max_steps")
+            "steps" in d or "passes" in later or as_number(d.get("max_steps", -1)) != -1):
+        # TRL: epochs over the dataset (3 unless given), counted when the data is read (an
+        # earlier layer's passes are replaced, as a later steps replaces them)
+        key = "num_train_epochs" if "num_train_epochs" in d else "max_steps"
+        put("passes", d.get("num_train_epochs", 3.0), key)
+        if coerce("passes", d.get("num_train_epochs", 3.0)) == 0:  # (grpolab's 0: unset)
+            raise ConfigError(f"num_train_epochs: {d.get('num_train_epochs')!r} (TRL) trains "
+                              "nothing; give epochs > 0 or max_steps")
     if "warmup_steps" in given:  # TRL's: optimiser steps, or below 1 a share of max_steps
         out["warmup_steps"] = warmup_batches(d, per_sample)
         if as_number(d["warmup_steps"]) and "warmup_from_zero" not in d:  # (transformers':

@@ -299,4 +299,7 @@ def with_length(cfg: Config, prompts: int) -> Config:
     if per_pass < 1:
         raise ConfigError(f"passes {cfg.passes:g}: the dataset's {prompts} prompts fill no step "
                           f"of {cfg.prompts_per_step}; give steps, or more prompts")
-    return dataclasses.replace(cfg, steps=math.ceil(cfg.passes * per_pass))
+    steps = cfg.passes * per_pass
+    if steps >= 2**53:  # (past exact floats; inf: no number of steps)
+        raise ConfigError(f"passes {cfg.passes:g} x {per_pass} steps a pass is too many steps")
+    return dataclasses.replace(cfg, steps=math.ceil(steps))

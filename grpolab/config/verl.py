@@ -95,6 +95,12 @@ def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
     later, earlier = flatten(later or {}), flatten(earlier or {})
     d = {**earlier, **given, **later}
     d = {k: v for k, v in d.items() if v is not None}  # (Hydra's key=null: unset)
+    if "steps" in later:  # a later length is the run's (the warm-up ratio reads it)
+        d["trainer.total_training_steps"] = later["steps"]
+    elif "passes" in later:
+        d.pop("trainer.total_training_steps", None)
+    if "passes" in earlier and "passes" not in given.keys() | later.keys():
+        d.pop("passes", None)  # (a file's passes: a later total_epochs replaces them)
     for layer in (later, given, earlier):  # the group size the run ends with
         g = next((layer[k] for k in (R + "n", "group_size", "num_generations") if k in layer), None)
         if g is not None:
@@ -304,11 +310,11 @@ def _trainer(d: dict[str, Any]) -> dict[str, Any]:
         out["passes"] = _whole(d, "trainer.total_epochs")
     if "trainer.save_freq" in d:
         out["checkpoint_every"] = max(int(as_number(d["trainer.save_freq"])), 0)
-    test, steps = as_number(d.get("trainer.test_freq", -1)), _total_steps(d)
+    test = as_number(d.get("trainer.test_freq", -1))
     if isinstance(test, int) and test > 0:
         out["eval_every"] = test
-    elif "trainer.test_freq" in d:  # verl: before training only (grpolab also after the last)
-        out["eval_every"] = steps if isinstance(steps, int) and steps > 0 else 10**9
+    elif "trainer.test_freq" in d:  # verl: before training only (grpolab also after the last,
+        out["eval_every"] = 10**9  # whatever length a later --steps or the data gives the run)
     if "trainer.logger" in d:
         loggers = d["trainer.logger"] if isinstance(d["trainer.logger"], list) else [
             d["trainer.logger"]]
@@ -381,8 +387,9 @@ def _schedule(d: dict[str, Any]) -> dict[str, Any]:
     if not from_zero and kind == "cosine":
         raise ConfigError(f"{A}optim.zero_indexed_step=false (verl: a cosine counted from 1, "
                           "torchtitan's): grpolab's schedule counts steps from 0")
-    if out.get("warmup_steps") and "warmup_from_zero" not in d:
-        out["warmup_from_zero"] = from_zero  # (verl: the first step at lr 0)
+    if out.get("warmup_steps") and "warmup_from_zero" not in d:  # (verl: the first step at
+        # lr 0; its constant schedule counts from 0 whatever zero_indexed_step says)
+        out["warmup_from_zero"] = from_zero or kind == "constant"
     if (out.get("warmup_steps") or kind == "cosine") and "schedule_per" not in d:
         out["schedule_per"] = "step"  # verl moves its schedule once a training step
     return out

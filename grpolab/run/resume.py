@@ -11,8 +11,8 @@ from grpolab.run.checkpoint import CheckpointError
 
 # Config keys a resume may change without changing the maths (micro_batch splits a step
 # otherwise, for an out-of-memory run: float rounding then differs, as with the speed paths).
-RESUME_FREE_KEYS = {"steps", "out_dir", "progress", "cache_dir", "checkpoint_every", "eval_every",
-                    "save_model_every", "save_total_limit", "micro_batch", "log_samples",
+RESUME_FREE_KEYS = {"steps", "passes", "out_dir", "progress", "cache_dir", "checkpoint_every",
+                    "eval_every", "save_model_every", "save_total_limit", "micro_batch", "log_samples",
                     "overwrite", "reward_timeout", "reward_workers", "fail_on_reward_errors",
                     "report_to", "shard", "speed"}
 # Config keys that change the trained weights' shapes: a checkpoint of another value cannot
@@ -32,7 +32,9 @@ def changed_settings(st: dict[str, Any], cfg: Config, rows: int,
     a resume may change freely left out; a checkpoint of other prompts (``rows`` training
     prompts here) or with weight decay switched refused before anything is loaded."""
     saved, now = st.get("config") or {}, to_dict(cfg)
-    free = RESUME_FREE_KEYS - ({"steps"} if cfg.lr_schedule != "constant" else set())
+    # (passes only set the steps; the steps move the schedule, a warm-up share's length too)
+    fixed = cfg.lr_schedule != "constant" or 0 < cfg.warmup_steps < 1
+    free = RESUME_FREE_KEYS - ({"steps"} if fixed else set())
     changed = {k: (saved[k], now[k]) for k in sorted(now)
                if k in saved and k not in free and saved[k] != now[k]}
     where = f"checkpoint {path or 'given'}"
