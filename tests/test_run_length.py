@@ -242,7 +242,7 @@ def test_resume_sees_a_warmup_share_move() -> None:
     b = make_config(None, {**trl, "max_steps": 200}, "train")
     assert changed_settings({"config": to_dict(a)}, b, 10, None) == {"steps": (100, 200)}
     p = with_length(make_config(None, {"passes": 2, "budget": 16, "group_size": 4}, "train"), 8)
-    q = make_config(None, {"steps": 4, "budget": 16, "group_size": 4}, "train")
+    q = make_config({"passes": 2, "budget": 16, "group_size": 4}, {"steps": 4}, "train")
     assert changed_settings({"config": to_dict(p)}, q, 8, None) == {}
 
 
@@ -254,3 +254,22 @@ def test_api_takes_a_config_with_passes() -> None:
     for given in (c, with_length(c, 100)):
         assert _config(given, {}, "train").passes == 2
     assert _config(c, {"steps": 5}, "train").passes == 0
+
+
+def test_passes_show_each_prompt_once_a_pass_and_a_warmup_over_a_trl_file_is_trls() -> None:
+    """With passes, prompts come in shuffled passes (TRL's and verl's order) unless an order is
+    given; a warm-up given over a TRL file (a flag, an API keyword) is read as TRL's: a count
+    of its optimiser steps, the first at lr 0."""
+    assert make_config({"num_train_epochs": 2}, None, "train").prompt_order == "epochs"
+    assert make_config(None, {"trainer.total_epochs": 2}, "train").prompt_order == "epochs"
+    assert make_config({"passes": 2, "prompt_order": "random"}, None,
+                       "train").prompt_order == "random"
+    assert make_config({"num_train_epochs": 2}, {"shuffle_dataset": False},
+                       "train").prompt_order == "sequential"
+    assert make_config({"steps": 4}, None, "train").prompt_order == "random"  # (grpolab's)
+    trl = {"max_steps": 40, "num_iterations": 2, "num_generations": 8}
+    for later, warm in (({"warmup_ratio": 0.1}, 4), ({"warmup_steps": 8}, 8)):
+        c = make_config(trl, later, "train")
+        assert (schedule_length(c), c.warmup_from_zero) == ((2, 40, warm), True)
+    c = make_config({"steps": 10}, {"warmup_steps": 8}, "train")  # (grpolab's own: batches)
+    assert (schedule_length(c), c.warmup_from_zero) == ((1, 10, 8), False)

@@ -60,7 +60,8 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     earlier = _names(load_yaml(yaml_path) if given_file else yaml_path or {})
     try:
         _known(earlier, command)
-        kwargs.update(_read(earlier, later=later))
+        from_file = _read(earlier, later=later)
+        kwargs.update(from_file)
     except ConfigError as e:
         if not given_file:
             raise
@@ -75,6 +76,9 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     if "steps" in ours and "passes" not in ours:  # a later length replaces a file's passes
         kwargs["passes"] = 0.0
     kwargs.update(ours)
+    if (from_file.get("passes") or ours.get("passes")) and (  # (passes given: also when a
+            "prompt_order" not in from_file.keys() | ours.keys()):  # later steps replace them)
+        kwargs["prompt_order"] = "epochs"  # a pass shows each prompt once, as TRL's and verl's
     cfg = resolve(Config(**kwargs))
     if command == "train":  # (the workshop warns per run: a sweep's variants change them)
         warn_idle(cfg)

@@ -179,8 +179,9 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
         raise ConfigError("top_k: null (TRL) leaves it to the model's generation config (50 by "
                           "default); give a number (0: all tokens)")
     given = {k: _NONE_IS.get(k, v) if v is None else v for k, v in given.items()}
-    if not any(k in TRL_KEYS for k in given):
-        return dict(given)
+    over_trl = "warmup_steps" in given and any(k in TRL_KEYS for k in earlier or {})
+    if not any(k in TRL_KEYS for k in given) and not over_trl:  # (a warm-up given over a
+        return dict(given)  # TRL file is TRL's: its count, its first step at lr 0)
     d = {**earlier, **given, **later}  # what the run is given: read for what TRL combines
     out = {k: [] if v is None and k in _NONE_IS_EMPTY else v
            for k, v in given.items() if k not in TRL_KEYS}
