@@ -75,6 +75,41 @@ def test_a_verl_grpo_script_reads_as_verl_means_it(monkeypatch) -> None:
     assert {k: getattr(c, k) for k in want} == want
 
 
+# DAPO's recipe as verl's scripts give it: epochs, a warm-up, clip-higher, the dual clip,
+# group filtering with its generation batch, the soft overlong punishment
+DAPO = (
+    "data.train_files=train.parquet data.prompt_key=prompt data.truncation=left "
+    "data.max_prompt_length=2048 data.max_response_length=20480 data.gen_batch_size=1536 "
+    "data.train_batch_size=512 actor_rollout_ref.rollout.n=16 algorithm.adv_estimator=grpo "
+    "algorithm.use_kl_in_reward=False algorithm.kl_ctrl.kl_coef=0.0 "
+    f"{A}use_kl_loss=False {A}kl_loss_coef=0.0 {A}clip_ratio_low=0.2 {A}clip_ratio_high=0.28 "
+    f"{A}clip_ratio_c=10.0 algorithm.filter_groups.enable=True "
+    "algorithm.filter_groups.metric=acc algorithm.filter_groups.max_num_gen_batches=10 "
+    f"{A}use_dynamic_bsz=True {A}ppo_max_token_len_per_gpu=22528 {M}path=runs/m "
+    f"{A}optim.lr=1e-6 {A}optim.lr_warmup_steps=10 {A}optim.weight_decay=0.1 "
+    f"{A}ppo_mini_batch_size=32 {A}fsdp_config.param_offload=True {A}entropy_coeff=0 "
+    f"{A}grad_clip=1.0 {A}loss_agg_mode=token-mean {R}temperature=1.0 {R}top_p=1.0 "
+    f"{R}top_k=-1 {R}val_kwargs.top_p=0.7 reward_model.reward_manager=dapo "
+    "reward_model.overlong_buffer.enable=True reward_model.overlong_buffer.len=4096 "
+    "reward_model.overlong_buffer.penalty_factor=1.0 trainer.logger=[console,wandb] "
+    "trainer.test_freq=5 trainer.save_freq=5 trainer.total_epochs=1 trainer.resume_mode=auto "
+    "custom_reward_function.path=r.py")
+
+
+def test_dapos_verl_script_reads_as_verl_means_it() -> None:
+    from grpolab.app.cli import build_parser, trl_flags
+
+    c = make_config(None, trl_flags(DAPO.split(), build_parser()), "train")
+    want = {"budget": 8192, "group_size": 16, "minibatches": 16, "passes": 1.0,
+            "prompt_order": "epochs", "eps_low": 0.2, "eps_high": 0.28, "dual_clip": 10.0,
+            "beta": 0.0, "loss_agg": "token_mean", "dynamic_sampling": True,
+            "max_sampling_rounds": 9, "warmup_steps": 10, "warmup_from_zero": True,
+            "schedule_per": "step", "weight_decay": 0.1, "max_new_tokens": 20480,
+            "rewards": ["verl:r.py:compute_score", "overlong:20480:4096"],
+            "reward_weights": [], "report_to": ["wandb"], "eval_every": 5}
+    assert {k: getattr(c, k) for k in want} == want
+
+
 def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
     nested: dict = {}
     for key, value in SCRIPT.items():
@@ -133,6 +168,9 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
     ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
       "algorithm.filter_groups.max_num_gen_batches": 10},
      {"dynamic_sampling": True, "max_sampling_rounds": 9}),
+    ({"algorithm.filter_groups.enable": True, "data.gen_batch_size": 48,  # (DAPO's, warned)
+      "data.train_batch_size": 16, R + "n": 4, A + "ppo_mini_batch_size": 16},
+     {"dynamic_sampling": True, "budget": 64}),
     ({"custom_reward_function.path": "r.py"}, {"rewards": ["verl:r.py:compute_score"]}),
     ({"reward.custom_reward_function.path": "r.py", "reward.custom_reward_function.name": "f"},
      {"rewards": ["verl:r.py:f"]}),
@@ -169,6 +207,7 @@ def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want:
 
 @pytest.mark.parametrize(("over", "says"), [
     ({A + "optim.foo": 1}, "optim.foo=1 .verl. has no grpolab equivalent"),
+    ({"data.gen_batch_size": 48}, "without algorithm.filter_groups"),
     ({"reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 8},
      "adds to the score of the reward verl names"),
     ({"trainer.total_epochs": 2, A + "optim.lr_warmup_steps_ratio": 0.1},

@@ -1,13 +1,10 @@
-"""verl's names for grpolab's settings: a verl run script's overrides
-(``data.train_batch_size=32 actor_rollout_ref.rollout.n=8 ...``, as ``grpolab train``
-arguments or dotted YAML keys) or verl's nested YAML, read as verl 0.9.1 means them.
-
-``from_verl`` translates: one-to-one keys (``verl_fields.VERL_ALIASES``), keys verl reads
-together (the batch and its mini-batches, the KL term, the advantage estimator, the policy
-loss, the rewards, the schedule), keys left aside because nothing trained changes (one
-notice), and the rest refused in one line. ``unset_defaults`` names verl's defaults a config
-leaves at grpolab's.
-"""
+"""verl's names for grpolab's settings: a verl run script's overrides (``data.train_batch_size=32
+actor_rollout_ref.rollout.n=8 ...``, as ``grpolab train`` arguments or dotted YAML keys) or verl's
+nested YAML, read as verl 0.9.1 means them. ``from_verl`` translates: one-to-one keys
+(``verl_fields.VERL_ALIASES``), keys verl reads together (the batch and its mini-batches, the KL
+term, the advantage estimator, the policy loss, the rewards, the schedule), keys left aside
+because nothing trained changes (one notice), and the rest refused in one line.
+``unset_defaults`` names verl's defaults a config leaves at grpolab's."""
 
 from __future__ import annotations
 
@@ -165,8 +162,7 @@ def _whole(d: dict[str, Any], key: str) -> int:
     return n
 
 
-def _total_steps(d: dict[str, Any]) -> Any:
-    """The run's length as given (verl's total_training_steps, or grpolab's steps)."""
+def _total_steps(d: dict[str, Any]) -> Any:  # (verl's total_training_steps, or grpolab's steps)
     return as_number(d.get("trainer.total_training_steps", d.get("steps")))
 
 
@@ -347,12 +343,10 @@ def _rewards(d: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{root}enable (verl) adds to the score of the reward verl names: "
                               "give custom_reward_function.path, or grpolab's rewards with "
                               "overlong:LEN and reward_weights")
-        length = _whole(d, root + "len")
         top = d.get(limit, d.get("data.max_response_length", d.get("max_new_tokens")))
-        out["rewards"] = [*specs, f"overlong:{top}:{length}" if top is not None
-                          else f"overlong:{length}"]
-        factor = float(as_number(d.get(root + "penalty_factor", 1.0)))
-        if factor != 1.0:
+        out["rewards"] = [*specs, ":".join(map(str, ["overlong", *([top] * (top is not None)),
+                                                     _whole(d, root + "len")]))]
+        if (factor := float(as_number(d.get(root + "penalty_factor", 1.0)))) != 1.0:
             out["reward_weights"] = [1.0] * len(specs) + [factor]
     return out
 
@@ -408,7 +402,14 @@ def _critic(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _filter_groups(d: dict[str, Any]) -> dict[str, Any]:
-    if not _flag(d, "algorithm.filter_groups.enable"):
+    on = _flag(d, "algorithm.filter_groups.enable")
+    if "data.gen_batch_size" in d and not on:
+        raise ConfigError("data.gen_batch_size (verl) without algorithm.filter_groups: set "
+                          "data.train_batch_size to the prompts a step trains on")
+    if "data.gen_batch_size" in d:  # (verl: prompts sampled a round, DAPO's refill)
+        log.warning("data.gen_batch_size (verl): grpolab samples rounds of train_batch_size "
+                    "prompts until the batch is full")
+    if not on:
         return {}
     metric = as_word(d.get("algorithm.filter_groups.metric", "reward"))
     if metric not in ("reward", "acc", "score", "seq_reward", "seq_final_reward"):
@@ -444,5 +445,5 @@ _RULES = (
       A + "optim.num_cycles", A + "optim.zero_indexed_step"), _schedule),
     (("critic.model.path", "critic.ppo_mini_batch_size", "critic.ppo_epochs"), _critic),
     (("algorithm.filter_groups.enable", "algorithm.filter_groups.metric",
-      "algorithm.filter_groups.max_num_gen_batches"), _filter_groups),
+      "algorithm.filter_groups.max_num_gen_batches", "data.gen_batch_size"), _filter_groups),
 )
