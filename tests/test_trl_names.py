@@ -193,6 +193,9 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"torch_dtype": "bfloat16", "max_prompt_length": 256, "num_generations": 8},
      {"dtype": "bfloat16", "max_prompt_tokens": 256}),
     ({"warmup_ratio": 0.1, "max_steps": 50, "num_generations": 8}, {"warmup_steps": 0.1}),
+    # intervals below 1: a share of max_steps (test_trl_interval_shares_are_transformers)
+    ({"save_steps": 0.1, "max_steps": 100, "num_iterations": 2, "num_generations": 8},
+     {"checkpoint_every": 5, "save_model_every": 5}),
     # the script's registry entry: DAPO's soft overlong punishment at 1280 tokens, 256 soft
     ({"reward_funcs": ["get_soft_overlong_punishment"]}, {"rewards": ["overlong:1280:256"]}),
     # (an override of None is unset: the default, as for any key)
@@ -219,6 +222,8 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"torch_dtype": "bfloat16", "dtype": "float32"}, "torch_dtype .an earlier TRL name of dtype"),
     ({"generation_kwargs": {"top_k": None}}, "generation_kwargs: top_k null"),
     ({"optim": "adafactor"}, "optim: 'adafactor' .TRL. has no grpolab equivalent"),
+    ({"save_steps": 0.1, "num_train_epochs": 2, "num_generations": 8},
+     "needs max_steps; with epochs, give a count"),
     ({"steps_per_generation": 3, "gradient_accumulation_steps": 2},
      "steps_per_generation 3 .TRL. is not a multiple of gradient_accumulation_steps 2"),
     ({"per_device_train_batch_size": 4, "generation_batch_size": 6},
@@ -239,7 +244,7 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"lr_scheduler_type": "constant", "warmup_steps": 3}, "use constant_with_warmup"),
     ({"reward_funcs": ["accuracy_reward"], "rewards": ["math"]}, "sets rewards to"),
     ({"dataset_name": "trl-lib/DeepMath-103K"}, "set dataset .and eval_dataset."),
-    ({"save_steps": 0.5}, "save_steps: 0.5 .TRL, grpolab's checkpoint_every."),
+    ({"save_steps": 0.5}, "save_steps: 0.5 .TRL: a share of max_steps. needs max_steps"),
     ({"save_steps": 2, "save_model_every": 3}, "save_steps: 2 .TRL. sets save_model_every to 2"),
     ({"num_iterations": 2, "save_steps": 3}, "save_steps: 3 .TRL. counts optimiser steps"),
     ({"save_strategy": "epoch"}, "save_strategy: 'epoch'"),
@@ -566,3 +571,24 @@ def test_trl_mistakes_say_what_to_write(tmp_path, text: str, message: str) -> No
     y.write_text(text)
     with pytest.raises(ConfigError, match=message):
         make_config(y, None, "train")
+
+
+@pytest.mark.parametrize(("save", "evals", "logging"), [(0.1, 0.25, 10), (0.07, None, 0.3),
+                                                       (30, None, 0.5)])
+def test_trl_interval_shares_are_transformers(save, evals, logging) -> None:
+    """save_steps / eval_steps / logging_steps below 1 are shares of max_steps, as transformers'
+    TrainerState.compute_steps reads them (rounded up)."""
+    from transformers import TrainerState
+    from trl import GRPOConfig
+
+    keys = {"max_steps": 90, "save_steps": save, "eval_strategy": "steps",
+            "logging_steps": logging, "num_generations": 8, "per_device_train_batch_size": 8}
+    if evals is not None:
+        keys["eval_steps"] = evals
+    args = GRPOConfig(output_dir="unused", report_to=[], bf16=False, **{
+        k: v for k, v in keys.items() if k != "eval_strategy"}, eval_strategy="steps")
+    state = TrainerState()
+    state.compute_steps(args, 90)
+    c = make_config(None, keys, "train")
+    assert (c.checkpoint_every, c.save_model_every, c.eval_every) == (
+        state.save_steps, state.save_steps, state.eval_steps)

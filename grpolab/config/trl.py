@@ -29,6 +29,7 @@ from grpolab.config.trl_values import (
     generation_steps,
     per_batches,
     processes,
+    run_share,
     schedule_options,
     script_rewards,
     warmup_batches,
@@ -240,6 +241,8 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
                 if trl_key in ("delta", "off_policy_mask_threshold"):
                     put(TRL_ALIASES[trl_key], 0.0, trl_key)
                 continue
+            if trl_key in ("save_steps", "eval_steps"):  # (below 1: a share of the run)
+                value = run_share(trl_key, value, d, per_sample)
             if trl_key in _OPT_STEPS and per_sample > 1:
                 value = per_batches(trl_key, value, per_sample)
             key = "cispo_max" if trl_key == "epsilon_high" and cispo else TRL_ALIASES[trl_key]
@@ -286,7 +289,8 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     if ({"eval_strategy", "eval_steps", "logging_steps"} & given.keys()
             and as_word(d.get("eval_strategy")) == "steps" and d.get("eval_steps") is None):
         # transformers: eval_steps unset = logging_steps (10 by default)
-        put("eval_every", per_batches("logging_steps", d.get("logging_steps", 10), per_sample),
+        put("eval_every", per_batches("logging_steps", run_share(
+            "logging_steps", d.get("logging_steps", 10), d, per_sample), per_sample),
             "logging_steps" if "logging_steps" in d else "eval_strategy")
     rewards = script_rewards(d) if set(_SCRIPT) & given.keys() else []
     if rewards:

@@ -5,6 +5,7 @@ helpers that read TRL's values (YAML numbers, words, whole counts, torchrun's pr
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -117,6 +118,21 @@ def warmup_batches(d: dict[str, Any], per_sample: int) -> Any:
     if isinstance(w, float) and 0 < w < 1:
         return w
     return per_batches("warmup_steps", w, per_sample) if per_sample > 1 else w
+
+
+def run_share(key: str, value: Any, d: dict[str, Any], per_sample: int) -> Any:
+    """TRL's interval below 1 (``save_steps``, ``eval_steps``, ``logging_steps``): a share of
+    the run's optimiser steps, rounded up as transformers does; a count as it is."""
+    n = as_number(value)
+    if not (isinstance(n, float) and 0 < n < 1):
+        return value
+    total = as_number(d.get("max_steps", -1))
+    if (not isinstance(total, int) or total < 1) and isinstance(as_number(d.get("steps")), int):
+        total = as_number(d["steps"]) * per_sample  # (grpolab's steps: sampled batches)
+    if not isinstance(total, int) or total < 1:
+        raise ConfigError(f"{key}: {value!r} (TRL: a share of max_steps) needs max_steps; "
+                          "with epochs, give a count")
+    return math.ceil(total * n)
 
 
 def per_batches(key: str, value: Any, per_sample: int) -> int:
