@@ -592,3 +592,15 @@ def test_trl_interval_shares_are_transformers(save, evals, logging) -> None:
     c = make_config(None, keys, "train")
     assert (c.checkpoint_every, c.save_model_every, c.eval_every) == (
         state.save_steps, state.save_steps, state.eval_steps)
+
+
+def test_trl_interval_shares_follow_a_later_length() -> None:
+    """A share is of the run's length: a later grpolab ``steps`` (sampled batches, each
+    num_iterations optimiser steps) replaces the file's max_steps for it, as it does for a
+    warm-up share; later passes are epochs, refused as with num_train_epochs."""
+    file = {"max_steps": 100, "save_steps": 0.1, "num_iterations": 2, "num_generations": 8}
+    c = make_config(file, {"steps": 400}, "train")
+    assert (c.steps, c.checkpoint_every) == (400, 40)  # 0.1 x 800 optimiser steps, / 2
+    assert make_config(file, {"max_steps": 400}, "train").checkpoint_every == 20
+    with pytest.raises(ConfigError, match="needs max_steps; with epochs, give a count"):
+        make_config(file, {"passes": 2}, "train")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 import grpolab
@@ -148,6 +149,62 @@ def test_overlong_is_dapos_soft_punishment() -> None:
     for bad in ("overlong", "overlong:0", "overlong:30:31", "overlong:x"):
         with pytest.raises(ValueError, match="write overlong:BUFFER"):
             load_reward(bad, max_new_tokens=20)
+
+
+def test_answer_ids_are_trls_completion_ids() -> None:
+    """The ids a reward gets are TRL's: up to and including the first EOS (any of them), the
+    whole answer when cut at the length limit, no padding; the watch's strict check gets them
+    too (``score_answers``)."""
+    from types import SimpleNamespace
+
+    from grpolab.rewards.scorer import Scorer, score_answers
+    from grpolab.rollout.batch import Rollout, first_eos_mask
+
+    eos, pad = [2, 9], 0
+    raw = torch.tensor([[5, 6, 2, 0, 0], [5, 9, 0, 0, 0], [5, 6, 7, 8, 4], [2, 0, 0, 0, 0],
+                        [5, 2, 9, 2, 0]])
+    # TRL's GRPOTrainer (transformers generate): mask up to the first EOS, ids kept under it
+    is_eos = torch.isin(raw, torch.tensor(eos))
+    idx = torch.full((raw.size(0),), raw.size(1))
+    idx[is_eos.any(1)] = is_eos.int().argmax(1)[is_eos.any(1)]
+    keep = torch.arange(raw.size(1)).expand(raw.size(0), -1) <= idx[:, None]
+    theirs = [c[m].tolist() for c, m in zip(raw, keep)]
+    ids, mask, cut = first_eos_mask(raw, eos, pad)
+    ro = Rollout(["q"] * 5, torch.ones(5, 1, dtype=torch.long), torch.ones(5, 1, dtype=torch.long),
+                 ids, mask, ["a"] * 5, cut)
+    assert ro.answer_ids() == theirs == [[5, 6, 2], [5, 9], [5, 6, 7, 8, 4], [2], [5, 2]]
+
+    def lengths(completion_ids, **kwargs):
+        return [float(len(i)) for i in completion_ids]
+
+    backend = SimpleNamespace(generate=lambda prompts, *a: ro)
+    cfg = SimpleNamespace(reward_weights=[], reward_on_error=0.0, fail_on_reward_errors=True,
+                          reward_timeout=0, reward_workers=0)
+    got = score_answers(backend, [{"prompt": "q", "answer": "a"}] * 5,
+                        Scorer(cfg, [TRLReward(lengths)]), 5, 4.0, check_fn=TRLReward(lengths))
+    assert got.per_fn[:, 0].tolist() == [3.0, 2.0, 5.0, 1.0, 2.0]
+    assert got.checked.tolist() == [False, False, True, False, False]
+
+
+def test_rewards_written_before_completion_ids_still_work() -> None:
+    """grpolab's positional convention with a parameter named completion_ids stays positional;
+    a **kwargs reward that hands its columns to a strict function (as it could before
+    completion_ids were given) is called again without them, and from then on."""
+    def short(p, c, completion_ids, **_):
+        return [float(len(i) < 3) for i in completion_ids]
+
+    def judge(completions, answer):
+        return [float(x == a) for x, a in zip(completions, answer)]
+
+    def forwards(prompts, completions, **kwargs):
+        return judge(completions, **kwargs)
+
+    fns = [TRLReward(short), TRLReward(forwards)]
+    res = score(fns, ["q", "q"], ["7", "8"], {"answer": ["7", "7"],
+                                              "completion_ids": [[5, 2], [6, 6, 2]]},
+                fail_on_all_errors=True)
+    assert res.per_fn.tolist() == [[1.0, 1.0], [0.0, 0.0]] and res.problems == []
+    assert fns[1].drop_ids and not fns[0].drop_ids
 
 
 def test_a_reward_needing_a_column_the_rows_lack_stops_before_loading(

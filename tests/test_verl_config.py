@@ -103,11 +103,34 @@ def test_dapos_verl_script_reads_as_verl_means_it() -> None:
     want = {"budget": 8192, "group_size": 16, "minibatches": 16, "passes": 1.0,
             "prompt_order": "epochs", "eps_low": 0.2, "eps_high": 0.28, "dual_clip": 10.0,
             "beta": 0.0, "loss_agg": "token_mean", "dynamic_sampling": True,
-            "max_sampling_rounds": 9, "warmup_steps": 10, "warmup_from_zero": True,
+            "max_sampling_rounds": 29, "warmup_steps": 10, "warmup_from_zero": True,
             "schedule_per": "step", "weight_decay": 0.1, "max_new_tokens": 20480,
             "rewards": ["verl:r.py:compute_score", "overlong:20480:4096"],
             "reward_weights": [], "report_to": ["wandb"], "eval_every": 5}
     assert {k: getattr(c, k) for k in want} == want
+    # verl's recipe scripts spell the overlong buffer +reward_model.reward_kwargs.* (verl 0.9.1
+    # moves it to reward.reward_kwargs): the same run
+    now = DAPO.replace("reward_model.overlong_buffer.", "+reward_model.reward_kwargs."
+                       "overlong_buffer_cfg.") + " +reward_model.reward_kwargs.max_resp_len=20480"
+    c = make_config(None, trl_flags(now.split(), build_parser()), "train")
+    assert {k: getattr(c, k) for k in want} == want
+
+
+def test_dapos_overlong_penalty_is_verls() -> None:
+    """verl's DAPO reward manager's penalty, min(-(length - (max_resp_len - len)) / len x
+    factor, 0) with the answer's length EOS included, is what the translated rewards give at
+    every length the run allows."""
+    from grpolab.rewards.builtin import load_reward
+
+    c = _cfg({"custom_reward_function.path": "r.py", "data.max_response_length": 40,
+              "+reward_model.reward_kwargs.overlong_buffer_cfg.enable": True,
+              "+reward_model.reward_kwargs.overlong_buffer_cfg.len": 16,
+              "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": 0.5,
+              "+reward_model.reward_kwargs.max_resp_len": 40})
+    assert c.rewards[1] == "overlong:40:16"
+    ids = [[7] * n for n in range(1, 41)]
+    ours = [c.reward_weights[1] * v for v in load_reward(c.rewards[1])([], [], completion_ids=ids)]
+    assert ours == pytest.approx([min(-(n - (40 - 16)) / 16 * 0.5, 0) for n in range(1, 41)])
 
 
 def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
@@ -171,6 +194,10 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
     ({"algorithm.filter_groups.enable": True, "data.gen_batch_size": 48,  # (DAPO's, warned)
       "data.train_batch_size": 16, R + "n": 4, A + "ppo_mini_batch_size": 16},
      {"dynamic_sampling": True, "budget": 64}),
+    # verl's cap counts rounds of gen_batch_size prompts: as many prompts in grpolab's rounds
+    ({"algorithm.filter_groups.enable": True, "data.gen_batch_size": 48,
+      "algorithm.filter_groups.max_num_gen_batches": 2, "data.train_batch_size": 16, R + "n": 4,
+      A + "ppo_mini_batch_size": 16}, {"max_sampling_rounds": 5}),
     ({"custom_reward_function.path": "r.py"}, {"rewards": ["verl:r.py:compute_score"]}),
     ({"reward.custom_reward_function.path": "r.py", "reward.custom_reward_function.name": "f"},
      {"rewards": ["verl:r.py:f"]}),
@@ -210,6 +237,19 @@ def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want:
     ({"data.gen_batch_size": 48}, "without algorithm.filter_groups"),
     ({"reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 8},
      "adds to the score of the reward verl names"),
+    # both spellings on: verl 0.9.1 reads one (and a factor of one must not weigh the other)
+    ({"custom_reward_function.path": "r.py", "reward_model.overlong_buffer.enable": True,
+      "reward_model.overlong_buffer.len": 8, "reward_model.overlong_buffer.penalty_factor": 0.5,
+      "reward.reward_kwargs.overlong_buffer_cfg.enable": True,
+      "reward.reward_kwargs.overlong_buffer_cfg.len": 4}, "both add DAPO's overlong"),
+    # past max_resp_len verl's penalty falls on below -factor, grpolab's stops at -1
+    ({"custom_reward_function.path": "r.py", "data.max_response_length": 256,
+      "reward.reward_kwargs.overlong_buffer_cfg.enable": True,
+      "reward.reward_kwargs.overlong_buffer_cfg.len": 16, "reward.reward_kwargs.max_resp_len": 128},
+     "max_resp_len=128 .verl. is below the answers' length limit 256"),
+    ({"custom_reward_function.path": "r.py", "data.max_response_length": 256,
+      "reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 300},
+     "len=300 .verl. must not exceed the length limit 256"),
     ({"trainer.total_epochs": 2, A + "optim.lr_warmup_steps_ratio": 0.1},
      "rounds ratio x total_training_steps down: give trainer.total_training_steps"),
     ({A + "optim.zero_indexed_step": False, A + "optim.lr_scheduler_type": "cosine"},

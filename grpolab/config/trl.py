@@ -218,6 +218,9 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     if level == "sequence" and loss_type in ("cispo", "sapo", "vespo"):  # their own level
         skip.add("importance_sampling_level")
         put("ratio_level", "sequence", "importance_sampling_level")
+    # the run's length for a share (a later grpolab steps or passes replaces a max_steps)
+    run = {**d, "max_steps": -1, **({} if "steps" in later else {"steps": None})} if (
+        {"steps", "passes"} & later.keys()) else d
     for trl_key, value in given.items():
         if trl_key in skip or trl_key in later:
             continue
@@ -242,7 +245,7 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
                     put(TRL_ALIASES[trl_key], 0.0, trl_key)
                 continue
             if trl_key in ("save_steps", "eval_steps"):  # (below 1: a share of the run)
-                value = run_share(trl_key, value, d, per_sample)
+                value = run_share(trl_key, value, run, per_sample)
             if trl_key in _OPT_STEPS and per_sample > 1:
                 value = per_batches(trl_key, value, per_sample)
             key = "cispo_max" if trl_key == "epsilon_high" and cispo else TRL_ALIASES[trl_key]
@@ -290,7 +293,7 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             and as_word(d.get("eval_strategy")) == "steps" and d.get("eval_steps") is None):
         # transformers: eval_steps unset = logging_steps (10 by default)
         put("eval_every", per_batches("logging_steps", run_share(
-            "logging_steps", d.get("logging_steps", 10), d, per_sample), per_sample),
+            "logging_steps", d.get("logging_steps", 10), run, per_sample), per_sample),
             "logging_steps" if "logging_steps" in d else "eval_strategy")
     rewards = script_rewards(d) if set(_SCRIPT) & given.keys() else []
     if rewards:

@@ -334,18 +334,35 @@ def _rewards(d: dict[str, Any]) -> dict[str, Any]:
         if d.get(root + "path"):
             specs.append(f"verl:{d[root + 'path']}:{d.get(root + 'name') or 'compute_score'}")
     out: dict[str, Any] = {"rewards": specs} if specs else {}
-    for root, limit in (("reward_model.overlong_buffer.", "data.max_response_length"),
-                        ("reward.reward_kwargs.overlong_buffer_cfg.",
-                         "reward.reward_kwargs.max_resp_len")):
-        if not _flag(d, root + "enable"):
-            continue  # (DAPO's reward manager adds factor x the soft overlong punishment)
+    kw = "reward_model.reward_kwargs."
+    if any(k.startswith(kw) for k in d):  # (verl 0.9.1 moves them to reward.reward_kwargs,
+        d = {k: v for k, v in d.items() if not k.startswith("reward.reward_kwargs.")}  # whole)
+        d.update({"reward.reward_kwargs." + k[len(kw):]: v for k, v in d.items()
+                  if k.startswith(kw)})
+    roots = [(root, limit) for root, limit in (
+        ("reward_model.overlong_buffer.", "data.max_response_length"),
+        ("reward.reward_kwargs.overlong_buffer_cfg.", "reward.reward_kwargs.max_resp_len"))
+        if _flag(d, root + "enable")]  # (DAPO's reward manager adds factor x the punishment)
+    if len(roots) > 1:
+        raise ConfigError("reward_model.overlong_buffer.enable and reward(_model).reward_kwargs."
+                          "overlong_buffer_cfg.enable (verl) both add DAPO's overlong "
+                          "punishment: keep one of them")
+    for root, limit in roots:
         if not specs:
             raise ConfigError(f"{root}enable (verl) adds to the score of the reward verl names: "
                               "give custom_reward_function.path, or grpolab's rewards with "
                               "overlong:LEN and reward_weights")
         top = d.get(limit, d.get("data.max_response_length", d.get("max_new_tokens")))
+        longest = as_number(d.get("data.max_response_length", d.get("max_new_tokens")))
+        if top is not None and isinstance(longest, int) and as_number(top) < longest:
+            raise ConfigError(f"{limit}={top} (verl) is below the answers' length limit "
+                              f"{longest}: past it verl's overlong penalty keeps falling below "
+                              "-penalty_factor, grpolab's overlong stops at -1; give them equal")
+        buffer = _whole(d, root + "len")
+        if top is not None and buffer > as_number(top):  # (verl asserts it)
+            raise ConfigError(f"{root}len={buffer} (verl) must not exceed the length limit {top}")
         out["rewards"] = [*specs, ":".join(map(str, ["overlong", *([top] * (top is not None)),
-                                                     _whole(d, root + "len")]))]
+                                                     buffer]))]
         if (factor := float(as_number(d.get(root + "penalty_factor", 1.0)))) != 1.0:
             out["reward_weights"] = [1.0] * len(specs) + [factor]
     return out
@@ -408,16 +425,27 @@ def _filter_groups(d: dict[str, Any]) -> dict[str, Any]:
                           "data.train_batch_size to the prompts a step trains on")
     if "data.gen_batch_size" in d:  # (verl: prompts sampled a round, DAPO's refill)
         log.warning("data.gen_batch_size (verl): grpolab samples rounds of train_batch_size "
-                    "prompts until the batch is full")
+                    "prompts until the batch is full (as many prompts at most as verl's "
+                    "max_num_gen_batches rounds of gen_batch_size)")
     if not on:
         return {}
     metric = as_word(d.get("algorithm.filter_groups.metric", "reward"))
     if metric not in ("reward", "acc", "score", "seq_reward", "seq_final_reward"):
         raise ConfigError(f"algorithm.filter_groups.metric={metric} (verl): grpolab keeps the "
                           "groups whose rewards differ")
+    buffers = [k for k in OVERLONG if k.endswith(".enable")]
+    if metric in ("acc", "score") and any(_flag(d, k) for k in buffers):
+        log.warning("algorithm.filter_groups.metric=%s (verl) with the overlong buffer: verl "
+                    "keeps the groups whose named reward differs (before the overlong "
+                    "penalty), grpolab those whose total reward differs (the penalty "
+                    "included: all-right groups of mixed lengths are kept)", metric)
     n = as_number(d.get("algorithm.filter_groups.max_num_gen_batches", 0))
     if isinstance(n, int) and n >= 1:  # DAPO's recipe: batches sampled, the first included
-        return {"max_sampling_rounds": n - 1}
+        gen, train = as_number(d.get("data.gen_batch_size")), as_number(
+            d.get("data.train_batch_size"))
+        if isinstance(gen, int) and isinstance(train, int) and gen > 0 and train > 0:
+            n = -(-n * gen // train)  # (verl's rounds are of gen_batch_size prompts, grpolab's
+        return {"max_sampling_rounds": n - 1}  # of train_batch_size: as many prompts at most)
     log.warning("algorithm.filter_groups (verl 0.9.1 samples until the batch is full): "
                 "grpolab caps the extra rounds at max_sampling_rounds")
     return {}

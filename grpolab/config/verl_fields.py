@@ -34,10 +34,12 @@ VERL_ALIASES: dict[str, str] = {
     "critic.optim.lr": "critic_lr", "critic.cliprange_value": "value_clip",
 }
 # DAPO's soft overlong punishment: the recipe's keys, and verl 0.9's reward manager's
+# (verl 0.9.1 moves reward_model.reward_kwargs, the recipe scripts' spelling, to reward.)
 OVERLONG = tuple(f"{root}{k}" for root in ("reward_model.overlong_buffer.",
-                                           "reward.reward_kwargs.overlong_buffer_cfg.")
+                                           "reward.reward_kwargs.overlong_buffer_cfg.",
+                                           "reward_model.reward_kwargs.overlong_buffer_cfg.")
                  for k in ("enable", "len", "penalty_factor", "log")) + (
-    "reward.reward_kwargs.max_resp_len",)
+    "reward.reward_kwargs.max_resp_len", "reward_model.reward_kwargs.max_resp_len")
 # verl keys read with others (grpolab.config.verl): each listed so that it is known
 VERL_COMBINED = frozenset({*OVERLONG, "data.gen_batch_size",
     "data.train_batch_size", A + "ppo_mini_batch_size", A + "use_kl_loss", A + "kl_loss_coef",

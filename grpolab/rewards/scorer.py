@@ -424,7 +424,10 @@ def score_answers(backend: Any, rows: list[dict], scorer: Scorer, max_new_tokens
         parts.append(scorer(ro.prompts, ro.completions, part, group_size, ro.answer_ids))
         texts += list(ro.completions)
         if check_fn is not None:
-            checks.append(score([check_fn], ro.prompts, ro.completions, row_columns(part))
+            cols = row_columns(part)
+            if takes(check_fn, "completion_ids"):
+                cols["completion_ids"] = ro.answer_ids()
+            checks.append(score([check_fn], ro.prompts, ro.completions, cols)
                           .success(threshold))
     return Answers(per_fn=torch.cat([p.per_fn for p in parts]),
                    ok=torch.cat([p.success(threshold) for p in parts]),

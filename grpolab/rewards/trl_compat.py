@@ -53,9 +53,13 @@ def wants_keywords(fn: Any) -> bool:
     if sig is None:
         return False
     params = sig.parameters
-    for name in ("completions", "completion_ids"):  # (TRL's token-id rewards name only these)
-        if name in params:
-            return params[name].kind is not inspect.Parameter.POSITIONAL_ONLY
+    if "completions" in params:
+        return params["completions"].kind is not inspect.Parameter.POSITIONAL_ONLY
+    if "completion_ids" in params:  # (TRL's token-id rewards name only it; after two others,
+        ahead = list(params)[:list(params).index("completion_ids")]  # grpolab's (p, c, ...))
+        return params["completion_ids"].kind is not inspect.Parameter.POSITIONAL_ONLY and sum(
+            params[k].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                               inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in ahead) < 2
     named = [p for p in params.values()
              if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
     return not named and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -94,6 +98,9 @@ class TRLReward:
         self.keywords = wants_keywords(fn)
         self.format = declared_format(fn)
         self._warned_none = False
+        sig = _signature(fn)  # (a **kwargs reward that forwards them somewhere strict, as it
+        self.drop_ids = False  # did before rewards were given completion_ids: without them)
+        self._may_drop = sig is not None and "completion_ids" not in sig.parameters
         functools.update_wrapper(self, fn, assigned=("__module__", "__qualname__", "__doc__"),
                                  updated=())
         inner = fn
@@ -111,6 +118,23 @@ class TRLReward:
         return self.fn(prompts, comps, **columns)
 
     def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> Any:
+        if self.drop_ids:
+            columns.pop("completion_ids", None)
+        try:
+            return self._score(prompts, completions, columns)
+        except TypeError as e:
+            if not (self._may_drop and "completion_ids" in columns
+                    and "'completion_ids'" in str(e)):
+                raise
+            columns.pop("completion_ids")
+            out = self._score(prompts, completions, columns)
+        self.drop_ids = True
+        log.info("reward %s fails when given completion_ids (through its **kwargs): it is "
+                 "called without them from now on", self.__name__)
+        return out
+
+    def _score(self, prompts: list[Any], completions: list[Any], columns: dict[str, Any]
+               ) -> Any:
         from grpolab.rewards.pool import await_if_needed
 
         if self.format is not None:
