@@ -14,6 +14,7 @@ import yaml
 
 from grpolab.config import ConfigError, make_config
 from grpolab.config import verl as V
+from grpolab.config import verl_rules as VR
 from grpolab.config.verl_fields import (
     OVERLONG,
     VERL_ALIASES,
@@ -340,7 +341,7 @@ def test_verl_defaults_named_are_verl_0_9_1s_own() -> None:
                                      R + "multi_turn", "critic.model.", "critic.use_dyn",
                                      "critic.strategy", "reward_model.")))
     # a rule reads every combined key, and none is also one-to-one
-    assert {k for keys, _ in V._RULES for k in keys} >= VERL_COMBINED
+    assert {k for keys, _ in VR.RULES for k in keys} >= VERL_COMBINED
     assert not VERL_COMBINED & VERL_ALIASES.keys()
 
 
