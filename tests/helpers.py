@@ -51,7 +51,8 @@ def world_trainer(tmp_path, reward=first_digit_odd, lora=False, max_len=24,
     model = TinyGPT(TinyConfig(d_model=32, n_layers=2, n_heads=2, max_len=max_len))
     splits = make_splits(0, 64, 16)
     backend = TinyBackend(model, lora=lora, seed=0)
-    return GRPOTrainer(cfg, backend, splits.train, [reward], splits.heldout, out_dir=tmp_path)
+    rewards = reward if isinstance(reward, list) else [reward]
+    return GRPOTrainer(cfg, backend, splits.train, rewards, splits.heldout, out_dir=tmp_path)
 
 
 def tiny_trainer(out: Path, rewards: list | None = None, rows: int = 32,

@@ -29,6 +29,22 @@ def test_dynamic_sampling_trains_only_mixed_groups(tmp_path) -> None:
     assert not batch.cap_hit
 
 
+def test_dynamic_sampling_can_judge_groups_on_the_first_reward(tmp_path) -> None:
+    """A second reward that differs between every two answers (a length penalty, say) keeps
+    every group alive by the total; judged on the first reward alone (verl's filter on acc),
+    the dead ones by it are refilled, and every kept group's first rewards differ."""
+    def spread(prompts, completions, **_):
+        return [0.001 * i for i in range(len(completions))]
+
+    total = world_trainer(tmp_path / "t", reward=[first_digit_odd, spread],
+                          dynamic_sampling=True).collect()
+    first = world_trainer(tmp_path / "f", reward=[first_digit_odd, spread],
+                          dynamic_sampling=True, dynamic_sampling_on="first").collect()
+    assert total.rounds == 1 and dead_mask(total.rewards_per_fn[:, 0], 4).any()
+    assert first.rounds >= 2 and not dead_mask(first.rewards_per_fn[:, 0], 4).any()
+    assert first.trained_groups == 8
+
+
 def test_dynamic_sampling_cap_is_reported(tmp_path, caplog) -> None:
     tr = world_trainer(tmp_path, reward=never, dynamic_sampling=True, max_sampling_rounds=2)
     tr.metrics = None

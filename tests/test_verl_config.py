@@ -191,7 +191,9 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
      {"warmup_steps": 3, "warmup_from_zero": True, "schedule_per": "step"}),
     ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
       "algorithm.filter_groups.max_num_gen_batches": 10},
-     {"dynamic_sampling": True, "max_sampling_rounds": 9}),
+     {"dynamic_sampling": True, "max_sampling_rounds": 9, "dynamic_sampling_on": "first"}),
+    ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "seq_reward"},
+     {"dynamic_sampling": True, "dynamic_sampling_on": "total"}),
     ({"algorithm.filter_groups.enable": True, "data.gen_batch_size": 48,  # (DAPO's, warned)
       "data.train_batch_size": 16, R + "n": 4, A + "ppo_mini_batch_size": 16},
      {"dynamic_sampling": True, "budget": 64}),

@@ -320,22 +320,18 @@ def _filter_groups(d: dict[str, Any]) -> dict[str, Any]:
     if metric not in ("reward", "acc", "score", "seq_reward", "seq_final_reward"):
         raise ConfigError(f"algorithm.filter_groups.metric={metric} (verl): grpolab keeps the "
                           "groups whose rewards differ")
-    buffers = [k for k in OVERLONG if k.endswith(".enable")]
-    if metric in ("acc", "score") and any(flag(d, k) for k in buffers):
-        log.warning("algorithm.filter_groups.metric=%s (verl) with the overlong buffer: verl "
-                    "keeps the groups whose named reward differs (before the overlong "
-                    "penalty), grpolab those whose total reward differs (the penalty "
-                    "included: all-right groups of mixed lengths are kept)", metric)
+    # acc / score: the named reward's own, before DAPO's overlong penalty (its first reward)
+    judged = {"dynamic_sampling_on": "first" if metric in ("acc", "score") else "total"}
     n = as_number(d.get("algorithm.filter_groups.max_num_gen_batches", 0))
     if isinstance(n, int) and n >= 1:  # DAPO's recipe: batches sampled, the first included
         gen, train = as_number(d.get("data.gen_batch_size")), as_number(
             d.get("data.train_batch_size"))
         if isinstance(gen, int) and isinstance(train, int) and gen > 0 and train > 0:
             n = -(-n * gen // train)  # (verl's rounds are of gen_batch_size prompts, grpolab's
-        return {"max_sampling_rounds": n - 1}  # of train_batch_size: as many prompts at most)
+        return {"max_sampling_rounds": n - 1, **judged}  # of train_batch_size: as many at most)
     log.warning("algorithm.filter_groups (verl 0.9.1 samples until the batch is full): "
                 "grpolab caps the extra rounds at max_sampling_rounds")
-    return {}
+    return judged
 
 
 RULES = (

@@ -200,7 +200,9 @@ class Collector:
         while True:
             # The choice is made on every rank's rewards, so all ranks agree on it.
             sizes = self.rounds[-1][0].tolist()  # this round's groups, every rank's
-            live = ~adv_mod.dead_mask_ragged(everyone, adv_mod.group_ids_from_sizes(sizes))
+            judged = everyone if cfg.dynamic_sampling_on == "total" else dist.gather_cat(
+                res.per_fn[:, 0])  # (the first reward alone: verl's filter on acc / score)
+            live = ~adv_mod.dead_mask_ragged(judged, adv_mod.group_ids_from_sizes(sizes))
             starts = [0, *itertools.accumulate(sizes)]
             hi = lo + len(self.local_sizes[-1])
             for j in torch.nonzero(live).flatten().tolist():
