@@ -211,9 +211,9 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
     rows, heldout = run_rows(cfg, warn=dist.is_main())  # (said once, not per rank)
     cfg = with_length(cfg, len(rows))  # passes: steps, now that the prompts are counted
     if cfg.passes > 0 and dist.is_main():
-        print(f"grpolab: {cfg.passes:g} passes over {len(rows)} prompts, "
-              f"{len(rows) // cfg.prompts_per_step} steps of {cfg.prompts_per_step} a pass: "
-              f"{cfg.steps} steps", flush=True)
+        print(f"grpolab: {cfg.passes:g} pass{'' if cfg.passes == 1 else 'es'} over "
+              f"{len(rows)} prompts, {len(rows) // cfg.prompts_per_step} steps of "
+              f"{cfg.prompts_per_step} a pass: {cfg.steps} steps", flush=True)
     if cfg.watch_reward and not heldout[: cfg.eval_size]:  # it would watch nothing
         raise ConfigError(f"watch_reward {cfg.watch_reward} checks held-out prompts: set "
                           "eval_dataset (and eval_size > 0)")
