@@ -288,7 +288,6 @@ def validate_ranks(cfg: Config, world: int) -> None:
                           "in every backward")
 
 
-
 def with_length(cfg: Config, prompts: int) -> Config:
     """``cfg`` with ``passes`` turned into ``steps`` for a dataset of ``prompts`` training
     prompts: passes x the whole batches in one pass (its part batch left out, as the data
