@@ -148,7 +148,7 @@ def test_passes_count_whole_batches_and_say_so() -> None:
         with_length(c, 3)
     assert with_length(make_config(None, {"steps": 7}, "train"), 3).steps == 7  # passes 0
     for bad in (-1, float("inf"), float("nan")):
-        with pytest.raises(ConfigError, match="passes must be >= 0"):
+        with pytest.raises(ConfigError, match="passes must be a finite number >= 0"):
             make_config(None, {"passes": bad}, "train")
     with pytest.raises(ConfigError, match="steps 5 and passes 2 both given"):
         make_config(None, {"steps": 5, "passes": 2}, "train")
@@ -224,7 +224,7 @@ def test_later_lengths_replace_earlier_ones() -> None:
     assert make_config({"passes": 2}, {"trainer.total_epochs": 3}, "train").passes == 3
     assert make_config({"steps": 7}, {"num_train_epochs": 3}, "train").passes == 0  # (TRL:
     # max_steps wins over epochs)
-    with pytest.raises(ConfigError, match="num_train_epochs: 0 .TRL. trains nothing"):
+    with pytest.raises(ConfigError, match="num_train_epochs: 0 .TRL. must be a number of ep"):
         make_config(None, {"num_train_epochs": 0}, "train")
     with pytest.raises(ConfigError, match="too many steps"):
         with_length(make_config(None, {"passes": 1e308}, "train"), 100)
@@ -273,3 +273,22 @@ def test_passes_show_each_prompt_once_a_pass_and_a_warmup_over_a_trl_file_is_trl
         assert (schedule_length(c), c.warmup_from_zero) == ((2, 40, warm), True)
     c = make_config({"steps": 10}, {"warmup_steps": 8}, "train")  # (grpolab's own: batches)
     assert (schedule_length(c), c.warmup_from_zero) == ((1, 10, 8), False)
+
+
+def test_extending_a_trl_or_verl_epoch_run_keeps_its_order(tmp_path) -> None:
+    """TRL's and verl's epochs come in shuffled passes; a later --steps (extending the run on
+    resume) keeps that order, and the defaults warning does not name it as grpolab's own.
+    TRL's negative epochs are refused in TRL's words."""
+    from grpolab.config.trl import unset_defaults
+
+    trl = {"num_train_epochs": 2, "num_generations": 8}
+    for later in (None, {"steps": 8}):
+        c = make_config(trl, later, "train")
+        assert c.prompt_order == "epochs"
+        assert not [x for x in unset_defaults(set(trl), c) if x.startswith("prompt_order")]
+    assert make_config({"trainer.total_epochs": 2}, {"steps": 8}, "train").prompt_order == \
+        "epochs"
+    assert make_config({"trainer.total_epochs": 2, "data.shuffle": False}, None,
+                       "train").prompt_order == "sequential"
+    with pytest.raises(ConfigError, match="num_train_epochs: -2 .TRL. must be a number"):
+        make_config(None, {"num_train_epochs": -2}, "train")

@@ -380,7 +380,7 @@ class Config:
         "", MODEL_EVAL,
         "text prompts (a chat prompt's last user message) become this with {prompt} filled "
         "in; \"\" = as is")
-    rewards: list[str] = opt(["exact"], MODEL_EVAL, "built-in, rm:DIR, file.py:fn")
+    rewards: list[str] = opt(["exact"], MODEL_EVAL, "comma-separated: built-in, rm:DIR, file.py:fn")
     answer_sources: list[str] = opt(
         ["boxed", "answer_tag", "answer_line", "bare", "last_statement"], MODEL_EVAL,
         "where math/reasoning_gym look for the final answer")

@@ -159,8 +159,10 @@ def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
     """``TRL_DEFAULTS_DIFFER``'s entries that none of ``given`` (the keys of the file and of
     the overrides) sets, each as "grpolab's value (TRL's)"."""
     shown = {k: str(v).lower() if isinstance(v, bool) else v for k, v in vars(cfg).items()}
+    same = {"prompt_order": cfg.prompt_order == "epochs"}  # (TRL's order, set by its epochs)
     return [f"{ours.format_map(shown)} ({theirs})" for ours, theirs, keys in TRL_DEFAULTS_DIFFER
-            if not set(given) & set(keys) and (cfg.lora or ours.split()[0] not in _LORA_ONLY)]
+            if not set(given) & set(keys) and (cfg.lora or ours.split()[0] not in _LORA_ONLY)
+            and not same.get(ours.split()[0])]
 
 
 def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
@@ -275,15 +277,19 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             and "lr_scheduler_kwargs" not in later):
         for key, value in schedule_options(d).items():
             put(key, value, "lr_scheduler_kwargs")
-    if ("num_train_epochs" in given or as_number(given.get("max_steps")) == -1) and not (
+    counts_epochs = "num_train_epochs" in given or as_number(given.get("max_steps")) == -1
+    if counts_epochs and not {"shuffle_dataset", "prompt_order"} & d.keys():
+        put("prompt_order", "epochs", "num_train_epochs" if "num_train_epochs" in d
+            else "max_steps")  # (TRL's sampler: shuffled passes; kept when --steps extends)
+    if counts_epochs and not (
             "steps" in d or "passes" in later or as_number(d.get("max_steps", -1)) != -1):
         # TRL: epochs over the dataset (3 unless given), counted when the data is read (an
         # earlier layer's passes are replaced, as a later steps replaces them)
         key = "num_train_epochs" if "num_train_epochs" in d else "max_steps"
         put("passes", d.get("num_train_epochs", 3.0), key)
-        if coerce("passes", d.get("num_train_epochs", 3.0)) == 0:  # (grpolab's 0: unset)
-            raise ConfigError(f"num_train_epochs: {d.get('num_train_epochs')!r} (TRL) trains "
-                              "nothing; give epochs > 0 or max_steps")
+        if not coerce("passes", d.get("num_train_epochs", 3.0)) > 0:  # (grpolab's 0: unset)
+            raise ConfigError(f"num_train_epochs: {d.get('num_train_epochs')!r} (TRL) must be "
+                              "a number of epochs > 0 (or give max_steps)")
     if "warmup_steps" in given:  # TRL's: optimiser steps, or below 1 a share of max_steps
         out["warmup_steps"] = warmup_batches(d, per_sample)
         if as_number(d["warmup_steps"]) and "warmup_from_zero" not in d:  # (transformers':

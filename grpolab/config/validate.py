@@ -159,7 +159,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"warmup_steps must be a count, or below 1 a share of the run (got "
                           f"{cfg.warmup_steps})")
     if not 0 <= cfg.passes < math.inf:
-        raise ConfigError(f"passes must be >= 0 (got {cfg.passes}); 0: the run is steps long")
+        raise ConfigError(f"passes must be a finite number >= 0 (got {cfg.passes}); 0: the run "
+                          "is steps long")
     if cfg.log_samples < 0:
         raise ConfigError(f"log_samples must be >= 0 (got {cfg.log_samples})")
     if cfg.shard == "fsdp" and cfg.lora:
@@ -300,5 +301,6 @@ def with_length(cfg: Config, prompts: int) -> Config:
                           f"of {cfg.prompts_per_step}; give steps, or more prompts")
     steps = cfg.passes * per_pass
     if steps >= 2**53:  # (past exact floats; inf: no number of steps)
-        raise ConfigError(f"passes {cfg.passes:g} x {per_pass} steps a pass is too many steps")
+        raise ConfigError(f"passes {cfg.passes:g} x {per_pass} steps a pass is too many steps "
+                          "(the limit: 2**53)")
     return dataclasses.replace(cfg, steps=math.ceil(steps))

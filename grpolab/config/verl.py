@@ -119,7 +119,8 @@ def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
     """``VERL_DEFAULTS_DIFFER``'s entries none of ``given`` sets, as "grpolab's (verl's)"."""
     shown = {k: str(v).lower() if isinstance(v, bool) else v for k, v in vars(cfg).items()}
     moot = {"std": cfg.estimator != "grpo" or cfg.scale != "std",  # (no std division)
-            "dual_clip": cfg.policy_loss != "clip"}  # (verl's dual clip: vanilla's only)
+            "dual_clip": cfg.policy_loss != "clip",  # (verl's dual clip: vanilla's only)
+            "prompt_order": cfg.prompt_order == "epochs"}  # (verl's order)
     return [f"{ours.format_map(shown)} ({theirs})" for ours, theirs, keys in VERL_DEFAULTS_DIFFER
             if not set(given) & set(keys) and not moot.get(ours.split()[0])]
 

@@ -191,6 +191,8 @@ def _trainer(d: dict[str, Any]) -> dict[str, Any]:
                                              "max_steps", "passes"} & d.keys():
         # verl: total_epochs x the whole batches of a pass, counted when the data is read
         out["passes"] = _whole(d, "trainer.total_epochs")
+    if "trainer.total_epochs" in d and not {"data.shuffle", "prompt_order"} & d.keys():
+        out["prompt_order"] = "epochs"  # (verl's shuffled passes; kept when --steps extends)
     if "trainer.save_freq" in d:
         out["checkpoint_every"] = max(int(as_number(d["trainer.save_freq"])), 0)
     test = as_number(d.get("trainer.test_freq", -1))

@@ -215,7 +215,8 @@ def _overlong(spec: str, max_new_tokens: int | None) -> RewardFn:
     limit, buffer = nums if len(nums) == 2 else (0, 0)
     if not 0 < buffer <= limit:
         raise ValueError(f"reward spec {spec!r}: write overlong:BUFFER (its length limit "
-                         "max_new_tokens) or overlong:MAX:BUFFER, 0 < BUFFER <= MAX tokens")
+                         f"max_new_tokens, {max_new_tokens}) or overlong:MAX:BUFFER, 0 < BUFFER "
+                         "<= MAX tokens")
     return overlong_punishment(limit, buffer)
 
 
