@@ -265,10 +265,15 @@ class RewardError(ValueError):
     signature, a missing package), not the answers. One line; the CLI exits with 2."""
 
 
-def row_columns(rows: list[dict]) -> dict[str, list]:
-    """Every field of the rows but the prompt, as the columns rewards receive (answer=[...])."""
+def row_columns(rows: list[dict], fns: Sequence[RewardFn] = (),
+                ids: Callable[[], list] | None = None) -> dict[str, list]:
+    """Every field of the rows but the prompt, as the columns rewards receive (answer=[...]);
+    with ``ids`` the answers' token ids too, read only when one of ``fns`` takes them."""
     keys = [k for k in rows[0] if k != "prompt"] if rows else []
-    return {k: [r.get(k) for r in rows] for k in keys}
+    cols = {k: [r.get(k) for r in rows] for k in keys}
+    if ids is not None and any(takes(fn, "completion_ids") for fn in fns):
+        cols["completion_ids"] = ids()
+    return cols
 
 
 def score(
@@ -312,9 +317,9 @@ def score(
     per_fn = torch.zeros(n, k, dtype=torch.float32)
     for j, (fn, name) in enumerate(zip(reward_fns, names)):
         start = len(problems)
-        mine = cols if takes(fn, "completion_ids") else {  # (TRL's trainer argument)
+        fn_cols = cols if takes(fn, "completion_ids") else {  # (TRL's trainer argument)
             k: v for k, v in cols.items() if k != "completion_ids"}
-        vals, failed, first = _score_one_fn(fn, name, prompts, completions, mine, on_error,
+        vals, failed, first = _score_one_fn(fn, name, prompts, completions, fn_cols, on_error,
                                             problems, pool, group_size)
         if fail_on_all_errors and n and failed == n:
             raise RewardError(
@@ -358,10 +363,9 @@ class Scorer:
     def __call__(self, prompts: Sequence[Any], completions: Sequence[str], rows: list[dict],
                  group_size: int = 1, ids: Callable[[], list] | None = None) -> ScoreResult:
         """``ids``: the answers' token ids (read only when a reward takes ``completion_ids``)."""
-        cfg, cols = self.cfg, row_columns(rows)
-        if ids is not None and any(takes(fn, "completion_ids") for fn in self.reward_fns):
-            cols["completion_ids"] = ids()
-        return score(self.reward_fns, prompts, completions, cols,
+        cfg = self.cfg
+        return score(self.reward_fns, prompts, completions,
+                     row_columns(rows, self.reward_fns, ids),
                      weights=cfg.reward_weights or None, on_error=cfg.reward_on_error,
                      pool=self._pool(), fail_on_all_errors=cfg.fail_on_reward_errors,
                      group_size=group_size)
@@ -424,10 +428,8 @@ def score_answers(backend: Any, rows: list[dict], scorer: Scorer, max_new_tokens
         parts.append(scorer(ro.prompts, ro.completions, part, group_size, ro.answer_ids))
         texts += list(ro.completions)
         if check_fn is not None:
-            cols = row_columns(part)
-            if takes(check_fn, "completion_ids"):
-                cols["completion_ids"] = ro.answer_ids()
-            checks.append(score([check_fn], ro.prompts, ro.completions, cols)
+            checks.append(score([check_fn], ro.prompts, ro.completions,
+                                row_columns(part, [check_fn], ro.answer_ids))
                           .success(threshold))
     return Answers(per_fn=torch.cat([p.per_fn for p in parts]),
                    ok=torch.cat([p.success(threshold) for p in parts]),
