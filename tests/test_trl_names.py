@@ -203,6 +203,9 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
      {"max_prompt_tokens": 1024}),
     ({"weight_decay": 0.1, "adam_beta2": 0.99, "adam_epsilon": 1e-6, "optim": "adamw_torch"},
      {"weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.99, "adam_epsilon": 1e-6}),
+    # each epoch's end (counted once the data is read); save_steps left aside, as TRL does
+    ({"save_strategy": "epoch", "save_steps": 5}, {"save_each_pass": True,
+                                                   "checkpoint_every": 10}),
 ])
 def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     c = make_config(None, trl_keys, "train")
@@ -247,7 +250,7 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"save_steps": 0.5}, "save_steps: 0.5 .TRL: a share of max_steps. needs max_steps"),
     ({"save_steps": 2, "save_model_every": 3}, "save_steps: 2 .TRL. sets save_model_every to 2"),
     ({"num_iterations": 2, "save_steps": 3}, "save_steps: 3 .TRL. counts optimiser steps"),
-    ({"save_strategy": "epoch"}, "save_strategy: 'epoch'"),
+    ({"eval_strategy": "epoch"}, "eval_strategy: 'epoch'"),  # (save_strategy epoch: read)
     ({"use_vllm": True, "vllm_importance_sampling_correction": False, "vllm_mode": "server"},
      "vllm_mode: 'server'"),
     ({"use_vllm": True}, "vllm_importance_sampling_correction: True .TRL. has no grpolab"),

@@ -168,9 +168,11 @@ def _load(cfg: Config) -> tuple[Any, Any]:
 
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {cfg.device}: this machine has no CUDA device torch can use")
-    return load_model(str(Path(cfg.model_path).expanduser()), dtype=cfg.dtype,
-                      cache_dir=cfg.cache_dir,
-                      device=None if cfg.device == "auto" else cfg.device)
+    device = None if cfg.device == "auto" else cfg.device
+    model, tokenizer = load_model(str(Path(cfg.model_path).expanduser()), dtype=cfg.dtype,
+                                  cache_dir=cfg.cache_dir, device=device)
+    tokenizer.chat_template = cfg.chat_template or tokenizer.chat_template  # (saved with it)
+    return model, tokenizer
 
 
 def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
@@ -191,11 +193,10 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
 
 
 def _check_code_tests(cfg: Config, *datasets: tuple[list[dict], str]) -> None:
-    """The ``code`` reward on data whose tests it cannot judge would train on 0: refused; some
-    it cannot judge: warned of, per file (by rank 0)."""
+    """The code rewards on data whose tests cannot be judged: refused (they would train on 0),
+    or, where some cannot, warned of, per file (by rank 0)."""
     if set(CODE_REWARDS) & {*cfg.rewards, cfg.watch_reward}:
         from grpolab.rewards.sandbox import check_tests
-
         for rows, where in datasets:
             check_tests(rows, repr(where), warn=dist.is_main())
 

@@ -154,9 +154,10 @@ class Config:
         "with from_pretrained and grpolab eval --model-path); 0 = only final/")
     save_total_limit: int = opt(
         0, MODEL, "keep the newest N checkpoint-<step>/ folders (0 = all)")
-    log_samples: int = opt(
-        1, RUN,
-        "groups a step written to samples.jsonl (answers, rewards); 0 = none")
+    save_each_pass: bool = opt(False, MODEL, "checkpoint and save the model at each pass's end, "
+                               "not every N steps (TRL's save_strategy epoch)")
+    log_samples: int = opt(1, RUN, "groups a step written to samples.jsonl (answers, rewards); "
+                           "0 = none")
     progress: bool = opt(True, ALL, "show a progress bar")
     report_to: list[str] = opt(
         [], RUN,
@@ -368,11 +369,9 @@ class Config:
         "local jsonl/parquet/csv file or folder, or reasoning_gym:<task>; measured when there "
         "is no eval_dataset")
     eval_dataset: str = opt(
-        "", MODEL_EVAL,
-        "held-out prompts (same forms); reasoning_gym: uses another seed")
+        "", MODEL_EVAL, "held-out prompts (same forms); reasoning_gym: uses another seed")
     dataset_size: int = opt(
-        1000, MODEL_EVAL,
-        "questions a reasoning_gym: dataset generates for training")
+        1000, MODEL_EVAL, "questions a reasoning_gym: dataset generates for training")
     task_config: dict[str, Any] = opt({}, MODEL_EVAL, "reasoning_gym task options")
     prompt_column: str = opt("prompt", MODEL_EVAL, "dataset column holding the prompts")
     answer_column: str = opt("answer", MODEL_EVAL, "dataset column passed to rewards as answer=")
@@ -388,11 +387,9 @@ class Config:
         "", MODEL,
         "strict held-out check for the reward-hacking watch (\"\" = off)")
     watch_margin: float = opt(
-        0.2, MODEL,
-        "flag when training reward rose this much more than the check")
+        0.2, MODEL, "flag when training reward rose this much more than the check")
     watch_window: int = opt(
-        5, MODEL,
-        "steps averaged for the training reward's start and recent level")
+        5, MODEL, "steps averaged for the training reward's start and recent level")
     reward_weights: list[float] = opt([], ALL, "one per reward; [] = all 1")
     format_pattern: str = opt(
         "", MODEL_EVAL,
@@ -409,6 +406,10 @@ class Config:
     use_rslora: bool = opt(False, MODEL, "rank-stabilised LoRA: scale alpha / sqrt(r) (peft's)")
     use_dora: bool = opt(False, MODEL, "DoRA: adapters with a learned magnitude (peft's)")
     use_chat_template: bool = opt(True, MODEL_EVAL, "wrap prompts in the tokenizer's chat template")
+    chat_template: str = opt("", MODEL_EVAL, "a Jinja chat template in place of the tokenizer's "
+                             "(\"\" = its own; open-r1's)")
+    system_prompt: str = opt("", MODEL_EVAL, "a system message before each prompt that has none "
+                             "(\"\" = none; open-r1's)")
     chat_template_kwargs: dict[str, Any] = opt(
         {}, MODEL_EVAL, "what the chat template reads besides the messages, e.g. "
         "'{enable_thinking: false}' for Qwen3 (TRL's)")

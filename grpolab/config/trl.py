@@ -18,6 +18,7 @@ import logging
 import sys
 from typing import Any
 
+from grpolab.config import open_r1
 from grpolab.config.schema import ConfigError
 from grpolab.config.trl_fields import TRL_ASIDE, TRL_FIXED, TRL_VALUES
 from grpolab.config.trl_fields import VLLM_FIXED as _VLLM_FIXED
@@ -65,7 +66,7 @@ TRL_ALIASES: dict[str, str] = {
 # max_prompt_tokens does; overwrite_output_dir (None: left aside) deleted nothing.
 TRL_RENAMED: dict[str, str | None] = {"torch_dtype": "dtype", "warmup_ratio": "warmup_steps",
                                       "max_prompt_length": "max_prompt_tokens",
-                                      "overwrite_output_dir": None}
+                                      "overwrite_output_dir": None, "vllm_device": None}
 _OPT_STEPS = ("max_steps", "save_steps", "eval_steps")  # (warmup_steps: ``warmup_batches``)
 # aliases whose None (TRL's "unset") grpolab reads: delta off, epsilon_high = epsilon,
 # eval_steps = logging_steps, TRL's own output folder, no model named here, no off-policy mask
@@ -85,7 +86,7 @@ _BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps",
 _SCRIPT = ("reward_funcs", "reward_model_name_or_path", "dataset_name")
 TRL_KEYS = frozenset({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *_VLLM_FIXED, *TRL_ASIDE,
                       *_BATCH, *_SCRIPT, "num_train_epochs", "generation_kwargs",
-                      "lr_scheduler_kwargs"})
+                      "lr_scheduler_kwargs", *open_r1.KEYS})  # (open-r1's recipes: TRL's)
 # grpolab train's defaults that are not TRL 1.16's (docs/real-models.md#trl-configs): grpolab's
 # value as the warning shows it (filled in from the config), TRL's, and the keys in either
 # naming that set it. A TRL config that sets none of an entry's keys runs on grpolab's value.
@@ -204,10 +205,10 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
         out.setdefault(key, value)
         source.setdefault(key, trl_key)
 
-    _refuse(given, d, (earlier, given, later))
+    _refuse({k: v for k, v in given.items() if k not in later}, d, (earlier, given, later))
     # optimiser steps per sampled batch: passes x TRL's steps per generation batch
     per_sample = whole_count(d, "num_iterations", 1) * generation_steps(d)
-    skip = {"save_steps" if as_word(d.get("save_strategy")) == "no" else "",
+    skip = {"save_steps" if as_word(d.get("save_strategy")) in ("no", "epoch") else "",
             "eval_steps" if as_word(d.get("eval_strategy")) == "no" else "",
             "bf16" if d.get("bf16") is None and as_word(d.get("fp16")) == "true" else "",
             # TRL's GDPO scales each reward over its group whatever scale_rewards says
@@ -305,14 +306,22 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     if rewards:
         put("rewards", rewards, "reward_funcs" if "reward_funcs" in d
             else "reward_model_name_or_path")
+        if "reward_funcs" in given and "answer_column" not in d:  # (they read their columns
+            put("answer_column", "", "reward_funcs")  # by name: no answer column needed)
+    for key, value in open_r1.translated(d).items():
+        put(key, value, "dataset_prompt_column")
+    funcs = d.get("reward_funcs") or []
+    params = open_r1.used_params([funcs] if isinstance(funcs, str) else funcs)
     batch = [k for k in _BATCH if given.get(k) is not None]
     if batch:
         for key, value in batch_settings(d, _last((earlier, given, later), "group_size",
                                               "num_generations"),
                                      "budget" not in given.keys() | later.keys()).items():
             put(key, value, batch[0])
-    aside = sorted(k for k in given if (k in TRL_ASIDE or (k in _VLLM_FIXED and not _vllm(d))
-                                    or k in skip) and k not in source.values())
+    aside = sorted(k for k in given if (
+        k in TRL_ASIDE or (k in _VLLM_FIXED and not _vllm(d)) or k in skip or k in open_r1.ASIDE
+        or (k in open_r1.PARAMS and k not in params) or (k == "dataset_name" and d.get("dataset"))
+    ) and k not in source.values() and k not in later)
     if aside:
         log.warning("TRL settings left aside (they change nothing that is trained here): %s",
                     ", ".join(aside))

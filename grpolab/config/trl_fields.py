@@ -47,7 +47,8 @@ TRL_VALUES: dict[str, dict[str | None, dict[str, Any]]] = {
     "bf16": {"true": {"dtype": "bfloat16"}, None: {"dtype": "bfloat16"}, "false": {}},
     "fp16": {"true": {"dtype": "float16"}, "false": {}},
     "use_vllm": {"true": {"rollout_backend": "vllm"}, "false": {}},
-    "save_strategy": {"steps": {}, "no": {"checkpoint_every": 0, "save_model_every": 0}},
+    "save_strategy": {"steps": {}, "no": {"checkpoint_every": 0, "save_model_every": 0},
+                      "epoch": {"save_each_pass": True}},  # (each pass's steps: with_length)
     "eval_strategy": {"steps": {}, "no": {"eval_size": 0}},
     "disable_tqdm": {"true": {"progress": False}, "false": {}, None: {}},
     "optim": {"adamw_torch": {}, "adamw_torch_fused": {}},  # grpolab's AdamW (Adam at weight_decay 0)

@@ -9,6 +9,7 @@ import math
 import os
 from typing import Any
 
+from grpolab.config import open_r1
 from grpolab.config.schema import ConfigError
 
 TRL_REWARDS = {name: f"trl.rewards:{name}" for name in
@@ -40,8 +41,8 @@ def generation_settings(kwargs: Any, temperature: Any) -> dict[str, Any]:
 
 def script_rewards(d: dict[str, Any]) -> list[str]:
     """`trl grpo`'s ``reward_model_name_or_path`` and ``reward_funcs`` as grpolab's ``rewards``
-    (TRL's registry names, dotted import paths)."""
-    if d.get("dataset_name"):
+    (TRL's registry names, open-r1's with the recipe's parameters, dotted import paths)."""
+    if d.get("dataset_name") and not d.get("dataset"):  # (with dataset: left aside)
         raise ConfigError(f"dataset_name: {d['dataset_name']!r} (TRL's script): grpolab reads "
                           "local files and reasoning_gym tasks; set dataset (and eval_dataset)")
     out = [f"rm:{d['reward_model_name_or_path']}"] if d.get("reward_model_name_or_path") else []
@@ -51,13 +52,16 @@ def script_rewards(d: dict[str, Any]) -> list[str]:
             out.append(TRL_REWARDS[name])
         elif name == "get_soft_overlong_punishment":  # (the script's: 1280 tokens, 256 soft)
             out.append("overlong:1280:256")
+        elif open_r1.reward_spec(str(name), d):
+            out.append(str(open_r1.reward_spec(str(name), d)))
         elif "." in str(name):
             module, _, fn = str(name).rpartition(".")
             out.append(f"{module}:{fn}")
         else:
             raise ConfigError(f"reward_funcs: {name!r} (TRL's script) has no grpolab equivalent; "
-                              f"grpolab reads {', '.join(TRL_REWARDS)} or a dotted import path "
-                              "(grpolab's own rewards, math, reasoning_gym, ..., go in rewards)")
+                              f"grpolab reads {', '.join(TRL_REWARDS)}, open-r1's "
+                              f"{', '.join(open_r1.REWARDS)} or a dotted import path (grpolab's "
+                              "own rewards, math, reasoning_gym, ..., go in rewards)")
     return out
 
 def generation_steps(d: dict[str, Any]) -> int:

@@ -170,6 +170,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"micro_batch must be >= 0 (got {cfg.micro_batch})")
     if cfg.prompt_template and "{prompt}" not in cfg.prompt_template:
         raise ConfigError("prompt_template must contain {prompt} (where the question goes)")
+    if (cfg.system_prompt or cfg.chat_template) and not cfg.use_chat_template:
+        raise ConfigError("system_prompt and chat_template take the chat template: set "
+                          "use_chat_template true (or put the text in prompt_template)")
     bad = [s for s in cfg.answer_sources
            if s not in ("boxed", "answer_tag", "answer_line", "bare", "last_statement")]
     if bad or not cfg.answer_sources:
@@ -292,13 +295,20 @@ def validate_ranks(cfg: Config, world: int) -> None:
 def with_length(cfg: Config, prompts: int) -> Config:
     """``cfg`` with ``passes`` turned into ``steps`` for a dataset of ``prompts`` training
     prompts: passes x the whole batches in one pass (its part batch left out, as the data
-    loaders of TRL and verl drop it), rounded up as transformers does. Unchanged at passes 0."""
-    if not cfg.passes > 0:
+    loaders of TRL and verl drop it), rounded up as transformers does; with
+    ``save_each_pass``, checkpoints and model saves every pass's steps. Unchanged at passes 0
+    without it."""
+    if not (cfg.passes > 0 or cfg.save_each_pass):
         return cfg
     per_pass = prompts // cfg.prompts_per_step
     if per_pass < 1:
-        raise ConfigError(f"passes {cfg.passes:g}: the dataset's {prompts} prompts fill no step "
-                          f"of {cfg.prompts_per_step}; give steps, or more prompts")
+        why = f"passes {cfg.passes:g}" if cfg.passes > 0 else "save_each_pass"
+        raise ConfigError(f"{why}: the dataset's {prompts} prompts fill no step of "
+                          f"{cfg.prompts_per_step}; give steps, or more prompts")
+    if cfg.save_each_pass:
+        cfg = dataclasses.replace(cfg, checkpoint_every=per_pass, save_model_every=per_pass)
+    if not cfg.passes > 0:
+        return cfg
     steps = cfg.passes * per_pass
     if steps >= 2**53:  # (past exact floats; inf: no number of steps)
         raise ConfigError(f"passes {cfg.passes:g} x {per_pass} steps a pass is too many steps "

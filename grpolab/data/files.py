@@ -278,7 +278,8 @@ def gold_text(value: Any, row: Any, column: str, where: str) -> Any:
 
 
 def run_rows(cfg: Any, warn: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The training and held-out rows a run's config names, with ``prompt_template`` applied.
+    """The training and held-out rows a run's config names, with ``prompt_template`` and
+    ``system_prompt`` applied.
 
     ``dataset``/``eval_dataset`` are local files or folders, or ``reasoning_gym:<task>``; a task
     library's held-out split comes from another seed and never repeats a training question.
@@ -313,10 +314,21 @@ def _run_rows(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         held = load(cfg.eval_dataset, cfg.eval_size, cfg.seed + HELDOUT_SEED_OFFSET, asked,
                     "test")
         _warn_overlap(train, held[: cfg.eval_size])  # the prompts evaluated; none: no warning
-    if cfg.prompt_template:
-        for row in (*train, *held):
+    for row in (*train, *held):
+        if cfg.prompt_template:
             row["prompt"] = _templated(cfg.prompt_template, row["prompt"])
+        if cfg.system_prompt:
+            row["prompt"] = with_system(cfg.system_prompt, row["prompt"])
     return train, held
+
+
+def with_system(system: str, prompt: Any) -> Any:
+    """A prompt as chat messages opening with the ``system`` message (open-r1's
+    ``make_conversation``); a chat prompt that has a system message keeps its own."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if any(m.get("role") == "system" for m in messages):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
 
 
 def _templated(template: str, prompt: Any) -> Any:

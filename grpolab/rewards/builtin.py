@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,6 @@ logger = logging.getLogger("grpolab.rewards.builtin")
 
 THINK_ANSWER_PATTERN = r"<think>.*?</think>\s*<answer>.*?</answer>"
 
-# math-verify's default timeouts use signal.alarm, which only works in the main thread.
-MATH_TIMEOUT_SECONDS = 5
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
@@ -44,12 +41,6 @@ def exact_answer(
 ) -> list[float]:
     """1.0 when the stripped completion equals the stripped gold answer (arithmetic world)."""
     return [1.0 if str(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer)]
-
-
-def _math_timeout() -> int | None:
-    """Signal-based timeouts only work in the main thread; elsewhere run without them."""
-    on_main = threading.current_thread() is threading.main_thread()
-    return MATH_TIMEOUT_SECONDS if on_main else None
 
 
 def _lenient_score(completion: str, gold: str, timeout: int | None) -> float:
@@ -74,7 +65,7 @@ def math_lenient(
     It pays "To solve 62 + 82, we ..." for the gold 144 (it evaluates the restated question);
     kept to show the reward-hacking watch catching exactly that. Train with ``math``.
     """
-    timeout = _math_timeout()
+    timeout = verifiers.math_timeout()
     return [0.0 if gold is None else _lenient_score(str(c), str(gold), timeout)
             for c, gold in zip(completions, answer)]
 
@@ -90,7 +81,7 @@ def math_reward(sources: Sequence[str] = verifiers.SOURCES) -> RewardFn:
 
     def math_answer(prompts: list[Any], completions: list[str], answer: list[Any],
                     **_: Any) -> list[float]:
-        timeout = _math_timeout()
+        timeout = verifiers.math_timeout()
         asked = prompts if prompts and len(prompts) == len(completions) else [""] * len(completions)
         return [0.0 if gold is None else float(verifiers.judge(verifiers.final_answer(
                     str(c), sources, verifiers.prompt_text(p)), str(gold), timeout))
@@ -220,9 +211,10 @@ def _overlong(spec: str, max_new_tokens: int | None) -> RewardFn:
     return overlong_punishment(limit, buffer)
 
 
-CODE_REWARDS = ("code", "code_all")  # a question's tests, in a sandbox (rewards.sandbox)
-BUILTIN_REWARDS = ("exact", "math", "math_lenient", "format", "reasoning_gym", *CODE_REWARDS,
-                   "overlong:BUFFER")
+# a question's tests, in a sandbox (rewards.sandbox; open-r1's: rewards.open_r1)
+CODE_REWARDS = ("code", "code_all", "open-r1:code", "open-r1:binary_code")
+BUILTIN_REWARDS = ("exact", "math", "math_lenient", "format", "reasoning_gym", "code",
+                   "code_all", "overlong:BUFFER", "open-r1:NAME")
 
 
 def load_reward(spec: str, format_pattern: str | None = None,
@@ -259,8 +251,12 @@ def load_reward(spec: str, format_pattern: str | None = None,
         from grpolab.data.tasks import task_reward
 
         return task_reward(sources)
+    if spec.startswith("open-r1:"):  # open-r1's reward registry, for its recipes
+        from grpolab.rewards.open_r1 import open_r1_reward
 
-    if spec in CODE_REWARDS:
+        return open_r1_reward(spec)
+
+    if spec in ("code", "code_all"):
         from grpolab.rewards.sandbox import code_all_reward, code_reward
 
         return code_reward if spec == "code" else code_all_reward

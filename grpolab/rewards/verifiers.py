@@ -38,6 +38,7 @@ import bisect
 import collections
 import functools
 import re
+import threading
 from fractions import Fraction
 from typing import Any
 
@@ -102,6 +103,13 @@ _SCALE = re.compile(r"\b(?:times|percent|per|hundred|thousand|million|billion|do
                     r"squared|cubed|halves|half|thirds?|quarters?|fifths?|tenths?|plus|minus|"
                     r"over|divided|multiplied|by|more|less|fewer)\b", re.IGNORECASE)
 _RESTATEMENTS = 3  # at most this many trailing restatements are looked past
+# math-verify's default timeouts use signal.alarm, which only works in the main thread.
+MATH_TIMEOUT_SECONDS = 5
+
+
+def math_timeout() -> int | None:
+    """math-verify's timeout: signal-based ones only work in the main thread (elsewhere none)."""
+    return MATH_TIMEOUT_SECONDS if threading.current_thread() is threading.main_thread() else None
 
 
 def _balanced(text: str, open_at: int) -> int | None:

@@ -22,7 +22,7 @@ SHAPE_KEYS = ("lora", "lora_r", "lora_target_modules", "model_path", "use_dora")
 # Config keys that choose the prompts: the sampler's and posteriors' state is per prompt, so a
 # checkpoint of other data is refused (ConfigError, exit 2), not loaded into the wrong rows.
 DATA_KEYS = ("dataset", "eval_dataset", "dataset_size", "prompt_column", "answer_column",
-             "prompt_template", "task_config", "world_train_size", "world_heldout_size",
+             "prompt_template", "system_prompt", "task_config", "world_train_size", "world_heldout_size",
              "world_top_share", "world_carry_share")
 
 

@@ -1,0 +1,58 @@
+"""open-r1's recipe keys (its ``GRPOScriptArguments`` and the fields its ``GRPOConfig`` adds to
+TRL's; src/open_r1/configs.py at commit 1416fa0), read beside TRL's by ``grpolab.config.trl``:
+its registry's ``reward_funcs`` names become ``open-r1:NAME`` rewards (grpolab.rewards.open_r1)
+with the recipe's parameters, ``dataset_prompt_column`` is ``prompt_column``; ``system_prompt``
+and ``chat_template`` are grpolab's own keys; the rest changes nothing trained here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpolab.config.schema import ConfigError
+
+# a reward's parameters: (open-r1's key, its default), in the order of the spec's fields
+_PARAMS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "cosine": (("cosine_min_value_wrong", 0.0), ("cosine_max_value_wrong", -0.5),
+               ("cosine_min_value_correct", 0.5), ("cosine_max_value_correct", 1.0),
+               ("cosine_max_len", 1000)),
+    "repetition_penalty": (("repetition_n_grams", 3), ("repetition_max_penalty", -1.0)),
+    "code_format": (("code_language", "python"),),
+    "soft_overlong_punishment": (("max_completion_len", 16384), ("soft_punish_cache", 4096)),
+}
+REWARDS = ("accuracy", "format", "tag_count", "reasoning_steps", "length", "code",
+           "binary_code", "ioi_code", "cf_code", *_PARAMS)
+PARAMS = tuple(key for params in _PARAMS.values() for key, _ in params)
+# the remote code judges' settings (grpolab runs the tests in its own sandbox), the Hub's,
+# Weights & Biases', and open-r1's callbacks and benchmarks
+ASIDE = frozenset({
+    "code_eval_test_batch_size", "code_eval_scoring_mode", "parallel_code_exec_per_proc",
+    "e2b_router_url", "morph_router_url", "code_provider", "ioi_provider",
+    "hub_model_revision", "overwrite_hub_revision", "push_to_hub_revision",
+    "wandb_entity", "wandb_project", "wandb_run_group", "wandb_log_unique_prompts",
+    "benchmarks", "callbacks", "dataset_configs"})
+KEYS = frozenset({"dataset_prompt_column", "dataset_mixture", *PARAMS, *ASIDE})
+
+
+def reward_spec(name: str, d: dict[str, Any]) -> str | None:
+    """The grpolab reward spec of open-r1's registry name ``name`` with the recipe ``d``'s
+    parameters (None: not one of open-r1's names)."""
+    if name not in REWARDS:
+        return None
+    values = [d.get(key, default) for key, default in _PARAMS.get(name, ())]
+    if name == "soft_overlong_punishment":  # (DAPO's formula, as overlong:MAX:BUFFER)
+        return "overlong:" + ":".join(str(v) for v in values)
+    return ":".join(["open-r1", name, *map(str, values)])
+
+
+def used_params(names: list[Any]) -> set[str]:
+    """The parameter keys the named rewards read (the others are left aside)."""
+    return {key for name in names for key, _ in _PARAMS.get(str(name), ())}
+
+
+def translated(d: dict[str, Any]) -> dict[str, Any]:
+    """open-r1's keys of ``d`` that set grpolab's: ``dataset_prompt_column``; a dataset
+    mixture (Hub datasets) refused."""
+    if d.get("dataset_mixture") and not d.get("dataset"):
+        raise ConfigError("dataset_mixture (open-r1) mixes Hub datasets: grpolab reads local "
+                          "files and reasoning_gym tasks; set dataset (and eval_dataset)")
+    return {"prompt_column": d["dataset_prompt_column"]} if "dataset_prompt_column" in d else {}
