@@ -101,8 +101,8 @@ def test_code_blocks_are_open_r1s_and_linear() -> None:
 
 def test_specs_load_and_refuse_in_one_line() -> None:
     fn = load_reward("open-r1:format")
-    assert fn.__name__ == "format_reward" and fn(["p"], ["<think>\na\n</think>\n<answer>\nb\n"
-                                                      "</answer>"]) == [1.0]
+    answer = "<think>\na\n</think>\n<answer>\nb\n</answer>"
+    assert fn.__name__ == "format_reward" and fn(["p"], [answer]) == [1.0]
     assert load_reward("open-r1:accuracy")([""], ["\\boxed{2}"], solution=["no math"]) == [0.0]
     assert load_reward("open-r1:repetition_penalty:1:-2")([""], ["a a"]) == [-1.0]
     for spec, message in [("open-r1:ioi_code", "Piston or Morph judge"),
