@@ -333,10 +333,13 @@ def trl_classes() -> tuple[type, ...]:
 def test_trl_aliases_are_trl_fields() -> None:
     """grpolab's TRL names are the fields of TRL 1.16's GRPOConfig (its TrainingArguments'
     included), ModelConfig and `trl grpo`'s script arguments, and every one of those fields is
-    either one of them or grpolab's own key: none is unknown to grpolab."""
+    either one of them or grpolab's own key: none is unknown to grpolab. (open-r1's keys, read
+    beside TRL's, are tested in tests/test_open_r1.py.)"""
+    from grpolab.config import open_r1
+
     trl_fields = {f.name for cls in trl_classes() for f in dataclasses.fields(cls)}
     ours = set(Config.__dataclass_fields__)
-    assert TRL_KEYS <= trl_fields
+    assert TRL_KEYS - open_r1.KEYS <= trl_fields and not open_r1.KEYS & trl_fields
     assert trl_fields - TRL_KEYS - ours == set()
     assert not TRL_KEYS & ours  # (a key is translated, or grpolab's own: never both)
     assert all(getattr(trl_rewards, name) for name in TRL_REWARDS)
