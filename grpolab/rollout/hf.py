@@ -255,8 +255,8 @@ class HFBackend(LMBackend):
         if not chat:
             why = ("use_chat_template is off" if self.has_chat_template
                    else "the tokenizer has no chat template")
-            raise ValueError(f"prompts are chat messages but {why}; use plain-text prompts or a "
-                             "tokenizer with a chat template")
+            raise ValueError(f"prompts are chat messages but {why}; use plain-text prompts, a "
+                             "tokenizer with a chat template, or set chat_template")
         try:
             text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
                                                       add_generation_prompt=True,
