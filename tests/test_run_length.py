@@ -81,6 +81,30 @@ def test_trl_epochs_and_warmup_are_trls(keys: dict, prompts: int) -> None:
     assert mine[0] == 0.0
 
 
+def test_interval_shares_with_epochs_are_transformers() -> None:
+    """TRL's save_steps / eval_steps / logging_steps shares with epochs (open-r1's Codeforces
+    recipe: save_steps 0.05, one epoch): shares of the steps counted from the data, equal to
+    transformers' TrainerState over the step count its Trainer derives; in grpolab's own keys
+    too (the workshop's steps are known at once)."""
+    from transformers import TrainerState
+    from trl import GRPOConfig
+
+    for shares, prompts in (({"save_steps": 0.1, "eval_steps": 0.25}, 21),
+                            ({"save_steps": 0.05, "logging_steps": 0.3}, 50)):
+        keys = {**TRL_RUNS[0][0], **shares, "eval_strategy": "steps"}
+        state = TrainerState()
+        state.compute_steps(GRPOConfig(output_dir="unused", report_to=[], bf16=False, **keys),
+                            len(trl_schedule(keys, prompts)))
+        c = make_config(None, keys, "train")
+        assert c.checkpoint_every == keys["save_steps"]  # (a share until the data is read)
+        c = with_length(c, prompts)
+        assert (c.checkpoint_every, c.save_model_every, c.eval_every) == (
+            state.save_steps, state.save_steps, state.eval_steps)
+    c = make_config(None, {"checkpoint_every": 0.25, "eval_every": 0.1, "steps": 30},
+                    "workshop")
+    assert (c.checkpoint_every, c.eval_every) == (8, 3)  # ceil(7.5), ceil(3.0)
+
+
 def test_a_part_epoch_ends_on_a_whole_batch() -> None:
     """1.3 epochs of 4 batches, 4 optimiser steps a batch: TRL stops after 21 optimiser steps,
     inside the sixth batch; grpolab samples whole batches and takes all 24 (steps ceil(1.3 x 4)

@@ -203,6 +203,8 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
      {"max_prompt_tokens": 1024}),
     ({"weight_decay": 0.1, "adam_beta2": 0.99, "adam_epsilon": 1e-6, "optim": "adamw_torch"},
      {"weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.99, "adam_epsilon": 1e-6}),
+    # a share of the run: grpolab's 40 steps where TRL's length is not given (warned of)
+    ({"save_steps": 0.5}, {"checkpoint_every": 20, "save_model_every": 20}),
     # each epoch's end (counted once the data is read); save_steps left aside, as TRL does
     ({"save_strategy": "epoch", "save_steps": 5}, {"save_each_pass": True,
                                                    "checkpoint_every": 10}),
@@ -225,8 +227,8 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"torch_dtype": "bfloat16", "dtype": "float32"}, "torch_dtype .an earlier TRL name of dtype"),
     ({"generation_kwargs": {"top_k": None}}, "generation_kwargs: top_k null"),
     ({"optim": "adafactor"}, "optim: 'adafactor' .TRL. has no grpolab equivalent"),
-    ({"save_steps": 0.1, "num_train_epochs": 2, "num_generations": 8},
-     "needs max_steps; with epochs, give a count"),
+    ({"save_steps": 0.1, "num_train_epochs": 2, "num_iterations": 2, "num_generations": 8},
+     "with epochs and 2 optimiser steps a sampled batch: give a count"),
     ({"steps_per_generation": 3, "gradient_accumulation_steps": 2},
      "steps_per_generation 3 .TRL. is not a multiple of gradient_accumulation_steps 2"),
     ({"per_device_train_batch_size": 4, "generation_batch_size": 6},
@@ -247,7 +249,6 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"lr_scheduler_type": "constant", "warmup_steps": 3}, "use constant_with_warmup"),
     ({"reward_funcs": ["accuracy_reward"], "rewards": ["math"]}, "sets rewards to"),
     ({"dataset_name": "trl-lib/DeepMath-103K"}, "set dataset .and eval_dataset."),
-    ({"save_steps": 0.5}, "save_steps: 0.5 .TRL: a share of max_steps. needs max_steps"),
     ({"save_steps": 2, "save_model_every": 3}, "save_steps: 2 .TRL. sets save_model_every to 2"),
     ({"num_iterations": 2, "save_steps": 3}, "save_steps: 3 .TRL. counts optimiser steps"),
     ({"eval_strategy": "epoch"}, "eval_strategy: 'epoch'"),  # (save_strategy epoch: read)
@@ -605,5 +606,5 @@ def test_trl_interval_shares_follow_a_later_length() -> None:
     c = make_config(file, {"steps": 400}, "train")
     assert (c.steps, c.checkpoint_every) == (400, 40)  # 0.1 x 800 optimiser steps, / 2
     assert make_config(file, {"max_steps": 400}, "train").checkpoint_every == 20
-    with pytest.raises(ConfigError, match="needs max_steps; with epochs, give a count"):
-        make_config(file, {"passes": 2}, "train")
+    with pytest.raises(ConfigError, match="with epochs and 2 optimiser steps a sampled batch"):
+        make_config(file, {"passes": 2}, "train")  # (at one a batch: a share, test_run_length)

@@ -144,16 +144,17 @@ class Config:
     micro_batch: int = opt(0, RUN, "rows per forward/backward in the update (0 = all); same step")
     shard: Literal["none", "fsdp"] = opt(
         "none", RUN, "torchrun: fsdp shards weights, grads, Adam (full FT)")
-    eval_every: int = opt(1, RUN, "steps between held-out evaluations", train=10)
+    eval_every: float = opt(1, RUN, "steps between held-out evaluations (below 1: a share of the "
+                            "run's)", train=10)
     eval_size: int = opt(256, ALL, "held-out prompts evaluated (first rows of the split)",
                          "prompts measured: the first rows of eval_dataset, else of dataset")
     eval_samples: int = opt(0, EVAL, "grpolab eval: answers per prompt at `temperature` for pass@k")
-    checkpoint_every: int = opt(10, RUN, "steps between checkpoints (0 = none)")
-    save_model_every: int = opt(
+    checkpoint_every: float = opt(10, RUN, "steps between checkpoints (0 = none; below 1: a "
+                                  "share of the run's steps, rounded up, as transformers)")
+    save_model_every: float = opt(
         0, MODEL, "steps between model folders <out_dir>/checkpoint-<step>/ (LoRA merged, loads "
-        "with from_pretrained and grpolab eval --model-path); 0 = only final/")
-    save_total_limit: int = opt(
-        0, MODEL, "keep the newest N checkpoint-<step>/ folders (0 = all)")
+        "with from_pretrained and grpolab eval --model-path); 0 = only final/; below 1: a share")
+    save_total_limit: int = opt(0, MODEL, "keep the newest N checkpoint-<step>/ folders (0 = all)")
     save_each_pass: bool = opt(False, MODEL, "checkpoint and save the model at each pass's end, "
                                "not every N steps (TRL's save_strategy epoch)")
     log_samples: int = opt(1, RUN, "groups a step written to samples.jsonl (answers, rewards); "
@@ -165,8 +166,7 @@ class Config:
     # --- GRPO maths ---
     beta: float = opt(0.04, RUN, "KL weight to the frozen reference (TRL beta, verl kl_loss_coef)")
     kl_estimator: KLEstimator = opt(
-        "k3", RUN,
-        "per-token KL: k1 log-ratio, k2 squared/2, k3 Schulman's")
+        "k3", RUN, "per-token KL: k1 log-ratio, k2 squared/2, k3 Schulman's")
     kl_is_correction: bool = opt(
         False, RUN,
         "KL times the policy ratio (TRL use_bias_correction_kl): the same value, another "
@@ -386,8 +386,8 @@ class Config:
     watch_reward: str = opt(
         "", MODEL,
         "strict held-out check for the reward-hacking watch (\"\" = off)")
-    watch_margin: float = opt(
-        0.2, MODEL, "flag when training reward rose this much more than the check")
+    watch_margin: float = opt(0.2, MODEL, "flag when training reward rose this much more than "
+                              "the check")
     watch_window: int = opt(
         5, MODEL, "steps averaged for the training reward's start and recent level")
     reward_weights: list[float] = opt([], ALL, "one per reward; [] = all 1")

@@ -299,9 +299,10 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     if ({"eval_strategy", "eval_steps", "logging_steps"} & given.keys()
             and as_word(d.get("eval_strategy")) == "steps" and d.get("eval_steps") is None):
         # transformers: eval_steps unset = logging_steps (10 by default)
-        put("eval_every", per_batches("logging_steps", run_share(
-            "logging_steps", d.get("logging_steps", 10), run, per_sample), per_sample),
-            "logging_steps" if "logging_steps" in d else "eval_strategy")
+        every = run_share("logging_steps", d.get("logging_steps", 10), run, per_sample)
+        put("eval_every", every if isinstance(every, float) and every < 1 else per_batches(
+            "logging_steps", every, per_sample), "logging_steps" if "logging_steps" in d
+            else "eval_strategy")
     rewards = script_rewards(d) if set(_SCRIPT) & given.keys() else []
     if rewards:
         put("rewards", rewards, "reward_funcs" if "reward_funcs" in d

@@ -126,17 +126,22 @@ def warmup_batches(d: dict[str, Any], per_sample: int) -> Any:
 
 def run_share(key: str, value: Any, d: dict[str, Any], per_sample: int) -> Any:
     """TRL's interval below 1 (``save_steps``, ``eval_steps``, ``logging_steps``): a share of
-    the run's optimiser steps, rounded up as transformers does; a count as it is."""
+    the run's optimiser steps, rounded up as transformers does; a count as it is. With epochs,
+    a share as it is (grpolab's share of its steps, counted from the data: TRL's at one
+    optimiser step a sampled batch)."""
     n = as_number(value)
     if not (isinstance(n, float) and 0 < n < 1):
         return value
     total = as_number(d.get("max_steps", -1))
     if (not isinstance(total, int) or total < 1) and isinstance(as_number(d.get("steps")), int):
         total = as_number(d["steps"]) * per_sample  # (grpolab's steps: sampled batches)
-    if not isinstance(total, int) or total < 1:
-        raise ConfigError(f"{key}: {value!r} (TRL: a share of max_steps) needs max_steps; "
-                          "with epochs, give a count")
-    return math.ceil(total * n)
+    if isinstance(total, int) and total >= 1:
+        return math.ceil(total * n)
+    if per_sample > 1:
+        raise ConfigError(f"{key}: {value!r} (TRL: a share of the run's optimiser steps) with "
+                          f"epochs and {per_sample} optimiser steps a sampled batch: give a "
+                          "count, or max_steps")
+    return n
 
 
 def per_batches(key: str, value: Any, per_sample: int) -> int:

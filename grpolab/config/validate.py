@@ -32,6 +32,7 @@ def resolve(cfg: Config) -> Config:
     if float(c.warmup_steps).is_integer():  # a count reads as one (a share stays)
         c.warmup_steps = int(c.warmup_steps)
     validate(c)
+    c = with_intervals(c)
     _validate_objective(c)
     return c
 
@@ -129,10 +130,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"group_size {cfg.group_size} does not divide the budget {cfg.budget}"
         )
-    for name in ("steps", "budget", "epochs", "minibatches", "max_new_tokens", "eval_every"):
+    for name in ("steps", "budget", "epochs", "minibatches", "max_new_tokens"):
         if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be >= 1 (got {getattr(cfg, name)})")
+    for name in INTERVALS:  # a count, or below 1 a share of the run
+        v = getattr(cfg, name)
+        if not 0 <= v < math.inf or (v > 1 and v % 1) or (name == "eval_every" and not v > 0):
             off = "; eval_size 0 turns evaluation off" if name == "eval_every" else ""
-            raise ConfigError(f"{name} must be >= 1 (got {getattr(cfg, name)}){off}")
+            raise ConfigError(f"{name} must be a count of steps, or below 1 a share of the run "
+                              f"(got {v}){off}")
     for name in ("temperature", "lr"):
         if not getattr(cfg, name) > 0:
             raise ConfigError(f"{name} must be > 0 (got {getattr(cfg, name)})")
@@ -213,7 +219,7 @@ def _validate_ranges(cfg: Config) -> None:
     for name in ("std_eps", "min_std", "reward_timeout"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0 (got {getattr(cfg, name)})")
-    for name in ("eval_size", "checkpoint_every", "save_model_every", "save_total_limit",
+    for name in ("eval_size", "save_total_limit",
                  "sft_steps", "reward_workers", "world_heldout_size", "logit_chunk"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0 (got {getattr(cfg, name)})")
@@ -313,4 +319,22 @@ def with_length(cfg: Config, prompts: int) -> Config:
     if steps >= 2**53:  # (past exact floats; inf: no number of steps)
         raise ConfigError(f"passes {cfg.passes:g} x {per_pass} steps a pass is too many steps "
                           "(the limit: 2**53)")
-    return dataclasses.replace(cfg, steps=math.ceil(steps))
+    return with_intervals(dataclasses.replace(cfg, steps=math.ceil(steps)), counted=True)
+
+
+INTERVALS = ("eval_every", "checkpoint_every", "save_model_every")
+
+
+def with_intervals(cfg: Config, counted: bool = False) -> Config:
+    """``cfg`` with its intervals as counts: a whole number as an int, a share (below 1) of
+    the run's steps rounded up, as transformers counts its save_steps / eval_steps shares
+    (left a share while ``passes`` leaves the steps to count from the data, until
+    ``with_length`` has ``counted`` them)."""
+    out = {}
+    for name in INTERVALS:
+        v = getattr(cfg, name)
+        if float(v).is_integer():
+            out[name] = int(v)
+        elif counted or not cfg.passes > 0:
+            out[name] = math.ceil(cfg.steps * v)
+    return dataclasses.replace(cfg, **out)
