@@ -48,7 +48,7 @@ def test_math_rewards_equal_open_r1s_own(name: str) -> None:
             assert open_r1.cosine_reward(*json.loads(params))(texts, golds) == want
     else:
         got = [v for i in range(0, len(texts), 8)
-               for v in open_r1.length_reward(texts[i:i + 8], golds[i:i + 8])]
+               for v in open_r1.len_reward(texts[i:i + 8], golds[i:i + 8])]
         assert got == GOLDEN["length"]
 
 
@@ -62,6 +62,9 @@ def test_text_rewards_equal_open_r1s_patterns() -> None:
     for lang in ("python", "cpp"):
         want = [1.0 if re.match(CODE_FORMAT.format(lang), t, flags) else 0.0 for t in texts]
         assert open_r1.code_format_reward(lang)(texts) == want and sum(want) > 0
+    langs = random.Random(1).choices(["python", "cpp"], k=len(texts))  # (a language column)
+    want = [1.0 if re.match(CODE_FORMAT.format(g), t, flags) else 0.0 for t, g in zip(texts, langs)]
+    assert open_r1.code_format_reward("python")(texts, language=langs) == want
     tags = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
     assert open_r1.tag_count_reward(texts) == [sum(0.25 for g in tags if t.count(g) == 1)
                                               for t in texts]
@@ -82,12 +85,12 @@ def test_repetition_and_length_by_hand() -> None:
     with pytest.raises(ValueError, match="must be <= 0"):
         open_r1.repetition_reward(2, 0.5)
     # 9, 11 and 13 characters: 0.5 - (len - 9) / 4, a wrong answer's at most 0
-    got = open_r1.length_reward(["\\boxed{1}", "\\boxed{111}", "\\boxed{11111}"],
+    got = open_r1.len_reward(["\\boxed{1}", "\\boxed{111}", "\\boxed{11111}"],
                                 ["$1$", "$111$", "$2$"])
     assert got == [0.5, 0.0, -0.5]
     # a bare "1" is no answer (it needs a box or an anchor): wrong, so min(0, 0.5)
-    assert open_r1.length_reward(["1", "\\boxed{1}"], ["$1$", "$1$"]) == [0.0, -0.5]
-    assert open_r1.length_reward(["1", "2"], ["$1$", "$3$"]) == [0.0, 0.0]  # one length: 0
+    assert open_r1.len_reward(["1", "\\boxed{1}"], ["$1$", "$1$"]) == [0.0, -0.5]
+    assert open_r1.len_reward(["1", "2"], ["$1$", "$3$"]) == [0.0, 0.0]  # one length: 0
 
 
 def test_code_blocks_are_open_r1s_and_linear() -> None:
@@ -105,10 +108,16 @@ def test_specs_load_and_refuse_in_one_line() -> None:
     assert fn.__name__ == "format_reward" and fn(["p"], [answer]) == [1.0]
     assert load_reward("open-r1:accuracy")([""], ["\\boxed{2}"], solution=["no math"]) == [0.0]
     assert load_reward("open-r1:repetition_penalty:1:-2")([""], ["a a"]) == [-1.0]
+    assert load_reward("open-r1:cosine:0:-0.5:0.5:1:1e3")([""], [""], solution=["x"]) == [1.0]
+    # open-r1's soft_punish_cache 0: 0 up to the maximum, -1 past it
+    assert load_reward("overlong:10:0")([""] * 2, ["a", "b"], completion_ids=[[1] * 10,
+                                                                           [1] * 11]) == [0, -1]
     for spec, message in [("open-r1:ioi_code", "Piston or Morph judge"),
                           ("open-r1:nope", "unknown open-r1 reward"),
                           ("open-r1:cosine:1:2", "give all 5 parameters"),
-                          ("open-r1:cosine:a:b:c:d:e", "must be numbers"),
+                          ("open-r1:cosine:a:b:c:d:e", "'a' is not one of its finite"),
+                          ("open-r1:cosine:0:0:0:0:10.5", "'10.5' is not one of its whole"),
+                          ("open-r1:cosine:0:0:nan:0:10", "'nan' is not one of its finite"),
                           ("open-r1:format:x", "takes no parameters"),
                           ("open-r1:code_format:a b", "code_format:LANGUAGE")]:
         with pytest.raises(ValueError, match=message):
@@ -206,6 +215,59 @@ def test_every_open_r1_field_at_its_default_loads(tmp_path) -> None:
     assert (c.system_prompt, c.chat_template, c.prompt_column) == ("", "", "prompt")
 
 
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"cosine_max_len": 1000.5}, "cosine_max_len: 1000.5 .open-r1. must be a whole number"),
+    ({"cosine_min_value_wrong": ".nan"}, "cosine_min_value_wrong: '.nan' .open-r1. must be"),
+    ({"repetition_n_grams": 2.5}, "repetition_n_grams: 2.5 .open-r1. must be a whole"),
+    ({"code_language": "py thon"}, "code_language: 'py thon' .open-r1. must be a language"),
+    ({"reward_funcs": ["cf_code"]}, "cf_code .open-r1. runs Codeforces' tests on a Piston"),
+])
+def test_recipe_parameters_are_checked_by_their_names(keys: dict, message: str) -> None:
+    funcs = {"reward_funcs": ["cosine", "repetition_penalty", "code_format"]}
+    with pytest.raises(ConfigError, match=message):
+        make_config(None, {**funcs, **keys}, "train")
+
+
+def test_recipe_values_as_open_r1_reads_them(caplog) -> None:
+    c = make_config(None, {"reward_funcs": "accuracy, cosine", "cosine_max_len": 1000.0,
+                           "soft_punish_cache": 0}, "train")  # (a flag's comma list)
+    assert c.rewards == ["open-r1:accuracy", "open-r1:cosine:0.0:-0.5:0.5:1.0:1000"]
+    c = make_config(None, {"reward_funcs": ["soft_overlong_punishment"],
+                           "max_completion_len": 64, "soft_punish_cache": 0}, "train")
+    assert c.rewards == ["overlong:64:0"]
+    with caplog.at_level("WARNING", logger="grpolab"):
+        make_config(None, {"dataset": "m.jsonl", "dataset_mixture": {"datasets": []},
+                           "reward_funcs": ["format"]}, "train")
+    assert "left aside (they change nothing that is trained here): dataset_mixture" in caplog.text
+    with pytest.raises(ConfigError, match="dataset_mixture .open-r1. mixes Hub datasets"):
+        make_config(None, {"dataset_mixture": {"datasets": []}, "reward_funcs": ["format"]},
+                    "train")
+
+
+def test_code_data_in_another_language_is_warned_of(caplog) -> None:
+    """open-r1's code data may mix languages: a C++ row has no test the Python sandbox can
+    run (its code_format still reads the row's language), and a file that mixes them is
+    warned of, not refused."""
+    from grpolab.rewards.code_data import row_case
+    from grpolab.rewards.sandbox import check_tests
+
+    case = {"test_cases": [{"type": "stdin_stdout", "input": "1", "output": "1"}]}
+    rows = [{"verification_info": {**case, "language": "python"}},
+            {"verification_info": {**case, "language": "cpp"}}]
+    assert row_case(rows[0]).io and not row_case(rows[1]).count
+    with caplog.at_level("WARNING"):
+        check_tests(rows, "'mixed.jsonl'")
+    assert "1 of the 2 rows of 'mixed.jsonl' with no tests" in caplog.text
+
+
+def test_a_template_that_renders_nothing_stops_before_the_run() -> None:
+    from grpolab.rollout.templates import check_render
+
+    with pytest.raises(ValueError, match="renders the first prompt as nothing"):
+        check_render(lambda p: ("  ", True), [{"role": "user", "content": "q"}])
+    check_render(lambda p: ("", False), "")  # (a plain prompt: the tokenizer's to refuse)
+
+
 def test_an_override_lifts_a_files_refusal(tmp_path) -> None:
     """TRL's command line overrides its YAML: a file's use_vllm: true, refused here, is
     lifted by --use_vllm false (refused even then before), push_to_hub: true alike."""
@@ -268,3 +330,9 @@ def test_an_open_r1_recipe_trains_end_to_end(llama: str, tmp_path) -> None:
     saved = json.loads((out / "final" / "tokenizer_config.json").read_text())
     template = saved.get("chat_template") or (out / "final" / "chat_template.jinja").read_text()
     assert template.startswith("{% for m in messages %}")
+    # max_steps ending inside a pass: a model folder at the last step too, as transformers'
+    # epoch saves; every one kept at save_total_limit 0
+    assert cli.main(["train", "--config", str(y), "--no-progress", "--max_steps", "3",
+                     "--save_total_limit", "0", "--output_dir", str(tmp_path / "cut")]) == 0
+    assert sorted(p.name for p in (tmp_path / "cut").glob("checkpoint-*")) == [
+        "checkpoint-2", "checkpoint-3"]

@@ -6,6 +6,8 @@ and ``chat_template`` are grpolab's own keys; the rest changes nothing trained h
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 from grpolab.config.schema import ConfigError
@@ -20,7 +22,8 @@ _PARAMS: dict[str, tuple[tuple[str, Any], ...]] = {
     "soft_overlong_punishment": (("max_completion_len", 16384), ("soft_punish_cache", 4096)),
 }
 REWARDS = ("accuracy", "format", "tag_count", "reasoning_steps", "length", "code",
-           "binary_code", "ioi_code", "cf_code", *_PARAMS)
+           "binary_code", *_PARAMS)
+REFUSED = {"ioi_code": "IOI's", "cf_code": "Codeforces'"}  # (their judges: Piston, Morph)
 PARAMS = tuple(key for params in _PARAMS.values() for key, _ in params)
 # the remote code judges' settings (grpolab runs the tests in its own sandbox), the Hub's,
 # Weights & Biases', and open-r1's callbacks and benchmarks
@@ -33,20 +36,45 @@ ASIDE = frozenset({
 KEYS = frozenset({"dataset_prompt_column", "dataset_mixture", *PARAMS, *ASIDE})
 
 
+def _param(key: str, value: Any, default: Any) -> Any:
+    """A reward parameter of the recipe read as open-r1's field's type, or refused naming it."""
+    if isinstance(default, str):
+        if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9+#_-]+", value):
+            return value
+        raise ConfigError(f"{key}: {value!r} (open-r1) must be a language's name, as python")
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if math.isfinite(number) and (not isinstance(default, int) or number.is_integer()):
+        return type(default)(number)
+    kind = "a whole number" if isinstance(default, int) else "a finite number"
+    raise ConfigError(f"{key}: {value!r} (open-r1) must be {kind}")
+
+
 def reward_spec(name: str, d: dict[str, Any]) -> str | None:
     """The grpolab reward spec of open-r1's registry name ``name`` with the recipe ``d``'s
     parameters (None: not one of open-r1's names)."""
+    if name in REFUSED:
+        raise ConfigError(f"reward_funcs: {name} (open-r1) runs {REFUSED[name]} tests on a "
+                          "Piston or Morph judge, which grpolab does not run; its sandbox runs "
+                          "Python answers (code, with the rows' tests)")
     if name not in REWARDS:
         return None
-    values = [d.get(key, default) for key, default in _PARAMS.get(name, ())]
+    values = [_param(key, d.get(key, default), default) for key, default in _PARAMS.get(name, ())]
     if name == "soft_overlong_punishment":  # (DAPO's formula, as overlong:MAX:BUFFER)
         return "overlong:" + ":".join(str(v) for v in values)
     return ":".join(["open-r1", name, *map(str, values)])
 
 
-def used_params(names: list[Any]) -> set[str]:
-    """The parameter keys the named rewards read (the others are left aside)."""
-    return {key for name in names for key, _ in _PARAMS.get(str(name), ())}
+def aside(d: dict[str, Any]) -> set[str]:
+    """The recipe's open-r1 keys that change nothing here: those of ``ASIDE``, the parameters
+    of rewards it does not name, and a dataset mixture beside a local ``dataset``."""
+    funcs = d.get("reward_funcs") or []
+    used = {key for name in ([funcs] if isinstance(funcs, str) else funcs)
+            for key, _ in _PARAMS.get(str(name), ())}
+    return ({k for k in d if k in ASIDE or (k in PARAMS and k not in used)}
+            | ({"dataset_mixture"} if d.get("dataset_mixture") and d.get("dataset") else set()))
 
 
 def translated(d: dict[str, Any]) -> dict[str, Any]:

@@ -311,8 +311,7 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             put("answer_column", "", "reward_funcs")  # by name: no answer column needed)
     for key, value in open_r1.translated(d).items():
         put(key, value, "dataset_prompt_column")
-    funcs = d.get("reward_funcs") or []
-    params = open_r1.used_params([funcs] if isinstance(funcs, str) else funcs)
+    open_aside = open_r1.aside(d)
     batch = [k for k in _BATCH if given.get(k) is not None]
     if batch:
         for key, value in batch_settings(d, _last((earlier, given, later), "group_size",
@@ -320,9 +319,9 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
                                      "budget" not in given.keys() | later.keys()).items():
             put(key, value, batch[0])
     aside = sorted(k for k in given if (
-        k in TRL_ASIDE or (k in _VLLM_FIXED and not _vllm(d)) or k in skip or k in open_r1.ASIDE
-        or (k in open_r1.PARAMS and k not in params) or (k == "dataset_name" and d.get("dataset"))
-    ) and k not in source.values() and k not in later)
+        k in TRL_ASIDE or (k in _VLLM_FIXED and not _vllm(d)) or k in skip or k in open_aside
+        or (k == "dataset_name" and d.get("dataset"))) and k not in source.values()
+                   and k not in later)
     if aside:
         log.warning("TRL settings left aside (they change nothing that is trained here): %s",
                     ", ".join(aside))
@@ -345,8 +344,8 @@ def _refuse(given: dict[str, Any], d: dict[str, Any],
                 as_word(v) for v in values}:
             raise ConfigError(f"{key}: {given[key]!r} (TRL) has no grpolab equivalent: {why}")
     if as_word(given.get("push_to_hub")) == "true":
-        raise ConfigError("push_to_hub: true (TRL): grpolab does not upload; the final model "
-                          "is saved to out_dir/final")
+        raise ConfigError("push_to_hub: true (TRL): grpolab does not upload (the final model "
+                          "is saved to out_dir/final): set push_to_hub: false")
     half = ("fp16" if as_word(d.get("fp16")) == "true" else
             "bf16" if "bf16" in d and as_word(d["bf16"]) in ("true", "none") else None)
     lora = _last(layers, "lora", "use_peft")

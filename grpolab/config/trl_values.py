@@ -47,7 +47,9 @@ def script_rewards(d: dict[str, Any]) -> list[str]:
                           "local files and reasoning_gym tasks; set dataset (and eval_dataset)")
     out = [f"rm:{d['reward_model_name_or_path']}"] if d.get("reward_model_name_or_path") else []
     funcs = d.get("reward_funcs") or []
-    for name in [funcs] if isinstance(funcs, str) else funcs:
+    if isinstance(funcs, str):  # (a flag's a,b as grpolab's own list flags read it)
+        funcs = [f.strip() for f in funcs.split(",") if f.strip()]
+    for name in funcs:
         if name in TRL_REWARDS:
             out.append(TRL_REWARDS[name])
         elif name == "get_soft_overlong_punishment":  # (the script's: 1280 tokens, 256 soft)

@@ -53,7 +53,8 @@ def _as(tp: Any, value: Any) -> Any:
     if tp in (int, float, str):
         if tp is int and isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
-        if tp is not str and isinstance(value, bool):
+        if isinstance(value, bool) if tp is not str else isinstance(
+                value, (bool, dict, list, tuple, set)):  # (a mapping is no text: refused)
             raise ValueError(value)
         return "" if tp is str and value is None else tp(value)  # null: none (answer_column)
     if tp is Speed:

@@ -204,10 +204,10 @@ def _overlong(spec: str, max_new_tokens: int | None) -> RewardFn:
     if len(nums) == 1:  # (the length limit: the run's)
         nums = [max_new_tokens or 0, *nums]
     limit, buffer = nums if len(nums) == 2 else (0, 0)
-    if not 0 < buffer <= limit:
+    if not (0 < buffer <= limit or (buffer == 0 < limit and len(parts) == 2)):
         raise ValueError(f"reward spec {spec!r}: write overlong:BUFFER (its length limit "
                          f"max_new_tokens, {max_new_tokens}) or overlong:MAX:BUFFER, 0 < BUFFER "
-                         "<= MAX tokens")
+                         "<= MAX tokens (MAX:0: -1 past MAX only, open-r1's soft_punish_cache 0)")
     return overlong_punishment(limit, buffer)
 
 

@@ -105,6 +105,8 @@ def row_case(row: Mapping[str, Any]) -> Case:
         case = _calls(str(fn_name), ins, outs) if fn_name else Case(io=_pairs(ins, outs))
         return dataclasses.replace(case, prelude=APPS_IMPORTS)
     if column == "verification_info" and isinstance(value, Mapping):
+        if str(value.get("language") or "python").lower() not in ("python", "python3", "py"):
+            return Case()  # (another language's program: the sandbox runs Python only)
         cases = [c for c in value.get("test_cases") or [] if isinstance(c, Mapping)
                  and c.get("type", "stdin_stdout") == "stdin_stdout"]
         return Case(io=_pairs([c.get("input") for c in cases], [c.get("output") for c in cases]))

@@ -195,7 +195,7 @@ def repetition_reward(ngram: int, max_penalty: float) -> RewardFn:
     return repetition_penalty_reward
 
 
-def length_reward(completions: list[str], solution: list[Any], **_: Any) -> list[float]:
+def len_reward(completions: list[str], solution: list[Any], **_: Any) -> list[float]:
     """open-r1's ``length`` (Kimi 1.5): over the answers of one call (TRL's: a process's
     batch; here: the step's), 0.5 - (len - min) / (max - min) in characters, at most 0 when
     wrong; all 0 when every answer has one length; an unparseable gold counts right."""
@@ -240,23 +240,33 @@ def code_rewards(binary: bool) -> RewardFn:
 
 def code_format_reward(language: str) -> RewardFn:
     """open-r1's ``code_format``: ``format`` with a ```` ```LANGUAGE ... ``` ```` block inside
-    the answer."""
+    the answer; a row's ``language`` column, where the data has one, names its language (as
+    open-r1 reads it: mixed-language data)."""
 
-    def code_format(completions: list[str], **_: Any) -> list[float]:
+    def code_format_reward(completions: list[str], **columns: Any) -> list[float]:
+        languages = columns.get("language") or [language] * len(completions)
         return [1.0 if _sections(str(c), "<think>\n", ("\n</think>\n<answer>\n",
-                                                       f"```{language}", "```"), "\n</answer>")
-                else 0.0 for c in completions]
+                                                       f"```{lang}", "```"), "\n</answer>")
+                else 0.0 for c, lang in zip(completions, languages)]
 
-    return code_format
+    return code_format_reward
 
 
 def _numbers(spec: str, parts: list[str], defaults: tuple[Any, ...]) -> list[Any]:
+    """The spec's parameters as the defaults' types (a whole 1000.0 as an int), finite."""
     if parts and len(parts) != len(defaults):
         raise ValueError(f"reward spec {spec!r}: give all {len(defaults)} parameters or none")
-    try:
-        return [type(d)(p) if parts else d for d, p in zip(defaults, parts or defaults)]
-    except ValueError:
-        raise ValueError(f"reward spec {spec!r}: its parameters must be numbers") from None
+    out = []
+    for default, part in zip(defaults, parts or defaults):
+        try:
+            value = float(part)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or (isinstance(default, int) and not value.is_integer()):
+            kind = "whole numbers" if isinstance(default, int) else "finite numbers"
+            raise ValueError(f"reward spec {spec!r}: {part!r} is not one of its {kind}")
+        out.append(type(default)(value))
+    return out
 
 
 def open_r1_reward(spec: str) -> RewardFn:
@@ -264,14 +274,14 @@ def open_r1_reward(spec: str) -> RewardFn:
     name, *parts = spec.split(":")[1:] or [""]
     if name in REFUSED:
         raise ValueError(f"reward spec {spec!r}: open-r1 scores it with {REFUSED[name]}, which "
-                         "grpolab does not run; use code (tests run in grpolab's sandbox)")
+                         "grpolab does not run (its sandbox runs Python answers: open-r1:code)")
     if name not in NAMES:
         raise ValueError(f"unknown open-r1 reward {spec!r}: expected open-r1: and one of "
                          f"{', '.join(NAMES)} (soft_overlong_punishment: overlong:MAX:CACHE)")
     if parts and name not in ("cosine", "repetition_penalty", "code_format"):
         raise ValueError(f"reward spec {spec!r}: open-r1's {name} takes no parameters")
     plain = {"accuracy": accuracy_reward, "format": format_reward, "tag_count": tag_count_reward,
-             "reasoning_steps": reasoning_steps_reward, "length": length_reward}
+             "reasoning_steps": reasoning_steps_reward, "length": len_reward}
     if name in plain:
         fn = plain[name]
     elif name == "cosine":

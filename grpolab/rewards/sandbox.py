@@ -386,6 +386,8 @@ def check_tests(rows: list[dict[str, Any]], where: str, sample: int = 200,
                 "with json.dumps, or the file with to_json(orient='records', lines=True)")
     cases = [row_case(row) for row in rows[:sample]]
     if any(case.io for case in cases):
+        if warn:  # (rows without tests, say of another language, beside stdin/stdout ones)
+            _warn_unjudged(cases, f" of {where}")
         return
     tests = [t for case in cases for t in case.tests]
     if not any(plan_test(t) is not None for t in tests[:MAX_TESTS * 4]):

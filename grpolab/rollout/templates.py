@@ -20,8 +20,9 @@ TEMPLATE_SECONDS = 10.0
 
 def _child(conn: Any, render: Callable[[Any], Any], prompt: Any) -> None:
     try:
-        render(prompt)
-        conn.send(None)
+        text = render(prompt)
+        empty = isinstance(text, tuple) and text[1] and not str(text[0]).strip()
+        conn.send("the chat template renders the first prompt as nothing" if empty else None)
     except ValueError as e:  # already one line for the user
         conn.send(str(e))
     except BaseException as e:  # noqa: BLE001 - reported by the parent, in one line

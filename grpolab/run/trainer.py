@@ -169,8 +169,9 @@ class GRPOTrainer:
                                acc="-" if acc is None else f"{acc:.2f}")
             if on_step:
                 on_step(rec)
-            if cfg.save_model_every and self.step_num % cfg.save_model_every == 0:
-                self.save_model()  # before the checkpoint: a kill between them redoes both
+            if cfg.save_model_every and (self.step_num % cfg.save_model_every == 0 or (
+                    cfg.save_each_pass and self.step_num == cfg.steps)):  # (HF: a part epoch's
+                self.save_model()  # end too) before the checkpoint: a kill redoes both
             saved = bool(cfg.checkpoint_every) and (self.step_num % cfg.checkpoint_every == 0
                                                     or self.step_num == cfg.steps)
             if saved:
@@ -308,7 +309,8 @@ class GRPOTrainer:
             raise ConfigError(
                 f"the training set has {len(self.train_rows)} prompts but a step needs "
                 f"{cfg.prompts_per_step} distinct ones (budget {cfg.budget} / group_size "
-                f"{cfg.group_size}); lower budget, or add prompts")
+                f"{cfg.group_size}); lower budget (TRL's per_device_train_batch_size x "
+                f"gradient_accumulation_steps), or add prompts")
         # Backends that know their model's positions (HFBackend) get told the answer room.
         positions = getattr(self.backend, "max_positions", None)
         if positions and cfg.max_new_tokens >= positions:
