@@ -167,7 +167,9 @@ def test_a_negative_count_is_one_line_exit_2(key: str, tmp_path: Path,
     out = tmp_path / "run"
     code, err = run_cli(["train", f"--{key.replace('_', '-')}", "-1", "--out-dir", str(out)],
                         capsys)
-    assert code == 2 and err == [f"grpolab: error: {key} must be >= 0 (got -1)"]
+    what = ("a count of steps, or below 1 a share of the run" if key == "save_model_every"
+            else ">= 0")
+    assert code == 2 and err == [f"grpolab: error: {key} must be {what} (got -1)"]
     assert not out.exists()
 
 

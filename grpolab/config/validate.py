@@ -138,7 +138,7 @@ def validate(cfg: Config) -> None:
         if not 0 <= v < math.inf or (v > 1 and v % 1) or (name == "eval_every" and not v > 0):
             off = "; eval_size 0 turns evaluation off" if name == "eval_every" else ""
             raise ConfigError(f"{name} must be a count of steps, or below 1 a share of the run "
-                              f"(got {v}){off}")
+                              f"(got {v:g}){off}")
     for name in ("temperature", "lr"):
         if not getattr(cfg, name) > 0:
             raise ConfigError(f"{name} must be > 0 (got {getattr(cfg, name)})")
