@@ -3,6 +3,7 @@ beside TRL's, and a recipe trains end to end (system prompt, chat template, a sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -229,9 +230,11 @@ def test_recipe_parameters_are_checked_by_their_names(keys: dict, message: str) 
 
 
 def test_recipe_values_as_open_r1_reads_them(caplog) -> None:
-    c = make_config(None, {"reward_funcs": "accuracy, cosine", "cosine_max_len": 1000.0,
-                           "soft_punish_cache": 0}, "train")  # (a flag's comma list)
+    with caplog.at_level("WARNING", logger="grpolab"):
+        c = make_config(None, {"reward_funcs": "accuracy, cosine", "cosine_max_len": 1000.0,
+                               "soft_punish_cache": 0}, "train")  # (a flag's comma list)
     assert c.rewards == ["open-r1:accuracy", "open-r1:cosine:0.0:-0.5:0.5:1.0:1000"]
+    assert "cosine_max_len" not in caplog.text and "soft_punish_cache" in caplog.text
     c = make_config(None, {"reward_funcs": ["soft_overlong_punishment"],
                            "max_completion_len": 64, "soft_punish_cache": 0}, "train")
     assert c.rewards == ["overlong:64:0"]
@@ -277,6 +280,17 @@ def test_an_override_lifts_a_files_refusal(tmp_path) -> None:
         make_config(y, {"use_vllm": "false"}, "train")
     c = make_config(y, {"use_vllm": "false", "push_to_hub": "false"}, "train")
     assert (c.rollout_backend, c.group_size) == ("hf", 4)
+    y.write_text("top_k: null\nnum_generations: 4\n")
+    assert make_config(y, {"top_k": "5"}, "train").top_k == 5
+
+
+def test_a_changed_save_each_pass_is_a_free_resume_change() -> None:
+    from grpolab.config import to_dict
+    from grpolab.run.resume import changed_settings
+
+    c = make_config(None, {}, "train")
+    later = dataclasses.replace(c, save_each_pass=True, checkpoint_every=5, save_model_every=5)
+    assert changed_settings({"config": to_dict(c)}, later, 0, None) == {}
 
 
 def test_each_pass_saves_and_the_system_prompt() -> None:

@@ -5,6 +5,7 @@ verl's own code, and end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from torch.utils.data import DataLoader
 from verl_harness import verl_functions
 
 from grpolab.config import ConfigError, make_config
-from grpolab.config.validate import with_length
+from grpolab.config.validate import every, resolve, with_length
 from grpolab.run.optim import lr_at, schedule_length
 
 
@@ -95,14 +96,21 @@ def test_interval_shares_with_epochs_are_transformers() -> None:
         state = TrainerState()
         state.compute_steps(GRPOConfig(output_dir="unused", report_to=[], bf16=False, **keys),
                             len(trl_schedule(keys, prompts)))
-        c = make_config(None, keys, "train")
-        assert c.checkpoint_every == keys["save_steps"]  # (a share until the data is read)
-        c = with_length(c, prompts)
-        assert (c.checkpoint_every, c.save_model_every, c.eval_every) == (
-            state.save_steps, state.save_steps, state.eval_steps)
+        c = with_length(make_config(None, keys, "train"), prompts)
+        assert c.checkpoint_every == keys["save_steps"]  # (a share, counted where it is read)
+        assert [every(c, k) for k in ("checkpoint_every", "save_model_every", "eval_every")] == [
+            state.save_steps, state.save_steps, state.eval_steps]
     c = make_config(None, {"checkpoint_every": 0.25, "eval_every": 0.1, "steps": 30},
                     "workshop")
-    assert (c.checkpoint_every, c.eval_every) == (8, 3)  # ceil(7.5), ceil(3.0)
+    assert (every(c, "checkpoint_every"), every(c, "eval_every")) == (8, 3)  # ceil 7.5, 3.0
+    # a share follows the run's length: a sweep's or the API's later steps, passes given
+    # beside the share over a file's max_steps, the workshop (which has no passes)
+    assert every(resolve(dataclasses.replace(c, steps=10)), "checkpoint_every") == 3
+    file = {"model_name_or_path": "m", "max_steps": 100}
+    c = with_length(make_config(file, {"passes": 2, "save_steps": 0.1}, "train"), 1000)
+    assert (c.steps, every(c, "checkpoint_every")) == (250, 25)  # (not 0.1 x 100)
+    c = make_config(None, {"passes": 2, "eval_every": 0.5}, "workshop")
+    assert (c.steps, every(c, "eval_every")) == (40, 20)
 
 
 def test_a_part_epoch_ends_on_a_whole_batch() -> None:

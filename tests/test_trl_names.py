@@ -204,7 +204,7 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"weight_decay": 0.1, "adam_beta2": 0.99, "adam_epsilon": 1e-6, "optim": "adamw_torch"},
      {"weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.99, "adam_epsilon": 1e-6}),
     # a share of the run: grpolab's 40 steps where TRL's length is not given (warned of)
-    ({"save_steps": 0.5}, {"checkpoint_every": 20, "save_model_every": 20}),
+    ({"save_steps": 0.5}, {"checkpoint_every": 0.5, "save_model_every": 0.5}),
     # each epoch's end (counted once the data is read); save_steps left aside, as TRL does
     ({"save_strategy": "epoch", "save_steps": 5}, {"save_each_pass": True,
                                                    "checkpoint_every": 10}),
@@ -252,6 +252,8 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"save_steps": 2, "save_model_every": 3}, "save_steps: 2 .TRL. sets save_model_every to 2"),
     ({"num_iterations": 2, "save_steps": 3}, "save_steps: 3 .TRL. counts optimiser steps"),
     ({"eval_strategy": "epoch"}, "eval_strategy: 'epoch'"),  # (save_strategy epoch: read)
+    ({"save_steps": 2.5}, "save_steps: 2.5 .TRL. must be a count of optimiser steps, or below"),
+    ({"eval_steps": -0.5, "eval_strategy": "steps"}, "eval_steps: -0.5 .TRL. must be a count"),
     ({"use_vllm": True, "vllm_importance_sampling_correction": False, "vllm_mode": "server"},
      "vllm_mode: 'server'"),
     ({"use_vllm": True}, "vllm_importance_sampling_correction: True .TRL. has no grpolab"),

@@ -32,7 +32,8 @@ ASIDE = frozenset({
     "e2b_router_url", "morph_router_url", "code_provider", "ioi_provider",
     "hub_model_revision", "overwrite_hub_revision", "push_to_hub_revision",
     "wandb_entity", "wandb_project", "wandb_run_group", "wandb_log_unique_prompts",
-    "benchmarks", "callbacks", "dataset_configs"})
+    "benchmarks", "callbacks",
+    "dataset_configs"})  # (earlier recipes' dataset_name configs)
 KEYS = frozenset({"dataset_prompt_column", "dataset_mixture", *PARAMS, *ASIDE})
 
 
@@ -67,12 +68,16 @@ def reward_spec(name: str, d: dict[str, Any]) -> str | None:
     return ":".join(["open-r1", name, *map(str, values)])
 
 
+def reward_names(d: dict[str, Any]) -> list[Any]:
+    """``reward_funcs`` as a list (a flag's ``a,b`` split, as grpolab's own list flags)."""
+    funcs = d.get("reward_funcs") or []
+    return [f.strip() for f in funcs.split(",") if f.strip()] if isinstance(funcs, str) else funcs
+
+
 def aside(d: dict[str, Any]) -> set[str]:
     """The recipe's open-r1 keys that change nothing here: those of ``ASIDE``, the parameters
     of rewards it does not name, and a dataset mixture beside a local ``dataset``."""
-    funcs = d.get("reward_funcs") or []
-    used = {key for name in ([funcs] if isinstance(funcs, str) else funcs)
-            for key, _ in _PARAMS.get(str(name), ())}
+    used = {key for name in reward_names(d) for key, _ in _PARAMS.get(str(name), ())}
     return ({k for k in d if k in ASIDE or (k in PARAMS and k not in used)}
             | ({"dataset_mixture"} if d.get("dataset_mixture") and d.get("dataset") else set()))
 

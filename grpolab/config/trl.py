@@ -179,6 +179,8 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     translated, less those ``later`` sets again.
     """
     later, earlier = later or {}, earlier or {}
+    if "top_k" in given and given["top_k"] is None and "top_k" in later:
+        given = {k: v for k, v in given.items() if k != "top_k"}  # (the later one is read)
     if "top_k" in given and given["top_k"] is None:
         raise ConfigError("top_k: null (TRL) leaves it to the model's generation config (50 by "
                           "default); give a number (0: all tokens)")
@@ -221,9 +223,11 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     if level == "sequence" and loss_type in ("cispo", "sapo", "vespo"):  # their own level
         skip.add("importance_sampling_level")
         put("ratio_level", "sequence", "importance_sampling_level")
-    # the run's length for a share (a later grpolab steps or passes replaces a max_steps)
-    run = {**d, "max_steps": -1, **({} if "steps" in later else {"steps": None})} if (
-        {"steps", "passes"} & later.keys()) else d
+    # the run's length for a share: a grpolab steps or passes given later, or beside it over
+    # an earlier max_steps, replaces that max_steps
+    over = later.keys() | (given.keys() if "max_steps" not in given else set())
+    run = {**d, "max_steps": -1, **({} if "steps" in over else {"steps": None})} if (
+        {"steps", "passes"} & over) else d
     for trl_key, value in given.items():
         if trl_key in skip or trl_key in later:
             continue

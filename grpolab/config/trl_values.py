@@ -46,10 +46,7 @@ def script_rewards(d: dict[str, Any]) -> list[str]:
         raise ConfigError(f"dataset_name: {d['dataset_name']!r} (TRL's script): grpolab reads "
                           "local files and reasoning_gym tasks; set dataset (and eval_dataset)")
     out = [f"rm:{d['reward_model_name_or_path']}"] if d.get("reward_model_name_or_path") else []
-    funcs = d.get("reward_funcs") or []
-    if isinstance(funcs, str):  # (a flag's a,b as grpolab's own list flags read it)
-        funcs = [f.strip() for f in funcs.split(",") if f.strip()]
-    for name in funcs:
+    for name in open_r1.reward_names(d):
         if name in TRL_REWARDS:
             out.append(TRL_REWARDS[name])
         elif name == "get_soft_overlong_punishment":  # (the script's: 1280 tokens, 256 soft)
@@ -132,7 +129,11 @@ def run_share(key: str, value: Any, d: dict[str, Any], per_sample: int) -> Any:
     a share as it is (grpolab's share of its steps, counted from the data: TRL's at one
     optimiser step a sampled batch)."""
     n = as_number(value)
-    if not (isinstance(n, float) and 0 < n < 1):
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0 or (
+            n > 1 and n % 1):
+        raise ConfigError(f"{key}: {value!r} (TRL) must be a count of optimiser steps, or "
+                          "below 1 a share of the run's")
+    if not 0 < n < 1:
         return value
     total = as_number(d.get("max_steps", -1))
     if (not isinstance(total, int) or total < 1) and isinstance(as_number(d.get("steps")), int):

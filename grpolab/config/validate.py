@@ -11,6 +11,7 @@ import re
 
 from grpolab.config.schema import Config, ConfigError, field_types, literal_fields
 
+INTERVALS = ("eval_every", "checkpoint_every", "save_model_every")  # steps, or shares of the run
 # report_to's trackers and the package each needs (grpolab.run.trackers drives them).
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio",
             "mlflow": "mlflow"}
@@ -29,10 +30,10 @@ def resolve(cfg: Config) -> Config:
         c.eps_high = max(c.eps_high, 0.28)
     if c.rloo:
         c.baseline, c.scale = "rloo", "none"
-    if float(c.warmup_steps).is_integer():  # a count reads as one (a share stays)
-        c.warmup_steps = int(c.warmup_steps)
+    for name in ("warmup_steps", *INTERVALS):  # a count reads as one (a share stays)
+        if float(getattr(c, name)).is_integer():
+            setattr(c, name, int(getattr(c, name)))
     validate(c)
-    c = with_intervals(c)
     _validate_objective(c)
     return c
 
@@ -319,22 +320,12 @@ def with_length(cfg: Config, prompts: int) -> Config:
     if steps >= 2**53:  # (past exact floats; inf: no number of steps)
         raise ConfigError(f"passes {cfg.passes:g} x {per_pass} steps a pass is too many steps "
                           "(the limit: 2**53)")
-    return with_intervals(dataclasses.replace(cfg, steps=math.ceil(steps)), counted=True)
+    return dataclasses.replace(cfg, steps=math.ceil(steps))
 
 
-INTERVALS = ("eval_every", "checkpoint_every", "save_model_every")
-
-
-def with_intervals(cfg: Config, counted: bool = False) -> Config:
-    """``cfg`` with its intervals as counts: a whole number as an int, a share (below 1) of
-    the run's steps rounded up, as transformers counts its save_steps / eval_steps shares
-    (left a share while ``passes`` leaves the steps to count from the data, until
-    ``with_length`` has ``counted`` them)."""
-    out = {}
-    for name in INTERVALS:
-        v = getattr(cfg, name)
-        if float(v).is_integer():
-            out[name] = int(v)
-        elif counted or not cfg.passes > 0:
-            out[name] = math.ceil(cfg.steps * v)
-    return dataclasses.replace(cfg, **out)
+def every(cfg: Config, name: str) -> int:
+    """An interval (``INTERVALS``) in steps: a count as it is, a share (below 1) of the run's
+    steps rounded up, as transformers counts its save_steps / eval_steps shares; read where
+    it is used, so a share follows the run's length (passes, a later --steps, a sweep's)."""
+    v = getattr(cfg, name)
+    return math.ceil(cfg.steps * v) if 0 < v < 1 else int(v)

@@ -16,13 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 TEMPLATE_SECONDS = 10.0
+EMPTY = "the chat template renders the first prompt as nothing"
 
 
 def _child(conn: Any, render: Callable[[Any], Any], prompt: Any) -> None:
     try:
         text = render(prompt)
         empty = isinstance(text, tuple) and text[1] and not str(text[0]).strip()
-        conn.send("the chat template renders the first prompt as nothing" if empty else None)
+        conn.send(EMPTY if empty else None)
     except ValueError as e:  # already one line for the user
         conn.send(str(e))
     except BaseException as e:  # noqa: BLE001 - reported by the parent, in one line
@@ -64,7 +65,9 @@ def _in_thread(render: Callable[[Any], Any], prompt: Any, seconds: float) -> Non
 
     def run() -> None:
         try:
-            render(prompt)
+            text = render(prompt)
+            if isinstance(text, tuple) and text[1] and not str(text[0]).strip():
+                box.append(ValueError(EMPTY))
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             box.append(e)
 

@@ -12,9 +12,9 @@ from grpolab.run.checkpoint import CheckpointError
 # Config keys a resume may change without changing the maths (micro_batch splits a step
 # otherwise, for an out-of-memory run: float rounding then differs, as with the speed paths).
 RESUME_FREE_KEYS = {"steps", "passes", "out_dir", "progress", "cache_dir", "checkpoint_every",
-                    "eval_every", "save_model_every", "save_total_limit", "micro_batch", "log_samples",
-                    "overwrite", "reward_timeout", "reward_workers", "fail_on_reward_errors",
-                    "report_to", "shard", "speed"}
+                    "eval_every", "save_model_every", "save_each_pass", "save_total_limit",
+                    "micro_batch", "log_samples", "overwrite", "reward_timeout", "reward_workers",
+                    "fail_on_reward_errors", "report_to", "shard", "speed"}
 # Config keys that change the trained weights' shapes: a checkpoint of another value cannot
 # load. (A weight decay switched on or off changes the optimiser's parameter groups: refused
 # before loading, ``changed_settings``.)
@@ -22,8 +22,8 @@ SHAPE_KEYS = ("lora", "lora_r", "lora_target_modules", "model_path", "use_dora")
 # Config keys that choose the prompts: the sampler's and posteriors' state is per prompt, so a
 # checkpoint of other data is refused (ConfigError, exit 2), not loaded into the wrong rows.
 DATA_KEYS = ("dataset", "eval_dataset", "dataset_size", "prompt_column", "answer_column",
-             "prompt_template", "system_prompt", "task_config", "world_train_size", "world_heldout_size",
-             "world_top_share", "world_carry_share")
+             "prompt_template", "system_prompt", "task_config", "world_train_size",
+             "world_heldout_size", "world_top_share", "world_carry_share")
 
 
 def changed_settings(st: dict[str, Any], cfg: Config, rows: int,

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from grpolab.config.validate import TRACKER_PACKAGES as PACKAGES
+from grpolab.config.validate import every
 
 log = logging.getLogger("grpolab")
 
@@ -329,7 +330,7 @@ class Reporter:
             self._each("log_samples", step, rows)
         self.last_step = step
         cfg = self.cfg
-        if step == 0 or step % cfg.eval_every == 0 or step == cfg.steps:
+        if step == 0 or step % every(cfg, "eval_every") == 0 or step == cfg.steps:
             self.evaluated(record)
 
     def evaluated(self, record: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from grpolab.config import Config, ConfigError, to_dict
-from grpolab.config.validate import validate_ranks
+from grpolab.config.validate import every, validate_ranks
 from grpolab.core import advantages as adv_mod
 from grpolab.predict.curriculum import PromptSampler
 from grpolab.rewards.scorer import Scorer, make_scorer, score_answers
@@ -169,11 +169,12 @@ class GRPOTrainer:
                                acc="-" if acc is None else f"{acc:.2f}")
             if on_step:
                 on_step(rec)
-            if cfg.save_model_every and (self.step_num % cfg.save_model_every == 0 or (
-                    cfg.save_each_pass and self.step_num == cfg.steps)):  # (HF: a part epoch's
-                self.save_model()  # end too) before the checkpoint: a kill redoes both
-            saved = bool(cfg.checkpoint_every) and (self.step_num % cfg.checkpoint_every == 0
-                                                    or self.step_num == cfg.steps)
+            last = self.step_num == cfg.steps  # (each pass's saves: a part pass's end too)
+            if cfg.save_model_every and (self.step_num % every(cfg, "save_model_every") == 0
+                                         or (cfg.save_each_pass and last)):
+                self.save_model()  # before the checkpoint: a kill between them redoes both
+            saved = bool(cfg.checkpoint_every) and (
+                self.step_num % every(cfg, "checkpoint_every") == 0 or last)
             if saved:
                 self.save_checkpoint()
             self._stop_if_asked(saved)
@@ -192,7 +193,7 @@ class GRPOTrainer:
         adv = self.advantages(batch, scored)
         upd = self.optimize(scored, adv)
         self.step_num += 1
-        do_eval = self.step_num % cfg.eval_every == 0 or self.step_num == cfg.steps
+        do_eval = self.step_num % every(cfg, "eval_every") == 0 or self.step_num == cfg.steps
         acc = self.evaluate() if do_eval else None
         pass_prob = self.heldout_pass_prob() if do_eval else None
         rec = step_record(cfg, self.step_num, batch, sampled, sampled_ok, ds, predicted, acc,
