@@ -334,40 +334,46 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
 
 def _refuse(given: dict[str, Any], d: dict[str, Any],
             layers: tuple[dict[str, Any], ...]) -> None:
-    """The TRL settings grpolab cannot honour, each a one-line ConfigError: ``given``'s own,
-    and those of what the run is given (``d``; ``layers``: the file, then overrides)."""
-    if as_word(given.get("use_vllm")) == "true" and not vllm_installed():
-        raise ConfigError("use_vllm: true (TRL) needs the vllm package and a CUDA GPU, and "
-                          "vllm is not installed here: set use_vllm: false (grpolab samples "
-                          "on its own)")
-    fixed = {**TRL_FIXED, **(_VLLM_FIXED if _vllm(d) else {})}
+    """The TRL settings grpolab cannot honour, all named in one line (a ConfigError), so a
+    recipe's are found in one run: ``given``'s own, and those of what the run is given (``d``;
+    ``layers``: the file, then overrides)."""
+    out = []
+    no_vllm = as_word(given.get("use_vllm")) == "true" and not vllm_installed()
+    if no_vllm:  # (then vLLM's own settings are not refused besides)
+        out.append("use_vllm: true (TRL) needs the vllm package and a CUDA GPU, and vllm is not "
+                   "installed here: set use_vllm: false (grpolab samples on its own)")
+    fixed = {**TRL_FIXED, **(_VLLM_FIXED if _vllm(d) and not no_vllm else {})}
     if as_word(given.get("use_vllm")) == "true" and "vllm_importance_sampling_correction" not in d:
         given = {**given, "vllm_importance_sampling_correction": True}  # TRL's default
-    for key, (values, why) in fixed.items():
-        if key in given and as_number(given[key]) not in values and as_word(given[key]) not in {
-                as_word(v) for v in values}:
-            raise ConfigError(f"{key}: {given[key]!r} (TRL) has no grpolab equivalent: {why}")
+    out += [f"{key}: {given[key]!r} (TRL) has no grpolab equivalent: {why}"
+            for key, (values, why) in fixed.items() if key in given
+            and as_number(given[key]) not in values
+            and as_word(given[key]) not in {as_word(v) for v in values}]
     if as_word(given.get("push_to_hub")) == "true":
-        raise ConfigError("push_to_hub: true (TRL): grpolab does not upload (the final model "
-                          "is saved to out_dir/final): set push_to_hub: false")
+        out.append("push_to_hub: true (TRL): grpolab does not upload (the final model is saved "
+                   "to out_dir/final): set push_to_hub: false")
+    if given.get("dataset_name") and not d.get("dataset"):  # (with dataset: left aside)
+        out.append(f"dataset_name: {given['dataset_name']!r} (TRL's script): grpolab reads "
+                   "local files and reasoning_gym tasks; set dataset (and eval_dataset)")
     half = ("fp16" if as_word(d.get("fp16")) == "true" else
             "bf16" if "bf16" in d and as_word(d["bf16"]) in ("true", "none") else None)
     lora = _last(layers, "lora", "use_peft")
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(half or "")
     if half and as_word(lora) == "false" and as_word(_last(layers, "dtype")) != dtype:
-        raise ConfigError(f"{half} (TRL) with full fine-tuning: TRL keeps float32 weights "
-                          "under autocast, grpolab would train the weights in that precision; "
-                          f"set {half}: false (TRL's unset is on) or dtype: {dtype}, knowingly")
+        out.append(f"{half} (TRL) with full fine-tuning: TRL keeps float32 weights under "
+                   "autocast, grpolab would train the weights in that precision; set "
+                   f"{half}: false (TRL's unset is on) or dtype: {dtype}, knowingly")
     if (as_word(d.get("lr_scheduler_type")) == "constant"
             and as_number(d.get("warmup_steps", 0)) not in (0, None)):
-        raise ConfigError("lr_scheduler_type: constant (TRL) has no warm-up (transformers "
-                          "ignores warmup_steps there): use constant_with_warmup, or drop "
-                          "warmup_steps")
+        out.append("lr_scheduler_type: constant (TRL) has no warm-up (transformers ignores "
+                   "warmup_steps there): use constant_with_warmup, or drop warmup_steps")
     if as_word(d.get("loss_type")) == "bnpo" and (
             whole_count(d, "gradient_accumulation_steps", 1) * processes() > 1):
-        raise ConfigError("loss_type: bnpo (TRL) with several micro-batches averages each "
-                          "one's token mean; grpolab's token mean is the whole batch's (TRL's "
-                          "dapo): use loss_type: dapo")
+        out.append("loss_type: bnpo (TRL) with several micro-batches averages each one's token "
+                   "mean; grpolab's token mean is the whole batch's (TRL's dapo): use "
+                   "loss_type: dapo")
+    if out:
+        raise ConfigError("; and ".join(out))
 
 
 def _vllm(d: dict[str, Any]) -> bool:

@@ -42,9 +42,6 @@ def generation_settings(kwargs: Any, temperature: Any) -> dict[str, Any]:
 def script_rewards(d: dict[str, Any]) -> list[str]:
     """`trl grpo`'s ``reward_model_name_or_path`` and ``reward_funcs`` as grpolab's ``rewards``
     (TRL's registry names, open-r1's with the recipe's parameters, dotted import paths)."""
-    if d.get("dataset_name") and not d.get("dataset"):  # (with dataset: left aside)
-        raise ConfigError(f"dataset_name: {d['dataset_name']!r} (TRL's script): grpolab reads "
-                          "local files and reasoning_gym tasks; set dataset (and eval_dataset)")
     out = [f"rm:{d['reward_model_name_or_path']}"] if d.get("reward_model_name_or_path") else []
     for name in open_r1.reward_names(d):
         if name in TRL_REWARDS:
