@@ -126,23 +126,32 @@ def test_a_part_epoch_ends_on_a_whole_batch() -> None:
 VERL = "actor_rollout_ref.actor."
 
 
-@pytest.mark.parametrize("style", ["constant", "cosine"])
+@pytest.mark.parametrize("style", ["constant", "cosine", "ratio"])
 def test_verl_epochs_and_schedule_are_verls(style: str) -> None:
     """verl: total_epochs x the whole batches of its drop_last loader (ray_trainer's
     total_training_steps), its warm-up from lr 0 and its schedule stepped once a training
-    step: every mini-batch of a step at verl's lr for that step."""
+    step: every mini-batch of a step at verl's lr for that step. ``ratio``: its
+    lr_warmup_steps_ratio (0.285, its GRPO examples'), int(ratio x total) steps, counted once
+    the data is: 3 of 12 (grpolab's share rounded up would take 4)."""
     f = verl_functions("get_cosine_schedule_with_warmup", "get_constant_schedule_with_warmup")
     prompts, batch, epochs = 70, 16, 3
     keys = {"data.train_batch_size": batch, "actor_rollout_ref.rollout.n": 4,
             VERL + "ppo_mini_batch_size": 4, "trainer.total_epochs": epochs,
             VERL + "optim.lr": 1e-3, VERL + "optim.lr_warmup_steps": 2,
-            VERL + "optim.lr_scheduler_type": style, VERL + "optim.min_lr_ratio": 0.1}
+            VERL + "optim.lr_scheduler_type": "constant" if style == "constant" else "cosine",
+            VERL + "optim.min_lr_ratio": 0.1}
     if style == "constant":
         del keys[VERL + "optim.min_lr_ratio"]
     total = len(DataLoader(range(prompts), batch_size=batch, drop_last=True)) * epochs
+    warmup = 2
+    if style == "ratio":
+        del keys[VERL + "optim.lr_warmup_steps"]
+        keys[VERL + "optim.lr_warmup_steps_ratio"] = 0.285
+        warmup = int(0.285 * total)
+        assert (total, warmup, math.ceil(0.285 * total)) == (12, 3, 4)
     opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1e-3)
-    sched = (f["get_cosine_schedule_with_warmup"](opt, 2, total, min_lr_ratio=0.1)
-             if style == "cosine" else f["get_constant_schedule_with_warmup"](opt, 2))
+    sched = (f["get_constant_schedule_with_warmup"](opt, 2) if style == "constant"
+             else f["get_cosine_schedule_with_warmup"](opt, warmup, total, min_lr_ratio=0.1))
     theirs = []
     for _ in range(total):
         theirs.append(opt.param_groups[0]["lr"])
@@ -250,8 +259,8 @@ def test_later_lengths_replace_earlier_ones() -> None:
          "trainer.test_freq": -1}
     c = make_config(f, {"steps": 50}, "train")
     assert (c.steps, c.warmup_steps, c.eval_every) == (50, 5, 10**9)
-    with pytest.raises(ConfigError, match="lr_warmup_steps_ratio"):  # (ratio x passes)
-        make_config(f, {"passes": 2}, "train")
+    c = make_config(f, {"passes": 2}, "train")  # (ratio x the steps the data gives, down)
+    assert (c.warmup_steps, c.warmup_round) == (0.1, "down")
     assert make_config({"passes": 2}, {"num_train_epochs": 3}, "train").passes == 3
     assert make_config({"passes": 2}, {"trainer.total_epochs": 3}, "train").passes == 3
     assert make_config({"steps": 7}, {"num_train_epochs": 3}, "train").passes == 0  # (TRL:

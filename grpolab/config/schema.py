@@ -129,6 +129,8 @@ class Config:
     min_lr: float = opt(0.0, RUN, "cosine: decay to this lr, not 0 (min_lr_rate's other form)")
     warmup_steps: float = opt(0, RUN, "steps of a linear ramp up to lr; below 1 a share of the "
                               "run, rounded up (counted as schedule_per counts)")
+    warmup_round: Literal["up", "down"] = opt("up", RUN, "a warmup_steps share's rounding: up "
+                                              "(transformers') or down (verl's ratio)")
     warmup_from_zero: bool = opt(False, RUN, "the warm-up's first step at lr 0 (transformers' and "
                                  "verl's); off: at lr / its length, no step wasted")
     schedule_per: Literal["optimiser_step", "step"] = opt(
@@ -167,14 +169,10 @@ class Config:
     beta: float = opt(0.04, RUN, "KL weight to the frozen reference (TRL beta, verl kl_loss_coef)")
     kl_estimator: KLEstimator = opt(
         "k3", RUN, "per-token KL: k1 log-ratio, k2 squared/2, k3 Schulman's")
-    kl_is_correction: bool = opt(
-        False, RUN,
-        "KL times the policy ratio (TRL use_bias_correction_kl): the same value, another "
-        "gradient")
-    kl_in: Literal["loss", "reward"] = opt(
-        "loss", RUN,
-        "reward: beta x the answer's summed KL comes off its reward instead (verl "
-        "use_kl_in_reward)")
+    kl_is_correction: bool = opt(False, RUN, "KL times the policy ratio (TRL "
+                                 "use_bias_correction_kl): the same value, another gradient")
+    kl_in: Literal["loss", "reward"] = opt("loss", RUN, "reward: beta x the answer's summed KL "
+                                           "comes off its reward instead (verl use_kl_in_reward)")
     sync_ref_model: bool = opt(
         False, RUN, "TR-DPO's (TRL's): every ref_model_sync_steps optimiser steps the reference "
         "becomes alpha x policy + (1 - alpha) x itself (full fine-tuning)")

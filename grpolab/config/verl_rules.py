@@ -278,11 +278,13 @@ def _schedule(d: dict[str, Any]) -> dict[str, Any]:
         out["warmup_steps"] = steps
     elif ratio > 0:
         total = _total_steps(d)
-        if not isinstance(total, int):
-            raise ConfigError(f"{A}optim.lr_warmup_steps_ratio (verl) rounds ratio x "
-                              "total_training_steps down: give trainer.total_training_steps, "
-                              "or optim.lr_warmup_steps")
-        out["warmup_steps"] = int(ratio * total)
+        if not ratio < 1:
+            raise ConfigError(f"{A}optim.lr_warmup_steps_ratio (verl) must be below 1 (got "
+                              f"{ratio:g}): a share of the run's steps")
+        if isinstance(total, int):
+            out["warmup_steps"] = int(ratio * total)
+        else:  # (total_epochs: the steps are counted from the data, the share rounded down)
+            out["warmup_steps"], out["warmup_round"] = ratio, "down"
     from_zero = flag(d, A + "optim.zero_indexed_step", True)
     if not from_zero and kind == "cosine":
         raise ConfigError(f"{A}optim.zero_indexed_step=false (verl: a cosine counted from 1, "

@@ -37,10 +37,13 @@ def schedule_length(cfg: Config) -> tuple[int, int, int]:
     """What the lr schedule counts: (units per GRPO step, units in the run, warm-up units).
     Optimiser steps (``steps x epochs x minibatches``, TRL's) or with ``schedule_per: step``
     sampled batches (a batch's optimiser steps at one lr, verl's); a ``warmup_steps`` share
-    is of the run's units, rounded up (transformers')."""
+    is of the run's units, rounded up (transformers') or with ``warmup_round: down`` down
+    (verl's ``int(ratio * total_training_steps)``)."""
     per = cfg.epochs * cfg.minibatches if cfg.schedule_per == "optimiser_step" else 1
-    w = cfg.warmup_steps
-    return per, cfg.steps * per, math.ceil(w * cfg.steps * per) if 0 < w < 1 else int(w) * per
+    w, units = cfg.warmup_steps, cfg.steps * per
+    if not 0 < w < 1:
+        return per, units, int(w) * per
+    return per, units, int(w * units) if cfg.warmup_round == "down" else math.ceil(w * units)
 
 
 def lr_at(cfg: Config, step: int, i: int = 0) -> float:
