@@ -301,7 +301,10 @@ def test_each_pass_saves_and_the_system_prompt() -> None:
     c = make_config(None, {"save_each_pass": True, "passes": 2, "budget": 8, "group_size": 4},
                     "train")
     d = with_length(c, 7)  # 3 steps of 2 prompts a pass
-    assert (d.steps, d.checkpoint_every, d.save_model_every) == (6, 3, 3)
+    assert (d.steps, d.checkpoint_every, d.save_model_every, d.eval_every) == (6, 3, 3, 10)
+    d = with_length(make_config(None, {"eval_strategy": "epoch", "passes": 2, "budget": 8,
+                                       "group_size": 4}, "train"), 7)  # (TRL's epoch evals)
+    assert (d.eval_each_pass, d.eval_every, d.checkpoint_every) == (True, 3, 10)
     by_steps = make_config(None, {"save_each_pass": True, "steps": 5, "budget": 8,
                                   "group_size": 4}, "train")
     assert (with_length(by_steps, 9).steps, with_length(by_steps, 9).checkpoint_every) == (5, 4)

@@ -208,6 +208,7 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     # each epoch's end (counted once the data is read); save_steps left aside, as TRL does
     ({"save_strategy": "epoch", "save_steps": 5}, {"save_each_pass": True,
                                                    "checkpoint_every": 10}),
+    ({"eval_strategy": "epoch", "eval_steps": 5}, {"eval_each_pass": True, "eval_every": 10}),
 ])
 def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     c = make_config(None, trl_keys, "train")
@@ -251,7 +252,6 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"dataset_name": "trl-lib/DeepMath-103K"}, "set dataset .and eval_dataset."),
     ({"save_steps": 2, "save_model_every": 3}, "save_steps: 2 .TRL. sets save_model_every to 2"),
     ({"num_iterations": 2, "save_steps": 3}, "save_steps: 3 .TRL. counts optimiser steps"),
-    ({"eval_strategy": "epoch"}, "eval_strategy: 'epoch'"),  # (save_strategy epoch: read)
     ({"save_steps": 2.5}, "save_steps: 2.5 .TRL. must be a count of optimiser steps, or below"),
     ({"eval_steps": -0.5, "eval_strategy": "steps"}, "eval_steps: -0.5 .TRL. must be a count"),
     ({"use_vllm": True, "vllm_importance_sampling_correction": False, "vllm_mode": "server"},

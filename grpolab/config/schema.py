@@ -159,6 +159,8 @@ class Config:
     save_total_limit: int = opt(0, MODEL, "keep the newest N checkpoint-<step>/ folders (0 = all)")
     save_each_pass: bool = opt(False, MODEL, "checkpoint and save the model at each pass's end, "
                                "not every N steps (TRL's save_strategy epoch)")
+    eval_each_pass: bool = opt(False, MODEL, "evaluate at each pass's end, not every eval_every "
+                               "steps (TRL's eval_strategy epoch)")
     log_samples: int = opt(1, RUN, "groups a step written to samples.jsonl (answers, rewards); "
                            "0 = none")
     progress: bool = opt(True, ALL, "show a progress bar")

@@ -211,7 +211,7 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     # optimiser steps per sampled batch: passes x TRL's steps per generation batch
     per_sample = whole_count(d, "num_iterations", 1) * generation_steps(d)
     skip = {"save_steps" if as_word(d.get("save_strategy")) in ("no", "epoch") else "",
-            "eval_steps" if as_word(d.get("eval_strategy")) == "no" else "",
+            "eval_steps" if as_word(d.get("eval_strategy")) in ("no", "epoch") else "",
             "bf16" if d.get("bf16") is None and as_word(d.get("fp16")) == "true" else "",
             # TRL's GDPO scales each reward over its group whatever scale_rewards says
             "scale_rewards" if as_word(d.get("multi_objective_aggregation")) == "normalize_then_sum"

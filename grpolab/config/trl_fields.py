@@ -49,7 +49,7 @@ TRL_VALUES: dict[str, dict[str | None, dict[str, Any]]] = {
     "use_vllm": {"true": {"rollout_backend": "vllm"}, "false": {}},
     "save_strategy": {"steps": {}, "no": {"checkpoint_every": 0, "save_model_every": 0},
                       "epoch": {"save_each_pass": True}},  # (each pass's steps: with_length)
-    "eval_strategy": {"steps": {}, "no": {"eval_size": 0}},
+    "eval_strategy": {"steps": {}, "no": {"eval_size": 0}, "epoch": {"eval_each_pass": True}},
     "disable_tqdm": {"true": {"progress": False}, "false": {}, None: {}},
     "optim": {"adamw_torch": {}, "adamw_torch_fused": {}},  # grpolab's AdamW (Adam at weight_decay 0)
     # TRL's true zeroes every nn.Dropout after wrapping, LoRA's included, whatever lora_dropout

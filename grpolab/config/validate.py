@@ -303,17 +303,20 @@ def with_length(cfg: Config, prompts: int) -> Config:
     """``cfg`` with ``passes`` turned into ``steps`` for a dataset of ``prompts`` training
     prompts: passes x the whole batches in one pass (its part batch left out, as the data
     loaders of TRL and verl drop it), rounded up as transformers does; with
-    ``save_each_pass``, checkpoints and model saves every pass's steps. Unchanged at passes 0
-    without it."""
-    if not (cfg.passes > 0 or cfg.save_each_pass):
+    ``save_each_pass`` / ``eval_each_pass``, checkpoints and model saves / evaluations every
+    pass's steps. Unchanged at passes 0 without them."""
+    each = [k for k in ("save_each_pass", "eval_each_pass") if getattr(cfg, k)]
+    if not (cfg.passes > 0 or each):
         return cfg
     per_pass = prompts // cfg.prompts_per_step
     if per_pass < 1:
-        why = f"passes {cfg.passes:g}" if cfg.passes > 0 else "save_each_pass"
+        why = f"passes {cfg.passes:g}" if cfg.passes > 0 else each[0]
         raise ConfigError(f"{why}: the dataset's {prompts} prompts fill no step of "
                           f"{cfg.prompts_per_step}; give steps, or more prompts")
     if cfg.save_each_pass:
         cfg = dataclasses.replace(cfg, checkpoint_every=per_pass, save_model_every=per_pass)
+    if cfg.eval_each_pass:
+        cfg = dataclasses.replace(cfg, eval_every=per_pass)
     if not cfg.passes > 0:
         return cfg
     steps = cfg.passes * per_pass
