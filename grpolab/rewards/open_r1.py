@@ -21,7 +21,8 @@ repetition_penalty:N:MAX          MAX x the share of repeated word N-grams
 length                            Kimi 1.5: 0.5 - (len - min) / (max - min) over     solution
                                   the step's answers; wrong ones at most 0
 code / binary_code                test share / 1 above 0.99, in grpolab's sandbox    verif._info
-code_format:LANGUAGE              format, with a ```` ```LANGUAGE ```` block in the answer
+code_format:LANGUAGE              format, with a ```` ```LANGUAGE ```` block in the   (language)
+                                  answer (a row's language column first)
 soft_overlong_punishment          (the spec ``overlong:MAX:CACHE``: the same formula)
 ================================  =================================================  ==========
 """
