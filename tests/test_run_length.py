@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -164,6 +165,28 @@ def test_verl_epochs_and_schedule_are_verls(style: str) -> None:
     assert all(len(set(lrs)) == 1 for lrs in mine)  # (one lr a training step)
 
 
+def test_verl_epochs_count_its_loaders_gen_batches() -> None:
+    """verl's DAPO loader serves gen_batch_size prompts (3 x train_batch_size in its recipe):
+    total_training_steps = the loader's whole batches x total_epochs, and the schedule over
+    them; grpolab's passes count the same batches (not train_batch_size's: 3x the steps)."""
+    import importlib.util  # (verl's trainer imports ray, absent here: its text is read)
+
+    trainer = Path(importlib.util.find_spec("verl").origin).parent / "trainer/ppo/ray_trainer.py"
+    source = trainer.read_text()
+    assert 'get("gen_batch_size", None) or self.config.data.train_batch_size' in source
+    assert "len(self.train_dataloader) * self.config.trainer.total_epochs" in source
+    prompts, train, gen, epochs = 100, 16, 48, 3
+    keys = {"data.train_batch_size": train, "data.gen_batch_size": gen,
+            "algorithm.filter_groups.enable": True, "actor_rollout_ref.rollout.n": 4,
+            VERL + "ppo_mini_batch_size": 16, "trainer.total_epochs": epochs,
+            VERL + "optim.lr_warmup_steps_ratio": 0.285}
+    total = len(DataLoader(range(prompts), batch_size=gen, drop_last=True)) * epochs
+    c = with_length(make_config(None, keys, "train"), prompts)
+    assert (c.steps, total, schedule_length(c)) == (6, 6, (1, 6, int(0.285 * 6)))
+    with pytest.raises(ConfigError, match="100 prompts fill no batch of 128"):
+        with_length(make_config(None, {**keys, "data.gen_batch_size": 128}, "train"), prompts)
+
+
 def test_schedule_units_and_warmup_start() -> None:
     """By hand: 4 steps x 2 epochs, a 0.25 warm-up share. Per optimiser step: 8 units, 2 of
     warm-up; per step: 4 units, 1 of warm-up. From zero the ramp starts at 0."""
@@ -185,7 +208,7 @@ def test_schedule_units_and_warmup_start() -> None:
 def test_passes_count_whole_batches_and_say_so() -> None:
     c = make_config(None, {"passes": 2.5, "budget": 16, "group_size": 4}, "train")
     assert with_length(c, 23).steps == math.ceil(2.5 * 5)  # 23 prompts: 5 whole steps of 4
-    with pytest.raises(ConfigError, match="the dataset's 3 prompts fill no step of 4"):
+    with pytest.raises(ConfigError, match="the dataset's 3 prompts fill no batch of 4"):
         with_length(c, 3)
     assert with_length(make_config(None, {"steps": 7}, "train"), 3).steps == 7  # passes 0
     for bad in (-1, float("inf"), float("nan")):

@@ -107,7 +107,7 @@ def test_dapos_verl_script_reads_as_verl_means_it() -> None:
             "max_sampling_rounds": 29, "warmup_steps": 10, "warmup_from_zero": True,
             "schedule_per": "step", "weight_decay": 0.1, "max_new_tokens": 20480,
             "rewards": ["verl:r.py:compute_score", "overlong:20480:4096"],
-            "reward_weights": [], "report_to": ["wandb"], "eval_every": 5}
+            "reward_weights": [], "report_to": ["wandb"], "eval_every": 5, "pass_batch": 1536}
     assert {k: getattr(c, k) for k in want} == want
     # verl's recipe scripts spell the overlong buffer +reward_model.reward_kwargs.* (verl 0.9.1
     # moves it to reward.reward_kwargs): the same run
@@ -196,7 +196,7 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
      {"dynamic_sampling": True, "dynamic_sampling_on": "total"}),
     ({"algorithm.filter_groups.enable": True, "data.gen_batch_size": 48,  # (DAPO's, warned)
       "data.train_batch_size": 16, R + "n": 4, A + "ppo_mini_batch_size": 16},
-     {"dynamic_sampling": True, "budget": 64}),
+     {"dynamic_sampling": True, "budget": 64, "pass_batch": 48}),
     # verl's cap counts rounds of gen_batch_size prompts: as many prompts in grpolab's rounds
     ({"algorithm.filter_groups.enable": True, "data.gen_batch_size": 48,
       "algorithm.filter_groups.max_num_gen_batches": 2, "data.train_batch_size": 16, R + "n": 4,

@@ -100,6 +100,8 @@ class Config:
     steps: int = opt(40, RUN, "GRPO steps (optimiser updates of one sampled batch each)")
     passes: float = opt(0.0, MODEL, "passes over the training prompts (TRL's num_train_epochs, "
                         "verl's total_epochs): > 0 sets steps to passes x a pass's whole batches")
+    pass_batch: int = opt(0, MODEL, "prompts a pass's batch holds (0: a step's; verl's "
+                          "gen_batch_size): the whole batches passes count")
     budget: int = opt(64, ALL, "answers generated per step (before dynamic-sampling top-ups)",
                       "answers generated at a time (bounds memory)")
     group_size: int = opt(8, RUN, "G: answers per prompt")
@@ -190,9 +192,8 @@ class Config:
         "gpg: plain REINFORCE")
     eps_low: float = opt(0.2, RUN, "the ratio's lower clip is 1 - eps_low (TRL epsilon; gmpo: "
                          "in log space; dppo_*: a divergence bound)")
-    eps_high: float = opt(
-        0.2, RUN,
-        "upper clip 1 + eps_high; DAPO clip-higher: 0.28 (TRL epsilon_high)")
+    eps_high: float = opt(0.2, RUN, "upper clip 1 + eps_high; DAPO clip-higher: 0.28 (TRL "
+                          "epsilon_high)")
     dual_clip: float = opt(
         0.0, RUN,
         "cap the ratio of negative-advantage tokens at this (verl clip_ratio_c, TRL delta); 0 = "
@@ -266,9 +267,8 @@ class Config:
         0.0, RUN,
         "drop the policy loss of answers with a negative advantage whose mean log(pi_old/pi) "
         "exceeds this (DeepSeek-V3.2; TRL off_policy_mask_threshold); 0 = off")
-    success_threshold: float = opt(
-        1.0, ALL,
-        "an answer is right when the first reward reaches this")
+    success_threshold: float = opt(1.0, ALL, "an answer is right when the first reward reaches "
+                                   "this")
     # --- one-switch fixes ---
     dr_grpo: bool = opt(False, RUN, "scale=\"none\" and loss_agg=\"seq_mean_token_sum_norm\"")
     clip_higher: bool = opt(False, RUN, "eps_high = 0.28 (DAPO)")
@@ -308,11 +308,9 @@ class Config:
         0.1, RUN,
         "share of the budget allocate gives random prompts (revisits prompts predicted dead)")
     predict_decay: float = opt(
-        0.97, RUN,
-        "each step, past answers keep this weight in a prompt's posterior")
+        0.97, RUN, "each step, past answers keep this weight in a prompt's posterior")
     predict_prior_strength: float = opt(
-        0.0, RUN,
-        "a0 + b0 of the pass-rate prior; 0 = fitted (moments)")
+        0.0, RUN, "a0 + b0 of the pass-rate prior; 0 = fitted (moments)")
     predict_group_by: str = opt(
         "", RUN,
         "a column of the training rows (e.g. difficulty): prompts with one value share a "

@@ -168,6 +168,8 @@ def validate(cfg: Config) -> None:
     if not 0 <= cfg.passes < math.inf:
         raise ConfigError(f"passes must be a finite number >= 0 (got {cfg.passes}); 0: the run "
                           "is steps long")
+    if cfg.pass_batch < 0:
+        raise ConfigError(f"pass_batch must be >= 0 (got {cfg.pass_batch}); 0: a step's prompts")
     if cfg.log_samples < 0:
         raise ConfigError(f"log_samples must be >= 0 (got {cfg.log_samples})")
     if cfg.shard == "fsdp" and cfg.lora:
@@ -301,18 +303,20 @@ def validate_ranks(cfg: Config, world: int) -> None:
 
 def with_length(cfg: Config, prompts: int) -> Config:
     """``cfg`` with ``passes`` turned into ``steps`` for a dataset of ``prompts`` training
-    prompts: passes x the whole batches in one pass (its part batch left out, as the data
-    loaders of TRL and verl drop it), rounded up as transformers does; with
+    prompts: passes x the whole batches in one pass (of ``pass_batch`` prompts, else a step's;
+    its part batch left out, as the data loaders of TRL and verl drop it), rounded up as
+    transformers does; with
     ``save_each_pass`` / ``eval_each_pass``, checkpoints and model saves / evaluations every
     pass's steps. Unchanged at passes 0 without them."""
     each = [k for k in ("save_each_pass", "eval_each_pass") if getattr(cfg, k)]
     if not (cfg.passes > 0 or each):
         return cfg
-    per_pass = prompts // cfg.prompts_per_step
+    batch = cfg.pass_batch or cfg.prompts_per_step  # (verl: its loader's gen_batch_size)
+    per_pass = prompts // batch
     if per_pass < 1:
         why = f"passes {cfg.passes:g}" if cfg.passes > 0 else each[0]
-        raise ConfigError(f"{why}: the dataset's {prompts} prompts fill no step of "
-                          f"{cfg.prompts_per_step}; give steps, or more prompts")
+        raise ConfigError(f"{why}: the dataset's {prompts} prompts fill no batch of {batch}; "
+                          "give steps, or more prompts")
     if cfg.save_each_pass:
         cfg = dataclasses.replace(cfg, checkpoint_every=per_pass, save_model_every=per_pass)
     if cfg.eval_each_pass:

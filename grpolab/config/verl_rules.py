@@ -320,6 +320,8 @@ def _filter_groups(d: dict[str, Any]) -> dict[str, Any]:
                     "max_num_gen_batches rounds of gen_batch_size)")
     if not on:
         return {}
+    # verl's loader serves gen_batch_size prompts: total_epochs count its whole batches
+    size = {"pass_batch": _whole(d, "data.gen_batch_size")} if "data.gen_batch_size" in d else {}
     metric = as_word(d.get("algorithm.filter_groups.metric", "reward"))
     if metric not in ("reward", "acc", "score", "seq_reward", "seq_final_reward"):
         raise ConfigError(f"algorithm.filter_groups.metric={metric} (verl): grpolab keeps the "
@@ -332,10 +334,11 @@ def _filter_groups(d: dict[str, Any]) -> dict[str, Any]:
             d.get("data.train_batch_size"))
         if isinstance(gen, int) and isinstance(train, int) and gen > 0 and train > 0:
             n = -(-n * gen // train)  # (verl's rounds are of gen_batch_size prompts, grpolab's
-        return {"max_sampling_rounds": n - 1, **judged}  # of train_batch_size: as many at most)
+        return {"max_sampling_rounds": n - 1, **judged, **size}  # (of train_batch_size:
+        # as many at most)
     log.warning("algorithm.filter_groups (verl 0.9.1 samples until the batch is full): "
                 "grpolab caps the extra rounds at max_sampling_rounds")
-    return judged
+    return {**judged, **size}
 
 
 RULES = (

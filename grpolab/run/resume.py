@@ -11,8 +11,9 @@ from grpolab.run.checkpoint import CheckpointError
 
 # Config keys a resume may change without changing the maths (micro_batch splits a step
 # otherwise, for an out-of-memory run: float rounding then differs, as with the speed paths).
-RESUME_FREE_KEYS = {"steps", "passes", "out_dir", "progress", "cache_dir", "checkpoint_every",
-                    "eval_every", "save_model_every", "save_each_pass", "eval_each_pass",
+RESUME_FREE_KEYS = {"steps", "passes", "pass_batch", "out_dir", "progress", "cache_dir",
+                    "checkpoint_every", "eval_every", "save_model_every", "save_each_pass",
+                    "eval_each_pass",
                     "save_total_limit", "micro_batch", "log_samples", "overwrite",
                     "reward_timeout", "reward_workers", "fail_on_reward_errors", "report_to",
                     "shard", "speed"}
