@@ -424,12 +424,13 @@ def test_a_verl_script_trains_from_the_command_line(tmp_path) -> None:
         assert group["rewards"] == [float(any(ch.isdigit() for ch in c))
                                     for c in group["completions"]]
         assert group["answer"] in {"3", "7", "4", "6", "8"}  # the nested ground truth
-    # DAPO's keys on the same data: one epoch (6 prompts, 2 a step: 3 steps), group filtering
+    # DAPO's keys on the same data: 3 epochs of verl's loader batches (6 prompts, 4 a batch:
+    # 1 a pass, as verl counts them; 2 trained a step), group filtering
     # on the named reward, the overlong buffer beside it, a warm-up from lr 0
     dapo = [*(a for a in args if "total_training_steps" not in a and "default_local" not in a
               and "train_batch_size" not in a and "mini_batch" not in a),
             "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "trainer.total_epochs=1", "algorithm.filter_groups.enable=True",
+            "trainer.total_epochs=3", "algorithm.filter_groups.enable=True",
             "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=2",
             "data.gen_batch_size=4", "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
             "+reward_model.reward_kwargs.overlong_buffer_cfg.len=3",
@@ -438,7 +439,8 @@ def test_a_verl_script_trains_from_the_command_line(tmp_path) -> None:
     p = subprocess.run([sys.executable, "-m", "grpolab", "train", "--no-progress", *dapo],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "1 pass over 6 prompts, 3 steps of 2 a pass: 3 steps" in p.stdout
+    said = "3 passes over 6 prompts, 1 batches of 4 (verl's gen_batch_size) a pass: 3 steps"
+    assert said in p.stdout
     cfg = json.loads((tmp_path / "dapo/config.json").read_text())
     assert (cfg["rewards"], cfg["dynamic_sampling_on"], cfg["max_sampling_rounds"]) == (
         ["verl:r.py:compute_score", "overlong:6:3"], "first", 3)

@@ -21,7 +21,7 @@ import torch
 from grpolab.config import Config, ConfigError
 from grpolab.config.load import warn_idle
 from grpolab.config.schema import command_defaults
-from grpolab.config.validate import with_length
+from grpolab.config.validate import length_line, with_length
 from grpolab.rewards.builtin import CODE_REWARDS
 from grpolab.rewards.scorer import load_rewards, make_scorer, score_answers
 from grpolab.rewards.trl_compat import check_columns
@@ -212,9 +212,7 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
     rows, heldout = run_rows(cfg, warn=dist.is_main())  # (said once, not per rank)
     cfg = with_length(cfg, len(rows))  # passes: steps, now that the prompts are counted
     if cfg.passes > 0 and dist.is_main():
-        print(f"grpolab: {cfg.passes:g} pass{'' if cfg.passes == 1 else 'es'} over "
-              f"{len(rows)} prompts, {len(rows) // cfg.prompts_per_step} steps of "
-              f"{cfg.prompts_per_step} a pass: {cfg.steps} steps", flush=True)
+        print(f"grpolab: {length_line(cfg, len(rows))}", flush=True)
     if cfg.watch_reward and not heldout[: cfg.eval_size]:  # it would watch nothing
         raise ConfigError(f"watch_reward {cfg.watch_reward} checks held-out prompts: set "
                           "eval_dataset (and eval_size > 0)")

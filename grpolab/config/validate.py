@@ -330,6 +330,14 @@ def with_length(cfg: Config, prompts: int) -> Config:
     return dataclasses.replace(cfg, steps=math.ceil(steps))
 
 
+def length_line(cfg: Config, prompts: int) -> str:
+    """What ``with_length`` counted, said before the run."""
+    batch = cfg.pass_batch or cfg.prompts_per_step
+    unit = f"batches of {batch} (verl's gen_batch_size)" if cfg.pass_batch else f"steps of {batch}"
+    return (f"{cfg.passes:g} pass{'' if cfg.passes == 1 else 'es'} over {prompts} prompts, "
+            f"{prompts // batch} {unit} a pass: {cfg.steps} steps")
+
+
 def every(cfg: Config, name: str) -> int:
     """An interval (``INTERVALS``) in steps: a count as it is, a share (below 1) of the run's
     steps rounded up, as transformers counts its save_steps / eval_steps shares; read where
