@@ -197,6 +197,7 @@ def _check_code_tests(cfg: Config, *datasets: tuple[list[dict], str]) -> None:
     or, where some cannot, warned of, per file (by rank 0)."""
     if set(CODE_REWARDS) & {*cfg.rewards, cfg.watch_reward}:
         from grpolab.rewards.sandbox import check_tests
+
         for rows, where in datasets:
             check_tests(rows, repr(where), warn=dist.is_main())
 

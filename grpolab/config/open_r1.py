@@ -13,7 +13,7 @@ from typing import Any
 from grpolab.config.schema import ConfigError
 
 # a reward's parameters: (open-r1's key, its default), in the order of the spec's fields
-_PARAMS: dict[str, tuple[tuple[str, Any], ...]] = {
+REWARD_PARAMS: dict[str, tuple[tuple[str, Any], ...]] = {
     "cosine": (("cosine_min_value_wrong", 0.0), ("cosine_max_value_wrong", -0.5),
                ("cosine_min_value_correct", 0.5), ("cosine_max_value_correct", 1.0),
                ("cosine_max_len", 1000)),
@@ -22,9 +22,10 @@ _PARAMS: dict[str, tuple[tuple[str, Any], ...]] = {
     "soft_overlong_punishment": (("max_completion_len", 16384), ("soft_punish_cache", 4096)),
 }
 REWARDS = ("accuracy", "format", "tag_count", "reasoning_steps", "length", "code",
-           "binary_code", *_PARAMS)
+           "binary_code", *REWARD_PARAMS)
 REFUSED = {"ioi_code": "IOI's", "cf_code": "Codeforces'"}  # (their judges: Piston, Morph)
-PARAMS = tuple(key for params in _PARAMS.values() for key, _ in params)
+PARAMS = tuple(key for params in REWARD_PARAMS.values() for key, _ in params)
+LANGUAGE = re.compile(r"[A-Za-z0-9+#_-]+")  # (code_format's, a word in its regex)
 # the remote code judges' settings (grpolab runs the tests in its own sandbox), the Hub's,
 # Weights & Biases', and open-r1's callbacks and benchmarks
 ASIDE = frozenset({
@@ -40,7 +41,7 @@ KEYS = frozenset({"dataset_prompt_column", "dataset_mixture", *PARAMS, *ASIDE})
 def _param(key: str, value: Any, default: Any) -> Any:
     """A reward parameter of the recipe read as open-r1's field's type, or refused naming it."""
     if isinstance(default, str):
-        if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9+#_-]+", value):
+        if isinstance(value, str) and LANGUAGE.fullmatch(value):
             return value
         raise ConfigError(f"{key}: {value!r} (open-r1) must be a language's name, as python")
     try:
@@ -62,7 +63,7 @@ def reward_spec(name: str, d: dict[str, Any]) -> str | None:
                           "Python answers (code, with the rows' tests)")
     if name not in REWARDS:
         return None
-    values = [_param(key, d.get(key, default), default) for key, default in _PARAMS.get(name, ())]
+    values = [_param(key, d.get(key, default), default) for key, default in REWARD_PARAMS.get(name, ())]
     if name == "soft_overlong_punishment":  # (DAPO's formula, as overlong:MAX:BUFFER)
         return "overlong:" + ":".join(str(v) for v in values)
     return ":".join(["open-r1", name, *map(str, values)])
@@ -77,7 +78,7 @@ def reward_names(d: dict[str, Any]) -> list[Any]:
 def aside(d: dict[str, Any]) -> set[str]:
     """The recipe's open-r1 keys that change nothing here: those of ``ASIDE``, the parameters
     of rewards it does not name, and a dataset mixture beside a local ``dataset``."""
-    used = {key for name in reward_names(d) for key, _ in _PARAMS.get(str(name), ())}
+    used = {key for name in reward_names(d) for key, _ in REWARD_PARAMS.get(str(name), ())}
     return ({k for k in d if k in ASIDE or (k in PARAMS and k not in used)}
             | ({"dataset_mixture"} if d.get("dataset_mixture") and d.get("dataset") else set()))
 

@@ -48,8 +48,8 @@ def script_rewards(d: dict[str, Any]) -> list[str]:
             out.append(TRL_REWARDS[name])
         elif name == "get_soft_overlong_punishment":  # (the script's: 1280 tokens, 256 soft)
             out.append("overlong:1280:256")
-        elif open_r1.reward_spec(str(name), d):
-            out.append(str(open_r1.reward_spec(str(name), d)))
+        elif spec := open_r1.reward_spec(str(name), d):
+            out.append(spec)
         elif "." in str(name):
             module, _, fn = str(name).rpartition(".")
             out.append(f"{module}:{fn}")

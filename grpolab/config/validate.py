@@ -305,9 +305,8 @@ def with_length(cfg: Config, prompts: int) -> Config:
     """``cfg`` with ``passes`` turned into ``steps`` for a dataset of ``prompts`` training
     prompts: passes x the whole batches in one pass (of ``pass_batch`` prompts, else a step's;
     its part batch left out, as the data loaders of TRL and verl drop it), rounded up as
-    transformers does; with
-    ``save_each_pass`` / ``eval_each_pass``, checkpoints and model saves / evaluations every
-    pass's steps. Unchanged at passes 0 without them."""
+    transformers does; with ``save_each_pass`` / ``eval_each_pass``, checkpoints and model
+    saves / evaluations every pass's steps. Unchanged at passes 0 without them."""
     each = [k for k in ("save_each_pass", "eval_each_pass") if getattr(cfg, k)]
     if not (cfg.passes > 0 or each):
         return cfg

@@ -35,16 +35,17 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from grpolab.config.open_r1 import LANGUAGE, REWARD_PARAMS, REWARDS
 from grpolab.rewards.trl_compat import TRLReward
 from grpolab.rewards.verifiers import math_timeout
 
 RewardFn = Callable[..., list[Any]]
 
-# open-r1's GRPOScriptArguments defaults for the parameterised rewards
-COSINE_DEFAULTS = (0.0, -0.5, 0.5, 1.0, 1000)  # min/max wrong, min/max correct, max_len
-REPETITION_DEFAULTS = (3, -1.0)  # n-gram size, max (negative) penalty
-NAMES = ("accuracy", "format", "tag_count", "reasoning_steps", "cosine", "repetition_penalty",
-         "length", "code", "binary_code", "code_format")
+# open-r1's GRPOScriptArguments defaults for the parameterised rewards (the recipe's keys':
+# min/max wrong, min/max correct, max_len; n-gram size, max (negative) penalty)
+COSINE_DEFAULTS = tuple(default for _, default in REWARD_PARAMS["cosine"])
+REPETITION_DEFAULTS = tuple(default for _, default in REWARD_PARAMS["repetition_penalty"])
+NAMES = tuple(n for n in REWARDS if n != "soft_overlong_punishment")  # (grpolab's overlong:)
 REFUSED = {"ioi_code": "IOI's subtasks on a Piston or Morph judge",
            "cf_code": "Codeforces' checkers on a Piston judge"}
 _STEPS = re.compile(r"(Step \d+:|^\d+\.|\n-|\n\*|First,|Second,|Next,|Finally,)")
@@ -279,7 +280,7 @@ def open_r1_reward(spec: str) -> RewardFn:
     if name not in NAMES:
         raise ValueError(f"unknown open-r1 reward {spec!r}: expected open-r1: and one of "
                          f"{', '.join(NAMES)} (soft_overlong_punishment: overlong:MAX:CACHE)")
-    if parts and name not in ("cosine", "repetition_penalty", "code_format"):
+    if parts and name not in REWARD_PARAMS:
         raise ValueError(f"reward spec {spec!r}: open-r1's {name} takes no parameters")
     plain = {"accuracy": accuracy_reward, "format": format_reward, "tag_count": tag_count_reward,
              "reasoning_steps": reasoning_steps_reward, "length": len_reward}
@@ -297,7 +298,7 @@ def open_r1_reward(spec: str) -> RewardFn:
         fn = repetition_reward(n, penalty)
     elif name == "code_format":
         language = parts[0] if len(parts) == 1 else "python" if not parts else ""
-        if not re.fullmatch(r"[A-Za-z0-9+#_-]+", language):
+        if not LANGUAGE.fullmatch(language):
             raise ValueError(f"reward spec {spec!r}: write open-r1:code_format:LANGUAGE")
         fn = code_format_reward(language)
     else:
