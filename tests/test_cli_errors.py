@@ -57,6 +57,15 @@ CASES = [
     (["workshop", "--config", "{d}/badvalue.yaml"], ["badvalue.yaml", "'steps'", "'abc'"]),
     (["workshop", "--loss-agg", "tokens"], ["--loss-agg", "'tokens'"]),
     (["workshop", "--steps", "0"], ["steps must be >= 1"]),
+    # another command's setting is refused, not left unread (argparse offers each command its
+    # own flags; these come in through TRL's spelling)
+    (["workshop", "--dataset", "d.jsonl", "--model_path", "m"],
+     [("dataset, model_path are settings of grpolab train and eval, which grpolab workshop "
+      "does not read (it trains on its own task world")]),
+    (["train", "--world_train_size", "9"],
+     ["world_train_size is a setting of grpolab workshop, which grpolab train does not read"]),
+    (["eval", "--lr", "0.1"], [("lr is a setting of grpolab workshop and train, which grpolab "
+                               "eval does not read")]),
 ]
 
 
@@ -209,6 +218,27 @@ def test_python_api_raises_the_clis_config_error(tmp_path: Path) -> None:
     assert "\n" not in msg and "nope.jsonl" in msg and "does not exist" in msg
     assert isinstance(info.value.__cause__, FileNotFoundError)
     assert not out.exists()
+
+
+def test_other_commands_settings_in_the_api_and_in_a_file(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A keyword of another command is the CLI's ConfigError; a file that sets one (a file
+    may serve several commands) is named in one warning, and eval, which reads its training's
+    file, is not warned."""
+    import grpolab
+    from grpolab.config import make_config
+
+    with pytest.raises(grpolab.ConfigError, match="^rewards is a setting of grpolab train and "
+                       "eval, which grpolab workshop does not read"):
+        grpolab.workshop(rewards=["math"], out_dir=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "run.yaml").write_text("rewards: [math]\nlr: 0.001\n")
+    make_config(str(tmp_path / "run.yaml"), {}, "workshop")
+    make_config(str(tmp_path / "run.yaml"), {}, "eval")
+    assert [r.getMessage() for r in caplog.records] == [
+        (f"{tmp_path / 'run.yaml'}: rewards is a setting of grpolab train and eval, which "
+        "grpolab workshop does not read (it trains on its own task world; models and data are "
+        "grpolab train's)")]
 
 
 def test_python_api_raises_run_error_where_the_cli_exits_1(llama: str, tmp_path: Path) -> None:

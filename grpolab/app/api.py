@@ -6,6 +6,7 @@ import grpolab
 records = grpolab.train("run.yaml", steps=20, report_to=["tensorboard"])
 records = grpolab.train({"model_path": "smollm2-135m-instruct", "dataset": "train.jsonl",
                          "rewards": [my_reward, "format"]})
+records = grpolab.train("run.yaml", train_dataset=load_dataset("json", data_files=f)["train"])
 records[-1]["heldout_acc"], records.out_dir, records.summary
 ```
 
@@ -16,11 +17,15 @@ metrics records (one dict per step, step 0 first; what metrics.jsonl holds) as a
 also carries ``out_dir`` and ``summary``. The out_dir rules and files are the CLI's, and so are
 the errors: ``grpolab.ConfigError`` where the CLI exits 2, ``grpolab.RunError`` where it exits 1,
 each with the CLI's one-line message (the original exception is its ``__cause__``).
+``dataset`` (or TRL's ``train_dataset``) and ``eval_dataset`` may be rows in memory (a list of
+dicts, a dict of columns, a ``datasets.Dataset``, a pandas DataFrame): they are written to
+``<out_dir>/data/`` and the run reads them from there (``grpolab.data.memory``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 import types
@@ -29,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from grpolab.config import Config, ConfigError, make_config, to_dict
+from grpolab.config.load import out_of_scope
+from grpolab.data import memory
 
 # Python callables given as rewards: load_reward finds them here by a spec string
 # ("grpolab.app.api:rewards.<name>"), so the trainer sees them as it sees any user reward.
@@ -60,6 +67,9 @@ def _config(config: Config | dict | str | Path | None, overrides: dict[str, Any]
         None if config is None else str(config))
     if isinstance(config, Config) and config.passes > 0:
         del base["steps"]  # (passes set the steps: a Config holds both)
+    idle = out_of_scope(overrides, command)
+    if idle:
+        raise ConfigError(idle)
     return make_config(base, _callables(dict(overrides)), command)
 
 
@@ -89,6 +99,53 @@ def _cli_errors() -> Iterator[None]:
         raise err from e
 
 
+_IN_MEMORY = "(in memory)"  # the dataset's name until the run's folder is chosen
+
+
+def _held_rows(config: Any, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any],
+                                                                 dict[str, Any]]:
+    """The config and keywords with in-memory datasets taken out (TRL's ``train_dataset`` read
+    as ``dataset``): {key: rows}, each key's value a placeholder until ``_with_rows``."""
+    held: dict[str, Any] = {}
+    config = dict(config) if isinstance(config, dict) else config
+    for given in (config, overrides):
+        if not isinstance(given, dict):
+            continue
+        if "train_dataset" in given:
+            if given.get("dataset") is not None:
+                raise ConfigError("dataset and train_dataset are one setting: give one")
+            given["dataset"] = given.pop("train_dataset")
+        for key in memory.FILES:
+            if memory.in_memory(given.get(key)):
+                try:
+                    held[key] = memory.rows_of(given[key], key)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
+                given[key] = _IN_MEMORY
+            elif given is overrides and key in given:
+                held.pop(key, None)  # (a keyword's path replaces the config's rows)
+    return config, overrides, held
+
+
+def _with_rows(cfg: Config, held: dict[str, Any], resume: bool) -> Config:
+    """``cfg`` reading its in-memory datasets from ``<out_dir>/data/`` (written there); on
+    resume, rows other than those the run trained on are refused."""
+    paths = {}
+    for key, name in memory.FILES.items():  # (a replaced run's rows must not look current)
+        stale = Path(cfg.out_dir) / "data" / name
+        if key not in held and not resume and stale.resolve() != Path(
+                getattr(cfg, key) or stale.parent).expanduser().resolve():
+            stale.unlink(missing_ok=True)
+    for key, rows in held.items():
+        path = Path(cfg.out_dir) / "data" / memory.FILES[key]
+        try:
+            memory.write_rows(rows, path, key, resume=resume)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        paths[key] = str(path)
+    return dataclasses.replace(cfg, **paths)
+
+
 def _out_dir(cfg: Config, command: str, resume: bool) -> Config:
     from grpolab.app.commands import choose_out_dir
 
@@ -107,10 +164,14 @@ def train(config: Config | dict | str | Path | None = None, *, resume: bool = Fa
           **overrides: Any) -> Records:
     """``grpolab train`` in Python: GRPO on a Hugging Face model; returns the records."""
     from grpolab.app.commands import run_train
+    from grpolab.run.checkpoint import out_dir_lock
 
     with _cli_errors():
+        config, overrides, held = _held_rows(config, overrides)
         cfg = _out_dir(_config(config, overrides, "train"), "train", resume)
-        trainer = run_train(cfg, resume=resume)
+        # (rows in memory are written into a folder this run holds; nothing made otherwise)
+        with out_dir_lock(cfg.out_dir) if held else contextlib.nullcontext():
+            trainer = run_train(_with_rows(cfg, held, resume), resume=resume)
     summary_file = Path(trainer.out_dir) / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     return _records(trainer.out_dir, summary)

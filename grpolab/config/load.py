@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from grpolab.config import trl, verl, yamlsafe
-from grpolab.config.schema import Config, ConfigError, command_defaults, field_types
+from grpolab.config.schema import COMMANDS, Config, ConfigError, command_defaults, field_types
 from grpolab.config.validate import resolve
 from grpolab.config.values import coerce, unknown_key
 from grpolab.core.losses import POLICY_LOSSES, policy_knobs
@@ -60,6 +60,9 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     earlier = _names(load_yaml(yaml_path) if given_file else yaml_path or {})
     try:
         _known(earlier, command)
+        idle = out_of_scope(earlier, command) if given_file and command != "eval" else None
+        if idle:
+            log.warning("%s: %s", yaml_path, idle)
         from_file = _read(earlier, later=later)
         kwargs.update(from_file)
     except ConfigError as e:
@@ -124,6 +127,22 @@ def _known(given: dict[str, Any], command: str) -> None:
     for name in given:
         if name not in known and not verl.is_verl(name):
             raise unknown_key(name, known, command)
+
+
+def out_of_scope(given: Any, command: str) -> str | None:
+    """What is wrong with grpolab's keys among ``given`` that belong to other commands
+    (``dataset`` to the workshop), or None. Flags and API keywords of that kind are refused
+    (``grpolab.app``); a file setting them is warned of (it may serve several commands; eval
+    reads its training's file, so eval is not)."""
+    scope = {f.name: f.metadata["commands"] for f in dataclasses.fields(Config)}
+    other = [k for k in given if k in scope and command not in scope[k]]
+    if not other:
+        return None
+    theirs = [c for c in COMMANDS if any(c in scope[k] for k in other)]
+    return (f"{', '.join(other)} {'is a setting' if len(other) == 1 else 'are settings'} of "
+            f"grpolab {' and '.join(theirs)}, which grpolab {command} does not read" +
+            (" (it trains on its own task world; models and data are grpolab train's)"
+             if command == "workshop" else ""))
 
 
 def _names(given: dict[Any, Any]) -> dict[str, Any]:

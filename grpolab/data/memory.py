@@ -1,0 +1,103 @@
+"""Datasets held in memory (the Python API's ``dataset=``, as TRL's ``train_dataset=``): a
+list of dicts, a dict of equal-length columns, a ``datasets.Dataset`` or a pandas DataFrame,
+written as a JSONL file in the run's folder, so that the run is recorded with the rows it
+trained on and a resume reads them back as it reads any file.
+
+Values JSON has no word for are made plain on the way: numpy scalars and arrays become numbers
+and lists, a NaN or missing value null (a null gold answer is then refused at load naming its
+row, as in a file); anything else (a date, an object) is refused naming its row and column.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+FILES = {"dataset": "train.jsonl", "eval_dataset": "eval.jsonl"}  # in <out_dir>/data/
+
+
+def in_memory(value: Any) -> bool:
+    """Whether a ``dataset`` value is rows rather than a path or a task name."""
+    return value is not None and not isinstance(value, (str, os.PathLike))
+
+
+def rows_of(value: Any, name: str) -> list[dict[str, Any]]:
+    """The rows of an in-memory dataset, as plain dicts; a ValueError naming ``name`` for a
+    value that is not one (a dataset of several splits, an endless stream, no rows)."""
+    kind = type(value).__name__
+    if kind == "DatasetDict" or kind == "IterableDatasetDict":
+        raise ValueError(f"{name} is a {kind} of splits ({', '.join(value)}); give one split, "
+                         f"e.g. {name}=ds[{next(iter(value), 'train')!r}]")
+    if kind == "IterableDataset":
+        raise ValueError(f"{name} is an IterableDataset, which may not end; give a Dataset "
+                         "(e.g. datasets.Dataset.from_list(list(stream.take(1000))))")
+    if hasattr(value, "to_list") and hasattr(value, "column_names"):  # datasets.Dataset
+        rows = value.to_list()
+    elif hasattr(value, "to_dict") and hasattr(value, "columns"):  # pandas.DataFrame
+        rows = value.to_dict("records")
+    elif isinstance(value, Mapping):  # columns, as datasets.Dataset.from_dict takes them
+        lengths = {k: len(v) if isinstance(v, Sequence) and not isinstance(v, str) else -1
+                   for k, v in value.items()}
+        if not lengths or min(lengths.values()) < 0 or len(set(lengths.values())) > 1:
+            raise ValueError(f"{name} is a dict, read as columns, but its values are not lists "
+                             f"of one length ({lengths}); give {{column: [values...]}} or a "
+                             "list of rows")
+        rows = [dict(zip(value, row)) for row in zip(*value.values())]
+    elif isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
+        rows = list(value)
+    else:
+        raise ValueError(f"{name} is of type {kind}; give a file's path, a list of dicts, a dict of "
+                         "columns, a datasets.Dataset or a pandas DataFrame")
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ValueError(f"{name}: row {i} is of type {type(row).__name__}, not a dict "  # noqa: TRY004
+                             "of columns")
+    if not rows:
+        raise ValueError(f"{name} has no rows")
+    return [dict(r) for r in rows]
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as JSON holds it (see the module's docstring)."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float) and not math.isinf(value):
+        return None if math.isnan(value) else value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, where) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, where) for v in value]
+    if hasattr(value, "tolist") and type(value).__module__.split(".")[0] in ("numpy", "torch"):
+        return _plain(value.tolist(), where)  # (numpy scalars and arrays, tensors)
+    if type(value).__module__.split(".")[0] == "pandas" and type(value).__name__ in (
+            "NAType", "NaTType"):
+        return None
+    raise ValueError(f"{where} holds {str(value)[:40]!r} of type {type(value).__name__}, which a "
+                     "JSON line cannot hold; convert it to text or a number first")
+
+
+def write_rows(rows: list[dict[str, Any]], path: Path, name: str, resume: bool = False) -> None:
+    """Write ``rows`` as JSONL at ``path`` (atomically). ``resume``: the file must hold exactly
+    these rows already (the run's own), else a ValueError; nothing is written then."""
+    lines = []
+    for i, row in enumerate(rows):
+        plain = {str(k): _plain(v, f"{name}: row {i} column {k!r}") for k, v in row.items()}
+        lines.append(json.dumps(plain, ensure_ascii=False, allow_nan=False) + "\n")
+    text = "".join(lines)
+    if resume:
+        if not path.is_file():
+            raise ValueError(f"{name}: the run being resumed did not read its rows from memory "
+                             f"(no {path}); resume it with its own {name} setting")
+        if path.read_text(encoding="utf-8") != text:
+            raise ValueError(f"{name}: these rows are not the ones the run being resumed "
+                             f"trained on ({path}); resume with the same rows, or start a new "
+                             "run")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,137 @@
+"""Datasets held in memory in the Python API (``dataset=``, TRL's ``train_dataset=``,
+``eval_dataset=``): written to the run's data/ folder, trained on exactly as the same rows
+in a file, resumed only with the same rows; what cannot be written is refused in one line."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import grpolab
+from grpolab.data.memory import rows_of, write_rows
+
+ROWS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b), "level": a % 3}
+        for a, b in [(3, 4), (12, 7), (25, 17), (8, 9), (1, 1), (6, 2)]]
+
+
+def longer(prompts, completions, **kwargs):  # TRL's signature: signal from any random model
+    return [len(c) / 10 for c in completions]
+
+
+def settings(tmp_path: Path, model: str, **over: Any) -> dict[str, Any]:
+    cfg = {"model_path": model, "rewards": [longer, "math"], "steps": 2, "budget": 8, "group_size": 4,
+           "max_new_tokens": 6, "eval_size": 2, "out_dir": str(tmp_path / "run"),
+           "progress": False, "seed": 0, "report_to": ["none"]}
+    cfg.update(over)
+    return cfg
+
+
+def test_rows_in_memory_train_as_the_same_rows_in_a_file(llama: str, tmp_path: Path) -> None:
+    """A list of dicts as train_dataset and a dict of columns as eval_dataset: the run's records
+    equal a run on the same rows in JSONL files (every logged number), and the run's folder
+    holds the rows it read; its config names them. A resume takes the same rows only; a run
+    replacing it leaves none of its rows behind."""
+    data = tmp_path / "files"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (data / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))
+    from_files = grpolab.train(settings(tmp_path / "a", llama, dataset=str(data / "train.jsonl"),
+                                        eval_dataset=str(data / "eval.jsonl")))
+    columns = {k: [r[k] for r in ROWS[:2]] for k in ROWS[0]}
+    in_memory = grpolab.train(settings(tmp_path / "b", llama), train_dataset=ROWS,
+                              eval_dataset=columns)
+    assert len(in_memory) == 3
+
+    def numbers(records: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if isinstance(v, (int, float))
+                 and not k.startswith(("sec", "tokens_per", "peak", "time"))} for r in records]
+
+    assert numbers(in_memory) == numbers(from_files)
+    assert 0 < in_memory[1]["reward_std"] and in_memory[1]["grad_norm"] > 0
+    run = in_memory.out_dir
+    assert (run / "data" / "train.jsonl").read_text() == (data / "train.jsonl").read_text()
+    assert [json.loads(x) for x in (run / "data" / "eval.jsonl").read_text().splitlines()] \
+        == ROWS[:2]
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["dataset"] == str(run / "data" / "train.jsonl")
+    assert saved["eval_dataset"] == str(run / "data" / "eval.jsonl")
+
+    # a resume with the same rows continues; with other rows, or none in memory, it is refused
+    more = grpolab.train(settings(tmp_path / "b", llama, steps=3), resume=True, dataset=ROWS,
+                         eval_dataset=columns)
+    assert [r["step"] for r in more] == [0, 1, 2, 3]
+    with pytest.raises(grpolab.ConfigError, match="not the ones the run being resumed"):
+        grpolab.train(settings(tmp_path / "b", llama, steps=4), resume=True,
+                      dataset=ROWS[1:], eval_dataset=columns)
+    with pytest.raises(grpolab.ConfigError, match="did not read its rows from memory"):
+        grpolab.train(settings(tmp_path / "a", llama, steps=3), resume=True, dataset=ROWS,
+                      eval_dataset=str(data / "eval.jsonl"))
+    # a run replacing it (--overwrite) leaves none of its rows looking current
+    grpolab.train(settings(tmp_path / "b", llama, steps=1, overwrite=True, eval_size=0),
+                  train_dataset=ROWS[:4])
+    assert sorted(p.name for p in (run / "data").iterdir()) == ["train.jsonl"]
+    assert len((run / "data" / "train.jsonl").read_text().splitlines()) == 4
+
+
+def test_datasets_and_dataframes_are_rows() -> None:
+    """A datasets.Dataset and a pandas DataFrame give the rows a list of dicts gives; numpy
+    values become plain numbers; a DatasetDict, a stream and non-rows are refused by name."""
+    datasets = pytest.importorskip("datasets")
+    pandas = pytest.importorskip("pandas")
+    ds = datasets.Dataset.from_list(ROWS)
+    assert rows_of(ds, "dataset") == ROWS
+    assert rows_of(pandas.DataFrame(ROWS), "dataset") == ROWS
+    assert rows_of({"prompt": ["a", "b"], "answer": ["1", "2"]}, "dataset") == [
+        {"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    refused = {
+        "DatasetDict of splits (train, test); give one split, e.g. dataset=ds['train']":
+            datasets.DatasetDict({"train": ds, "test": ds}),
+        "IterableDataset, which may not end": ds.to_iterable_dataset(),
+        "values are not lists of one length": {"prompt": ["a", "b"], "answer": ["1"]},
+        "row 1 is of type str": [{"prompt": "a"}, "b"],
+        "has no rows": [],
+        "is of type int; give a file's path": 3,
+    }
+    for why, value in refused.items():
+        with pytest.raises(ValueError, match=re.escape(why)):
+            rows_of(value, "dataset")
+
+
+def test_written_rows_are_plain_json_or_refused(tmp_path: Path) -> None:
+    """numpy numbers and arrays become numbers and lists, NaN and pandas' missing values null,
+    a line separator inside a prompt stays inside its line; a date or an infinity is refused
+    naming its row and column, and nothing is written then."""
+    np = pytest.importorskip("numpy")
+    pandas = pytest.importorskip("pandas")
+    rows = [{"prompt": "a\u2028b\nc", "answer": np.int64(4), "w": np.float32(0.5),
+             "ids": np.arange(3), "x": float("nan"), "y": pandas.NA}]
+    path = tmp_path / "d" / "train.jsonl"
+    write_rows(rows, path, "dataset")
+    lines = path.read_text(encoding="utf-8").split("\n")
+    assert len(lines) == 2 and lines[1] == ""
+    assert json.loads(lines[0]) == {"prompt": "a\u2028b\nc", "answer": 4, "w": 0.5,
+                                    "ids": [0, 1, 2], "x": None, "y": None}
+    for bad, what in ((datetime.date(2026, 12, 6), "'2026-12-06' of type date"),
+                      (float("inf"), "'inf' of type float")):
+        with pytest.raises(ValueError, match=f"row 1 column 'when' holds {what}, which"):
+            write_rows([{"prompt": "p"}, {"prompt": "q", "when": bad}], tmp_path / "e.jsonl",
+                       "dataset")
+        assert not (tmp_path / "e.jsonl").exists()
+
+
+def test_api_refusals_are_one_line(llama: str, tmp_path: Path) -> None:
+    """dataset and train_dataset together, and rows that cannot be written, are ConfigErrors
+    before anything runs; an in-memory null gold answer is refused at load naming its line."""
+    with pytest.raises(grpolab.ConfigError, match="dataset and train_dataset are one setting"):
+        grpolab.train(settings(tmp_path, llama), dataset=ROWS, train_dataset=ROWS)
+    with pytest.raises(grpolab.ConfigError, match="dataset has no rows"):
+        grpolab.train(settings(tmp_path, llama), train_dataset=[])
+    with pytest.raises(grpolab.ConfigError, match="run.data.train.jsonl.: line 2 has no gold answer"):
+        grpolab.train(settings(tmp_path, llama), train_dataset=[ROWS[0], {**ROWS[1],
+                                                                          "answer": None}])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
