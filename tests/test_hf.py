@@ -312,6 +312,45 @@ def test_missing_model_path_is_one_line_exit_2(
     assert "nope.jsonl" in refused(yaml_path, capsys)
 
 
+def test_a_hub_id_is_read_from_the_local_cache_never_downloaded(
+    llama: str, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model_path (TRL's model_name_or_path) as a Hub id: its snapshot in the Hugging Face
+    cache, laid out as `hf download` leaves it (refs/main -> snapshots/<commit>), trains; the
+    card names the id. An id not in the cache is one line naming the cache and the fetch, and
+    nothing is downloaded (the Hub's address is made unreachable here); a local folder of the
+    same shape is still a folder."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--tiny-org--tiny-llama"
+    shutil.copytree(llama, repo / "snapshots" / "c0ffee")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # (nothing listens)
+    monkeypatch.chdir(tmp_path)
+    yaml_path, out = write_config(tmp_path / "a", "tiny-org/tiny-llama", steps=1, eval_size=0)
+    assert cli.main(["train", "--config", yaml_path]) == 0
+    assert len(read_metrics(out)) == 2
+    assert "base_model: tiny-org/tiny-llama" in (out / "final" / "README.md").read_text()
+
+    yaml_path, _ = write_config(tmp_path / "b", "tiny-org/other-model")
+    assert refused(yaml_path, capsys) == (
+        f"grpolab: error: model_path 'tiny-org/other-model' is not a local folder, nor a "
+        f"Hugging Face Hub model in the local cache ({cache}); grpolab downloads nothing at run "
+        "time: fetch it first (hf download tiny-org/other-model) or give its folder")
+    from grpolab.rewards.reward_models import load_reward_model  # (TRL's reward model id too)
+
+    with pytest.raises(ValueError, match="^reward model 'tiny-org/rm' is not a local folder"):
+        load_reward_model("tiny-org/rm")
+    (tmp_path / "tiny-org").mkdir()
+    shutil.copytree(llama, tmp_path / "tiny-org" / "other-model")  # a local folder wins
+    assert cli.main(["train", "--config", yaml_path, "--steps", "1", "--eval-size", "0"]) == 0
+
+
 def test_vllm_without_gpu_is_one_line_exit_2(
     llama: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -117,13 +117,16 @@ def need_hf(command: str) -> None:
 def check_paths(cfg: Config, command: str = "train") -> None:
     """One-line errors for a missing model, dataset or reward, before anything loads."""
     from grpolab.data.tasks import is_task
-    from grpolab.rollout.models import is_model_source
+    from grpolab.rollout.models import hub_folder, hub_shaped, is_model_source
 
     if not cfg.model_path:
         raise ConfigError(f"grpolab {command} needs model_path (a local Hugging Face model "
-                          "folder, a .gguf file or smollm2-135m-instruct)")
+                          "folder, a Hub id in the local cache, a .gguf file or "
+                          "smollm2-135m-instruct)")
     mp = Path(cfg.model_path).expanduser()
-    if is_model_source(cfg.model_path):
+    if hub_shaped(cfg.model_path):
+        mp = Path(hub_folder(cfg.model_path))
+    if is_model_source(cfg.model_path) and not hub_shaped(cfg.model_path):
         pass  # a GGUF file or a known name: models.resolve_model checks and converts it
     elif not mp.exists():
         raise FileNotFoundError(f"model_path {str(mp)!r} does not exist")

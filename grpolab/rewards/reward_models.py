@@ -28,12 +28,17 @@ class SequenceClassifierReward:
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
         except ImportError as e:  # pragma: no cover - transformers is in the hf extra
             raise ValueError(f"reward model rm:{path} needs transformers ({e})") from None
-        folder = Path(path).expanduser()
+        from grpolab.rollout.models import check_weight_files, hub_folder, hub_shaped
+
+        # (a Hub id: its snapshot in the local Hugging Face cache, as for the policy)
+        try:
+            folder = Path(hub_folder(path, "reward model") if hub_shaped(path) else path)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+        folder = folder.expanduser()
         if not (folder / "config.json").is_file():
             raise ValueError(f"reward model rm:{path}: no config.json there (a local Hugging "
                              "Face sequence-classification model folder is expected)")
-        from grpolab.rollout.models import check_weight_files
-
         check_weight_files(str(folder))  # safetensors only, as for the policy
         # A causal LM's folder would load with a fresh, random score head: random rewards.
         archs = json.loads((folder / "config.json").read_text()).get("architectures") or []

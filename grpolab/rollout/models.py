@@ -1,4 +1,5 @@
-"""Where a model comes from: a local Hugging Face folder, a ``.gguf`` file, or a known name.
+"""Where a model comes from: a local Hugging Face folder, a ``.gguf`` file, a known name, or a
+Hub id (``Qwen/Qwen2.5-0.5B-Instruct``) already in the local Hugging Face cache.
 
 A GGUF file (llama.cpp's format, often the only copy of a model a registry package ships) is
 read by transformers with ``gguf_file=`` and dequantised to float. Such a model refuses
@@ -21,6 +22,7 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -65,14 +67,40 @@ def known_gguf(name: str) -> Path:
 
 def is_model_source(value: str) -> bool:
     """Whether ``value`` names something ``resolve_model`` can turn into a model folder."""
-    return value in KNOWN_MODELS or value.lower().endswith(".gguf")
+    return value in KNOWN_MODELS or value.lower().endswith(".gguf") or hub_shaped(value)
+
+
+_HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
+
+
+def hub_shaped(value: str) -> bool:
+    """A Hugging Face Hub id ("org/model") that is not a local path (a local folder wins)."""
+    return (bool(_HUB_ID.fullmatch(value)) and not value.startswith((".", "-"))
+            and value not in KNOWN_MODELS and not value.lower().endswith(".gguf")
+            and not Path(value).expanduser().exists())
+
+
+def hub_folder(name: str, what: str = "model_path") -> str:
+    """The snapshot folder of Hub model ``name`` in the local Hugging Face cache (HF_HUB_CACHE
+    or HF_HOME, where ``hf download`` and TRL's runs put it), at its ``main`` revision; a
+    FileNotFoundError in one line when it is not there. Nothing is downloaded."""
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return str(snapshot_download(name, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, or not a valid id: the same one line
+        raise FileNotFoundError(
+            f"{what} {name!r} is not a local folder, nor a Hugging Face Hub model in the local "
+            f"cache ({constants.HF_HUB_CACHE}); grpolab downloads nothing at run time: fetch it "
+            f"first (hf download {name}) or give its folder") from None
 
 
 def resolve_model(model_path: str, cache_dir: str = "") -> str:
     """A local Hugging Face model folder for ``model_path`` (converting a GGUF file once).
 
-    ``model_path`` is a folder (returned as is), a ``.gguf`` file, or a name in
-    ``KNOWN_MODELS``. Raises FileNotFoundError with one line when it cannot be found.
+    ``model_path`` is a folder (returned as is), a ``.gguf`` file, a name in ``KNOWN_MODELS``,
+    or a Hub id in the local Hugging Face cache (``hub_folder``). Raises FileNotFoundError with
+    one line when it cannot be found.
     """
     src = model_path
     if model_path in KNOWN_MODELS:
@@ -81,6 +109,8 @@ def resolve_model(model_path: str, cache_dir: str = "") -> str:
         gguf = Path(model_path).expanduser()
         if not gguf.is_file():
             raise FileNotFoundError(f"model_path {model_path!r}: GGUF file not found")
+    elif hub_shaped(model_path):
+        return hub_folder(model_path)
     else:
         return model_path
     st = gguf.stat()

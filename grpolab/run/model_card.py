@@ -17,6 +17,7 @@ import yaml
 
 from grpolab.config import Config
 from grpolab.config.schema import command_defaults
+from grpolab.rollout.models import hub_shaped
 
 # grpolab's names for models -> their Hugging Face repositories
 KNOWN_BASES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -27,6 +28,8 @@ def base_model_id(model_path: str) -> str | None:
     ``_name_or_path`` a downloaded checkpoint's config.json keeps; None for a local model."""
     if model_path in KNOWN_BASES:
         return KNOWN_BASES[model_path]
+    if hub_shaped(model_path):  # (read from the Hugging Face cache: its id is the name)
+        return model_path
     cfg = Path(model_path).expanduser() / "config.json"
     try:
         name = json.loads(cfg.read_text()).get("_name_or_path") or ""
