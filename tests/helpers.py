@@ -21,6 +21,46 @@ from grpolab.world.backend import TinyBackend
 from grpolab.world.model import CharTokenizer, TinyConfig, TinyGPT
 from grpolab.world.task import make_splits
 
+# ------------------------------------------------------------ the Hub's cache --
+
+
+def hub_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``cache`` as the Hugging Face Hub cache for this test, its Hub unreachable (so nothing
+    can be downloaded: a test that needed the network fails)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # (nothing listens)
+    return cache
+
+
+def cached_repo(cache: Path, repo: str, kind: str = "models") -> Path:
+    """The snapshot folder of ``repo`` laid out as `hf download` leaves it (refs/main naming
+    snapshots/<commit>); the caller fills it."""
+    root = cache / f"{kind}--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text("c0ffee")
+    return root / "snapshots" / "c0ffee"
+
+
+def cached_dataset(cache: Path, repo: str, configs: dict[str, dict[str, list[dict]]]) -> Path:
+    """A Hub dataset in ``cache``: each config's splits as parquet files under <config>/, and
+    the dataset card's ``configs`` naming them, as the Hub's parquet layout has it."""
+    import pandas as pd
+    import yaml
+
+    snap = cached_repo(cache, repo, "datasets")
+    card = []
+    for config, splits in configs.items():
+        (snap / config).mkdir(parents=True)
+        for split, rows in splits.items():
+            pd.DataFrame(rows).to_parquet(snap / config / f"{split}-00000-of-00001.parquet")
+        card.append({"config_name": config, "data_files": [
+            {"split": split, "path": f"{config}/{split}-*"} for split in splits]})
+    (snap / "README.md").write_text(f"---\n{yaml.safe_dump({'configs': card})}---\n")
+    return snap
+
+
 # ----------------------------------------------------------------------- rewards --
 
 

@@ -170,3 +170,40 @@ def test_non_text_prompt_is_rejected(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="line 2 column 'prompt' is int"):
         load_rows(str(path))
+
+
+def test_a_hub_dataset_is_read_from_the_local_cache(tmp_path: Path, monkeypatch) -> None:
+    """ORG/NAME[:CONFIG[:SPLIT]]: the dataset's files in the Hugging Face cache, chosen by its
+    card's configs as `datasets` chooses them (the config's split, not another config's); no
+    config among several, a split the cache lacks, or a dataset it lacks, is one line saying
+    what to write or fetch. A local path of that shape is a path."""
+    pytest.importorskip("pandas")
+    from helpers import cached_dataset, hub_cache
+
+    cache = hub_cache(tmp_path / "hub", monkeypatch)
+    cached_dataset(cache, "org/math", {"main": {"train": ROWS, "test": ROWS[:1]},
+                                       "other": {"train": [{"question": "x", "solution": "y"}]}})
+    read = lambda spec, split="train": load_rows(spec, "question", "solution", split)
+    assert [r["answer"] for r in read("org/math:main")] == ["4", "9"]
+    assert [r["answer"] for r in read("org/math:main", "test")] == ["4"]
+    assert [r["answer"] for r in read("org/math:main:test")] == ["4"]
+    assert [r["answer"] for r in read("org/math:other")] == ["y"]
+    for spec, error, message in (
+            ("org/math", ValueError, (r"available configs: \['main', 'other'\] \(write "
+                                     r"org/math:CONFIG\)")),
+            ("org/math:main:validation", ValueError, ("has no 'validation' split in the cache "
+                                                     r"\(it has train, test\); write "
+                                                     "org/math:main:SPLIT")),
+            ("org/nope", FileNotFoundError, ("not a local file or folder, nor a Hugging Face Hub "
+                                            f"dataset in the local cache .{cache}.; grpolab "
+                                            "downloads nothing at run time: fetch it first "
+                                            r"\(hf download --repo-type dataset org/nope\)")),
+            ("data/missing.jsonl", FileNotFoundError, ("dataset 'data/missing.jsonl' does not "
+                                                      "exist"))):
+        with pytest.raises(error, match=message):
+            read(spec)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org").mkdir()
+    _write_jsonl(tmp_path / "org" / "math", ROWS[:1])  # (a file named like the id)
+    with pytest.raises(ValueError, match="unsupported extension"):
+        read("org/math")  # the local path wins

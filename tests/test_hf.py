@@ -52,6 +52,7 @@ def write_config(tmp_path: Path, model: str, **over: Any) -> tuple[str, Path]:
         "eval_size": 4, "out_dir": str(out), "progress": False, "seed": 0,
     }
     cfg.update(over)
+    cfg = {k: v for k, v in cfg.items() if v is not None}  # (None: the key left out)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path), out
@@ -312,30 +313,33 @@ def test_missing_model_path_is_one_line_exit_2(
     assert "nope.jsonl" in refused(yaml_path, capsys)
 
 
-def test_a_hub_id_is_read_from_the_local_cache_never_downloaded(
+def test_hub_ids_are_read_from_the_local_cache_never_downloaded(
     llama: str, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """model_path (TRL's model_name_or_path) as a Hub id: its snapshot in the Hugging Face
-    cache, laid out as `hf download` leaves it (refs/main -> snapshots/<commit>), trains; the
-    card names the id. An id not in the cache is one line naming the cache and the fetch, and
+    """model_path (TRL's model_name_or_path) and TRL's dataset_name as Hub ids: their
+    snapshots in the Hugging Face cache, laid out as `hf download` leaves them (refs/main ->
+    snapshots/<commit>), train, the dataset's test split held out; the card names the id. An id not in the cache is one line naming the cache and the fetch, and
     nothing is downloaded (the Hub's address is made unreachable here); a local folder of the
     same shape is still a folder."""
     import shutil
 
-    from huggingface_hub import constants
+    from helpers import cached_dataset, cached_repo, hub_cache
 
-    cache = tmp_path / "hub"
-    repo = cache / "models--tiny-org--tiny-llama"
-    shutil.copytree(llama, repo / "snapshots" / "c0ffee")
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("c0ffee")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # (nothing listens)
+    cache = hub_cache(tmp_path / "hub", monkeypatch)
+    shutil.copytree(llama, cached_repo(cache, "tiny-org/tiny-llama"))
+    rows = math_rows()
+    cached_dataset(cache, "tiny-org/sums", {"main": {"train": rows[:4], "test": rows[4:]},
+                                           "other": {"train": rows[:1]}})
     monkeypatch.chdir(tmp_path)
-    yaml_path, out = write_config(tmp_path / "a", "tiny-org/tiny-llama", steps=1, eval_size=0)
+    # TRL's script's names: load_dataset(dataset_name, dataset_config), its test split held out
+    yaml_path, out = write_config(tmp_path / "a", "tiny-org/tiny-llama", steps=1, eval_size=2,
+                                  dataset_name="tiny-org/sums", dataset_config="main",
+                                  eval_strategy="steps", dataset=None, eval_dataset=None)
     assert cli.main(["train", "--config", yaml_path]) == 0
-    assert len(read_metrics(out)) == 2
-    assert "base_model: tiny-org/tiny-llama" in (out / "final" / "README.md").read_text()
+    assert len(read_metrics(out)) == 2 and read_metrics(out)[0]["heldout_acc"] is not None
+    card = (out / "final" / "README.md").read_text()
+    assert "base_model: tiny-org/tiny-llama" in card
+    assert "`tiny-org/sums:main` (2 prompts)" in card  # (main's test split: 2 rows)
 
     yaml_path, _ = write_config(tmp_path / "b", "tiny-org/other-model")
     assert refused(yaml_path, capsys) == (

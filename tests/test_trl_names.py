@@ -209,6 +209,15 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"save_strategy": "epoch", "save_steps": 5}, {"save_each_pass": True,
                                                    "checkpoint_every": 10}),
     ({"eval_strategy": "epoch", "eval_steps": 5}, {"eval_each_pass": True, "eval_every": 10}),
+    # TRL's script: load_dataset(dataset_name, dataset_config)[split], the test split held
+    # out when it evaluates (a Hub id: read from the local cache, grpolab.data.hub)
+    ({"dataset_name": "trl-lib/DeepMath-103K"}, {"dataset": "trl-lib/DeepMath-103K",
+                                                 "eval_dataset": ""}),
+    ({"dataset_name": "openai/gsm8k", "dataset_config": "main", "eval_strategy": "steps"},
+     {"dataset": "openai/gsm8k:main", "eval_dataset": "openai/gsm8k:main"}),
+    ({"dataset_name": "o/d", "dataset_train_split": "tr", "dataset_test_split": "dev",
+      "eval_strategy": "epoch"}, {"dataset": "o/d::tr", "eval_dataset": "o/d::dev"}),
+    ({"dataset_name": "o/d", "dataset": "m.jsonl"}, {"dataset": "m.jsonl"}),  # (aside)
 ])
 def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     c = make_config(None, trl_keys, "train")
@@ -249,7 +258,7 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"gradient_accumulation_steps": 1.5}, "must be a whole number"),
     ({"lr_scheduler_type": "constant", "warmup_steps": 3}, "use constant_with_warmup"),
     ({"reward_funcs": ["accuracy_reward"], "rewards": ["math"]}, "sets rewards to"),
-    ({"dataset_name": "trl-lib/DeepMath-103K"}, "set dataset .and eval_dataset."),
+    ({"dataset_name": ".", "dataset_config": "main"}, "'.' is a local folder: its splits"),
     ({"save_steps": 2, "save_model_every": 3}, "save_steps: 2 .TRL. sets save_model_every to 2"),
     ({"num_iterations": 2, "save_steps": 3}, "save_steps: 3 .TRL. counts optimiser steps"),
     ({"save_steps": 2.5}, "save_steps: 2.5 .TRL. must be a count of optimiser steps, or below"),

@@ -116,29 +116,23 @@ def need_hf(command: str) -> None:
 
 def check_paths(cfg: Config, command: str = "train") -> None:
     """One-line errors for a missing model, dataset or reward, before anything loads."""
+    from grpolab.data.hub import is_hub_dataset, snapshot
     from grpolab.data.tasks import is_task
-    from grpolab.rollout.models import hub_folder, hub_shaped, is_model_source
+    from grpolab.rollout.models import check_source
 
     if not cfg.model_path:
         raise ConfigError(f"grpolab {command} needs model_path (a local Hugging Face model "
                           "folder, a Hub id in the local cache, a .gguf file or "
                           "smollm2-135m-instruct)")
-    mp = Path(cfg.model_path).expanduser()
-    if hub_shaped(cfg.model_path):
-        mp = Path(hub_folder(cfg.model_path))
-    if is_model_source(cfg.model_path) and not hub_shaped(cfg.model_path):
-        pass  # a GGUF file or a known name: models.resolve_model checks and converts it
-    elif not mp.exists():
-        raise FileNotFoundError(f"model_path {str(mp)!r} does not exist")
-    elif not (mp / "config.json").is_file():
-        raise FileNotFoundError(f"model_path {str(mp)!r} is not a Hugging Face model directory "
-                                "(no config.json)")
+    check_source(cfg.model_path)
     if not (cfg.dataset or (command == "eval" and cfg.eval_dataset)):
-        raise ConfigError(f"grpolab {command} needs dataset (a local .jsonl/.parquet/.csv file "
-                          "or reasoning_gym:<task>)")
+        raise ConfigError(f"grpolab {command} needs dataset (a local .jsonl/.parquet/.csv file, "
+                          "a Hub dataset in the local cache or reasoning_gym:<task>)")
     for name in ("dataset", "eval_dataset"):
         value = getattr(cfg, name)
-        if value and not is_task(value) and not Path(value).expanduser().exists():
+        if value and is_hub_dataset(value):
+            snapshot(value)  # (in the Hugging Face cache, or one line)
+        elif value and not is_task(value) and not Path(value).expanduser().exists():
             raise FileNotFoundError(f"{name} {value!r} does not exist")
     if not cfg.rewards:
         raise ConfigError("rewards is empty; name at least one reward (e.g. math, format)")

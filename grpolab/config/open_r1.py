@@ -87,6 +87,7 @@ def translated(d: dict[str, Any]) -> dict[str, Any]:
     """open-r1's keys of ``d`` that set grpolab's: ``dataset_prompt_column``; a dataset
     mixture (Hub datasets) refused."""
     if d.get("dataset_mixture") and not d.get("dataset"):
-        raise ConfigError("dataset_mixture (open-r1) mixes Hub datasets: grpolab reads local "
-                          "files and reasoning_gym tasks; set dataset (and eval_dataset)")
+        raise ConfigError("dataset_mixture (open-r1) mixes Hub datasets: grpolab reads one "
+                          "dataset (a local file, a cached Hub dataset, a reasoning_gym task); "
+                          "set dataset (and eval_dataset)")
     return {"prompt_column": d["dataset_prompt_column"]} if "dataset_prompt_column" in d else {}

@@ -363,9 +363,9 @@ class Config:
         1024, MODEL_EVAL,
         "longer prompts lose their first tokens (0 = model's limit)")
     dataset: str = opt(
-        "", MODEL_EVAL, "local jsonl/parquet/csv file or folder, or reasoning_gym:<task>",
-        "local jsonl/parquet/csv file or folder, or reasoning_gym:<task>; measured when there "
-        "is no eval_dataset")
+        "", MODEL_EVAL, "local jsonl/parquet/csv file or folder, a Hub dataset in the local "
+        "cache (ORG/NAME[:CONFIG[:SPLIT]]), or reasoning_gym:<task>", "the same forms; "
+        "measured when there is no eval_dataset")
     eval_dataset: str = opt(
         "", MODEL_EVAL, "held-out prompts (same forms); reasoning_gym: uses another seed")
     dataset_size: int = opt(

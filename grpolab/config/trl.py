@@ -26,6 +26,7 @@ from grpolab.config.trl_values import (
     as_number,
     as_word,
     batch_settings,
+    dataset_spec,
     generation_settings,
     generation_steps,
     per_batches,
@@ -84,6 +85,7 @@ _BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps",
 # `trl grpo`'s script arguments: its reward functions (as grpolab's reward specs) and reward
 # model, which it puts first
 _SCRIPT = ("reward_funcs", "reward_model_name_or_path", "dataset_name")
+_SPLITS = ("dataset_config", "dataset_train_split", "dataset_test_split")  # with dataset_name
 TRL_KEYS = frozenset({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *_VLLM_FIXED, *TRL_ASIDE,
                       *_BATCH, *_SCRIPT, "num_train_epochs", "generation_kwargs",
                       "lr_scheduler_kwargs", *open_r1.KEYS})  # (open-r1's recipes: TRL's)
@@ -313,6 +315,11 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             else "reward_model_name_or_path")
         if "reward_funcs" in given and "answer_column" not in d:  # (they read their columns
             put("answer_column", "", "reward_funcs")  # by name: no answer column needed)
+    hub = bool(d.get("dataset_name")) and not d.get("dataset")  # TRL's script's dataset
+    if hub and {"dataset_name", *_SPLITS, "eval_strategy"} & given.keys():
+        put("dataset", dataset_spec(d, "dataset_train_split", "train"), "dataset_name")
+        if as_word(d.get("eval_strategy", "no")) != "no" and not d.get("eval_dataset"):
+            put("eval_dataset", dataset_spec(d, "dataset_test_split", "test"), "dataset_name")
     for key, value in open_r1.translated(d).items():
         put(key, value, "dataset_prompt_column")
     open_aside = open_r1.aside(d)
@@ -325,6 +332,7 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     aside = sorted(k for k in given if (
         k in TRL_ASIDE or (k in _VLLM_FIXED and not _vllm(d)) or k in skip or k in open_aside
         or (k == "dataset_name" and d.get("dataset"))) and k not in source.values()
+                   and not (hub and k in _SPLITS)
                    and k not in later)
     if aside:
         log.warning("TRL settings left aside (they change nothing that is trained here): %s",
@@ -352,9 +360,6 @@ def _refuse(given: dict[str, Any], d: dict[str, Any],
     if as_word(given.get("push_to_hub")) == "true":
         out.append("push_to_hub: true (TRL): grpolab does not upload (the final model is saved "
                    "to out_dir/final): set push_to_hub: false")
-    if given.get("dataset_name") and not d.get("dataset"):  # (with dataset: left aside)
-        out.append(f"dataset_name: {given['dataset_name']!r} (TRL's script): grpolab reads "
-                   "local files and reasoning_gym tasks; set dataset (and eval_dataset)")
     half = ("fp16" if as_word(d.get("fp16")) == "true" else
             "bf16" if "bf16" in d and as_word(d["bf16"]) in ("true", "none") else None)
     lora = _last(layers, "lora", "use_peft")

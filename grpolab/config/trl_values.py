@@ -60,6 +60,22 @@ def script_rewards(d: dict[str, Any]) -> list[str]:
                               "own rewards, math, reasoning_gym, ..., go in rewards)")
     return out
 
+def dataset_spec(d: dict[str, Any], split_key: str, default: str) -> str:
+    """TRL's script's ``load_dataset(dataset_name, dataset_config)[split]`` as grpolab's
+    dataset: a Hub id as ``ORG/NAME[:CONFIG[:SPLIT]]`` (read from the local cache,
+    ``grpolab.data.hub``); a local folder as is (its splits are its files' names)."""
+    name, config = str(d["dataset_name"]), str(d.get("dataset_config") or "")
+    split = str(d.get(split_key) or default)
+    if os.path.exists(os.path.expanduser(name)):
+        if config or split != default:
+            raise ConfigError(f"dataset_name {name!r} is a local folder: its splits are its "
+                              f"files' names (train.jsonl, test.jsonl); drop dataset_config "
+                              f"and {split_key}")
+        return name
+    return name + (f":{config}" if config or split != default else "") + (
+        f":{split}" if split != default else "")
+
+
 def generation_steps(d: dict[str, Any]) -> int:
     """Optimiser steps per TRL generation batch: ``steps_per_generation`` (or
     ``generation_batch_size`` over the rows a micro-step takes on every process) over the

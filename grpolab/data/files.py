@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from grpolab.data import hub
+
 # Hugging Face `datasets` builder name for each supported file extension.
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # Split names. A file is of a split when its stem is the name or the name and a dash
@@ -215,13 +217,17 @@ def load_rows(
     answer_column: str | None = "answer",
     split: str = "train",
 ) -> list[dict[str, Any]]:
-    """Load a local .jsonl/.json/.parquet/.csv file (or a directory of them) as a list of dicts.
+    """Load a local .jsonl/.json/.parquet/.csv file (or a directory of them, or a Hub dataset in
+    the local cache: ``grpolab.data.hub``) as a list of dicts.
 
     Each row keeps all original columns and gains ``prompt`` (from ``prompt_column``) and, if
     ``answer_column`` is set, ``answer``. Chat-style prompts (lists of messages) are kept as-is.
     """
     where = str(path)
-    builder, files = _data_files(Path(path).expanduser(), split)
+    if hub.is_hub_dataset(where):  # (ORG/NAME[:CONFIG[:SPLIT]] in the Hugging Face cache)
+        builder, files = hub.hub_files(where, split)
+    else:
+        builder, files = _data_files(Path(path).expanduser(), split)
     if all(os.path.getsize(f) == 0 for f in files):
         raise ValueError(f"dataset {where!r} is empty")
     if builder == "csv" and all(_header_only(f) for f in files):

@@ -95,6 +95,19 @@ def hub_folder(name: str, what: str = "model_path") -> str:
             f"first (hf download {name}) or give its folder") from None
 
 
+def check_source(model_path: str) -> None:
+    """One line (FileNotFoundError) for a ``model_path`` that names no model, before anything
+    loads (a GGUF file or a known name: ``resolve_model`` checks and converts it)."""
+    if is_model_source(model_path) and not hub_shaped(model_path):
+        return
+    folder = Path(hub_folder(model_path) if hub_shaped(model_path) else model_path).expanduser()
+    if not folder.exists():
+        raise FileNotFoundError(f"model_path {str(folder)!r} does not exist")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"model_path {str(folder)!r} is not a Hugging Face model "
+                                "directory (no config.json)")
+
+
 def resolve_model(model_path: str, cache_dir: str = "") -> str:
     """A local Hugging Face model folder for ``model_path`` (converting a GGUF file once).
 
