@@ -24,28 +24,43 @@ def longer(prompts, completions, **kwargs):  # TRL's signature: signal from any 
 
 
 def settings(tmp_path: Path, model: str, **over: Any) -> dict[str, Any]:
-    cfg = {"model_path": model, "rewards": [longer, "math"], "steps": 2, "budget": 8, "group_size": 4,
+    cfg = {"model_path": model, "rewards": [longer], "steps": 2, "budget": 8, "group_size": 4,
            "max_new_tokens": 6, "eval_size": 2, "out_dir": str(tmp_path / "run"),
            "progress": False, "seed": 0, "report_to": ["none"]}
     cfg.update(over)
-    return cfg
+    return {k: v for k, v in cfg.items() if v is not None}  # (None: left out)
 
 
 def test_rows_in_memory_train_as_the_same_rows_in_a_file(llama: str, tmp_path: Path) -> None:
-    """A list of dicts as train_dataset and a dict of columns as eval_dataset: the run's records
-    equal a run on the same rows in JSONL files (every logged number), and the run's folder
-    holds the rows it read; its config names them. A resume takes the same rows only; a run
-    replacing it leaves none of its rows behind."""
-    data = tmp_path / "files"
-    data.mkdir()
+    """A list of dicts as train_dataset and a dict of columns as eval_dataset (the reward as
+    TRL's reward_funcs=): the run's records equal a run on the same rows in JSONL files (every
+    logged number), and the run's folder holds the rows it read; its config names them. A
+    resume takes the same rows only; a run replacing it leaves none of its rows behind, and the
+    user's own data/ folder in the run's folder is never touched."""
+    data = tmp_path / "a" / "run" / "data"  # (the user's files, inside the run's folder)
+    data.mkdir(parents=True)
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     (data / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))
+    (data / "test.jsonl").write_text((data / "eval.jsonl").read_text())
     from_files = grpolab.train(settings(tmp_path / "a", llama, dataset=str(data / "train.jsonl"),
-                                        eval_dataset=str(data / "eval.jsonl")))
+                                        eval_dataset=str(data / "test.jsonl")))
+    assert sorted(p.name for p in data.iterdir()) == ["eval.jsonl", "test.jsonl", "train.jsonl"]
     columns = {k: [r[k] for r in ROWS[:2]] for k in ROWS[0]}
-    in_memory = grpolab.train(settings(tmp_path / "b", llama), train_dataset=ROWS,
-                              eval_dataset=columns)
+    import os
+
+    from huggingface_hub import constants
+
+    env = {n: os.environ.get(n) for n in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    os.environ.pop("HF_HUB_OFFLINE", None)
+    was, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, False
+    in_memory = grpolab.train(settings(tmp_path / "b", llama, rewards=None,
+                                       answer_column="answer"),
+                              train_dataset=ROWS, eval_dataset=columns, reward_funcs=longer)
     assert len(in_memory) == 3
+    # the run went offline (it downloads nothing) and the process is put back as it was
+    assert "HF_HUB_OFFLINE" not in os.environ and constants.HF_HUB_OFFLINE is False
+    constants.HF_HUB_OFFLINE = was
+    os.environ.update({n: v for n, v in env.items() if v is not None})
 
     def numbers(records: list[dict]) -> list[dict]:
         return [{k: v for k, v in r.items() if isinstance(v, (int, float))
@@ -54,18 +69,19 @@ def test_rows_in_memory_train_as_the_same_rows_in_a_file(llama: str, tmp_path: P
     assert numbers(in_memory) == numbers(from_files)
     assert 0 < in_memory[1]["reward_std"] and in_memory[1]["grad_norm"] > 0
     run = in_memory.out_dir
-    assert (run / "data" / "train.jsonl").read_text() == (data / "train.jsonl").read_text()
-    assert [json.loads(x) for x in (run / "data" / "eval.jsonl").read_text().splitlines()] \
+    assert (run / "api_data" / "train.jsonl").read_text() == (data / "train.jsonl").read_text()
+    assert [json.loads(x) for x in (run / "api_data" / "eval.jsonl").read_text().splitlines()] \
         == ROWS[:2]
     saved = json.loads((run / "config.json").read_text())
-    assert saved["dataset"] == str(run / "data" / "train.jsonl")
-    assert saved["eval_dataset"] == str(run / "data" / "eval.jsonl")
+    assert saved["dataset"] == str(run / "api_data" / "train.jsonl")
+    assert saved["eval_dataset"] == str(run / "api_data" / "eval.jsonl")
 
     # a resume with the same rows continues; with other rows, or none in memory, it is refused
     more = grpolab.train(settings(tmp_path / "b", llama, steps=3), resume=True, dataset=ROWS,
                          eval_dataset=columns)
     assert [r["step"] for r in more] == [0, 1, 2, 3]
-    with pytest.raises(grpolab.ConfigError, match="not the ones the run being resumed"):
+    with pytest.raises(grpolab.ConfigError, match="not the ones the run being resumed .*: 6 "
+                       "rows, these 5; row 0 differs first"):
         grpolab.train(settings(tmp_path / "b", llama, steps=4), resume=True,
                       dataset=ROWS[1:], eval_dataset=columns)
     with pytest.raises(grpolab.ConfigError, match="did not read its rows from memory"):
@@ -74,8 +90,8 @@ def test_rows_in_memory_train_as_the_same_rows_in_a_file(llama: str, tmp_path: P
     # a run replacing it (--overwrite) leaves none of its rows looking current
     grpolab.train(settings(tmp_path / "b", llama, steps=1, overwrite=True, eval_size=0),
                   train_dataset=ROWS[:4])
-    assert sorted(p.name for p in (run / "data").iterdir()) == ["train.jsonl"]
-    assert len((run / "data" / "train.jsonl").read_text().splitlines()) == 4
+    assert sorted(p.name for p in (run / "api_data").iterdir()) == ["train.jsonl"]
+    assert len((run / "api_data" / "train.jsonl").read_text().splitlines()) == 4
 
 
 def test_datasets_and_dataframes_are_rows() -> None:
@@ -88,11 +104,16 @@ def test_datasets_and_dataframes_are_rows() -> None:
     assert rows_of(pandas.DataFrame(ROWS), "dataset") == ROWS
     assert rows_of({"prompt": ["a", "b"], "answer": ["1", "2"]}, "dataset") == [
         {"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    np = pytest.importorskip("numpy")  # (columns as Dataset.from_dict takes them)
+    assert rows_of({"prompt": np.array(["a", "b"]), "answer": pandas.Series(["1", "2"])},
+                   "dataset") == [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
     refused = {
         "DatasetDict of splits (train, test); give one split, e.g. dataset=ds['train']":
             datasets.DatasetDict({"train": ds, "test": ds}),
         "IterableDataset, which may not end": ds.to_iterable_dataset(),
-        "values are not lists of one length": {"prompt": ["a", "b"], "answer": ["1"]},
+        "values are not sequences of one length (prompt: 2, answer: 1)":
+            {"prompt": ["a", "b"], "answer": ["1"]},
+        "(prompt: str)": {"prompt": "a"},
         "row 1 is of type str": [{"prompt": "a"}, "b"],
         "has no rows": [],
         "is of type int; give a file's path": 3,
@@ -122,6 +143,15 @@ def test_written_rows_are_plain_json_or_refused(tmp_path: Path) -> None:
             write_rows([{"prompt": "p"}, {"prompt": "q", "when": bad}], tmp_path / "e.jsonl",
                        "dataset")
         assert not (tmp_path / "e.jsonl").exists()
+    with pytest.raises(ValueError, match="row 0 column 'prompt' holds text that is not valid "
+                       "Unicode"):
+        write_rows([{"prompt": "a \ud83d b"}], tmp_path / "e.jsonl", "dataset")
+    assert list(tmp_path.iterdir()) == [tmp_path / "d"]  # (no temporary file left)
+    # a resume compares rows, not text: the same rows with their keys in another order pass
+    write_rows([{"b": 1, "a": [2]}], path, "dataset")
+    write_rows([{"a": [2], "b": 1}], path, "dataset", resume=True)
+    with pytest.raises(ValueError, match="1 rows, these 2; row 1 differs first"):
+        write_rows([{"a": [2], "b": 1}, {}], path, "dataset", resume=True)
 
 
 def test_api_refusals_are_one_line(llama: str, tmp_path: Path) -> None:
@@ -129,9 +159,18 @@ def test_api_refusals_are_one_line(llama: str, tmp_path: Path) -> None:
     before anything runs; an in-memory null gold answer is refused at load naming its line."""
     with pytest.raises(grpolab.ConfigError, match="dataset and train_dataset are one setting"):
         grpolab.train(settings(tmp_path, llama), dataset=ROWS, train_dataset=ROWS)
-    with pytest.raises(grpolab.ConfigError, match="dataset has no rows"):
+    with pytest.raises(grpolab.ConfigError, match="^train_dataset has no rows"):
         grpolab.train(settings(tmp_path, llama), train_dataset=[])
-    with pytest.raises(grpolab.ConfigError, match="run.data.train.jsonl.: line 2 has no gold answer"):
+    with pytest.raises(grpolab.ConfigError, match="^dataset is a setting of grpolab train"):
+        grpolab.workshop(train_dataset=ROWS)
+    # a keyword's None is unset (the config's rows stay); answer_column None reads no column
+    from grpolab.app.api import _config, _held_rows
+
+    config, _, held = _held_rows({"dataset": ROWS}, {"dataset": None})
+    assert held == {"dataset": ROWS} and config["dataset"] == "(in memory)"
+    assert _config(settings(tmp_path, llama), {"answer_column": None}, "train").answer_column \
+        == ""
+    with pytest.raises(grpolab.ConfigError, match="run.api_data.train.jsonl.: line 2 has no gold answer"):
         grpolab.train(settings(tmp_path, llama), train_dataset=[ROWS[0], {**ROWS[1],
                                                                           "answer": None}])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

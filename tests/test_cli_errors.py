@@ -66,6 +66,11 @@ CASES = [
      ["world_train_size is a setting of grpolab workshop, which grpolab train does not read"]),
     (["eval", "--lr", "0.1"], [("lr is a setting of grpolab workshop and train, which grpolab "
                                "eval does not read")]),
+    # ... in TRL's and verl's names too (read as grpolab's)
+    (["workshop", "actor_rollout_ref.model.path=m", "--dataset_name", "o/d"],
+     ["model_path", "dataset", "are settings of grpolab train and eval, which grpolab workshop"]),
+    (["eval", "--num_generations", "4"],
+     ["group_size is a setting of grpolab workshop and train, which grpolab eval does not"]),
 ]
 
 
@@ -235,6 +240,10 @@ def test_other_commands_settings_in_the_api_and_in_a_file(
     (tmp_path / "run.yaml").write_text("rewards: [math]\nlr: 0.001\n")
     make_config(str(tmp_path / "run.yaml"), {}, "workshop")
     make_config(str(tmp_path / "run.yaml"), {}, "eval")
+    from grpolab.config import Config, to_dict
+
+    for command in ("workshop", "train"):  # a run's config.json holds every key: not warned
+        make_config(to_dict(Config()), {}, command)
     assert [r.getMessage() for r in caplog.records] == [
         (f"{tmp_path / 'run.yaml'}: rewards is a setting of grpolab train and eval, which "
         "grpolab workshop does not read (it trains on its own task world; models and data are "

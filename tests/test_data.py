@@ -175,14 +175,16 @@ def test_non_text_prompt_is_rejected(tmp_path: Path) -> None:
 def test_a_hub_dataset_is_read_from_the_local_cache(tmp_path: Path, monkeypatch) -> None:
     """ORG/NAME[:CONFIG[:SPLIT]]: the dataset's files in the Hugging Face cache, chosen by its
     card's configs as `datasets` chooses them (the config's split, not another config's); no
-    config among several, a split the cache lacks, or a dataset it lacks, is one line saying
-    what to write or fetch. A local path of that shape is a path."""
+    config among several, a split the cache lacks, a dataset it lacks or holds in part, is one
+    line saying what to write or fetch. A local path of that shape is a path."""
     pytest.importorskip("pandas")
     from helpers import cached_dataset, hub_cache
 
     cache = hub_cache(tmp_path / "hub", monkeypatch)
     cached_dataset(cache, "org/math", {"main": {"train": ROWS, "test": ROWS[:1]},
                                        "other": {"train": [{"question": "x", "solution": "y"}]}})
+    part = cached_dataset(cache, "org/part", {"main": {"train": ROWS, "test": ROWS}})
+    (part / "main" / "test-00000-of-00001.parquet").unlink()  # (fetched in part)
     read = lambda spec, split="train": load_rows(spec, "question", "solution", split)
     assert [r["answer"] for r in read("org/math:main")] == ["4", "9"]
     assert [r["answer"] for r in read("org/math:main", "test")] == ["4"]
@@ -198,6 +200,8 @@ def test_a_hub_dataset_is_read_from_the_local_cache(tmp_path: Path, monkeypatch)
                                             f"dataset in the local cache .{cache}.; grpolab "
                                             "downloads nothing at run time: fetch it first "
                                             r"\(hf download --repo-type dataset org/nope\)")),
+            ("org/part:main", FileNotFoundError, ("'org/part:main': the cache holds only part "
+                                                  r"of it \(.*\); grpolab downloads nothing")),
             ("data/missing.jsonl", FileNotFoundError, ("dataset 'data/missing.jsonl' does not "
                                                       "exist"))):
         with pytest.raises(error, match=message):

@@ -380,6 +380,11 @@ def test_trl_refusals_see_the_command_line(tmp_path, monkeypatch, caplog) -> Non
     ("group_size: 4\n", {"num_generations": 8}, {"group_size": 8}),
     ("num_generations: 4\n", {"group_size": 8}, {"group_size": 8}),
     ("bf16: true\nuse_peft: false\ndtype: float32\n", {"bf16": False}, {"dtype": "float32"}),
+    # TRL's script's dataset given later replaces a file's dataset; given earlier, it does not
+    ("dataset: m.jsonl\neval_strategy: steps\n", {"dataset_name": "o/d", "dataset_config": "c"},
+     {"dataset": "o/d:c", "eval_dataset": "o/d:c"}),
+    ("dataset_name: o/d\n", {"dataset": "m.jsonl"}, {"dataset": "m.jsonl"}),
+    ("dataset_name: o/d\n", {"dataset_config": "c"}, {"dataset": "o/d:c"}),
 ])
 def test_trl_keys_combine_across_file_and_call(tmp_path, text: str, later: dict,
                                                want: dict) -> None:

@@ -19,7 +19,7 @@ the errors: ``grpolab.ConfigError`` where the CLI exits 2, ``grpolab.RunError`` 
 each with the CLI's one-line message (the original exception is its ``__cause__``).
 ``dataset`` (or TRL's ``train_dataset``) and ``eval_dataset`` may be rows in memory (a list of
 dicts, a dict of columns, a ``datasets.Dataset``, a pandas DataFrame): they are written to
-``<out_dir>/data/`` and the run reads them from there (``grpolab.data.memory``).
+``<out_dir>/api_data/`` and the run reads them from there (``grpolab.data.memory``).
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import re
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from grpolab.config import Config, ConfigError, make_config, to_dict
-from grpolab.config.load import out_of_scope
 from grpolab.data import memory
 
 # Python callables given as rewards: load_reward finds them here by a spec string
@@ -67,18 +68,19 @@ def _config(config: Config | dict | str | Path | None, overrides: dict[str, Any]
         None if config is None else str(config))
     if isinstance(config, Config) and config.passes > 0:
         del base["steps"]  # (passes set the steps: a Config holds both)
-    idle = out_of_scope(overrides, command)
-    if idle:
-        raise ConfigError(idle)
-    return make_config(base, _callables(dict(overrides)), command)
+    if "answer_column" in overrides and overrides["answer_column"] is None:
+        overrides = {**overrides, "answer_column": ""}  # (None: no answer column, as YAML's null)
+    return make_config(base, _callables(dict(overrides)), command, strict=True)
 
 
 def _callables(given: dict[str, Any]) -> dict[str, Any]:
-    """Reward functions given as Python callables, as reward specs."""
-    specs = given.get("rewards")
-    if specs is not None:
-        specs = [specs] if callable(specs) or isinstance(specs, str) else list(specs)
-        given["rewards"] = [_spec(r) if callable(r) else r for r in specs]
+    """Reward functions given as Python callables (``rewards``, TRL's ``reward_funcs``), as
+    reward specs."""
+    for key in ("rewards", "reward_funcs"):
+        specs = given.get(key)
+        if specs is not None:
+            specs = [specs] if callable(specs) or isinstance(specs, str) else list(specs)
+            given[key] = [_spec(r) if callable(r) else r for r in specs]
     watch = given.get("watch_reward")
     if callable(watch):
         given["watch_reward"] = _spec(watch)
@@ -111,39 +113,68 @@ def _held_rows(config: Any, overrides: dict[str, Any]) -> tuple[Any, dict[str, A
     for given in (config, overrides):
         if not isinstance(given, dict):
             continue
+        said = {"dataset": "dataset", "eval_dataset": "eval_dataset"}  # (the user's name)
         if "train_dataset" in given:
             if given.get("dataset") is not None:
                 raise ConfigError("dataset and train_dataset are one setting: give one")
-            given["dataset"] = given.pop("train_dataset")
+            given["dataset"], said["dataset"] = given.pop("train_dataset"), "train_dataset"
         for key in memory.FILES:
             if memory.in_memory(given.get(key)):
                 try:
-                    held[key] = memory.rows_of(given[key], key)
+                    held[key] = memory.rows_of(given[key], said[key])
                 except ValueError as e:
                     raise ConfigError(str(e)) from None
                 given[key] = _IN_MEMORY
-            elif given is overrides and key in given:
+            elif given is overrides and given.get(key) is not None:
                 held.pop(key, None)  # (a keyword's path replaces the config's rows)
     return config, overrides, held
 
 
 def _with_rows(cfg: Config, held: dict[str, Any], resume: bool) -> Config:
-    """``cfg`` reading its in-memory datasets from ``<out_dir>/data/`` (written there); on
+    """``cfg`` reading its in-memory datasets from ``<out_dir>/api_data/`` (written there); on
     resume, rows other than those the run trained on are refused."""
-    paths = {}
+    paths, folder = {}, Path(cfg.out_dir) / memory.FOLDER
     for key, name in memory.FILES.items():  # (a replaced run's rows must not look current)
-        stale = Path(cfg.out_dir) / "data" / name
+        stale = folder / name
         if key not in held and not resume and stale.resolve() != Path(
-                getattr(cfg, key) or stale.parent).expanduser().resolve():
+                getattr(cfg, key) or folder).expanduser().resolve():
             stale.unlink(missing_ok=True)
     for key, rows in held.items():
-        path = Path(cfg.out_dir) / "data" / memory.FILES[key]
+        path = folder / memory.FILES[key]
         try:
             memory.write_rows(rows, path, key, resume=resume)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         paths[key] = str(path)
     return dataclasses.replace(cfg, **paths)
+
+
+# A run never downloads, so it turns the Hugging Face libraries offline; these switches (the
+# variables, and what the modules read from them when imported) are put back after an API call,
+# so that a notebook's later load_dataset or from_pretrained may use the network again.
+_OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+_OFFLINE_READ = (("huggingface_hub.constants", "HF_HUB_OFFLINE", "HF_HUB_OFFLINE"),
+                 ("datasets.config", "HF_HUB_OFFLINE", "HF_HUB_OFFLINE"),
+                 ("datasets.config", "HF_DATASETS_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+@contextlib.contextmanager
+def _online_kept() -> Iterator[None]:
+    env = {n: os.environ.get(n) for n in _OFFLINE}
+    read = {(m, a): getattr(sys.modules[m], a) for m, a, _ in _OFFLINE_READ
+            if m in sys.modules and hasattr(sys.modules[m], a)}
+    try:
+        yield
+    finally:
+        for n, v in env.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+        for m, a, n in _OFFLINE_READ:  # (a module first imported by the run: as the variable says)
+            if m in sys.modules and hasattr(sys.modules[m], a):
+                on = (env[n] or env[_OFFLINE[0]] or "").upper()  # (the caller's own value)
+                setattr(sys.modules[m], a, read.get((m, a), on in ("1", "ON", "YES", "TRUE")))
 
 
 def _out_dir(cfg: Config, command: str, resume: bool) -> Config:
@@ -166,7 +197,7 @@ def train(config: Config | dict | str | Path | None = None, *, resume: bool = Fa
     from grpolab.app.commands import run_train
     from grpolab.run.checkpoint import out_dir_lock
 
-    with _cli_errors():
+    with _cli_errors(), _online_kept():
         config, overrides, held = _held_rows(config, overrides)
         cfg = _out_dir(_config(config, overrides, "train"), "train", resume)
         # (rows in memory are written into a folder this run holds; nothing made otherwise)
@@ -187,6 +218,8 @@ def workshop(config: Config | dict | str | Path | None = None, *, resume: bool =
     """
     from grpolab.world.workshop import run_sweep, run_workshop
 
+    if "train_dataset" in overrides:  # (refused as dataset is: not the workshop's)
+        overrides["dataset"] = overrides.pop("train_dataset")
     with _cli_errors():
         cfg = _out_dir(_config(config, overrides, "workshop"), "workshop", resume)
         if not (sweep or variants or seeds):

@@ -21,7 +21,6 @@ import yaml
 from grpolab.app import commands
 from grpolab.app.commands import choose_out_dir
 from grpolab.config import Config, ConfigError, literal_fields, make_config, yamlsafe
-from grpolab.config.load import out_of_scope
 from grpolab.config.schema import command_defaults
 from grpolab.run import dist
 
@@ -146,16 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     trl = trl_flags(extra, parser)
     ours = {k: v for k, v in _overrides(args).items() if v is not None}
-    idle = out_of_scope(trl, args.command)  # (argparse offers only the command's own flags)
-    if idle:
-        parser.error(idle)
     twice = sorted(set(ours) & set(trl))
     if twice:
         parser.error(f"{', '.join(twice)} given twice (as --{twice[0].replace('_', '-')} and "
                      f"--{twice[0]}); keep one")
     out_dir = None
     try:
-        cfg = make_config(args.config, {**ours, **trl}, args.command)
+        cfg = make_config(args.config, {**ours, **trl}, args.command, strict=True)
         given_out = args.out_dir is not None or {"out_dir", "output_dir"} & trl.keys()
         if args.command == "eval" and not given_out:  # a config file's is its training's
             cfg = dataclasses.replace(cfg, out_dir=command_defaults("eval")["out_dir"])

@@ -43,7 +43,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
-                overrides: dict[str, Any] | None = None, command: str = "workshop") -> Config:
+                overrides: dict[str, Any] | None = None, command: str = "workshop",
+                strict: bool = False) -> Config:
     """The command's defaults, then the YAML file (or a dict of its keys), then overrides;
     resolved and validated.
 
@@ -51,26 +52,34 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     ``loss_type: dapo``...) are accepted in either and translated first (``from_trl``); for
     ``train`` one warning names the grpolab defaults, not TRL's, that a TRL config leaves in
     place. Rewards overridden without weights drop the file's weights (one line says so).
+    A file's settings of other commands are warned of (``out_of_scope``); ``strict`` (the CLI's
+    flags, the API's keywords) refuses the overrides' in one line.
     """
     kwargs: dict[str, Any] = dict(command_defaults(command))
     later = _names({k: v for k, v in (overrides or {}).items()  # (verl's key=null: unset)
                     if v is not None or verl.is_verl(str(k).lstrip("+"))})
     _known(later, command)
+    idle = out_of_scope(later, command) if strict else None  # (flags, keywords: this command's)
+    if idle:
+        raise ConfigError(idle)
     given_file = isinstance(yaml_path, (str, Path)) and bool(yaml_path)
     earlier = _names(load_yaml(yaml_path) if given_file else yaml_path or {})
     try:
         _known(earlier, command)
-        idle = out_of_scope(earlier, command) if given_file and command != "eval" else None
-        if idle:
-            log.warning("%s: %s", yaml_path, idle)
         from_file = _read(earlier, later=later)
         kwargs.update(from_file)
     except ConfigError as e:
         if not given_file:
             raise
         raise ConfigError(f"{yaml_path}: {e}") from None  # the user has to find the bad line
+    idle = out_of_scope(from_file, command, changed=True) if command != "eval" else None
+    if idle:  # (a file may serve several commands; eval reads its training's)
+        log.warning("%s%s", f"{yaml_path}: " if given_file else "", idle)
     file_rewards = kwargs.get("rewards", Config.__dataclass_fields__["rewards"].default_factory())
     ours = _read(later, earlier=earlier)
+    idle = out_of_scope(ours, command) if strict else None  # (TRL's, verl's names too)
+    if idle:
+        raise ConfigError(idle)
     if ("rewards" in ours and "reward_weights" not in ours and kwargs.get("reward_weights")
             and ours["rewards"] != file_rewards):
         # the file's weights were for its own rewards: they no longer pair with these
@@ -129,20 +138,32 @@ def _known(given: dict[str, Any], command: str) -> None:
             raise unknown_key(name, known, command)
 
 
-def out_of_scope(given: Any, command: str) -> str | None:
-    """What is wrong with grpolab's keys among ``given`` that belong to other commands
-    (``dataset`` to the workshop), or None. Flags and API keywords of that kind are refused
-    (``grpolab.app``); a file setting them is warned of (it may serve several commands; eval
-    reads its training's file, so eval is not)."""
-    scope = {f.name: f.metadata["commands"] for f in dataclasses.fields(Config)}
-    other = [k for k in given if k in scope and command not in scope[k]]
-    if not other:
+def out_of_scope(given: dict[str, Any], command: str, changed: bool = False) -> str | None:
+    """What is wrong with grpolab's keys among ``given`` (translated: TRL's and verl's names
+    too) that belong to other commands (``dataset`` to the workshop), or None. ``changed``:
+    only those off every default of theirs (a run's config.json holds every key)."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for k, v in given.items():
+        f = fields.get(k)
+        if f is None or command in f.metadata["commands"]:
+            continue
+        if changed and all(v == command_defaults(c).get(k, _default(f))
+                           for c in f.metadata["commands"]):
+            continue
+        groups.setdefault(tuple(f.metadata["commands"]), []).append(k)
+    if not groups:
         return None
-    theirs = [c for c in COMMANDS if any(c in scope[k] for k in other)]
-    return (f"{', '.join(other)} {'is a setting' if len(other) == 1 else 'are settings'} of "
-            f"grpolab {' and '.join(theirs)}, which grpolab {command} does not read" +
+    parts = [f"{', '.join(keys)} {'is a setting' if len(keys) == 1 else 'are settings'} of "
+             f"grpolab {' and '.join(c for c in COMMANDS if c in scope)}"
+             for scope, keys in groups.items()]
+    return ("; ".join(parts) + f", which grpolab {command} does not read" +
             (" (it trains on its own task world; models and data are grpolab train's)"
              if command == "workshop" else ""))
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
 
 
 def _names(given: dict[Any, Any]) -> dict[str, Any]:

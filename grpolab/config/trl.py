@@ -315,10 +315,14 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             else "reward_model_name_or_path")
         if "reward_funcs" in given and "answer_column" not in d:  # (they read their columns
             put("answer_column", "", "reward_funcs")  # by name: no answer column needed)
-    hub = bool(d.get("dataset_name")) and not d.get("dataset")  # TRL's script's dataset
-    if hub and {"dataset_name", *_SPLITS, "eval_strategy"} & given.keys():
+    # TRL's script's dataset, unless a dataset is given in the same layer or a later one
+    layers = (earlier, given, later)
+    hub = bool(d.get("dataset_name")) and _after(layers, "dataset_name", "dataset")
+    if hub and {"dataset_name", *_SPLITS} & given.keys() and not {"dataset_name", *_SPLITS} & (
+            later.keys()):  # (translated in the last layer that names it)
         put("dataset", dataset_spec(d, "dataset_train_split", "train"), "dataset_name")
-        if as_word(d.get("eval_strategy", "no")) != "no" and not d.get("eval_dataset"):
+        if as_word(d.get("eval_strategy", "no")) != "no" and _after(layers, "dataset_name",
+                                                                     "eval_dataset"):
             put("eval_dataset", dataset_spec(d, "dataset_test_split", "test"), "dataset_name")
     for key, value in open_r1.translated(d).items():
         put(key, value, "dataset_prompt_column")
@@ -331,7 +335,7 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             put(key, value, batch[0])
     aside = sorted(k for k in given if (
         k in TRL_ASIDE or (k in _VLLM_FIXED and not _vllm(d)) or k in skip or k in open_aside
-        or (k == "dataset_name" and d.get("dataset"))) and k not in source.values()
+        or (k == "dataset_name" and not hub)) and k not in source.values()
                    and not (hub and k in _SPLITS)
                    and k not in later)
     if aside:
@@ -383,6 +387,14 @@ def _refuse(given: dict[str, Any], d: dict[str, Any],
 
 def _vllm(d: dict[str, Any]) -> bool:
     return as_word(d.get("use_vllm")) == "true" or as_word(d.get("rollout_backend")) == "vllm"
+
+
+def _after(layers: tuple[dict[str, Any], ...], key: str, other: str) -> bool:
+    """Whether ``key`` is set (not empty) in a later layer than any that sets ``other``."""
+    def last(k: str) -> int:
+        return max((i for i, layer in enumerate(layers) if layer.get(k)), default=-1)
+
+    return last(key) > last(other)
 
 
 def _last(layers: tuple[dict[str, Any], ...], *keys: str) -> Any:

@@ -50,6 +50,8 @@ def script_rewards(d: dict[str, Any]) -> list[str]:
             out.append("overlong:1280:256")
         elif spec := open_r1.reward_spec(str(name), d):
             out.append(spec)
+        elif ":" in str(name):  # a grpolab spec (file.py:fn, a Python API callable)
+            out.append(str(name))
         elif "." in str(name):
             module, _, fn = str(name).rpartition(".")
             out.append(f"{module}:{fn}")

@@ -17,6 +17,9 @@ from pathlib import Path
 
 _SPEC = re.compile(r"(?P<id>[\w.-]+/[\w.-]+)(?::(?P<config>[\w.-]*))?(?::(?P<split>[\w.-]+))?")
 BUILDERS = ("json", "parquet", "csv")  # what files.load_rows reads
+# datasets' words for a card's split whose files are not there
+_PARTIAL = ("Couldn't infer the same data file format", "Unable to find",
+            "doesn't match any data file")
 
 
 def is_hub_dataset(spec: str) -> bool:
@@ -38,8 +41,7 @@ def snapshot(spec: str) -> str:
     except Exception:  # noqa: BLE001 - not cached, or not a valid id: the same one line
         raise FileNotFoundError(
             f"dataset {spec!r} is not a local file or folder, nor a Hugging Face Hub dataset in "
-            f"the local cache ({constants.HF_HUB_CACHE}); grpolab downloads nothing at run time: "
-            f"fetch it first (hf download --repo-type dataset {name})") from None
+            f"the local cache ({constants.HF_HUB_CACHE}); {_fetch(name)}") from None
 
 
 def hub_files(spec: str, split: str) -> tuple[str, list[str]]:
@@ -61,6 +63,9 @@ def hub_files(spec: str, split: str) -> tuple[str, list[str]]:
             builder = datasets.load_dataset_builder(folder, config, cache_dir=cache_dir)
     except Exception as e:  # noqa: BLE001 - datasets' reason, on one line
         text = " ".join(str(e).split("Example of usage")[0].split())
+        if any(w in text for w in _PARTIAL):  # (a split's files absent: partly fetched)
+            raise FileNotFoundError(f"dataset {spec!r}: the cache holds only part of it "
+                                    f"({text[:160]}); {_fetch(name)}") from None
         raise ValueError(f"dataset {spec!r}: {text[:300]} (write {name}:CONFIG)") from None
     finally:
         datasets.utils.logging.set_verbosity(verbosity)
@@ -71,4 +76,12 @@ def hub_files(spec: str, split: str) -> tuple[str, list[str]]:
     if split not in files:
         raise ValueError(f"dataset {spec!r} has no {split!r} split in the cache (it has "
                          f"{', '.join(files) or 'none'}); write {name}:{config or ''}:SPLIT")
+    if not files[split]:
+        raise FileNotFoundError(f"dataset {spec!r}: the cache holds none of its {split!r} "
+                                f"files; {_fetch(name)}")
     return builder.name, [str(f) for f in files[split]]
+
+
+def _fetch(name: str) -> str:
+    return (f"grpolab downloads nothing at run time: fetch it first (hf download --repo-type "
+            f"dataset {name})")

@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-FILES = {"dataset": "train.jsonl", "eval_dataset": "eval.jsonl"}  # in <out_dir>/data/
+FOLDER = "api_data"  # in out_dir: grpolab's own (a user's data/ is never written or removed)
+FILES = {"dataset": "train.jsonl", "eval_dataset": "eval.jsonl"}
 
 
 def in_memory(value: Any) -> bool:
@@ -40,13 +41,16 @@ def rows_of(value: Any, name: str) -> list[dict[str, Any]]:
     elif hasattr(value, "to_dict") and hasattr(value, "columns"):  # pandas.DataFrame
         rows = value.to_dict("records")
     elif isinstance(value, Mapping):  # columns, as datasets.Dataset.from_dict takes them
-        lengths = {k: len(v) if isinstance(v, Sequence) and not isinstance(v, str) else -1
-                   for k, v in value.items()}
-        if not lengths or min(lengths.values()) < 0 or len(set(lengths.values())) > 1:
-            raise ValueError(f"{name} is a dict, read as columns, but its values are not lists "
-                             f"of one length ({lengths}); give {{column: [values...]}} or a "
-                             "list of rows")
-        rows = [dict(zip(value, row)) for row in zip(*value.values())]
+        columns = {k: list(v) for k, v in value.items() if hasattr(v, "__len__")
+                   and not isinstance(v, (str, bytes, Mapping))}  # (lists, arrays, Series)
+        lengths = {k: len(v) for k, v in columns.items()}
+        if not columns or len(columns) < len(value) or len(set(lengths.values())) > 1:
+            shapes = ", ".join(f"{k}: {lengths[k] if k in lengths else type(v).__name__}"
+                               for k, v in value.items())
+            raise ValueError(f"{name} is a dict, read as columns, but its values are not "
+                             f"sequences of one length ({shapes}); give {{column: [values...]}} "
+                             "or a list of rows")
+        rows = [dict(zip(columns, row)) for row in zip(*columns.values())]
     elif isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
         rows = list(value)
     else:
@@ -83,21 +87,42 @@ def _plain(value: Any, where: str) -> Any:
 def write_rows(rows: list[dict[str, Any]], path: Path, name: str, resume: bool = False) -> None:
     """Write ``rows`` as JSONL at ``path`` (atomically). ``resume``: the file must hold exactly
     these rows already (the run's own), else a ValueError; nothing is written then."""
-    lines = []
+    plain, lines = [], []
     for i, row in enumerate(rows):
-        plain = {str(k): _plain(v, f"{name}: row {i} column {k!r}") for k, v in row.items()}
-        lines.append(json.dumps(plain, ensure_ascii=False, allow_nan=False) + "\n")
-    text = "".join(lines)
+        plain.append({str(k): _plain(v, f"{name}: row {i} column {k!r}") for k, v in row.items()})
+        line = json.dumps(plain[-1], ensure_ascii=False, allow_nan=False) + "\n"
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # (a lone surrogate: no file can hold it)
+            bad = next(k for k, v in plain[-1].items() if not _encodes(v))
+            raise ValueError(f"{name}: row {i} column {bad!r} holds text that is not valid "
+                             "Unicode (a lone surrogate); fix or drop it") from None
+        lines.append(line)
     if resume:
         if not path.is_file():
             raise ValueError(f"{name}: the run being resumed did not read its rows from memory "
                              f"(no {path}); resume it with its own {name} setting")
-        if path.read_text(encoding="utf-8") != text:
+        theirs = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+        if theirs != plain:
+            first = next((i for i, (a, b) in enumerate(zip(theirs, plain)) if a != b),
+                         min(len(theirs), len(plain)))
             raise ValueError(f"{name}: these rows are not the ones the run being resumed "
-                             f"trained on ({path}); resume with the same rows, or start a new "
-                             "run")
+                             f"trained on ({path}: {len(theirs)} rows, these {len(plain)}; "
+                             f"row {first} differs first); resume with the same rows, or start "
+                             "a new run")
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text("".join(lines), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _encodes(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
