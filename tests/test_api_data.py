@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 import grpolab
-from grpolab.data.memory import rows_of, write_rows
+from grpolab.data.memory import check_same, rows_of, write_rows
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b), "level": a % 3}
         for a, b in [(3, 4), (12, 7), (25, 17), (8, 9), (1, 1), (6, 2)]]
@@ -31,36 +32,32 @@ def settings(tmp_path: Path, model: str, **over: Any) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if v is not None}  # (None: left out)
 
 
-def test_rows_in_memory_train_as_the_same_rows_in_a_file(llama: str, tmp_path: Path) -> None:
+def test_rows_in_memory_train_as_the_same_rows_in_a_file(
+        llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A list of dicts as train_dataset and a dict of columns as eval_dataset (the reward as
     TRL's reward_funcs=): the run's records equal a run on the same rows in JSONL files (every
-    logged number), and the run's folder holds the rows it read; its config names them. A
-    resume takes the same rows only; a run replacing it leaves none of its rows behind, and the
-    user's own data/ folder in the run's folder is never touched."""
-    data = tmp_path / "a" / "run" / "data"  # (the user's files, inside the run's folder)
+    logged number), and the run's folder holds the rows it read, named by their content; its
+    config names them. A resume takes the same rows only. A run replacing it, even one refused
+    before it starts, changes no file an earlier run wrote; the user's own data/ folder in the
+    run's folder is never touched."""
+    run = tmp_path / "run"
+    data = run / "data"  # (the user's files, inside the run's folder)
     data.mkdir(parents=True)
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    (data / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))
-    (data / "test.jsonl").write_text((data / "eval.jsonl").read_text())
+    (data / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))
+    (data / "eval.jsonl").write_text("mine")
     from_files = grpolab.train(settings(tmp_path / "a", llama, dataset=str(data / "train.jsonl"),
                                         eval_dataset=str(data / "test.jsonl")))
-    assert sorted(p.name for p in data.iterdir()) == ["eval.jsonl", "test.jsonl", "train.jsonl"]
     columns = {k: [r[k] for r in ROWS[:2]] for k in ROWS[0]}
-    import os
-
     from huggingface_hub import constants
 
-    env = {n: os.environ.get(n) for n in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
-    os.environ.pop("HF_HUB_OFFLINE", None)
-    was, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, False
-    in_memory = grpolab.train(settings(tmp_path / "b", llama, rewards=None,
-                                       answer_column="answer"),
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    in_memory = grpolab.train(settings(tmp_path, llama, rewards=None, answer_column="answer"),
                               train_dataset=ROWS, eval_dataset=columns, reward_funcs=longer)
     assert len(in_memory) == 3
     # the run went offline (it downloads nothing) and the process is put back as it was
     assert "HF_HUB_OFFLINE" not in os.environ and constants.HF_HUB_OFFLINE is False
-    constants.HF_HUB_OFFLINE = was
-    os.environ.update({n: v for n, v in env.items() if v is not None})
 
     def numbers(records: list[dict]) -> list[dict]:
         return [{k: v for k, v in r.items() if isinstance(v, (int, float))
@@ -68,30 +65,36 @@ def test_rows_in_memory_train_as_the_same_rows_in_a_file(llama: str, tmp_path: P
 
     assert numbers(in_memory) == numbers(from_files)
     assert 0 < in_memory[1]["reward_std"] and in_memory[1]["grad_norm"] > 0
-    run = in_memory.out_dir
-    assert (run / "api_data" / "train.jsonl").read_text() == (data / "train.jsonl").read_text()
-    assert [json.loads(x) for x in (run / "api_data" / "eval.jsonl").read_text().splitlines()] \
-        == ROWS[:2]
     saved = json.loads((run / "config.json").read_text())
-    assert saved["dataset"] == str(run / "api_data" / "train.jsonl")
-    assert saved["eval_dataset"] == str(run / "api_data" / "eval.jsonl")
+    train, held = Path(saved["dataset"]), Path(saved["eval_dataset"])
+    assert train.parent == held.parent == run / "api_data"
+    assert re.fullmatch(r"train-[0-9a-f]{12}\.jsonl", train.name) and held.name.startswith("eval-")
+    assert train.read_text() == (data / "train.jsonl").read_text()
+    assert [json.loads(x) for x in held.read_text().splitlines()] == ROWS[:2]
+    assert (data / "eval.jsonl").read_text() == "mine"
 
     # a resume with the same rows continues; with other rows, or none in memory, it is refused
-    more = grpolab.train(settings(tmp_path / "b", llama, steps=3), resume=True, dataset=ROWS,
+    more = grpolab.train(settings(tmp_path, llama, steps=3), resume=True, dataset=ROWS,
                          eval_dataset=columns)
     assert [r["step"] for r in more] == [0, 1, 2, 3]
     with pytest.raises(grpolab.ConfigError, match="not the ones the run being resumed .*: 6 "
                        "rows, these 5; row 0 differs first"):
-        grpolab.train(settings(tmp_path / "b", llama, steps=4), resume=True,
+        grpolab.train(settings(tmp_path, llama, steps=4), resume=True,
                       dataset=ROWS[1:], eval_dataset=columns)
     with pytest.raises(grpolab.ConfigError, match="did not read its rows from memory"):
         grpolab.train(settings(tmp_path / "a", llama, steps=3), resume=True, dataset=ROWS,
-                      eval_dataset=str(data / "eval.jsonl"))
-    # a run replacing it (--overwrite) leaves none of its rows looking current
-    grpolab.train(settings(tmp_path / "b", llama, steps=1, overwrite=True, eval_size=0),
+                      eval_dataset=str(data / "test.jsonl"))
+    # a replacing run refused before it starts (no such model) leaves the run's rows as they
+    # were; one that runs reads its own file, beside them
+    before = {p.name: p.read_text() for p in (run / "api_data").iterdir()}
+    with pytest.raises(grpolab.ConfigError, match="no-model"):
+        grpolab.train(settings(tmp_path, str(tmp_path / "no-model"), overwrite=True),
+                      train_dataset=ROWS[:4])
+    assert all((run / "api_data" / n).read_text() == t for n, t in before.items())
+    grpolab.train(settings(tmp_path, llama, steps=1, overwrite=True, eval_size=0),
                   train_dataset=ROWS[:4])
-    assert sorted(p.name for p in (run / "api_data").iterdir()) == ["train.jsonl"]
-    assert len((run / "api_data" / "train.jsonl").read_text().splitlines()) == 4
+    now = Path(json.loads((run / "config.json").read_text())["dataset"])
+    assert now.name not in before and len(now.read_text().splitlines()) == 4
 
 
 def test_datasets_and_dataframes_are_rows() -> None:
@@ -125,14 +128,15 @@ def test_datasets_and_dataframes_are_rows() -> None:
 
 def test_written_rows_are_plain_json_or_refused(tmp_path: Path) -> None:
     """numpy numbers and arrays become numbers and lists, NaN and pandas' missing values null,
-    a line separator inside a prompt stays inside its line; a date or an infinity is refused
-    naming its row and column, and nothing is written then."""
+    a line separator inside a prompt stays inside its line; the file is named by its content
+    and kept when there; a date, an infinity or a lone surrogate is refused naming its row and
+    column, and nothing is written then."""
     np = pytest.importorskip("numpy")
     pandas = pytest.importorskip("pandas")
     rows = [{"prompt": "a\u2028b\nc", "answer": np.int64(4), "w": np.float32(0.5),
              "ids": np.arange(3), "x": float("nan"), "y": pandas.NA}]
-    path = tmp_path / "d" / "train.jsonl"
-    write_rows(rows, path, "dataset")
+    path = write_rows(rows, tmp_path / "d", "train", "dataset")
+    assert write_rows(rows, tmp_path / "d", "train", "dataset") == path  # (there: kept)
     lines = path.read_text(encoding="utf-8").split("\n")
     assert len(lines) == 2 and lines[1] == ""
     assert json.loads(lines[0]) == {"prompt": "a\u2028b\nc", "answer": 4, "w": 0.5,
@@ -140,18 +144,18 @@ def test_written_rows_are_plain_json_or_refused(tmp_path: Path) -> None:
     for bad, what in ((datetime.date(2026, 12, 6), "'2026-12-06' of type date"),
                       (float("inf"), "'inf' of type float")):
         with pytest.raises(ValueError, match=f"row 1 column 'when' holds {what}, which"):
-            write_rows([{"prompt": "p"}, {"prompt": "q", "when": bad}], tmp_path / "e.jsonl",
-                       "dataset")
-        assert not (tmp_path / "e.jsonl").exists()
+            write_rows([{"prompt": "p"}, {"prompt": "q", "when": bad}], tmp_path / "e",
+                       "train", "dataset")
     with pytest.raises(ValueError, match="row 0 column 'prompt' holds text that is not valid "
                        "Unicode"):
-        write_rows([{"prompt": "a \ud83d b"}], tmp_path / "e.jsonl", "dataset")
-    assert list(tmp_path.iterdir()) == [tmp_path / "d"]  # (no temporary file left)
-    # a resume compares rows, not text: the same rows with their keys in another order pass
-    write_rows([{"b": 1, "a": [2]}], path, "dataset")
-    write_rows([{"a": [2], "b": 1}], path, "dataset", resume=True)
+        write_rows([{"prompt": "a \ud83d b"}], tmp_path / "e", "train", "dataset")
+    assert list(tmp_path.iterdir()) == [tmp_path / "d"]  # (nothing written, no temporary file)
+    # a resume compares rows, not text: the same rows with their keys in another order, and a
+    # line separator inside a text, pass
+    check_same([{"w": np.float32(0.5), "ids": [0, 1, 2], "x": None, "y": None, "answer": 4,
+                 "prompt": "a\u2028b\nc"}], path, "dataset")
     with pytest.raises(ValueError, match="1 rows, these 2; row 1 differs first"):
-        write_rows([{"a": [2], "b": 1}, {}], path, "dataset", resume=True)
+        check_same([*rows, {}], path, "dataset")
 
 
 def test_api_refusals_are_one_line(llama: str, tmp_path: Path) -> None:
@@ -167,10 +171,18 @@ def test_api_refusals_are_one_line(llama: str, tmp_path: Path) -> None:
     from grpolab.app.api import _config, _held_rows
 
     config, _, held = _held_rows({"dataset": ROWS}, {"dataset": None})
-    assert held == {"dataset": ROWS} and config["dataset"] == "(in memory)"
+    assert held == {"dataset": (ROWS, "dataset")} and config["dataset"] == "(in memory)"
     assert _config(settings(tmp_path, llama), {"answer_column": None}, "train").answer_column \
         == ""
-    with pytest.raises(grpolab.ConfigError, match="run.api_data.train.jsonl.: line 2 has no gold answer"):
+    # rows a later setting replaces (TRL's dataset_name keyword) are not used, nor written
+    from grpolab.app.api import _with_rows
+
+    config, over, held = _held_rows(settings(tmp_path, llama, dataset=ROWS),
+                                    {"dataset_name": "o/d"})
+    assert _with_rows(_config(config, over, "train"), held, False).dataset == "o/d"
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(grpolab.ConfigError, match="run.api_data.train-[0-9a-f]+.jsonl.: line 2 "
+                       "has no gold answer"):
         grpolab.train(settings(tmp_path, llama), train_dataset=[ROWS[0], {**ROWS[1],
                                                                           "answer": None}])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -185,11 +185,19 @@ def test_a_hub_dataset_is_read_from_the_local_cache(tmp_path: Path, monkeypatch)
                                        "other": {"train": [{"question": "x", "solution": "y"}]}})
     part = cached_dataset(cache, "org/part", {"main": {"train": ROWS, "test": ROWS}})
     (part / "main" / "test-00000-of-00001.parquet").unlink()  # (fetched in part)
+    from helpers import cached_repo
+
+    plain = cached_repo(cache, "org/plain", "datasets") / "data"  # no card: the files' names
+    plain.mkdir(parents=True)
+    for i in (0, 2):  # (shard 1 of 3 not fetched)
+        _write_jsonl(plain / f"train-0000{i}-of-00003.jsonl", ROWS[:1])
     read = lambda spec, split="train": load_rows(spec, "question", "solution", split)
     assert [r["answer"] for r in read("org/math:main")] == ["4", "9"]
     assert [r["answer"] for r in read("org/math:main", "test")] == ["4"]
     assert [r["answer"] for r in read("org/math:main:test")] == ["4"]
     assert [r["answer"] for r in read("org/math:other")] == ["y"]
+    with pytest.raises(ValueError, match=r"no 'test' split in the cache \(it has train\)"):
+        read("org/plain", "test")
     for spec, error, message in (
             ("org/math", ValueError, (r"available configs: \['main', 'other'\] \(write "
                                      r"org/math:CONFIG\)")),
@@ -202,6 +210,8 @@ def test_a_hub_dataset_is_read_from_the_local_cache(tmp_path: Path, monkeypatch)
                                             r"\(hf download --repo-type dataset org/nope\)")),
             ("org/part:main", FileNotFoundError, ("'org/part:main': the cache holds only part "
                                                   r"of it \(.*\); grpolab downloads nothing")),
+            ("org/plain", FileNotFoundError, ("the cache holds 2 of 3 shards of its 'train' "
+                                             "files; grpolab downloads nothing")),
             ("data/missing.jsonl", FileNotFoundError, ("dataset 'data/missing.jsonl' does not "
                                                       "exist"))):
         with pytest.raises(error, match=message):

@@ -118,10 +118,10 @@ def _held_rows(config: Any, overrides: dict[str, Any]) -> tuple[Any, dict[str, A
             if given.get("dataset") is not None:
                 raise ConfigError("dataset and train_dataset are one setting: give one")
             given["dataset"], said["dataset"] = given.pop("train_dataset"), "train_dataset"
-        for key in memory.FILES:
+        for key in memory.STEMS:
             if memory.in_memory(given.get(key)):
                 try:
-                    held[key] = memory.rows_of(given[key], said[key])
+                    held[key] = (memory.rows_of(given[key], said[key]), said[key])
                 except ValueError as e:
                     raise ConfigError(str(e)) from None
                 given[key] = _IN_MEMORY
@@ -131,21 +131,29 @@ def _held_rows(config: Any, overrides: dict[str, Any]) -> tuple[Any, dict[str, A
 
 
 def _with_rows(cfg: Config, held: dict[str, Any], resume: bool) -> Config:
-    """``cfg`` reading its in-memory datasets from ``<out_dir>/api_data/`` (written there); on
-    resume, rows other than those the run trained on are refused."""
-    paths, folder = {}, Path(cfg.out_dir) / memory.FOLDER
-    for key, name in memory.FILES.items():  # (a replaced run's rows must not look current)
-        stale = folder / name
-        if key not in held and not resume and stale.resolve() != Path(
-                getattr(cfg, key) or folder).expanduser().resolve():
-            stale.unlink(missing_ok=True)
-    for key, rows in held.items():
-        path = folder / memory.FILES[key]
+    """``cfg`` reading its in-memory datasets from ``<out_dir>/api_data/`` (written there, named
+    by their content); on resume, the rows must be those the run's config.json names. Rows
+    whose key a later setting replaced (TRL's ``dataset_name``) are not used."""
+    paths = {}
+    saved = Path(cfg.out_dir) / "config.json"
+    for key, (rows, said) in held.items():
+        if getattr(cfg, key) != _IN_MEMORY:
+            continue
         try:
-            memory.write_rows(rows, path, key, resume=resume)
-        except ValueError as e:
+            if not resume:
+                paths[key] = str(memory.write_rows(rows, Path(cfg.out_dir) / memory.FOLDER,
+                                                   memory.STEMS[key], said))
+                continue
+            ran = json.loads(saved.read_text()).get(key, "") if saved.is_file() else ""
+            mine = Path(cfg.out_dir) / memory.FOLDER / Path(ran).name
+            if Path(ran).parent.name != memory.FOLDER or not mine.is_file():
+                raise ValueError(f"{said}: the run being resumed did not read its rows from "
+                                 f"memory ({key} {ran!r}); resume it with its own {key} setting")
+            memory.check_same(rows, mine, said)
+            # (as the run wrote it, when it is this file: the resume sees no changed setting)
+            paths[key] = ran if Path(ran).resolve() == mine.resolve() else str(mine)
+        except (ValueError, OSError) as e:
             raise ConfigError(str(e)) from None
-        paths[key] = str(path)
     return dataclasses.replace(cfg, **paths)
 
 

@@ -154,9 +154,11 @@ def make_backend(cfg: Config, model: Any, tokenizer: Any) -> Any:
         "logit_chunk": cfg.logit_chunk, "speed": cfg.speed, "filters": Filters.of(cfg),
     }
     if cfg.rollout_backend == "vllm":
+        from grpolab.rollout.models import resolve_model  # (vLLM reads the folder itself)
         from grpolab.rollout.vllm import VLLMBackend
 
-        return VLLMBackend(model, tokenizer, str(Path(cfg.model_path).expanduser()), **kwargs)
+        return VLLMBackend(model, tokenizer, resolve_model(cfg.model_path, cfg.cache_dir),
+                           **kwargs)
     return HFBackend(model, tokenizer, **kwargs)
 
 

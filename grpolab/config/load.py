@@ -79,7 +79,8 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     ours = _read(later, earlier=earlier)
     idle = out_of_scope(ours, command) if strict else None  # (TRL's, verl's names too)
     if idle:
-        raise ConfigError(idle)
+        theirs = [k for k in later if k not in Config.__dataclass_fields__]
+        raise ConfigError(f"{idle} (read from {', '.join(theirs)})" if theirs else idle)
     if ("rewards" in ours and "reward_weights" not in ours and kwargs.get("reward_weights")
             and ours["rewards"] != file_rewards):
         # the file's weights were for its own rewards: they no longer pair with these

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Any
 
 from grpolab.config import open_r1
@@ -68,6 +69,10 @@ def dataset_spec(d: dict[str, Any], split_key: str, default: str) -> str:
     ``grpolab.data.hub``); a local folder as is (its splits are its files' names)."""
     name, config = str(d["dataset_name"]), str(d.get("dataset_config") or "")
     split = str(d.get(split_key) or default)
+    for key, value in (("dataset_config", config), (split_key, split)):
+        if not re.fullmatch(r"[\w.-]*", value):  # (no slicing: train[:10%])
+            raise ConfigError(f"{key}: {value!r} (TRL): grpolab reads a whole split or config "
+                              "by its name (letters, digits, . _ -)")
     if os.path.exists(os.path.expanduser(name)):
         if config or split != default:
             raise ConfigError(f"dataset_name {name!r} is a local folder: its splits are its "

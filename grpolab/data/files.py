@@ -87,19 +87,10 @@ def _data_files(path: Path, split: str) -> tuple[str, list[str]]:
 
 def _load(builder: str, files: list[str], split: str, where: str,
           text_column: str | None = None) -> list[dict[str, Any]]:
-    # Local files never need the network; set before `datasets` is imported so it sticks.
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import datasets
-
-    bars_were_on = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    verbosity = datasets.utils.logging.get_verbosity()
-    # its own log line for a file it cannot parse would come before our one-line error
-    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
     try:
         # A throwaway cache dir keeps converted Arrow copies out of the user's HF cache.
-        with tempfile.TemporaryDirectory(prefix="grpolab-data-") as cache_dir:
+        with hub.quiet_datasets() as datasets, tempfile.TemporaryDirectory(
+                prefix="grpolab-data-") as cache_dir:
             # a CSV answer column as written: pandas would turn "4" into 4.0 beside an empty cell
             extra = {"converters": {text_column: str}} if builder == "csv" and text_column else {}
             ds = datasets.load_dataset(
@@ -117,10 +108,6 @@ def _load(builder: str, files: list[str], split: str, where: str,
         cause = e.__cause__ or e
         detail = _bad_jsonl_line(files) or " ".join(str(cause).split())[:300]
         raise ValueError(f"dataset {where!r}: could not read {builder} data: {detail}") from e
-    finally:
-        datasets.utils.logging.set_verbosity(verbosity)
-        if bars_were_on:
-            datasets.enable_progress_bars()
 
 
 def _jsonl_lines(files: list[str]) -> Iterator[tuple[str, int, str]]:

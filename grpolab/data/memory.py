@@ -1,7 +1,7 @@
 """Datasets held in memory (the Python API's ``dataset=``, as TRL's ``train_dataset=``): a
 list of dicts, a dict of equal-length columns, a ``datasets.Dataset`` or a pandas DataFrame,
-written as a JSONL file in the run's folder, so that the run is recorded with the rows it
-trained on and a resume reads them back as it reads any file.
+written as a JSONL file in the run's folder (named by its content), so that the run is
+recorded with the rows it trained on and a resume reads them back as it reads any file.
 
 Values JSON has no word for are made plain on the way: numpy scalars and arrays become numbers
 and lists, a NaN or missing value null (a null gold answer is then refused at load naming its
@@ -10,15 +10,17 @@ row, as in a file); anything else (a date, an object) is refused naming its row 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 FOLDER = "api_data"  # in out_dir: grpolab's own (a user's data/ is never written or removed)
-FILES = {"dataset": "train.jsonl", "eval_dataset": "eval.jsonl"}
+STEMS = {"dataset": "train", "eval_dataset": "eval"}
 
 
 def in_memory(value: Any) -> bool:
@@ -84,9 +86,9 @@ def _plain(value: Any, where: str) -> Any:
                      "JSON line cannot hold; convert it to text or a number first")
 
 
-def write_rows(rows: list[dict[str, Any]], path: Path, name: str, resume: bool = False) -> None:
-    """Write ``rows`` as JSONL at ``path`` (atomically). ``resume``: the file must hold exactly
-    these rows already (the run's own), else a ValueError; nothing is written then."""
+def _lines(rows: list[dict[str, Any]], name: str) -> tuple[list[dict[str, Any]], str]:
+    """The rows made plain, and their JSONL text; a ValueError naming a row and column that no
+    file can hold."""
     plain, lines = [], []
     for i, row in enumerate(rows):
         plain.append({str(k): _plain(v, f"{name}: row {i} column {k!r}") for k, v in row.items()})
@@ -98,26 +100,39 @@ def write_rows(rows: list[dict[str, Any]], path: Path, name: str, resume: bool =
             raise ValueError(f"{name}: row {i} column {bad!r} holds text that is not valid "
                              "Unicode (a lone surrogate); fix or drop it") from None
         lines.append(line)
-    if resume:
-        if not path.is_file():
-            raise ValueError(f"{name}: the run being resumed did not read its rows from memory "
-                             f"(no {path}); resume it with its own {name} setting")
-        theirs = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
-        if theirs != plain:
-            first = next((i for i, (a, b) in enumerate(zip(theirs, plain)) if a != b),
-                         min(len(theirs), len(plain)))
-            raise ValueError(f"{name}: these rows are not the ones the run being resumed "
-                             f"trained on ({path}: {len(theirs)} rows, these {len(plain)}; "
-                             f"row {first} differs first); resume with the same rows, or start "
-                             "a new run")
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    return plain, "".join(lines)
+
+
+def write_rows(rows: list[dict[str, Any]], folder: Path, stem: str, name: str) -> Path:
+    """``rows`` as ``<folder>/<stem>-<hash of the content>.jsonl``, written atomically unless
+    it is there already: a file written once is never replaced, so a run that fails to start
+    cannot change the rows an earlier run in the folder trained on."""
+    _, text = _lines(rows, name)
+    path = folder / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.jsonl"
+    if path.is_file():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp"
     try:
-        tmp.write_text("".join(lines), encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return path
+
+
+def check_same(rows: list[dict[str, Any]], path: Path, name: str) -> None:
+    """A resume's rows must be those of ``path`` (the run's own), row by row, keys in any
+    order; else a ValueError naming the first that differs."""
+    plain, _ = _lines(rows, name)
+    text = path.read_text(encoding="utf-8")
+    theirs = [json.loads(x) for x in text.split("\n") if x]  # (not splitlines: U+2028 is text)
+    if theirs != plain:
+        first = next((i for i, (a, b) in enumerate(zip(theirs, plain)) if a != b),
+                     min(len(theirs), len(plain)))
+        raise ValueError(f"{name}: these rows are not the ones the run being resumed trained "
+                         f"on ({path}: {len(theirs)} rows, these {len(plain)}; row {first} "
+                         "differs first); resume with the same rows, or start a new run")
 
 
 def _encodes(value: Any) -> bool:

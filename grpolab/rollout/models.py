@@ -22,7 +22,6 @@ import hashlib
 import importlib.metadata
 import logging
 import os
-import re
 import shutil
 import tempfile
 import warnings
@@ -31,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from grpolab.data import hub
 
 log = logging.getLogger("grpolab")
 
@@ -66,39 +67,26 @@ def known_gguf(name: str) -> Path:
 
 
 def is_model_source(value: str) -> bool:
-    """Whether ``value`` names something ``resolve_model`` can turn into a model folder."""
-    return value in KNOWN_MODELS or value.lower().endswith(".gguf") or hub_shaped(value)
-
-
-_HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
+    """Whether ``value`` names something ``resolve_model`` turns into a model folder (a Hub id
+    aside: ``hub_shaped``)."""
+    return value in KNOWN_MODELS or value.lower().endswith(".gguf")
 
 
 def hub_shaped(value: str) -> bool:
-    """A Hugging Face Hub id ("org/model") that is not a local path (a local folder wins)."""
-    return (bool(_HUB_ID.fullmatch(value)) and not value.startswith((".", "-"))
-            and value not in KNOWN_MODELS and not value.lower().endswith(".gguf")
-            and not Path(value).expanduser().exists())
+    """A Hugging Face Hub id ("org/model") that is not a local path, a known name or a GGUF."""
+    return hub.hub_shaped(value) and not is_model_source(value)
 
 
 def hub_folder(name: str, what: str = "model_path") -> str:
-    """The snapshot folder of Hub model ``name`` in the local Hugging Face cache (HF_HUB_CACHE
-    or HF_HOME, where ``hf download`` and TRL's runs put it), at its ``main`` revision; a
-    FileNotFoundError in one line when it is not there. Nothing is downloaded."""
-    from huggingface_hub import constants, snapshot_download
-
-    try:
-        return str(snapshot_download(name, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached, or not a valid id: the same one line
-        raise FileNotFoundError(
-            f"{what} {name!r} is not a local folder, nor a Hugging Face Hub model in the local "
-            f"cache ({constants.HF_HUB_CACHE}); grpolab downloads nothing at run time: fetch it "
-            f"first (hf download {name}) or give its folder") from None
+    """The snapshot folder of Hub model ``name`` in the local Hugging Face cache, at its
+    ``main`` revision (``grpolab.data.hub.cached``); nothing is downloaded."""
+    return hub.cached(name, "model", f"{what} {name!r}")
 
 
 def check_source(model_path: str) -> None:
     """One line (FileNotFoundError) for a ``model_path`` that names no model, before anything
     loads (a GGUF file or a known name: ``resolve_model`` checks and converts it)."""
-    if is_model_source(model_path) and not hub_shaped(model_path):
+    if is_model_source(model_path):
         return
     folder = Path(hub_folder(model_path) if hub_shaped(model_path) else model_path).expanduser()
     if not folder.exists():

@@ -17,7 +17,7 @@ import yaml
 
 from grpolab.config import Config
 from grpolab.config.schema import command_defaults
-from grpolab.rollout.models import hub_shaped
+from grpolab.rollout.models import hub_folder, hub_shaped
 
 # grpolab's names for models -> their Hugging Face repositories
 KNOWN_BASES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -38,6 +38,17 @@ def base_model_id(model_path: str) -> str | None:
     if name.count("/") == 1 and not Path(name).expanduser().exists():
         return name
     return None
+
+
+def _snapshot(model_path: str) -> str:
+    """", snapshot <commit>" of a Hub id read from the local cache (a later fetch may move its
+    main revision: the card says which weights were the start)."""
+    if not hub_shaped(model_path):
+        return ""
+    try:
+        return f", snapshot `{Path(hub_folder(model_path)).name}`"
+    except FileNotFoundError:
+        return ""
 
 
 def _fmt(v: Any) -> str:
@@ -68,7 +79,8 @@ def model_card(cfg: Config, summary: dict[str, Any], records: list[dict],
         f"({cfg.group_size} answers per prompt, {cfg.prompts_per_step} prompts per step"
         f"{', LoRA rank ' + str(cfg.lora_r) + ' merged into the weights' if cfg.lora else ''})."),
         "", "## Base model", "",
-        f"- `{cfg.model_path}`" + (f" (Hugging Face: `{base}`)" if base else ""),
+        f"- `{cfg.model_path}`" + (f" (Hugging Face: `{base}`{_snapshot(cfg.model_path)})"
+                                   if base else ""),
         f"- dtype {cfg.dtype}", "",
         "## Data and rewards", "",
         (f"- training prompts: `{cfg.dataset}` (column `{cfg.prompt_column}`, answers from "
