@@ -107,7 +107,8 @@ _IN_MEMORY = "(in memory)"  # the dataset's name until the run's folder is chose
 def _held_rows(config: Any, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any],
                                                                  dict[str, Any]]:
     """The config and keywords with in-memory datasets taken out (TRL's ``train_dataset`` read
-    as ``dataset``): {key: rows}, each key's value a placeholder until ``_with_rows``."""
+    as ``dataset``): {key: (rows, the name the user gave)}, each key a placeholder until
+    ``_with_rows``."""
     held: dict[str, Any] = {}
     config = dict(config) if isinstance(config, dict) else config
     for given in (config, overrides):
