@@ -34,8 +34,8 @@ def settings(tmp_path: Path, model: str, **over: Any) -> dict[str, Any]:
 
 def test_rows_in_memory_train_as_the_same_rows_in_a_file(
         llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A list of dicts as train_dataset and a dict of columns as eval_dataset (the reward as
-    TRL's reward_funcs=): the run's records equal a run on the same rows in JSONL files (every
+    """A list of dicts as train_dataset and a dict of columns as eval_dataset (the model and
+    reward as GRPOTrainer's model= and reward_funcs=): the run's records equal a run on the same rows in JSONL files (every
     logged number), and the run's folder holds the rows it read, named by their content; its
     config names them. A resume takes the same rows only. A run replacing it, even one refused
     before it starts, changes no file an earlier run wrote; the user's own data/ folder in the
@@ -53,7 +53,8 @@ def test_rows_in_memory_train_as_the_same_rows_in_a_file(
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    in_memory = grpolab.train(settings(tmp_path, llama, rewards=None, answer_column="answer"),
+    in_memory = grpolab.train(settings(tmp_path, "", model_path=None, rewards=None,
+                                       answer_column="answer"), model=llama,
                               train_dataset=ROWS, eval_dataset=columns, reward_funcs=longer)
     assert len(in_memory) == 3
     # the run went offline (it downloads nothing) and the process is put back as it was
@@ -114,6 +115,7 @@ def test_datasets_and_dataframes_are_rows() -> None:
         "DatasetDict of splits (train, test); give one split, e.g. dataset=ds['train']":
             datasets.DatasetDict({"train": ds, "test": ds}),
         "IterableDataset, which may not end": ds.to_iterable_dataset(),
+        "e.g. eval_dataset=ds['test']": datasets.DatasetDict({"train": ds, "test": ds}),
         "values are not sequences of one length (prompt: 2, answer: 1)":
             {"prompt": ["a", "b"], "answer": ["1"]},
         "(prompt: str)": {"prompt": "a"},
@@ -123,7 +125,7 @@ def test_datasets_and_dataframes_are_rows() -> None:
     }
     for why, value in refused.items():
         with pytest.raises(ValueError, match=re.escape(why)):
-            rows_of(value, "dataset")
+            rows_of(value, "eval_dataset" if "eval_dataset=" in why else "dataset")
 
 
 def test_written_rows_are_plain_json_or_refused(tmp_path: Path) -> None:
@@ -167,6 +169,12 @@ def test_api_refusals_are_one_line(llama: str, tmp_path: Path) -> None:
         grpolab.train(settings(tmp_path, llama), train_dataset=[])
     with pytest.raises(grpolab.ConfigError, match="^dataset is a setting of grpolab train"):
         grpolab.workshop(train_dataset=ROWS)
+    # GRPOTrainer's other arguments: model= is model_path; the rest say what to give instead
+    for key, said in (("args", "a GRPOConfig is not read whole"), ("peft_config", "use_peft"),
+                      ("processing_class", "the tokenizer comes with the model"),
+                      ("model", "save a model held in memory with save_pretrained")):
+        with pytest.raises(grpolab.ConfigError, match=f"^{key}= .*{said}"):
+            grpolab.train(settings(tmp_path, llama), **{key: object()})
     # a keyword's None is unset (the config's rows stay); answer_column None reads no column
     from grpolab.app.api import _config, _held_rows
 

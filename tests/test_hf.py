@@ -340,6 +340,13 @@ def test_hub_ids_are_read_from_the_local_cache_never_downloaded(
     card = (out / "final" / "README.md").read_text()
     assert "base_model: tiny-org/tiny-llama" in card
     assert "`tiny-org/sums:main` (2 prompts)" in card  # (main's test split: 2 rows)
+    assert "snapshot `c0ffee`" in card
+    # grpolab eval on the training's dataset measures its held-out split, as TRL evaluates
+    assert cli.main(["eval", "--model-path", "tiny-org/tiny-llama", "--dataset",
+                     "tiny-org/sums:main", "--prompt-column", "question", "--answer-column",
+                     "solution", "--rewards", "math", "--out-dir", str(tmp_path / "ev")]) == 0
+    said = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert (said["dataset"], said["prompts"]) == ("tiny-org/sums:main:test", 2)
 
     yaml_path, _ = write_config(tmp_path / "b", "tiny-org/other-model")
     assert refused(yaml_path, capsys) == (
@@ -516,10 +523,10 @@ def test_chat_template_prompts(llama: str) -> None:
     ro = backend.generate([msgs, "What is 13 + 1?"], 1.0, 6, torch.Generator().manual_seed(0))
     assert ro.prompts[0] == msgs and len(ro.completions) == 2
 
+    # use_chat_template false is TRL's way: text as written, chat messages still templated
     raw = HFBackend(model, tok, reference=False, use_chat_template=False)
     assert raw.encode_prompts(["Hi"])[0][0].tolist() == tok("Hi")["input_ids"]
-    with pytest.raises(ValueError, match="chat messages but use_chat_template is off"):
-        raw.encode_prompts([msgs])
+    assert raw.encode_prompts([msgs])[0][0].tolist() == want
 
 
 def test_chat_template_kwargs_reach_the_template(llama: str, tmp_path: Path) -> None:

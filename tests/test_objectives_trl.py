@@ -401,7 +401,9 @@ def test_trl_defaults_load(tmp_path, monkeypatch, caplog) -> None:
     assert (c.reward_weights, c.lora_target_modules, c.rollout_backend) == ([], [], "hf")
     left = [r.getMessage() for r in caplog.records if "grpolab's defaults" in r.getMessage()]
     assert left == [("this TRL config leaves these at grpolab's defaults, not TRL's: "
-                    "max_prompt_tokens 1024 (TRL: whole prompts)")]
+                    "max_prompt_tokens 1024 (TRL: whole prompts), use_chat_template true "
+                    "(TRL's: text prompts as written, chat prompts in the template "
+                    "(use_chat_template false))")]
 
 
 # grpolab train's defaults that are not TRL's (docs/real-models.md#trl-configs lists them)

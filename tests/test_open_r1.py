@@ -185,7 +185,9 @@ def test_an_open_r1_recipe_loads(tmp_path, caplog) -> None:
     assert c.chat_template.startswith("{% for m in messages %}")
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "vllm_device left aside" in said
-    aside = next(r.getMessage() for r in caplog.records if "dataset_name" in r.getMessage())
+    aside = next(r.getMessage() for r in caplog.records if "left aside (" in r.getMessage())
+    assert ("dataset_name 'open-r1/OpenR1-Math-220k' (TRL's script) is replaced by dataset "
+            "'m.jsonl'") in said
     for key in ("attn_implementation", "repetition_n_grams", "wandb_project"):
         assert key in aside
     assert "soft_punish_cache" not in aside and "cosine_max_len" not in aside
@@ -311,8 +313,9 @@ def test_each_pass_saves_and_the_system_prompt() -> None:
     assert (with_length(by_steps, 9).steps, with_length(by_steps, 9).checkpoint_every) == (5, 4)
     with pytest.raises(ConfigError, match="save_each_pass: the dataset's 1 prompts fill no"):
         with_length(by_steps, 1)
-    with pytest.raises(ConfigError, match="system_prompt and chat_template take the chat"):
-        make_config(None, {"system_prompt": "s", "use_chat_template": False}, "train")
+    # (use_chat_template false, TRL's way, still templates the chat prompts a system prompt makes)
+    assert make_config(None, {"system_prompt": "s", "use_chat_template": False},
+                       "train").system_prompt == "s"
     sys = {"role": "system", "content": "S"}
     assert with_system("S", "q") == [sys, {"role": "user", "content": "q"}]
     own = [{"role": "system", "content": "mine"}, {"role": "user", "content": "q"}]

@@ -218,6 +218,9 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"dataset_name": "o/d", "dataset_train_split": "tr", "dataset_test_split": "dev",
       "eval_strategy": "epoch"}, {"dataset": "o/d::tr", "eval_dataset": "o/d::dev"}),
     ({"dataset_name": "o/d", "dataset": "m.jsonl"}, {"dataset": "m.jsonl"}),  # (aside)
+    # a string that names no registry entry but has an owner is a reward model (GRPOTrainer's)
+    ({"reward_funcs": ["org/rm-0.6B", "accuracy_reward"]},
+     {"rewards": ["rm:org/rm-0.6B", "trl.rewards:accuracy_reward"]}),
 ])
 def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     c = make_config(None, trl_keys, "train")
@@ -433,7 +436,8 @@ def test_trl_config_names_grpolab_defaults_it_runs_on(tmp_path, caplog) -> None:
         "eval_strategy no), seed 0 (TRL 42), "
         "prompt_order random (TRL's shuffled passes, shuffle_dataset true), "
         "dtype float32 (TRL's bf16 autocast), the model's dropout off (TRL's disable_dropout "
-        "false), max_prompt_tokens 1024 (TRL: whole prompts)")]
+        "false), max_prompt_tokens 1024 (TRL: whole prompts), use_chat_template true (TRL's: "
+        "text prompts as written, chat prompts in the template (use_chat_template false))")]
     caplog.clear()
     y.write_text("num_generations: 8\nmax_steps: 10\nuse_peft: false\nbf16: false\n"
                  "per_device_train_batch_size: 8\nloss_type: grpo\nscale_rewards: group\n"
@@ -445,7 +449,8 @@ def test_trl_config_names_grpolab_defaults_it_runs_on(tmp_path, caplog) -> None:
     assert grpolab_defaults_note(caplog) == [
         ("this TRL config leaves these at grpolab's defaults, not TRL's: prompt_order random "
         "(TRL's shuffled passes, shuffle_dataset true), max_prompt_tokens 1024 (TRL: whole "
-        "prompts)")]
+        "prompts), use_chat_template true (TRL's: text prompts as written, chat prompts in the "
+        "template (use_chat_template false))")]
     caplog.clear()
     with caplog.at_level("WARNING", logger="grpolab"):  # grpolab's names; the workshop
         make_config(None, {"group_size": 8}, "train")

@@ -102,6 +102,30 @@ def _cli_errors() -> Iterator[None]:
 
 
 _IN_MEMORY = "(in memory)"  # the dataset's name until the run's folder is chosen
+# GRPOTrainer's arguments that are no config key: what to give instead (``model``: a name)
+_TRAINER_ARGS = {
+    "args": "a GRPOConfig is not read whole (its __post_init__ fills settings nobody gave): "
+            "pass the settings you set as keywords or a dict, in TRL's names",
+    "processing_class": "the tokenizer comes with the model (chat_template replaces its "
+                        "template)",
+    "peft_config": "LoRA is use_peft (lora), lora_r, lora_alpha, lora_target_modules",
+}
+
+
+def _trainer_args(overrides: dict[str, Any]) -> dict[str, Any]:
+    """TRL's ``GRPOTrainer(model=...)`` as ``model_path``; its other arguments refused with
+    what to give instead."""
+    for key, instead in _TRAINER_ARGS.items():
+        if key in overrides:
+            raise ConfigError(f"{key}= (GRPOTrainer's): {instead}")
+    if "model" in overrides:
+        model = overrides.pop("model")
+        if not isinstance(model, (str, os.PathLike)):
+            raise ConfigError("model= takes a model's Hub id or folder (grpolab loads it); save "
+                              "a model held in memory with save_pretrained(folder) and give "
+                              "the folder")
+        overrides["model_path"] = str(model)
+    return overrides
 
 
 def _held_rows(config: Any, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any],
@@ -207,7 +231,7 @@ def train(config: Config | dict | str | Path | None = None, *, resume: bool = Fa
     from grpolab.run.checkpoint import out_dir_lock
 
     with _cli_errors(), _online_kept():
-        config, overrides, held = _held_rows(config, overrides)
+        config, overrides, held = _held_rows(config, _trainer_args(overrides))
         cfg = _out_dir(_config(config, overrides, "train"), "train", resume)
         # (rows in memory are written into a folder this run holds; nothing made otherwise)
         with out_dir_lock(cfg.out_dir) if held else contextlib.nullcontext():

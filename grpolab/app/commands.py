@@ -121,9 +121,8 @@ def check_paths(cfg: Config, command: str = "train") -> None:
     from grpolab.rollout.models import check_source
 
     if not cfg.model_path:
-        raise ConfigError(f"grpolab {command} needs model_path (a local Hugging Face model "
-                          "folder, a Hub id in the local cache, a .gguf file or "
-                          "smollm2-135m-instruct)")
+        raise ConfigError(f"grpolab {command} needs model_path (a local model folder, a Hub id "
+                          "in the local cache, a .gguf file or smollm2-135m-instruct)")
     check_source(cfg.model_path)
     if not (cfg.dataset or (command == "eval" and cfg.eval_dataset)):
         raise ConfigError(f"grpolab {command} needs dataset (a local .jsonl/.parquet/.csv file, "
@@ -290,6 +289,7 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
     before any work."""
     from grpolab.core.passk import ks_up_to, pass_at_k, same_prompts, standard_error
     from grpolab.data.files import run_rows
+    from grpolab.data.hub import is_hub_dataset, with_split
     from grpolab.run.report import by_difficulty
 
     need_hf("eval")
@@ -300,6 +300,8 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    if not cfg.eval_dataset and is_hub_dataset(cfg.dataset):  # its held-out split, as TRL
+        cfg = dataclasses.replace(cfg, eval_dataset=with_split(cfg.dataset, "test"))
     train_rows, held = run_rows(cfg)
     rows = (held or train_rows)[: cfg.eval_size]
     dataset = cfg.eval_dataset or cfg.dataset

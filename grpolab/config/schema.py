@@ -403,7 +403,8 @@ class Config:
         "layer but the head; empty = peft's default for the architecture")
     use_rslora: bool = opt(False, MODEL, "rank-stabilised LoRA: scale alpha / sqrt(r) (peft's)")
     use_dora: bool = opt(False, MODEL, "DoRA: adapters with a learned magnitude (peft's)")
-    use_chat_template: bool = opt(True, MODEL_EVAL, "wrap prompts in the tokenizer's chat template")
+    use_chat_template: bool = opt(True, MODEL_EVAL, "text prompts too in the tokenizer's chat "
+                                  "template (false: as written; chat prompts always, as TRL)")
     chat_template: str = opt("", MODEL_EVAL, "a Jinja chat template in place of the tokenizer's "
                              "(\"\" = its own; open-r1's)")
     system_prompt: str = opt("", MODEL_EVAL, "a system message before each prompt that has none "

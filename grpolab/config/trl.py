@@ -126,6 +126,8 @@ TRL_DEFAULTS_DIFFER: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("dtype {dtype}", "TRL's bf16 autocast", ("bf16", "fp16", "dtype")),
     ("the model's dropout off", "TRL's disable_dropout false", ("disable_dropout",)),
     ("max_prompt_tokens {max_prompt_tokens}", "TRL: whole prompts", ("max_prompt_tokens",)),
+    ("use_chat_template {use_chat_template}", ("TRL's: text prompts as written, chat prompts in "
+     "the template (use_chat_template false)"), ("use_chat_template",)),
 )
 _LORA_ONLY = ("lora_r", "lora_alpha", "lora_dropout")
 log = logging.getLogger("grpolab")
@@ -335,12 +337,14 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
             put(key, value, batch[0])
     aside = sorted(k for k in given if (
         k in TRL_ASIDE or (k in _VLLM_FIXED and not _vllm(d)) or k in skip or k in open_aside
-        or (k == "dataset_name" and not hub)) and k not in source.values()
-                   and not (hub and k in _SPLITS)
-                   and k not in later)
+        or (k == "dataset_name" and not hub and not d.get("dataset")))
+                   and k not in source.values() and not (hub and k in _SPLITS) and k not in later)
     if aside:
         log.warning("TRL settings left aside (they change nothing that is trained here): %s",
                     ", ".join(aside))
+    if "dataset_name" in given and not hub and d.get("dataset") and "dataset_name" not in later:
+        log.warning("dataset_name %r (TRL's script) is replaced by dataset %r, given with it or "
+                    "after it", d["dataset_name"], d["dataset"])
     return out
 
 

@@ -53,6 +53,8 @@ def script_rewards(d: dict[str, Any]) -> list[str]:
             out.append(spec)
         elif ":" in str(name):  # a grpolab spec (file.py:fn, a Python API callable)
             out.append(str(name))
+        elif "/" in str(name):  # a reward model's id or folder (GRPOTrainer loads it so)
+            out.append(f"rm:{name}")
         elif "." in str(name):
             module, _, fn = str(name).rpartition(".")
             out.append(f"{module}:{fn}")

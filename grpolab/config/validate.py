@@ -179,9 +179,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"micro_batch must be >= 0 (got {cfg.micro_batch})")
     if cfg.prompt_template and "{prompt}" not in cfg.prompt_template:
         raise ConfigError("prompt_template must contain {prompt} (where the question goes)")
-    if (cfg.system_prompt or cfg.chat_template) and not cfg.use_chat_template:
-        raise ConfigError("system_prompt and chat_template take the chat template: set "
-                          "use_chat_template true (or put the text in prompt_template)")
     bad = [s for s in cfg.answer_sources
            if s not in ("boxed", "answer_tag", "answer_line", "bare", "last_statement")]
     if bad or not cfg.answer_sources:

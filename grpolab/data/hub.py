@@ -40,6 +40,12 @@ def is_hub_dataset(spec: str) -> bool:
         (".jsonl", ".json", ".parquet", ".csv"))
 
 
+def with_split(spec: str, split: str) -> str:
+    """``spec`` reading ``split`` unless it names its own (``org/d:main`` -> ``org/d:main:test``)."""
+    m = _SPEC.fullmatch(spec)
+    return spec if m is None or m["split"] else f"{m['id']}:{m['config'] or ''}:{split}"
+
+
 def cached(name: str, repo_type: str, what: str) -> str:
     """The local snapshot folder of Hub repository ``name`` at its ``main`` revision, as the
     Hugging Face cache holds it (HF_HUB_CACHE, HF_HOME); FileNotFoundError in one line naming

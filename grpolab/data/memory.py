@@ -33,8 +33,10 @@ def rows_of(value: Any, name: str) -> list[dict[str, Any]]:
     value that is not one (a dataset of several splits, an endless stream, no rows)."""
     kind = type(value).__name__
     if kind == "DatasetDict" or kind == "IterableDatasetDict":
+        want = ("train",) if name in ("dataset", "train_dataset") else ("test", "validation")
+        pick = next((s for s in want if s in value), next(iter(value), want[0]))
         raise ValueError(f"{name} is a {kind} of splits ({', '.join(value)}); give one split, "
-                         f"e.g. {name}=ds[{next(iter(value), 'train')!r}]")
+                         f"e.g. {name}=ds[{pick!r}]")
     if kind == "IterableDataset":
         raise ValueError(f"{name} is an IterableDataset, which may not end; give a Dataset "
                          "(e.g. datasets.Dataset.from_list(list(stream.take(1000))))")

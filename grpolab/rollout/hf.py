@@ -3,9 +3,9 @@
 ``HFBackend`` implements ``rollout.backend.Backend`` for any ``AutoModelForCausalLM`` checkpoint in a
 local directory, so the same ``GRPOTrainer`` that runs the workshop trains real models.
 
-* Prompts are strings or chat message lists. With ``use_chat_template`` and a tokenizer that has
-  a chat template, prompts are rendered with it (``add_generation_prompt=True`` and
-  ``chat_template_kwargs``; a plain string becomes one user message); else the raw text.
+* Prompts are strings or chat message lists. Chat messages are rendered with the tokenizer's
+  chat template (``add_generation_prompt=True``, ``chat_template_kwargs``); a plain string too
+  as one user message with ``use_chat_template``, else as written (TRL's way).
 * Rollouts are sampled from ``softmax(logits / temperature)`` with the run's ``Filters``
   only (the checkpoint's own sampling defaults are ignored). Scoring uses the same left padding
   and ``position_ids`` as sampling.
@@ -252,11 +252,9 @@ class HFBackend(LMBackend):
             return prompt, False
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
-        if not chat:
-            why = ("use_chat_template is off" if self.has_chat_template
-                   else "the tokenizer has no chat template")
-            raise ValueError(f"prompts are chat messages but {why}; use plain-text prompts, a "
-                             "tokenizer with a chat template, or set chat_template")
+        if not self.has_chat_template:  # (chat messages take it even when text prompts do not)
+            raise ValueError("prompts are chat messages but the tokenizer has no chat template; "
+                             "use plain-text prompts, or set chat_template")
         try:
             text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
                                                       add_generation_prompt=True,
