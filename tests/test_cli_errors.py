@@ -262,3 +262,19 @@ def test_python_api_raises_run_error_where_the_cli_exits_1(llama: str, tmp_path:
                       budget=4, group_size=2, out_dir=str(tmp_path / "run"), progress=False)
     assert "\n" not in str(info.value)
     assert type(info.value.__cause__).__name__ == "CheckpointError"
+
+
+def test_switches_take_hugging_faces_true_and_false(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``--lora false`` (as Hugging Face's CLIs write booleans) is ``--no-lora``; the word is
+    no longer read as the previous flag's value (``--max_completion_length 4 --overwrite true``
+    was "cannot read ['4', 'true'] as int")."""
+    from grpolab.app.cli import _bool_words
+
+    assert _bool_words(["train", "--max_completion_length", "4", "--overwrite", "true",
+                        "--lora", "False", "--dynamic-sampling", "0", "--steps", "2"]) == [
+        "train", "--max_completion_length", "4", "--overwrite", "--no-lora",
+        "--no-dynamic-sampling", "--steps", "2"]
+    code, err = _cli(["workshop", "--group_size", "3", "--dynamic-sampling", "true",
+                      "--out-dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and err == ["grpolab: error: group_size 3 does not divide the budget 64"]

@@ -139,10 +139,30 @@ def trl_flags(extra: list[str], parser: argparse.ArgumentParser) -> dict[str, An
     return out
 
 
+_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _bool_words(argv: list[str]) -> list[str]:
+    """``--lora false`` (Hugging Face's CLIs write booleans so) as ``--no-lora``: argparse's
+    switches take no value, and a word left after one would be read as the previous flag's."""
+    switches = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(Config)
+                if typing.get_type_hints(Config)[f.name] is bool}
+    out, i = [], 0
+    while i < len(argv):
+        word = argv[i + 1].lower() if i + 1 < len(argv) else ""
+        if argv[i] in switches and word in _WORDS:
+            out.append(argv[i] if _WORDS[word] else "--no-" + argv[i][2:])
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="grpolab: %(message)s")
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(_bool_words(sys.argv[1:] if argv is None else argv))
     trl = trl_flags(extra, parser)
     ours = {k: v for k, v in _overrides(args).items() if v is not None}
     twice = sorted(set(ours) & set(trl))
