@@ -221,3 +221,20 @@ def test_a_hub_dataset_is_read_from_the_local_cache(tmp_path: Path, monkeypatch)
     _write_jsonl(tmp_path / "org" / "math", ROWS[:1])  # (a file named like the id)
     with pytest.raises(ValueError, match="unsupported extension"):
         read("org/math")  # the local path wins
+
+
+def test_held_out_rows_past_eval_size_are_named(tmp_path: Path, caplog) -> None:
+    """TRL evaluates every held-out row; grpolab the first eval_size: one line says so."""
+    from grpolab.config import make_config
+    from grpolab.data.files import run_rows
+
+    path = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    for size, said in ((1, [("eval_dataset has 2 prompts; held-out measures are of the first 1 "
+                            "(eval_size)")]), (2, [])):
+        caplog.clear()
+        cfg = make_config(None, {"dataset": str(path), "eval_dataset": str(path),
+                                 "prompt_column": "question", "answer_column": "solution",
+                                 "eval_size": size}, "train")
+        with caplog.at_level("WARNING", logger="grpolab"):
+            run_rows(cfg)
+        assert [r.getMessage() for r in caplog.records if "has 2 prompts" in r.getMessage()] == said

@@ -307,6 +307,9 @@ def _run_rows(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         held = load(cfg.eval_dataset, cfg.eval_size, cfg.seed + HELDOUT_SEED_OFFSET, asked,
                     "test")
         _warn_overlap(train, held[: cfg.eval_size])  # the prompts evaluated; none: no warning
+        if 0 < cfg.eval_size < len(held):  # (TRL evaluates every row: say which are measured)
+            log.warning("eval_dataset has %d prompts; held-out measures are of the first %d "
+                        "(eval_size)", len(held), cfg.eval_size)
     for row in (*train, *held):
         if cfg.prompt_template:
             row["prompt"] = _templated(cfg.prompt_template, row["prompt"])
