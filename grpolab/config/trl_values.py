@@ -65,6 +65,7 @@ def script_rewards(d: dict[str, Any]) -> list[str]:
                               "own rewards, math, reasoning_gym, ..., go in rewards)")
     return out
 
+
 def dataset_spec(d: dict[str, Any], split_key: str, default: str) -> str:
     """TRL's script's ``load_dataset(dataset_name, dataset_config)[split]`` as grpolab's
     dataset: a Hub id as ``ORG/NAME[:CONFIG[:SPLIT]]`` (read from the local cache,
