@@ -144,13 +144,13 @@ def out_of_scope(given: dict[str, Any], command: str, changed: bool = False) -> 
     too) that belong to other commands (``dataset`` to the workshop), or None. ``changed``:
     only those off every default of theirs (a run's config.json holds every key)."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
+    defaults = {c: command_defaults(c) for c in COMMANDS}
     groups: dict[tuple[str, ...], list[str]] = {}
     for k, v in given.items():
         f = fields.get(k)
         if f is None or command in f.metadata["commands"]:
             continue
-        if changed and all(v == command_defaults(c).get(k, _default(f))
-                           for c in f.metadata["commands"]):
+        if changed and all(v == defaults[c].get(k, _default(f)) for c in f.metadata["commands"]):
             continue
         groups.setdefault(tuple(f.metadata["commands"]), []).append(k)
     if not groups:

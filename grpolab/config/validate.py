@@ -307,7 +307,7 @@ def with_length(cfg: Config, prompts: int) -> Config:
     each = [k for k in ("save_each_pass", "eval_each_pass") if getattr(cfg, k)]
     if not (cfg.passes > 0 or each):
         return cfg
-    batch = cfg.pass_batch or cfg.prompts_per_step  # (verl: its loader's gen_batch_size)
+    batch = _pass_batch(cfg)
     per_pass = prompts // batch
     if per_pass < 1:
         why = f"passes {cfg.passes:g}" if cfg.passes > 0 else each[0]
@@ -326,9 +326,15 @@ def with_length(cfg: Config, prompts: int) -> Config:
     return dataclasses.replace(cfg, steps=math.ceil(steps))
 
 
+def _pass_batch(cfg: Config) -> int:
+    """The prompts a pass's batch holds: ``pass_batch`` (verl's loader's gen_batch_size), else
+    a step's."""
+    return cfg.pass_batch or cfg.prompts_per_step
+
+
 def length_line(cfg: Config, prompts: int) -> str:
     """What ``with_length`` counted, said before the run."""
-    batch = cfg.pass_batch or cfg.prompts_per_step
+    batch = _pass_batch(cfg)
     unit = f"batches of {batch} (verl's gen_batch_size)" if cfg.pass_batch else f"steps of {batch}"
     return (f"{cfg.passes:g} pass{'' if cfg.passes == 1 else 'es'} over {prompts} prompts, "
             f"{prompts // batch} {unit} a pass: {cfg.steps} steps")

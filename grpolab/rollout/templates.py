@@ -19,11 +19,14 @@ TEMPLATE_SECONDS = 10.0
 EMPTY = "the chat template renders the first prompt as nothing"
 
 
+def _empty(rendered: Any) -> bool:
+    """A render (``HFBackend.render``'s (text, templated)) whose template produced no text."""
+    return isinstance(rendered, tuple) and bool(rendered[1]) and not str(rendered[0]).strip()
+
+
 def _child(conn: Any, render: Callable[[Any], Any], prompt: Any) -> None:
     try:
-        text = render(prompt)
-        empty = isinstance(text, tuple) and text[1] and not str(text[0]).strip()
-        conn.send(EMPTY if empty else None)
+        conn.send(EMPTY if _empty(render(prompt)) else None)
     except ValueError as e:  # already one line for the user
         conn.send(str(e))
     except BaseException as e:  # noqa: BLE001 - reported by the parent, in one line
@@ -65,8 +68,7 @@ def _in_thread(render: Callable[[Any], Any], prompt: Any, seconds: float) -> Non
 
     def run() -> None:
         try:
-            text = render(prompt)
-            if isinstance(text, tuple) and text[1] and not str(text[0]).strip():
+            if _empty(render(prompt)):
                 box.append(ValueError(EMPTY))
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             box.append(e)
