@@ -84,3 +84,79 @@ def test_trainer_keeps_each_reward_for_gdpo(tmp_path) -> None:
         want = A.normalize_then_sum(batch.rewards_per_fn, torch.tensor([1.0, 0.5]), 4)
         assert torch.equal(update.advantages(tr.cfg, batch.rewards, batch.rewards_per_fn), want)
         assert math.isfinite(tr.update(batch)["loss"])
+
+
+# ------------------------------------------------------ answers no reward scored --
+
+NAN = math.nan
+
+
+def test_unscored_answers_left_out_hand_values() -> None:
+    """TRL 1.16: an answer every reward said None for (NaN) is left out of its group's mean
+    and std and gets 0; a group with one scored answer, or none, is dead."""
+    r = torch.tensor([1.0, 0.0, NAN, 1.0] + [1.0, 1.0, NAN, 1.0] + [NAN, 2.0, NAN, NAN]
+                     + [NAN] * 4)
+    s = math.sqrt(2 / 9)  # population std of (1, 0, 1), mean 2/3
+    want = [1 / 3 / s, -2 / 3 / s, 0.0, 1 / 3 / s] + [0.0] * 12
+    ids = A.group_ids_from_sizes([4] * 4)
+    assert A.group_advantages(r, 4).tolist() == pytest.approx(want, abs=1e-6)
+    assert A.group_advantages_ragged(r, ids).tolist() == pytest.approx(want, abs=1e-6)
+    assert A.dead_mask(r, 4).tolist() == A.dead_mask_ragged(r, ids).tolist() == [
+        False, True, True, True]
+    # the batch std: over the seven scored rewards only (1, 0, 1, 1, 1, 1, 2)
+    sd = torch.tensor([1.0, 0, 1, 1, 1, 1, 2]).std(unbiased=False).item()
+    assert A.group_advantages(r, 4, scale="batch")[:4].tolist() == pytest.approx(
+        [1 / 3 / sd, -2 / 3 / sd, 0.0, 1 / 3 / sd], abs=1e-6)
+    # several rewards: a None counts 0 in the total, all None leaves the answer out
+    per_fn = torch.tensor([[1.0, NAN], [NAN, NAN], [0.0, 0.5], [NAN, 1.0]])
+    assert A.total_reward(per_fn, torch.tensor([1.0, 2.0])).tolist() == [1.0, 0.0, 1.0, 2.0]
+    assert A.unscored(per_fn).tolist() == [False, True, False, False]
+    assert A.unscored(torch.zeros(3, 0)).tolist() == [False] * 3
+
+
+def test_gdpo_leaves_each_rewards_none_out() -> None:
+    """normalize_then_sum: each reward's group statistics over the answers it scored; the
+    answers no reward scored are left out of the batch's mean and std and get 0."""
+    per_fn = torch.tensor([[1.0, 1.0], [0.0, NAN], [1.0, 0.0], [NAN, NAN]])
+    # correctness over (1, 0, 1): (1/3, -2/3, 1/3) / sqrt(2/9); format over (1, 0): (1, -1)
+    s = math.sqrt(2 / 9)
+    x = [1 / 3 / s + 1.0, -2 / 3 / s, 1 / 3 / s - 1.0]
+    mean = sum(x) / 3
+    sd = math.sqrt(sum((v - mean) ** 2 for v in x) / 3)
+    a = A.normalize_then_sum(per_fn, torch.tensor([1.0, 1.0]), 4)
+    assert a.tolist() == pytest.approx([(v - mean) / sd for v in x] + [0.0], abs=1e-6)
+    b = A.normalize_then_sum_ragged(per_fn, torch.tensor([1.0, 1.0]), torch.zeros(4))
+    assert b.tolist() == pytest.approx(a.tolist(), abs=1e-6)
+
+
+def test_trainer_leaves_unscored_answers_out(tmp_path) -> None:
+    """A TRL reward that says None for every answer to some prompts (and a second reward that
+    scores only some answers): those answers get advantage 0, their groups count dead, the
+    logged per-reward means skip the None, samples.jsonl shows null."""
+    from grpolab.rewards.trl_compat import TRLReward
+    from grpolab.run.report import sample_record
+
+    def odd_or_none(prompts, completions, **_):  # None: prompts whose text has a 7
+        return [None if "7" in p else float(c[:1] in "13579" and bool(c))
+                for p, c in zip(prompts, completions)]
+
+    def long_or_none(prompts, completions, **_):
+        return [None if "7" in p or len(c) < 3 else 1.0 for p, c in zip(prompts, completions)]
+
+    tr = world_trainer(tmp_path, rewards=["odd_or_none", "long_or_none"])
+    tr.scorer.reward_fns = [TRLReward(odd_or_none), TRLReward(long_or_none)]
+    batch = tr.collect()
+    pf = batch.rewards_per_fn
+    assert pf[:, 0].isnan().any() and A.unscored(pf).any()
+    adv = update.advantages(tr.cfg, batch.rewards, pf)
+    assert (adv[A.unscored(pf)] == 0).all()
+    assert torch.equal(batch.rewards, A.total_reward(pf, torch.ones(2)))
+    rec = tr.step()
+    assert rec["reward_problems"] == 0
+    for name in ("odd_or_none", "long_or_none"):
+        assert 0.0 <= rec[f"rewards/{name}"] <= 1.0
+    assert rec["rewards/long_or_none"] == 1.0  # (the mean of the answers it scored)
+    groups = sample_record(batch, 4, 8, adv)  # (what samples.jsonl gets)
+    shown = [(x, a) for g in groups for x, a in zip(g["rewards"], g["advantages"])]
+    assert any(x is None for x, _ in shown) and all(a == 0 for x, a in shown if x is None)
+    assert all(g["dead"] for g in groups if all(x is None for x in g["rewards"]))

@@ -147,6 +147,9 @@ def test_trl_loss_types_match_trl(loss_type: str, beta: float) -> None:
           logp)
 
 
+NAN = float("nan")
+
+
 # -------------------------------------------------------------- advantages --
 
 
@@ -172,6 +175,30 @@ def test_reward_aggregation_matches_trl(aggregation: str) -> None:
                                               std_eps=1e-4)
     theirs = trl_advantages(per_fn, w, 4, aggregation=aggregation)
     assert torch.allclose(ours, theirs.float(), atol=1e-5)
+
+
+@pytest.mark.parametrize(("aggregation", "scale_rewards", "scale"), [
+    ("sum_then_normalize", "group", "std"), ("sum_then_normalize", "batch", "batch"),
+    ("sum_then_normalize", "none", "none"), ("normalize_then_sum", "group", "std")])
+def test_none_rewards_match_trl(aggregation: str, scale_rewards: str, scale: str) -> None:
+    """A reward's None (NaN, as TRL holds it): counted 0 in the total; an answer no reward
+    scored is left out of its group (and of the batch's statistics) and gets 0; with
+    normalize_then_sum each reward's None is left out of its own group statistics. On fixed
+    and ragged groups alike."""
+    gen = torch.Generator().manual_seed(3)
+    per_fn = torch.stack([(torch.rand(16, generator=gen) > 0.5).float(),
+                          (torch.rand(16, generator=gen) > 0.7).float(),
+                          torch.rand(16, generator=gen)], dim=1)
+    per_fn[1], per_fn[5, 0], per_fn[8:12, 1], per_fn[13:] = NAN, NAN, NAN, NAN
+    w = [1.0, 0.5, 2.0]
+    opts = {"std": "sample", "std_eps": 1e-4, "scale": scale}
+    theirs = trl_advantages(per_fn, w, 4, scale_rewards=scale_rewards, aggregation=aggregation)
+    ours = A.REWARD_AGGREGATIONS[aggregation](per_fn, torch.tensor(w), 4, **opts)
+    assert torch.allclose(ours, theirs.float(), atol=1e-5)
+    ragged = A.RAGGED_REWARD_AGGREGATIONS[aggregation](
+        per_fn, torch.tensor(w), A.group_ids_from_sizes([4] * 4), **opts)
+    assert torch.allclose(ragged, theirs.float(), atol=1e-5)
+    assert ours[[1, 12, 13, 14, 15]].tolist() == [0.0] * 5
 
 
 # ----------------------------------------------------------------- entropy --

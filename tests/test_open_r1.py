@@ -107,7 +107,7 @@ def test_specs_load_and_refuse_in_one_line() -> None:
     fn = load_reward("open-r1:format")
     answer = "<think>\na\n</think>\n<answer>\nb\n</answer>"
     assert fn.__name__ == "format_reward" and fn(["p"], [answer]) == [1.0]
-    assert load_reward("open-r1:accuracy")([""], ["\\boxed{2}"], solution=["no math"]) == [0.0]
+    assert load_reward("open-r1:accuracy")([""], ["\\boxed{2}"], solution=["no math"]) == [None]
     assert load_reward("open-r1:repetition_penalty:1:-2")([""], ["a a"]) == [-1.0]
     assert load_reward("open-r1:cosine:0:-0.5:0.5:1:1e3")([""], [""], solution=["x"]) == [1.0]
     # open-r1's soft_punish_cache 0: 0 up to the maximum, -1 past it

@@ -40,9 +40,37 @@ def test_trl_builtins_score_like_trl() -> None:
     res = score([acc, fmt], ["q"] * 4, texts, {"solution": gold})
     want_acc = trl_rewards.accuracy_reward(conversational(texts), gold)
     assert want_acc == [1.0, 0.0, 0.0, None]  # TRL's own verdicts, None included
-    assert res.per_fn[:, 0].tolist() == [1.0, 0.0, 0.0, 0.0]  # None counts 0, as TRL's nansum
+    assert res.per_fn[:3, 0].tolist() == [1.0, 0.0, 0.0] and res.per_fn[3, 0].isnan()
     assert res.per_fn[:, 1].tolist() == trl_rewards.think_format_reward(conversational(texts))
+    assert res.total.tolist() == [1.0, 1.0, 0.0, 0.0]  # None counts 0, as TRL's nansum
     assert res.problems == []  # None is "cannot score", not a failure
+    # no reward scored an answer: NaN in the total group statistics read, 0 in the total
+    res = score([acc], ["q"] * 4, texts, {"solution": gold})
+    assert res.total[3] == 0 and res.scored_total[3].isnan() and not res.success(1.0)[3]
+
+
+def test_none_from_grpolabs_own_rewards_is_a_failure() -> None:
+    """Only TRL's convention (TRLReward) reads None as "cannot score"; a plain reward
+    function's None is a bad value: reward_on_error and a problem line."""
+    def plain(prompts, completions, **_):
+        return [None, 1.0]
+
+    res = score([plain], ["q", "q"], ["a", "b"], on_error=-1.0)
+    assert res.per_fn[:, 0].tolist() == [-1.0, 1.0] and len(res.problems) == 1
+    res = score([TRLReward(plain)], ["q", "q"], ["a", "b"], on_error=-1.0)
+    assert res.per_fn[0, 0].isnan() and res.total.tolist() == [0.0, 1.0] and not res.problems
+
+
+def test_eval_means_skip_none() -> None:
+    """``grpolab eval``'s rewards/NAME: the mean over the answers the function scored (TRL's
+    nanmean), None when it scored none; completions.jsonl shows null, never NaN."""
+    from grpolab.run.heldout import Answers, plain
+
+    nan = float("nan")
+    got = Answers(per_fn=torch.tensor([[1.0, nan], [0.0, nan], [1.0, nan]]),
+                  ok=torch.tensor([True, False, True]), names=["acc", "fmt"], problems=0)
+    assert got.reward_means() == {"rewards/acc": pytest.approx(2 / 3), "rewards/fmt": None}
+    assert plain(torch.tensor([0.5, nan])) == [0.5, None]
 
 
 def test_calling_conventions() -> None:
@@ -157,8 +185,9 @@ def test_answer_ids_are_trls_completion_ids() -> None:
     too (``score_answers``)."""
     from types import SimpleNamespace
 
-    from grpolab.rewards.scorer import Scorer, score_answers
+    from grpolab.rewards.scorer import Scorer
     from grpolab.rollout.batch import Rollout, first_eos_mask
+    from grpolab.run.heldout import score_answers
 
     eos, pad = [2, 9], 0
     raw = torch.tensor([[5, 6, 2, 0, 0], [5, 9, 0, 0, 0], [5, 6, 7, 8, 4], [2, 0, 0, 0, 0],

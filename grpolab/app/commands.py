@@ -1,10 +1,9 @@
 """The commands: ``grpolab workshop``, ``grpolab train`` and ``grpolab eval``, in one place.
 
-Each builds a backend and a scorer (``rewards.scorer.make_scorer``, the one factory), runs, and ends
-with the same finishing step (``finish_run``: the plot and ``summary.json``); held-out accuracy
-is ``rewards.scorer.score_answers`` for all of them. ``cli.py`` parses the flags and calls
-``workshop``, ``train`` or ``evaluate`` here; the Python API is ``run_workshop``,
-``run_train`` and ``run_eval``.
+Each builds a backend and a scorer (``rewards.scorer.make_scorer``, the one factory), runs,
+and ends with the same finishing step (``finish_run``: the plot and ``summary.json``); held-out
+accuracy is ``run.heldout.score_answers`` for all of them. ``cli.py`` parses the flags and
+calls ``workshop``, ``train`` or ``evaluate``; the API: ``run_workshop``/``_train``/``_eval``.
 """
 
 from __future__ import annotations
@@ -23,13 +22,14 @@ from grpolab.config.load import warn_idle
 from grpolab.config.schema import command_defaults
 from grpolab.config.validate import length_line, with_length
 from grpolab.rewards.builtin import CODE_REWARDS
-from grpolab.rewards.scorer import load_rewards, make_scorer, score_answers
+from grpolab.rewards.scorer import load_rewards, make_scorer
 from grpolab.rewards.trl_compat import check_columns
 from grpolab.rollout.sampling import Filters
 from grpolab.rollout.templates import check_render
 from grpolab.run import dist, shard
 from grpolab.run.checkpoint import CheckpointError, busy_error, holds_run, lock_holder, out_dir_lock
 from grpolab.run.export import save_model
+from grpolab.run.heldout import plain, score_answers
 from grpolab.run.report import finish_run, read_metrics
 from grpolab.run.trackers import Reporter
 from grpolab.run.trainer import GRPOTrainer, TrainingError
@@ -330,12 +330,12 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
                                     gen, chunk=cfg.budget)
     finally:
         scorer.close()
-    ok, per_fn = greedy.ok, greedy.per_fn
+    ok = greedy.ok
     out: dict[str, Any] = {
         "model_path": cfg.model_path, "dataset": dataset,
         "prompts": len(rows), "greedy_accuracy": float(ok.float().mean()),
         "greedy_accuracy_se": standard_error(ok.double()),
-        **{f"rewards/{name}": float(per_fn[:, j].mean()) for j, name in enumerate(greedy.names)},
+        **greedy.reward_means(),
         "reward_problems": greedy.problems,
         "greedy_correct": ok.int().tolist(),  # per prompt, for paired comparisons
         "speed": dataclasses.asdict(cfg.speed),  # the sampling paths taken
@@ -358,7 +358,7 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
                                        if n else [])
     lines = [json.dumps({"prompt": r["prompt"], "gold": r.get("answer"), "greedy": g,
                          "completion": c, "right": bool(o),
-                         "rewards": dict(zip(a.names, map(float, f)))}, default=str)
+                         "rewards": dict(zip(a.names, plain(f)))}, default=str)
              for a, rs, g in judged for r, c, o, f in zip(rs, a.completions, a.ok, a.per_fn)]
     (out_dir / "completions.jsonl").write_text("".join(x + "\n" for x in lines))
     (out_dir / "eval.json").write_text(json.dumps(out, indent=2) + "\n")

@@ -1,7 +1,9 @@
 """Group-relative advantages and dead-group accounting (pure tensor functions).
 
 Rewards arrive flat, group-contiguous: answers [g*G, (g+1)*G) belong to prompt g. Everything
-here is differentiable-free arithmetic so it can be checked against hand-computed numbers.
+here is differentiable-free arithmetic so it can be checked against hand-computed numbers. A NaN
+reward is an answer no reward scored (TRL's None): it is left out of its group's statistics and
+of the batch's, and gets advantage 0; a group with one scored answer or none is dead.
 
 Registries (name -> function), read by the config, the CLI and the workshop's presets:
 ``ADVANTAGE_BASELINES`` (config ``baseline``), ``ADVANTAGE_SCALES`` (``scale``) and
@@ -33,7 +35,21 @@ def dead_mask(rewards: Tensor, group_size: int) -> Tensor:
     that value, and a dead group must get an advantage of exactly zero.
     """
     r = _groups(rewards, group_size)
+    if bool(torch.isnan(r).any()):  # (answers no reward scored: left out)
+        return dead_mask_ragged(rewards, group_ids_from_sizes([group_size] * r.shape[0]))
     return r.max(dim=1).values == r.min(dim=1).values
+
+
+def unscored(per_fn: Tensor) -> Tensor:
+    """[B] bool: the answers no reward function scored (NaN in every column of [B, K])."""
+    return torch.isnan(per_fn).all(dim=1) & (per_fn.shape[1] > 0)
+
+
+def total_reward(per_fn: Tensor, weights: Tensor, unscored_as: float = 0.0) -> Tensor:
+    """The weighted sum of [B, K] per-function rewards, a NaN (a function's None) counting 0
+    (TRL's nansum); an answer no function scored gets ``unscored_as`` (NaN: left out)."""
+    total = torch.nan_to_num(per_fn.float()) @ weights.float()
+    return torch.where(unscored(per_fn), unscored_as, total)
 
 
 STD_KINDS = ("population", "sample")  # divide by the population std (/G) or the sample std (/(G-1))
@@ -159,6 +175,10 @@ def group_advantages(
         raise ValueError(f"unknown scale {scale!r}")
     if scale != "none" and std not in STD_KINDS:
         raise ValueError(f"unknown std {std!r}")
+    if bool(torch.isnan(r).any()):  # (answers no reward scored: the ragged path drops them)
+        return group_advantages_ragged(rewards, group_ids_from_sizes([group_size] * r.shape[0]),
+                                       baseline=baseline, scale=scale, std=std, std_eps=std_eps,
+                                       min_std=min_std, reduce=reduce)
     adv = divide(centre(r), r, std=std, std_eps=std_eps, min_std=min_std, reduce=reduce)
     adv = torch.where(dead_mask(rewards, group_size)[:, None], torch.zeros_like(adv), adv)
     return adv.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
@@ -172,8 +192,7 @@ def sum_then_normalize(per_fn: Tensor, weights: Tensor, group_size: int,
                        **adv_opts: Any) -> Tensor:
     """The weighted sum of the rewards, then group advantages of the total (GRPO, TRL's
     default multi_objective_aggregation)."""
-    total = per_fn.float() @ weights.float()
-    return group_advantages(total, group_size, **adv_opts)
+    return group_advantages(total_reward(per_fn, weights, torch.nan), group_size, **adv_opts)
 
 
 def normalize_then_sum(per_fn: Tensor, weights: Tensor, group_size: int, *,
@@ -193,10 +212,11 @@ def normalize_then_sum(per_fn: Tensor, weights: Tensor, group_size: int, *,
                                                      std_eps=std_eps, min_std=min_std,
                                                      reduce=reduce, **adv_opts)
         dead = dead & dead_mask(per_fn[:, k], group_size)
-    mean, sd = batch_mean_std(x, std, reduce)
-    adv = _divide(x - mean, sd, std_eps, min_std).reshape(-1, group_size)
-    adv = torch.where(dead[:, None], torch.zeros_like(adv), adv)
-    return adv.reshape(-1).to(torch.float32)
+    out = unscored(per_fn)
+    mean, sd = batch_mean_std(x[~out] if bool(out.any()) else x, std, reduce)
+    adv = _divide(x - mean, sd, std_eps, min_std)
+    adv = torch.where(dead.repeat_interleave(group_size) | out, torch.zeros_like(adv), adv)
+    return adv.to(torch.float32)
 
 
 REWARD_AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
@@ -212,17 +232,12 @@ class DeadStats:
     all_right: int
     all_wrong: int
 
-    @property
-    def dead_share(self) -> float:
-        return self.dead / self.groups if self.groups else 0.0
+    def _share(self, n: int) -> float:
+        return n / self.groups if self.groups else 0.0
 
-    @property
-    def all_right_share(self) -> float:
-        return self.all_right / self.groups if self.groups else 0.0
-
-    @property
-    def all_wrong_share(self) -> float:
-        return self.all_wrong / self.groups if self.groups else 0.0
+    dead_share = property(lambda self: self._share(self.dead))
+    all_right_share = property(lambda self: self._share(self.all_right))
+    all_wrong_share = property(lambda self: self._share(self.all_wrong))
 
 
 def dead_stats(rewards: Tensor, group_size: int, success: Tensor | None = None,
@@ -236,12 +251,8 @@ def dead_stats(rewards: Tensor, group_size: int, success: Tensor | None = None,
     dead = dead_mask(rewards, group_size)
     ok = rewards >= success_threshold if success is None else success.bool()
     right = dead & _groups(ok, group_size)[:, 0].bool()
-    return DeadStats(
-        groups=int(dead.numel()),
-        dead=int(dead.sum()),
-        all_right=int(right.sum()),
-        all_wrong=int((dead & ~right).sum()),
-    )
+    return DeadStats(groups=int(dead.numel()), dead=int(dead.sum()), all_right=int(right.sum()),
+                     all_wrong=int((dead & ~right).sum()))
 
 
 def predicted_dead_share(pass_rates: Tensor, group_size: int) -> float:
@@ -287,9 +298,13 @@ def _group_reduce(x: Tensor, inv: Tensor, n: int, how: str) -> Tensor:
 def dead_mask_ragged(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """[N] bool: True where every answer of the group got the same reward (max == min)."""
     inv, counts = _index(group_ids)
-    r = rewards.to(torch.float64)
-    return _group_reduce(r, inv, counts.numel(), "amax") == _group_reduce(r, inv, counts.numel(),
-                                                                          "amin")
+    r, n = rewards.to(torch.float64), counts.numel()
+    scored = ~torch.isnan(r)
+    if bool(scored.all()):
+        return _group_reduce(r, inv, n, "amax") == _group_reduce(r, inv, n, "amin")
+    hi = _group_reduce(torch.where(scored, r, -torch.inf), inv, n, "amax")
+    lo = _group_reduce(torch.where(scored, r, torch.inf), inv, n, "amin")
+    return (hi == lo) | (_group_reduce(scored.double(), inv, n, "sum") == 0)
 
 
 def ragged_mean_baseline(r: Tensor, inv: Tensor, counts: Tensor) -> Tensor:
@@ -357,6 +372,10 @@ def group_advantages_ragged(
         raise ValueError(f"baseline {baseline!r} has no ragged-group version")
     if scale != "none" and std not in STD_KINDS:
         raise ValueError(f"unknown std {std!r}")
+    if bool((nan := torch.isnan(rewards)).any()):  # (answers no reward scored: 0, left out)
+        return torch.zeros_like(rewards).masked_scatter(~nan, group_advantages_ragged(
+            rewards[~nan], torch.as_tensor(group_ids)[~nan], baseline=baseline, scale=scale,
+            std=std, std_eps=std_eps, min_std=min_std, reduce=reduce).to(rewards.dtype))
     inv, counts = _index(group_ids)
     r = rewards.to(torch.float64)
     adv = _ragged_scale(centre(r, inv, counts), r, inv, counts, scale, std, std_eps, min_std,
@@ -369,7 +388,8 @@ def group_advantages_ragged(
 def sum_then_normalize_ragged(per_fn: Tensor, weights: Tensor, group_ids: Tensor,
                               **adv_opts: Any) -> Tensor:
     """``sum_then_normalize`` on ragged groups: per_fn [B, K], weights [K] -> [B]."""
-    return group_advantages_ragged(per_fn.float() @ weights.float(), group_ids, **adv_opts)
+    return group_advantages_ragged(total_reward(per_fn, weights, torch.nan), group_ids,
+                                   **adv_opts)
 
 
 def normalize_then_sum_ragged(per_fn: Tensor, weights: Tensor, group_ids: Tensor, *,
@@ -386,9 +406,10 @@ def normalize_then_sum_ragged(per_fn: Tensor, weights: Tensor, group_ids: Tensor
             per_fn[:, k], group_ids, std=std, std_eps=std_eps, min_std=min_std, reduce=reduce,
             **adv_opts).to(torch.float64)
         dead = dead & dead_mask_ragged(per_fn[:, k], group_ids)
-    mean, sd = batch_mean_std(x, std, reduce)
+    out = unscored(per_fn)
+    mean, sd = batch_mean_std(x[~out] if bool(out.any()) else x, std, reduce)
     adv = _divide(x - mean, sd, std_eps, min_std)
-    return torch.where(dead[inv], torch.zeros_like(adv), adv).to(torch.float32)
+    return torch.where(dead[inv] | out, torch.zeros_like(adv), adv).to(torch.float32)
 
 
 RAGGED_REWARD_AGGREGATIONS: dict[str, Callable[..., Tensor]] = {

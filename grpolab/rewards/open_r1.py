@@ -12,7 +12,7 @@ row's ``verification_info`` tests; IOI's and Codeforces' judges are refused.
 name (parameters)                 score                                              columns
 ================================  =================================================  ==========
 accuracy                          1/0: math-verify on the boxed answer; None where   solution
-                                  the gold does not parse (counts 0, as in TRL)
+                                  the gold does not parse (not scored, as in TRL)
 format                            1/0: ``<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>``
 tag_count                         0.25 for each of the four tags found exactly once
 reasoning_steps                   min(1, step markers / 3)
@@ -134,8 +134,8 @@ def _correct(content: str, gold: str, timeout: int | None) -> bool | None:
 
 def accuracy_reward(completions: list[str], solution: list[Any], **_: Any) -> list[float | None]:
     """open-r1's ``accuracy``: 1.0 when math-verify finds the answer (a boxed one first) equal
-    to the gold ``solution``; None (cannot score: 0, as TRL sums) where the gold does not
-    parse or verification fails."""
+    to the gold ``solution``; None (cannot score: not scored, as in TRL) where the gold
+    does not parse or verification fails."""
     from math_verify import parse, verify
 
     timeout = math_timeout()
@@ -303,4 +303,4 @@ def open_r1_reward(spec: str) -> RewardFn:
         fn = code_format_reward(language)
     else:
         fn = code_rewards(name == "binary_code")
-    return TRLReward(fn)  # (keywords, None as 0, as TRL calls open-r1's)
+    return TRLReward(fn)  # (keywords, None not scored, as TRL calls open-r1's)

@@ -13,11 +13,12 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from grpolab.core.advantages import total_reward, unscored
 from grpolab.rewards.builtin import REWARD_LIMIT, RewardFn
 from grpolab.rewards.pool import (
     RewardPool,
@@ -39,6 +40,11 @@ class ScoreResult:
     per_fn: torch.Tensor  # float32 [B, K]
     names: list[str]
     problems: list[str]
+
+    @property
+    def scored_total(self) -> torch.Tensor:
+        """``total``, NaN where every function said None (what group statistics leave out)."""
+        return torch.where(unscored(self.per_fn), torch.nan, self.total)
 
     def success(self, threshold: float) -> torch.Tensor:
         """Which answers are right: the first reward (the verifier) >= ``threshold``.
@@ -152,9 +158,12 @@ def _score_one_fn(
 
     failures = []
     out = []
+    skips = getattr(fn, "none_unscored", False)  # (TRL's rewards: None is "cannot score")
     for i, value in enumerate(values):
         number = None if isinstance(value, _Failed) else _to_float(value)
-        if number is None:
+        if value is None and skips:
+            out.append(math.nan)
+        elif number is None:
             if not isinstance(value, _Failed):
                 problems.append(f"reward {name!r} returned {_short(value, 40)} on {where(i)}")
             failures.append(value.message if isinstance(value, _Failed) else problems[-1])
@@ -291,14 +300,12 @@ def score(
 
     In-process, a function that raises (``sys.exit`` included) is re-run one sample at a time;
     samples that still raise, and values that are None/NaN/inf/beyond +-1e9/non-numeric, get
-    ``on_error`` and a problem message. ``async def`` rewards are awaited. With a ``pool``
-    (``pool.RewardPool``), its functions that are not grpolab's own run there: the batch
-    in parts of whole groups (``group_size`` answers each), in parallel, each call limited to
-    the pool's timeout (see ``_score_in_pool``). With
-    ``fail_on_all_errors``, a function that gave no usable score for any sample (its calls
-    raised, or it returned the wrong length, a scalar, NaN or strings for all of them) raises
-    RewardError (one line: the function and its first failure). Otherwise raises only for caller mistakes
-    (mismatched lengths or weights).
+    ``on_error`` and a problem (a TRL reward's None is NaN: not scored). ``async def`` rewards
+    are awaited. With a ``pool``, its functions that are not grpolab's own run there, in parts
+    of whole groups (``group_size`` answers), in parallel, each call within the pool's timeout
+    (``_score_in_pool``). With ``fail_on_all_errors``, a function that gave no usable score for
+    any sample raises RewardError (one line: the function and its first failure). Otherwise
+    raises only for caller mistakes (mismatched lengths or weights).
     """
     prompts, completions = list(prompts), list(completions)
     cols = {k: list(v) for k, v in (columns or {}).items()}
@@ -334,7 +341,7 @@ def score(
             logger.warning("... and %d more problems of reward %r in this batch (all counted "
                            "in reward_problems)", len(mine) - LOGGED_PER_BATCH, name)
         per_fn[:, j] = torch.tensor(vals, dtype=torch.float32)
-    total = per_fn @ torch.tensor(w, dtype=torch.float32) if k else torch.zeros(n)
+    total = total_reward(per_fn, torch.tensor(w)) if k else torch.zeros(n)
     return ScoreResult(total=total, per_fn=per_fn, names=names, problems=problems)
 
 
@@ -398,40 +405,3 @@ def load_rewards(cfg: Any) -> tuple[list[RewardFn], RewardFn | None]:
 def make_scorer(cfg: Any, reward_fns: Sequence[RewardFn] | None = None) -> Scorer:
     """The one scorer factory: ``reward_fns`` (the world's exact answer), or the config's."""
     return Scorer(cfg, load_rewards(cfg)[0] if reward_fns is None else reward_fns)
-
-
-@dataclass
-class Answers:
-    """Answers to some rows, scored: per-function scores [N, K], which the first reward counts
-    as right [N] (``ok``), and by the optional check reward (``checked``); the texts judged."""
-
-    per_fn: torch.Tensor
-    ok: torch.Tensor
-    names: list[str]
-    problems: int
-    checked: torch.Tensor | None = None
-    completions: list[str] = field(default_factory=list)
-
-
-def score_answers(backend: Any, rows: list[dict], scorer: Scorer, max_new_tokens: int,
-                  threshold: float, temperature: float = 0.0,
-                  generator: torch.Generator | None = None, chunk: int = 0,
-                  group_size: int = 1, check_fn: RewardFn | None = None) -> Answers:
-    """One answer per row (greedy at temperature 0: the held-out accuracy of training and of
-    ``grpolab eval``), scored by ``scorer`` and, with ``check_fn``, by that strict check too.
-    ``chunk`` rows are generated at a time (0: all at once)."""
-    parts, checks, texts = [], [], []
-    for lo in range(0, len(rows), chunk or max(len(rows), 1)):
-        part = rows[lo : lo + chunk] if chunk else rows
-        ro = backend.generate([r["prompt"] for r in part], temperature, max_new_tokens,
-                              *([generator] if generator is not None else []))
-        parts.append(scorer(ro.prompts, ro.completions, part, group_size, ro.answer_ids))
-        texts += list(ro.completions)
-        if check_fn is not None:
-            checks.append(score([check_fn], ro.prompts, ro.completions,
-                                row_columns(part, [check_fn], ro.answer_ids))
-                          .success(threshold))
-    return Answers(per_fn=torch.cat([p.per_fn for p in parts]),
-                   ok=torch.cat([p.success(threshold) for p in parts]),
-                   names=parts[0].names, problems=sum(len(p.problems) for p in parts),
-                   checked=torch.cat(checks) if checks else None, completions=texts)

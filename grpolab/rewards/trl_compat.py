@@ -16,7 +16,9 @@ skipped, so it counts 0), and for conversational data each completion is a list 
   dict]]``, as TRL's built-ins), when the function sets ``completion_format =
   "conversational"``, or when a call with text fails (TypeError, KeyError, IndexError,
   AttributeError) and the same call with messages succeeds; the format found is kept;
-* ``None`` counted 0 (TRL's nan-sum), not as a failure; logged once per function.
+* ``None`` is "cannot score", as in TRL 1.16, not a failure (logged once per function): it
+  counts 0 in the weighted total (TRL's nansum) and is left out of the function's logged mean;
+  an answer no function scores is left out of its group's statistics and gets advantage 0.
 
 ``completion_ids`` (each answer's token ids, its EOS included, as TRL passes them) reaches the
 rewards that name it or take ``**kwargs`` (``takes``), so TRL's ``get_soft_overlong_punishment``
@@ -93,6 +95,8 @@ class TRLReward:
     ``in_process`` flag; picklable (a reward worker may receive it).
     """
 
+    none_unscored = True  # (the scorer reads a None from it as NaN: not scored)
+
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         self.keywords = wants_keywords(fn)
@@ -153,16 +157,13 @@ class TRLReward:
                          "[{'role': 'assistant', 'content': ...}] from now on", self.__name__)
             else:
                 self.format = TEXT
-        return self._nones_to_zero(out)
-
-    def _nones_to_zero(self, out: Any) -> Any:
-        if not isinstance(out, (list, tuple)) or not any(v is None for v in out):
-            return out
-        if not self._warned_none:
-            log.info("reward %s returned None (cannot score) for some answers: they count 0, "
-                     "as in TRL", self.__name__)
+        if (not self._warned_none and isinstance(out, (list, tuple))
+                and any(v is None for v in out)):
+            log.info("reward %s returned None (cannot score) for some answers: 0 in the total, "
+                     "left out of its mean (and of the group when no reward scores), as in TRL",
+                     self.__name__)
             self._warned_none = True
-        return [0.0 if v is None else v for v in out]
+        return out
 
     def __repr__(self) -> str:
         return f"TRLReward({self.fn!r})"

@@ -53,6 +53,7 @@ class Batch:
     problems: list[str] = field(default_factory=list)
     trained_groups: int = 0
     reward_sums: dict[str, float] = field(default_factory=dict)  # per function, sampled answers
+    reward_counts: dict[str, float] = field(default_factory=dict)  # the answers it scored
     rewards_per_fn: torch.Tensor | None = None  # [B, K] each reward function's, as rewards
     group_sizes: list[int] | None = None  # trained groups' sizes (this rank's); None = group_size
 
@@ -61,8 +62,11 @@ class Batch:
     # and trained_groups are global.
 
     def add_scores(self, res: ScoreResult) -> None:
-        for j, name in enumerate(res.names):
-            self.reward_sums[name] = self.reward_sums.get(name, 0.0) + float(res.per_fn[:, j].sum())
+        for j, name in enumerate(res.names):  # (a None, NaN here, is left out: TRL's nanmean)
+            col = res.per_fn[:, j]
+            self.reward_sums[name] = self.reward_sums.get(name, 0.0) + float(col.nansum())
+            self.reward_counts[name] = (self.reward_counts.get(name, 0.0)
+                                        + float((~col.isnan()).sum()))
 
 
 def kinds_of(rows: list[dict], column: str) -> torch.Tensor | None:
@@ -158,7 +162,7 @@ class Collector:
         lo, hi = dist.shard(len(idx))
         self.local_sizes.append(sizes[lo:hi])
         ro, rows, res = self.sample_groups(idx[lo:hi], sizes[lo:hi])
-        everyone = dist.gather_cat(res.total)
+        everyone = dist.gather_cat(res.scored_total)  # (NaN: no reward scored the answer)
         ok = dist.gather_cat(res.success(self.cfg.success_threshold).float()).bool()
         self.observe(idx, ok, sizes)  # identical on every rank: samplers stay in step
         cut = dist.gather_cat(ro.truncated.float()) if ro.truncated is not None else None

@@ -54,11 +54,13 @@ def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_o
     cut_all = dist.gather_cat(cut.float()) if cut is not None else None
     problems = int(dist.all_reduce_sum([len(batch.problems)])[0])
     names = list(batch.reward_sums)
-    fn_sums = dist.all_reduce_sum([batch.reward_sums[k] for k in names]) if names else []
+    fn_sums = dist.all_reduce_sum([batch.reward_sums[k] for k in names]
+                                  + [batch.reward_counts[k] for k in names]) if names else []
+    scored = sampled[~sampled.isnan()].float()  # (every answer, but those no reward scored)
     return {
         "step": step,
-        "reward_mean": float(sampled.float().mean()),
-        "reward_std": float(sampled.float().std()) if sampled.numel() > 1 else 0.0,
+        "reward_mean": float(scored.mean()) if scored.numel() else 0.0,
+        "reward_std": float(scored.std()) if scored.numel() > 1 else 0.0,
         "accuracy_train": float(sampled_ok.float().mean()),
         "heldout_acc": heldout_acc,
         "heldout_pass_prob": heldout_pass_prob,
@@ -79,8 +81,9 @@ def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_o
                             else None),
         "reward_problems": problems,
         **posterior,  # P(dead) from the pass-rate posteriors vs dead, per group
-        # each reward function's mean over every answer sampled (before weighting)
-        **{f"rewards/{k}": v / batch.answers_generated for k, v in zip(names, fn_sums)},
+        # each reward function's mean over the answers it scored (before weighting)
+        **{f"rewards/{k}": v / n if n else None
+           for k, v, n in zip(names, fn_sums, fn_sums[len(names):])},
         **update,
         "time_sample_s": t_sample,
         "time_step_s": time.perf_counter() - t0,
@@ -124,13 +127,17 @@ def sample_record(batch: Batch, group_size: int, groups: int,
     """The first ``groups`` groups trained on (this rank's): what the policy wrote, its rewards
     and the ``advantages`` [B] they gave, for reading a run, not just its averages. Groups may
     differ in size (``batch.group_sizes``)."""
-    from grpolab.core.advantages import dead_mask
+    import torch
+
+    from grpolab.core.advantages import dead_mask, unscored
 
     sizes = (batch.group_sizes or [group_size] * (len(batch.rows) // group_size))[:groups]
     n = sum(sizes)
     if not n:
         return []
     rewards = batch.rewards[:n].float()
+    if batch.rewards_per_fn is not None:  # (null: no reward scored the answer)
+        rewards = torch.where(unscored(batch.rewards_per_fn[:n]), torch.nan, rewards)
     adv = advantages[:n]
     out = []
     lo = 0
@@ -140,7 +147,7 @@ def sample_record(batch: Batch, group_size: int, groups: int,
             "prompt": row["prompt"],
             **({"answer": str(row["answer"])} if row.get("answer") is not None else {}),
             "completions": batch.rollout.completions[lo:hi],
-            "rewards": rewards[lo:hi].tolist(),
+            "rewards": [None if math.isnan(x) else x for x in rewards[lo:hi].tolist()],
             "advantages": adv[lo:hi].tolist(),
             "dead": bool(dead_mask(rewards[lo:hi], k)[0]),
         })

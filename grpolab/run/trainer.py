@@ -34,12 +34,13 @@ from grpolab.config import Config, ConfigError, to_dict
 from grpolab.config.validate import every, validate_ranks
 from grpolab.core import advantages as adv_mod
 from grpolab.predict.curriculum import PromptSampler
-from grpolab.rewards.scorer import Scorer, make_scorer, score_answers
+from grpolab.rewards.scorer import Scorer, make_scorer
 from grpolab.rollout.backend import Backend
 from grpolab.rollout.critic import Critic
 from grpolab.run import checkpoint, dist, export, resume, shard, update
 from grpolab.run.checkpoint import CheckpointError
 from grpolab.run.collect import Batch, Collector
+from grpolab.run.heldout import score_answers
 from grpolab.run.optim import EntropyControl, lr_factor, optimizer
 from grpolab.run.report import MetricsWriter, by_difficulty, sample_record, step_record
 from grpolab.run.stopping import RunStopped, StopSignals

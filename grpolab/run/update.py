@@ -211,6 +211,8 @@ def advantages(cfg: Config, rewards: Tensor, per_fn: Tensor | None = None,
     """
     opts: dict[str, Any] = {"baseline": cfg.baseline, "scale": cfg.scale, "std": cfg.std,
                             "std_eps": cfg.std_eps, "min_std": cfg.min_std, "reduce": reduce}
+    if per_fn is not None:  # (the answers no reward scored: NaN, left out of their groups)
+        rewards = torch.where(adv_mod.unscored(per_fn), torch.nan, rewards.float())
     combine = per_fn is not None and cfg.reward_aggregation != "sum_then_normalize"
     weights = (torch.tensor(cfg.reward_weights or [1.0] * per_fn.shape[1]) if combine
                else None)
