@@ -114,11 +114,12 @@ def need_hf(command: str) -> None:
                           "pip install 'grpolab[hf]'") from None
 
 
-def check_paths(cfg: Config, command: str = "train") -> None:
-    """One-line errors for a missing model, dataset or reward, before anything loads."""
+def check_paths(cfg: Config, command: str = "train") -> Config:
+    """One-line errors for a missing model, dataset or reward, before anything loads; the
+    config with ``dtype: auto`` read from the model's files (so the run records what ran)."""
     from grpolab.data.hub import is_hub_dataset, snapshot
     from grpolab.data.tasks import is_task
-    from grpolab.rollout.models import check_source
+    from grpolab.rollout.models import check_source, checkpoint_dtype
 
     if not cfg.model_path:
         raise ConfigError(f"grpolab {command} needs model_path (a local model folder, a Hub id "
@@ -135,6 +136,8 @@ def check_paths(cfg: Config, command: str = "train") -> None:
             raise FileNotFoundError(f"{name} {value!r} does not exist")
     if not cfg.rewards:
         raise ConfigError("rewards is empty; name at least one reward (e.g. math, format)")
+    auto = cfg.dtype == "auto"
+    return dataclasses.replace(cfg, dtype=checkpoint_dtype(cfg.model_path)) if auto else cfg
 
 
 def make_backend(cfg: Config, model: Any, tokenizer: Any) -> Any:
@@ -181,7 +184,7 @@ def run_train(cfg: Config, resume: bool = False) -> GRPOTrainer:
     also ``checkpoint-<step>/`` on the way: ``grpolab.run.export``).
     """
     need_hf("train")
-    check_paths(cfg)
+    cfg = check_paths(cfg)
     if cfg.rollout_backend == "vllm":
         from grpolab.rollout.vllm import check_vllm
 
@@ -220,9 +223,8 @@ def _run_train(cfg: Config, resume: bool) -> GRPOTrainer:
     check_columns(reward_fns, rows)
     model, tok = _load(cfg)
     if cfg.dtype != "float32" and not cfg.lora and dist.is_main():
-        log.warning("full fine-tuning in %s: weights and Adam states stay in %s, and updates "
-                    "below its resolution are lost; LoRA adapters train in float32", cfg.dtype,
-                    cfg.dtype)
+        log.warning("full fine-tuning in %s: weights and Adam states stay in it, and updates "
+                    "below its resolution are lost; LoRA adapters train in float32", cfg.dtype)
     backend = make_backend(cfg, model, tok)
     # chat prompts without a chat template, or a template that fails or loops, stop here
     check_render(backend.render, rows[0]["prompt"])
@@ -285,15 +287,14 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
     dataset); with ``eval_samples`` n > 0 also pass@k for k = 1, 2, 4, ... n at ``temperature``.
     Writes ``<out_dir>/eval.json`` (by difficulty too, when the rows have a ``difficulty``
     column) and every answer judged to ``<out_dir>/completions.jsonl``; returns eval.json's.
-    ``same_as``: an earlier eval.json to compare with, checked to be of the same prompts
-    before any work."""
+    ``same_as``: an earlier eval.json to compare with, checked to be of the same prompts first."""
     from grpolab.core.passk import ks_up_to, pass_at_k, same_prompts, standard_error
     from grpolab.data.files import run_rows
     from grpolab.data.hub import is_hub_dataset, with_split
     from grpolab.run.report import by_difficulty
 
     need_hf("eval")
-    check_paths(cfg, "eval")
+    cfg = check_paths(cfg, "eval")
     if cfg.eval_size < 1:
         raise ConfigError("grpolab eval needs eval_size >= 1 (the prompts it measures)")
     if not cfg.progress:  # as in train: no weight-loading bars around a one-line error
@@ -436,8 +437,7 @@ def choose_out_dir(cfg: Config, command: str, resume: bool = False) -> Config:
     if in_use:
         if not default:
             raise ConfigError(f"out_dir {cfg.out_dir} already holds a run; continue it with "
-                              "--resume, replace it with --overwrite, or choose another "
-                              "--out-dir")
+                              "--resume, replace it with --overwrite, or choose another --out-dir")
         n = 2
         while Path(f"{out}-{n}").exists():
             n += 1

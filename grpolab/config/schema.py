@@ -344,8 +344,8 @@ class Config:
     # --- real models ---
     model_path: str = opt(
         "", MODEL_EVAL, "HF model folder, a .gguf file or smollm2-135m-instruct")
-    dtype: Literal["float32", "bfloat16", "float16"] = opt(
-        "float32", MODEL_EVAL, "of the model's weights")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = opt(
+        "float32", MODEL_EVAL, "of the model's weights; auto: the checkpoint's (TRL's auto)")
     device: str = opt(
         "auto", MODEL_EVAL, "where the model runs: auto (CUDA when there is one), cpu, cuda or cuda:N")
     gradient_checkpointing: bool = opt(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from grpolab.config import ConfigError
 from grpolab.data import hub
 
 log = logging.getLogger("grpolab")
@@ -94,6 +96,36 @@ def check_source(model_path: str) -> None:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"model_path {str(folder)!r} is not a Hugging Face model "
                                 "directory (no config.json)")
+
+
+_FLOAT_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+def checkpoint_dtype(model_path: str) -> str:
+    """``dtype: auto``, as transformers reads it: the model config's ``dtype`` (``torch_dtype``
+    before transformers 5), else the first floating-point weight of its safetensors files,
+    else float32 (also for a .gguf file or a known name: they are converted to float32)."""
+    if is_model_source(model_path):
+        return "float32"
+    folder = Path(hub_folder(model_path) if hub_shaped(model_path) else model_path).expanduser()
+    try:
+        conf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        conf = {}
+    said = (conf.get("dtype") or conf.get("torch_dtype")) if isinstance(conf, dict) else None
+    for f in [] if said else sorted(folder.glob("*.safetensors")):
+        with f.open("rb") as fh:  # (the header: 8 bytes of length, then JSON; no tensor read)
+            n = int.from_bytes(fh.read(8), "little")
+            head = json.loads(fh.read(n)) if 0 < n < 1 << 27 else {}
+        said = next((_FLOAT_NAMES.get(v.get("dtype"), v.get("dtype")) for k, v in head.items()
+                     if k != "__metadata__" and str(v.get("dtype", "")).startswith(("F", "BF"))),
+                    None)
+        break
+    said = str(said or "float32").removeprefix("torch.")
+    if said not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype auto: model_path {model_path!r} holds {said} weights; "
+                          "grpolab runs float32, bfloat16 or float16: set dtype")
+    return said
 
 
 def resolve_model(model_path: str, cache_dir: str = "") -> str:
