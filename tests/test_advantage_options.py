@@ -114,6 +114,13 @@ def test_unscored_answers_left_out_hand_values() -> None:
     assert A.unscored(torch.zeros(3, 0)).tolist() == [False] * 3
 
 
+def test_dead_groups_split_by_their_first_scored_answer() -> None:
+    r = torch.tensor([NAN, 1.0, 1.0, 1.0, 1.0, 1.0, NAN, 1.0, NAN, NAN, NAN, NAN])
+    want = A.DeadStats(groups=3, dead=3, all_right=2, all_wrong=1)  # (none scored: wrong)
+    assert A.dead_stats(r, 4) == want
+    assert A.dead_stats_ragged(r, A.group_ids_from_sizes([4, 4, 4])) == want
+
+
 def test_gdpo_leaves_each_rewards_none_out() -> None:
     """normalize_then_sum: each reward's group statistics over the answers it scored; the
     answers no reward scored are left out of the batch's mean and std and get 0."""
@@ -135,6 +142,7 @@ def test_trainer_leaves_unscored_answers_out(tmp_path) -> None:
     logged per-reward means skip the None, samples.jsonl shows null."""
     from grpolab.rewards.trl_compat import TRLReward
     from grpolab.run.report import sample_record
+    from grpolab.run.trackers import sample_rows
 
     def odd_or_none(prompts, completions, **_):  # None: prompts whose text has a 7
         return [None if "7" in p else float(c[:1] in "13579" and bool(c))
@@ -156,7 +164,32 @@ def test_trainer_leaves_unscored_answers_out(tmp_path) -> None:
     for name in ("odd_or_none", "long_or_none"):
         assert 0.0 <= rec[f"rewards/{name}"] <= 1.0
     assert rec["rewards/long_or_none"] == 1.0  # (the mean of the answers it scored)
-    groups = sample_record(batch, 4, 8, adv)  # (what samples.jsonl gets)
+    groups = sample_record(batch, 4, 8, adv)  # (what samples.jsonl gets, and trackers)
+    assert any(row[5] is None for row in sample_rows(1, groups))
     shown = [(x, a) for g in groups for x, a in zip(g["rewards"], g["advantages"])]
     assert any(x is None for x, _ in shown) and all(a == 0 for x, a in shown if x is None)
     assert all(g["dead"] for g in groups if all(x is None for x in g["rewards"]))
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline", "ppo"])
+def test_token_level_estimators_leave_unscored_answers_out(tmp_path, estimator: str) -> None:
+    """REINFORCE++ (and its group baseline) and PPO: an answer no reward scored gets no
+    advantage and is out of the baseline and the whitening: the others' advantages are those
+    of the batch without it."""
+    from grpolab.rewards.trl_compat import TRLReward
+
+    def odd_or_none(prompts, completions, **_):
+        return [None if "7" in p else float(c[:1] in "13579" and bool(c))
+                for p, c in zip(prompts, completions)]
+
+    tr = world_trainer(tmp_path, rewards=["odd_or_none"], estimator=estimator)
+    tr.scorer.reward_fns = [TRLReward(odd_or_none)]
+    batch = tr.collect()
+    out = A.unscored(batch.rewards_per_fn)
+    assert out.any() and not out.all()
+    scored = tr.score(batch)
+    adv = update.token_advantages(tr.cfg, batch, scored, None)
+    assert (adv[out] == 0).all() and (adv[~out] != 0).any()
+    if estimator == "reinforce_pp":  # the whitening over the scored answers' tokens only
+        m = scored.rollout.completion_mask[~out].bool()
+        assert abs(float(adv[~out][m].mean())) < 1e-5

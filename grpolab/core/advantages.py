@@ -36,7 +36,7 @@ def dead_mask(rewards: Tensor, group_size: int) -> Tensor:
     """
     r = _groups(rewards, group_size)
     if bool(torch.isnan(r).any()):  # (answers no reward scored: left out)
-        return dead_mask_ragged(rewards, group_ids_from_sizes([group_size] * r.shape[0]))
+        return dead_mask_ragged(rewards, torch.arange(rewards.numel()) // group_size)
     return r.max(dim=1).values == r.min(dim=1).values
 
 
@@ -176,7 +176,7 @@ def group_advantages(
     if scale != "none" and std not in STD_KINDS:
         raise ValueError(f"unknown std {std!r}")
     if bool(torch.isnan(r).any()):  # (answers no reward scored: the ragged path drops them)
-        return group_advantages_ragged(rewards, group_ids_from_sizes([group_size] * r.shape[0]),
+        return group_advantages_ragged(rewards, torch.arange(rewards.numel()) // group_size,
                                        baseline=baseline, scale=scale, std=std, std_eps=std_eps,
                                        min_std=min_std, reduce=reduce)
     adv = divide(centre(r), r, std=std, std_eps=std_eps, min_std=min_std, reduce=reduce)
@@ -248,6 +248,9 @@ def dead_stats(rewards: Tensor, group_size: int, success: Tensor | None = None,
     a dead group is all right when its first answer is (with several rewards, equal totals
     need not mean equal verdicts: the split follows the first answer).
     """
+    if bool(torch.isnan(rewards).any()):  # (split by each group's first scored answer)
+        return dead_stats_ragged(rewards, torch.arange(rewards.numel()) // group_size, success,
+                                 success_threshold)
     dead = dead_mask(rewards, group_size)
     ok = rewards >= success_threshold if success is None else success.bool()
     right = dead & _groups(ok, group_size)[:, 0].bool()
@@ -256,11 +259,8 @@ def dead_stats(rewards: Tensor, group_size: int, success: Tensor | None = None,
 
 
 def predicted_dead_share(pass_rates: Tensor, group_size: int) -> float:
-    """Expected share of dead groups when prompt i is solved with probability p_i.
-
-    A group of G independent answers is dead when all are right (p^G) or all wrong ((1-p)^G);
-    the live (mixed) share is 1 - p^G - (1-p)^G.
-    """
+    """Expected share of dead groups when prompt i is solved with probability p_i: a group of
+    G independent answers is dead when all are right (p^G) or all wrong ((1-p)^G)."""
     p = pass_rates.to(torch.float64).clamp(0.0, 1.0)
     if p.numel() == 0:
         return 0.0
@@ -421,13 +421,14 @@ RAGGED_REWARD_AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
 def dead_stats_ragged(rewards: Tensor, group_ids: Tensor, success: Tensor | None = None,
                       success_threshold: float = 1.0) -> DeadStats:
     """``dead_stats`` for ragged groups: a dead group is all right when its first answer (in
-    batch order) is right."""
+    batch order) is right; its first scored one when some are not (NaN)."""
     inv, counts = _index(group_ids)
     dead = dead_mask_ragged(rewards, group_ids)
     ok = (rewards >= success_threshold if success is None else success.bool()).to(torch.float64)
-    # the first answer of each group: the smallest position among its answers
+    # the first (scored) answer of each group: the smallest position among its answers
     pos = torch.arange(rewards.numel(), dtype=torch.float64)
-    first = _group_reduce(pos, inv, counts.numel(), "amin").long()
+    at = _group_reduce(torch.where(rewards.isnan(), torch.inf, pos), inv, counts.numel(), "amin")
+    first = torch.where(at.isinf(), _group_reduce(pos, inv, counts.numel(), "amin"), at).long()
     right = dead & ok[first].bool()
     return DeadStats(groups=int(dead.numel()), dead=int(dead.sum()), all_right=int(right.sum()),
                      all_wrong=int((dead & ~right).sum()))

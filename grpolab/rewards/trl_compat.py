@@ -2,10 +2,11 @@
 
 TRL calls a reward as ``fn(prompts=..., completions=..., **columns)`` (keywords, so
 ``accuracy_reward(completions, solution, **kwargs)`` works with its parameters in any order), a
-``None`` in the returned list means "cannot score this one" (TRL sums the rewards with NaN
-skipped, so it counts 0), and for conversational data each completion is a list of one message,
-``[{"role": "assistant", "content": text}]`` (TRL's built-ins, ``accuracy_reward`` and
-``think_format_reward``, read ``completion[0]["content"]`` whatever the data).
+``None`` in the returned list means "cannot score this one" (TRL holds it as NaN: 0 in the
+weighted sum, left out of means and group statistics), and for conversational data each
+completion is a list of one message, ``[{"role": "assistant", "content": text}]`` (TRL's
+built-ins, ``accuracy_reward`` and ``think_format_reward``, read ``completion[0]["content"]``
+whatever the data).
 
 ``adapt(fn)`` wraps a user reward so grpolab's scorer, which calls ``fn(prompts, completions,
 **columns)`` with text completions, gives it all three:

@@ -84,7 +84,7 @@ def sample_rows(step: int, groups: list[dict]) -> list[list[Any]]:
     for gi, g in enumerate(groups):
         for c, r, a in zip(g["completions"], g["rewards"], g["advantages"]):
             rows.append([step, gi, _text(g["prompt"]), _text(g.get("answer", "")), _text(c),
-                         float(r), float(a), bool(g["dead"])])
+                         None if r is None else float(r), float(a), bool(g["dead"])])
     return rows
 
 

@@ -252,11 +252,15 @@ def token_advantages(cfg: Config, batch: Batch, scored: Scored,
     mask = scored.rollout.completion_mask
     sizes = batch.group_sizes or [cfg.group_size] * (len(batch.rows) // cfg.group_size)
     rewards = token_rewards(scored.rewards, mask, scored.token_penalty)
+    ids = adv_mod.group_ids_from_sizes(sizes)
+    out = None if batch.rewards_per_fn is None else adv_mod.unscored(batch.rewards_per_fn)
+    if out is not None and bool(out.any()):  # answers no reward scored: no token, group of one
+        mask = mask * ~out[:, None]  # (advantage 0; the critic's target: its old values)
+        ids = torch.where(out, len(ids) + torch.arange(len(ids)), ids)
     if cfg.estimator == "ppo":  # (the returns are what the critic then learns)
         adv, scored.returns = gae(rewards, scored.old_values, mask, cfg.gamma, cfg.lam, reduce)
         return adv * mask
-    return ESTIMATORS[cfg.estimator](rewards, mask, adv_mod.group_ids_from_sizes(sizes),
-                                     gamma=cfg.gamma, reduce=reduce)
+    return ESTIMATORS[cfg.estimator](rewards, mask, ids, gamma=cfg.gamma, reduce=reduce)
 
 
 def answer_advantages(adv: Tensor | None, mask: Tensor) -> Tensor | None:
