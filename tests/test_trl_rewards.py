@@ -135,15 +135,21 @@ def test_grpolab_train_with_trl_rewards_unchanged(llama: str, tmp_path: Path) ->
 
 def test_python_api_train_with_a_callable_reward(llama: str, tmp_path: Path) -> None:
     def length_reward(prompts, completions, **kwargs):  # TRL's signature; None = cannot score
-        return [None if not c else len(c) / 100 for c in completions]
+        return [None if not c or "12 +" in p else len(c) / 100  # (a whole group unscored)
+                for p, c in zip(prompts, completions)]
 
     records = grpolab.train(config(tmp_path, llama, rewards=[length_reward]), steps=1,
-                            budget=4, group_size=2, eval_size=2, report_to=["none"])
+                            budget=8, group_size=2, eval_size=2, log_samples=4,
+                            report_to=["none"])
     assert [r["step"] for r in records] == [0, 1]
     assert records.out_dir == tmp_path / "run"
     assert records.summary["steps"] == 1
     assert all(r["reward_problems"] == 0 and r["rewards/length_reward"] > 0
                for r in records[1:])
+    # the unscored group: null rewards in samples.jsonl (and the trackers' tables), never NaN
+    groups = json.loads((records.out_dir / "samples.jsonl").read_text())["groups"]
+    assert [g["rewards"] for g in groups if "12 +" in g["prompt"]] == [[None, None]]
+    assert "NaN" not in (records.out_dir / "metrics.jsonl").read_text()
     assert (records.out_dir / "final" / "README.md").is_file()
 
 
