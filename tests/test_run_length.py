@@ -254,6 +254,11 @@ def test_train_runs_trls_epochs_end_to_end(llama: str, tmp_path, capsys) -> None
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     # transformers' linear schedule over 6 steps, 3 of warm-up from lr 0, then (6 - s) / 3
     assert [r["lr"] for r in steps] == pytest.approx([0.01 * k / 3 for k in (0, 1, 2, 3, 2, 1)])
+    # the run's own config.json (passes, and the steps they made) reads back: eval, resume
+    assert make_config(str(out / "config.json"), command="train").passes == 2
+    assert cli.main(["eval", "--config", str(out / "config.json"), "--no-progress",
+                     "--model-path", str(out / "final"), "--out-dir", str(tmp_path / "ev"),
+                     "--eval-size", "2"]) == 0
     assert cli.main(["train", "--config", str(y), "--no-progress", "--resume",
                      "--steps", "8"]) == 0
     assert "at step 6 of 8" in capsys.readouterr().out

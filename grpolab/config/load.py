@@ -181,8 +181,10 @@ def _read(given: dict[str, Any], later: dict[str, Any] | None = None,
     ``later``: the file before them and the overrides after (TRL and verl combine keys)."""
     given = trl.from_trl(verl.from_verl(given, later, earlier), later, earlier)
     if "steps" in given and "passes" in given and coerce("passes", given["passes"]) > 0:
-        raise ConfigError(f"steps {given['steps']} and passes {given['passes']} both given: "
-                          "passes sets the steps; keep one")
+        if not set(field_types()) <= given.keys():  # (a run's config.json: steps from passes)
+            raise ConfigError(f"steps {given['steps']} and passes {given['passes']} both "
+                              "given: passes sets the steps; keep one")
+        given = {k: v for k, v in given.items() if k != "steps"}
     if "cpu_pack" in given:  # its earlier place, before the speed options
         speed = dataclasses.asdict(coerce("speed", given.get("speed", {})))
         given["speed"] = {**speed, "cpu_pack": given.pop("cpu_pack")}
