@@ -228,6 +228,11 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
     ({"reward.reward_model.enable": True, "reward.reward_model.model_path": "rm"},
      {"rewards": ["rm:rm"]}),
     ({"data.truncation": "left", "data.max_prompt_length": 64}, {"max_prompt_tokens": 64}),
+    # verl's reward managers: per answer (naive, dapo, prime) or per batch, plural keywords
+    ({"custom_reward_function.path": "r.py", "reward_model.reward_manager": "batch"},
+     {"rewards": ["verl-batch:r.py:compute_score"]}),
+    ({"custom_reward_function.path": "r.py", "reward.reward_manager.name": "prime"},
+     {"rewards": ["verl:r.py:compute_score"]}),
 ])
 def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want: dict) -> None:
     c = _cfg(over)
@@ -267,6 +272,11 @@ def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want:
     ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "len"},
      "metric=len"),
     ({"data.truncation": "right"}, "data.truncation=right"),
+    ({"reward_model.reward_manager": "bogus"}, "reward manager bogus .verl."),
+    ({"custom_reward_function.path": "r.py", "reward_model.reward_manager": "naive",
+      "reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 8},
+     "naive reward manager does not apply the overlong buffer"),
+    ({"data.reward_fn_key": "src"}, "reward_fn_key=src .verl.: grpolab gives"),
     ({A + "use_kl_loss": "ture"}, "use_kl_loss='ture' .verl.: not true or false"),
     ({A + "kl_loss_coeff": 0.1}, "did you mean actor_rollout_ref.actor.kl_loss_coef"),
     ({"data.train_files": "t.parquet"}, "without a reward"),
@@ -380,6 +390,17 @@ def test_verl_reward_functions_get_verls_arguments(tmp_path) -> None:
     bad = load_reward(f"verl:{g}:compute_score")
     with pytest.raises(TypeError, match="returned str"):
         bad(["p"], ["x"], answer=["1"])
+    b = tmp_path / "b.py"  # verl's batch reward manager: one call, the same arguments as lists
+    b.write_text("def batch_score(data_sources, solution_strs, ground_truths, extra_infos):\n"
+                 "    return [{'score': float(g in s) + x['k']} if d == 'd' else 0.5\n"
+                 "            for d, s, g, x in zip(data_sources, solution_strs, ground_truths,"
+                 " extra_infos)]\n")
+    assert load_reward(f"verl-batch:{b}:batch_score")(
+        ["p"] * 3, ["it is 7", "it is 8", "7"], **cols) == [1.0, 0.25, 0.5]
+    one = tmp_path / "one.py"
+    one.write_text("def batch_score(**kw):\n    return 1.0\n")
+    with pytest.raises(TypeError, match="returns a list of 1 scores"):
+        load_reward(f"verl-batch:{one}:batch_score")(["p"], ["x"], answer=["1"])
 
 
 def test_verls_own_gsm8k_scorer_runs_unchanged() -> None:

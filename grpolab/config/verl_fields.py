@@ -58,7 +58,8 @@ VERL_COMBINED = frozenset({*OVERLONG, "data.gen_batch_size",
     A + "optim.zero_indexed_step",
     "critic.ppo_mini_batch_size", "critic.ppo_epochs", A + "clip_ratio_c", A + "shuffle",
     "reward.reward_model.enable", "reward.reward_model.model_path",
-    "data.filter_overlong_prompts", "data.truncation"})
+    "data.filter_overlong_prompts", "data.truncation", "data.reward_fn_key",
+    "reward_model.reward_manager", "reward.reward_manager.name"})
 # keys (or the start of keys) that change nothing trained here: engines, memory, placement,
 # logging names; named in one notice
 VERL_ASIDE = (
@@ -80,7 +81,7 @@ VERL_ASIDE = (
     M + "use_remove_padding", M + "use_shm", M + "use_fused_kernels", M + "use_liger",
     M + "enable_activation_offload", M + "fused_kernel_options.",
     "data.filter_overlong_prompts_workers", "data.dataloader_num_workers",
-    "data.return_raw_chat", "data.return_full_prompt", "data.use_shm", "data.reward_fn_key",
+    "data.return_raw_chat", "data.return_full_prompt", "data.use_shm",
     "data.val_batch_size", "data.validation_shuffle", "data.tokenizer",
     "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.project_name",
     "trainer.experiment_name", "trainer.val_before_train", "trainer.resume_mode",
@@ -93,8 +94,8 @@ VERL_ASIDE = (
     "critic.model.enable_gradient_checkpointing", "critic.ppo_micro_batch_size",
     "critic.ppo_max_token_len_per_gpu", "critic.use_dynamic_bsz", "critic.strategy",
     "critic.optim.optimizer_impl", "critic.optim.total_training_steps",
-    "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl", "reward_model.reward_manager",
-    "reward.reward_manager.", "reward.num_workers", "reward_model.num_workers",
+    "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl",
+    "reward.reward_manager.source", "reward.reward_manager.module.", "reward.num_workers", "reward_model.num_workers",
     "reward.reward_model.rollout.", "reward.reward_model.enable_resource_pool",
     "reward.reward_model.n_gpus_per_node", "reward.reward_model.nnodes",
     "algorithm.filter_groups.max_inflight_gen_batches")

@@ -175,10 +175,16 @@ def _data(d: dict[str, Any]) -> dict[str, Any]:
         out["prompt_order"] = "epochs" if flag(d, "data.shuffle") else "sequential"
     if A + "shuffle" in d:  # verl's actor deals its answers into mini-batches at random
         out["minibatch_order"] = "shuffled" if flag(d, A + "shuffle") else "groups"
+    if (key := d.get("data.reward_fn_key", "data_source")) != "data_source":
+        raise ConfigError(f"data.reward_fn_key={key} (verl): grpolab gives the reward the "
+                          f"rows' data_source column as data_source: rename {key} to it")
     cut = as_word(d.get("data.truncation", "error"))
     if cut not in ("error", "left"):
         raise ConfigError(f"data.truncation={cut} (verl): grpolab keeps a long prompt's last "
                           "max_prompt_length tokens (verl's left)")
+    if cut == "error" and "data.truncation" in d and not flag(d, "data.filter_overlong_prompts"):
+        log.warning("data.truncation=error (verl stops at a prompt over max_prompt_length): "
+                    "grpolab keeps its last max_prompt_length tokens (verl's left) and says so")
     if flag(d, "data.filter_overlong_prompts"):
         log.warning("data.filter_overlong_prompts (verl drops prompts over max_prompt_length): "
                     "grpolab keeps their last max_prompt_length tokens instead")
@@ -219,9 +225,15 @@ def _rewards(d: dict[str, Any]) -> dict[str, Any]:
             if not d.get(path):
                 raise ConfigError(f"{on} (verl) needs {path}")
             specs.append(f"rm:{d[path]}")
+    manager = as_word(d.get("reward_model.reward_manager", d.get("reward.reward_manager.name",
+                                                                  "naive")))
+    if manager not in ("naive", "dapo", "prime", "batch"):
+        raise ConfigError(f"reward manager {manager} (verl): grpolab calls a verl reward as "
+                          "the naive, dapo and prime managers do (per answer) or as batch does")
     for root in ("custom_reward_function.", "reward.custom_reward_function."):
         if d.get(root + "path"):
-            specs.append(f"verl:{d[root + 'path']}:{d.get(root + 'name') or 'compute_score'}")
+            kind = "verl-batch" if manager == "batch" else "verl"
+            specs.append(f"{kind}:{d[root + 'path']}:{d.get(root + 'name') or 'compute_score'}")
     out: dict[str, Any] = {"rewards": specs} if specs else {}
     kw = "reward_model.reward_kwargs."
     if any(k.startswith(kw) for k in d):  # (verl 0.9.1 moves them to reward.reward_kwargs,
@@ -232,6 +244,11 @@ def _rewards(d: dict[str, Any]) -> dict[str, Any]:
         ("reward_model.overlong_buffer.", "data.max_response_length"),
         ("reward.reward_kwargs.overlong_buffer_cfg.", "reward.reward_kwargs.max_resp_len"))
         if flag(d, root + "enable")]  # (DAPO's reward manager adds factor x the punishment)
+    if roots and manager != "dapo" and ("reward_model.reward_manager" in d
+                                         or "reward.reward_manager.name" in d):
+        raise ConfigError(f"{roots[0][0]}enable (verl): verl's {manager} reward manager does "
+                          "not apply the overlong buffer (its dapo manager does): set "
+                          "reward_model.reward_manager=dapo, or leave the buffer off")
     if len(roots) > 1:
         raise ConfigError("reward_model.overlong_buffer.enable and reward(_model).reward_kwargs."
                           "overlong_buffer_cfg.enable (verl) both add DAPO's overlong "
@@ -351,13 +368,15 @@ RULES = (
     ((M + "lora_rank", M + "target_modules"), _model),
     ((R + "top_k", R + "do_sample", R + "name"), _sampling),
     (("data.train_files", "data.val_files", "data.shuffle", A + "shuffle", "data.truncation",
-      "data.filter_overlong_prompts", "custom_reward_function.path"), _data),
+      "data.filter_overlong_prompts", "custom_reward_function.path", "data.reward_fn_key"),
+     _data),
     (("trainer.total_epochs", "trainer.save_freq", "trainer.test_freq", "trainer.logger"),
      _trainer),
     (("reward_model.enable", "reward_model.model.path", "reward.reward_model.enable",
       "reward.reward_model.model_path", "custom_reward_function.path",
       "custom_reward_function.name", "reward.custom_reward_function.path",
-      "reward.custom_reward_function.name", *OVERLONG), _rewards),
+      "reward.custom_reward_function.name", "reward_model.reward_manager",
+      "reward.reward_manager.name", *OVERLONG), _rewards),
     ((A + "optim.lr_scheduler_type", A + "optim.warmup_style", A + "optim.lr_warmup_steps",
       A + "optim.lr_warmup_steps_ratio", A + "optim.betas", A + "optim.optimizer",
       A + "optim.num_cycles", A + "optim.zero_indexed_step"), _schedule),

@@ -228,10 +228,11 @@ def load_reward(spec: str, format_pattern: str | None = None,
     ``math`` and ``reasoning_gym`` rewards look for the final answer (``verifiers.SOURCES``).
     """
     spec = spec.strip()
-    if spec.startswith("verl:"):  # a function with verl's signature (rewards.verl_compat)
+    if spec.startswith(("verl:", "verl-batch:")):  # verl's signature (rewards.verl_compat)
         from grpolab.rewards.verl_compat import adapt_verl
 
-        return adapt_verl(_load_callable(spec, spec[5:]))
+        batch = spec.startswith("verl-batch:")
+        return adapt_verl(_load_callable(spec, spec.split(":", 1)[1]), batch)
     if spec.startswith("rm:"):  # a local Hugging Face sequence-classification reward model
         from grpolab.rewards.reward_models import load_reward_model
 

@@ -6,8 +6,11 @@ ground_truth=..., extra_info=...)`` once per answer and takes a number, or a dic
 ``score`` is the reward (its other keys are extra metrics, not read here). The answer is the
 completion's text; the gold is the row's ``reward_model.ground_truth`` (verl's data layout),
 else its ``answer``; ``data_source`` and ``extra_info`` are the row's columns of those names
-(``{}`` for ``extra_info`` where the data has none, as verl passes). A scorer of verl's own gets only the keywords it names, so
-``verl:<verl's folder>/utils/reward_score/gsm8k.py:compute_score`` runs verl's GSM8K check.
+(``{}`` for ``extra_info`` where the data has none, as verl passes). A scorer of verl's own
+gets only the keywords it names, so ``verl:<verl's folder>/utils/reward_score/gsm8k.py:
+compute_score`` runs verl's GSM8K check. ``verl-batch:PATH:NAME`` is a function for verl's
+``batch`` reward manager: called once per batch with ``data_sources``, ``solution_strs``,
+``ground_truths`` and ``extra_infos`` (lists), it returns one number or dict per answer.
 """
 
 from __future__ import annotations
@@ -35,31 +38,39 @@ def _accepts(fn: Any) -> set[str] | None:
     return {p.name for p in params}
 
 
-def adapt_verl(fn: Any) -> Any:
+def _score(fn: Any, got: Any) -> float:
+    got = got.get("score") if isinstance(got, dict) else got
+    if not isinstance(got, numbers.Real):  # (a bool is one, as verl takes it)
+        raise TypeError(f"a verl reward returns a number or a dict with 'score'; "
+                        f"{getattr(fn, '__name__', fn)} returned {type(got).__name__}")
+    return float(got)
+
+
+def adapt_verl(fn: Any, batch: bool = False) -> Any:
     """``fn`` with verl's signature, as a grpolab reward (prompts, completions, **columns).
     A scorer of verl's own (``verl/utils/reward_score/gsm8k.py:compute_score``, which takes
-    ``solution_str`` and ``ground_truth`` only) gets only the keywords it names."""
+    ``solution_str`` and ``ground_truth`` only) gets only the keywords it names. ``batch``:
+    verl's batch reward manager's signature (the same, plural, as lists)."""
     takes = _accepts(fn)
 
     def reward(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
         n = len(completions)
         holders = columns.get("reward_model") or [None] * n
         answers = columns.get("answer") or [None] * n
-        sources = columns.get("data_source") or [None] * n
-        extras = columns.get("extra_info") or [None] * n  # (verl passes {} where none)
-        out = []
-        for i in range(n):
-            holder = holders[i]
-            gold = holder.get("ground_truth") if isinstance(holder, dict) else answers[i]
-            args = {"data_source": sources[i], "solution_str": _text(completions[i]),
-                    "ground_truth": gold, "extra_info": extras[i] if extras[i] is not None else {}}
-            got = fn(**{k: v for k, v in args.items() if takes is None or k in takes})
-            got = got.get("score") if isinstance(got, dict) else got
-            if not isinstance(got, numbers.Real):  # (a bool is one, as verl takes it)
-                raise TypeError(f"a verl reward returns a number or a dict with 'score'; "
+        args = {"data_source": columns.get("data_source") or [None] * n,
+                "solution_str": [_text(c) for c in completions],
+                "ground_truth": [h.get("ground_truth") if isinstance(h, dict) else a
+                                 for h, a in zip(holders, answers)],
+                "extra_info": [{} if x is None else x  # (verl passes {} where none)
+                               for x in columns.get("extra_info") or [None] * n]}
+        if batch:
+            got = fn(**{k + "s": v for k, v in args.items()})
+            if not isinstance(got, (list, tuple)) or len(got) != n:
+                raise TypeError(f"a verl batch reward returns a list of {n} scores; "
                                 f"{getattr(fn, '__name__', fn)} returned {type(got).__name__}")
-            out.append(float(got))
-        return out
+            return [_score(fn, g) for g in got]
+        return [_score(fn, fn(**{k: v[i] for k, v in args.items() if takes is None or k in takes}))
+                for i in range(n)]
 
     # its name, not its signature (``__wrapped__`` would make the columns check read verl's)
     reward.__name__ = reward.__qualname__ = getattr(fn, "__name__", "verl_reward")
