@@ -240,6 +240,25 @@ def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want:
         assert getattr(c, key) == (pytest.approx(value) if isinstance(value, float) else value), key
 
 
+def test_resume_mode_is_resume_as_verl_means_it(tmp_path) -> None:
+    """auto: continue out_dir's run when it holds a checkpoint; resume_path: the run the path
+    lies in, which must be out_dir; disable, or unset (grpolab's --resume decides): no."""
+    from grpolab.config.verl import resume_from
+
+    out = tmp_path / "run"
+    auto = {"trainer.resume_mode": "auto"}
+    assert resume_from(auto, out, True) and not resume_from(auto, out, False)
+    assert not resume_from({"trainer": {"resume_mode": "disable"}}, out, True)
+    assert not resume_from({}, out, True)
+    inside = {"trainer.resume_mode": "resume_path",
+              "trainer.resume_from_path": str(out / "checkpoints")}
+    assert resume_from(inside, out, False)
+    with pytest.raises(ConfigError, match="grpolab continues the run in out_dir"):
+        resume_from({**inside, "trainer.resume_from_path": str(tmp_path / "other")}, out, True)
+    with pytest.raises(ConfigError, match="resume_mode=resume_path .verl.: auto, disable"):
+        _cfg({"trainer.resume_mode": "resume_path"})
+
+
 @pytest.mark.parametrize(("over", "says"), [
     ({A + "optim.foo": 1}, "optim.foo=1 .verl. has no grpolab equivalent"),
     ({"data.gen_batch_size": 48}, "without algorithm.filter_groups"),
@@ -445,6 +464,12 @@ def test_a_verl_script_trains_from_the_command_line(tmp_path) -> None:
         assert group["rewards"] == [float(any(ch.isdigit() for ch in c))
                                     for c in group["completions"]]
         assert group["answer"] in {"3", "7", "4", "6", "8"}  # the nested ground truth
+    # the same script again with verl's resume_mode=auto and a longer run: it continues
+    more = [a.replace("total_training_steps=2", "total_training_steps=3") for a in args]
+    p = subprocess.run([sys.executable, "-m", "grpolab", "train", "--no-progress", *more,
+                        "trainer.resume_mode=auto"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert p.returncode == 0 and "at step 2 of 3" in p.stdout, p.stderr[-2000:]
     # DAPO's keys on the same data: 3 epochs of verl's loader batches (6 prompts, 4 a batch:
     # 1 a pass, as verl counts them; 2 trained a step), group filtering
     # on the named reward, the overlong buffer beside it, a warm-up from lr 0

@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval" and not given_out:  # a config file's is its training's
             cfg = dataclasses.replace(cfg, out_dir=command_defaults("eval")["out_dir"])
         dist.init()  # joins torchrun's process group; nothing in a single process
-        cfg = choose_out_dir(cfg, args.command, getattr(args, "resume", False))
+        args.resume = getattr(args, "resume", False) or (
+            args.command == "train" and _verl_resume(args.config, trl, cfg))
+        cfg = choose_out_dir(cfg, args.command, args.resume)
         out_dir = cfg.out_dir
         if args.command == "workshop":
             return commands.workshop(cfg, args.sweep, args.variants, args.seeds, args.resume)
@@ -202,6 +204,19 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     finally:
         dist.cleanup()
+
+
+def _verl_resume(config: str | None, overrides: dict[str, Any], cfg: Config) -> bool:
+    """verl's ``trainer.resume_mode`` (the file's, then the overrides'), as ``--resume``."""
+    from pathlib import Path
+
+    from grpolab.config.load import load_yaml
+    from grpolab.config.verl import resume_from
+    from grpolab.run.checkpoint import LAST, PREV
+
+    keys = {**(load_yaml(config) if config else {}), **overrides}
+    ckpt = Path(cfg.out_dir).expanduser() / "checkpoints"
+    return resume_from(keys, Path(cfg.out_dir), any((ckpt / n).exists() for n in (LAST, PREV)))
 
 
 def _kept(out_dir: str | None, command: str) -> str:

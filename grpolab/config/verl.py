@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+from pathlib import Path
 from typing import Any
 
 from grpolab.config.schema import ConfigError
@@ -125,3 +126,19 @@ def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
             if not set(given) & set(keys) and not moot.get(ours.split()[0])]
 
 
+def resume_from(keys: dict[str, Any], out_dir: Path, holds_checkpoint: bool) -> bool:
+    """verl's ``trainer.resume_mode`` among a run's ``keys`` (a file's, then the overrides'),
+    as ``--resume``: ``auto`` continues ``out_dir``'s run when it holds a checkpoint (verl's
+    default, here only when given), ``resume_path`` continues the run its
+    ``resume_from_path`` lies in, which must be ``out_dir`` (grpolab resumes its own)."""
+    d = flatten(keys)
+    mode = str(d.get("trainer.resume_mode", "disable")).lower()
+    if mode == "auto":
+        return holds_checkpoint
+    if mode != "resume_path":
+        return False
+    path = Path(str(d.get("trainer.resume_from_path"))).expanduser().resolve()
+    if not path.is_relative_to(out_dir.expanduser().resolve()):
+        raise ConfigError(f"trainer.resume_from_path={path} (verl): grpolab continues the run "
+                          f"in out_dir ({out_dir}), from its last checkpoint: give that folder")
+    return True

@@ -59,7 +59,8 @@ VERL_COMBINED = frozenset({*OVERLONG, "data.gen_batch_size",
     "critic.ppo_mini_batch_size", "critic.ppo_epochs", A + "clip_ratio_c", A + "shuffle",
     "reward.reward_model.enable", "reward.reward_model.model_path",
     "data.filter_overlong_prompts", "data.truncation", "data.reward_fn_key",
-    "reward_model.reward_manager", "reward.reward_manager.name"})
+    "reward_model.reward_manager", "reward.reward_manager.name", "trainer.resume_mode",
+    "trainer.resume_from_path"})
 # keys (or the start of keys) that change nothing trained here: engines, memory, placement,
 # logging names; named in one notice
 VERL_ASIDE = (
@@ -84,7 +85,7 @@ VERL_ASIDE = (
     "data.return_raw_chat", "data.return_full_prompt", "data.use_shm",
     "data.val_batch_size", "data.validation_shuffle", "data.tokenizer",
     "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.project_name",
-    "trainer.experiment_name", "trainer.val_before_train", "trainer.resume_mode",
+    "trainer.experiment_name", "trainer.val_before_train",
     "trainer.log_val_generations", "trainer.balance_batch", "trainer.default_hdfs_dir",
     "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep", "trainer.device",
     "trainer.esi_redundant_time", "trainer.ray_wait_register_center_timeout",

@@ -206,6 +206,11 @@ def _trainer(d: dict[str, Any]) -> dict[str, Any]:
         out["eval_every"] = test
     elif "trainer.test_freq" in d:  # verl: before training only (grpolab also after the last,
         out["eval_every"] = 10**9  # whatever length a later --steps or the data gives the run)
+    mode = as_word(d.get("trainer.resume_mode", "auto"))  # (read by the CLI: resume_from)
+    if mode not in ("auto", "disable", "resume_path") or (
+            mode == "resume_path" and not d.get("trainer.resume_from_path")):
+        raise ConfigError(f"trainer.resume_mode={mode} (verl): auto, disable, or resume_path "
+                          "with trainer.resume_from_path")
     if "trainer.logger" in d:
         loggers = d["trainer.logger"] if isinstance(d["trainer.logger"], list) else [
             d["trainer.logger"]]
@@ -370,8 +375,8 @@ RULES = (
     (("data.train_files", "data.val_files", "data.shuffle", A + "shuffle", "data.truncation",
       "data.filter_overlong_prompts", "custom_reward_function.path", "data.reward_fn_key"),
      _data),
-    (("trainer.total_epochs", "trainer.save_freq", "trainer.test_freq", "trainer.logger"),
-     _trainer),
+    (("trainer.total_epochs", "trainer.save_freq", "trainer.test_freq", "trainer.logger",
+      "trainer.resume_mode", "trainer.resume_from_path"), _trainer),
     (("reward_model.enable", "reward_model.model.path", "reward.reward_model.enable",
       "reward.reward_model.model_path", "custom_reward_function.path",
       "custom_reward_function.name", "reward.custom_reward_function.path",
