@@ -238,3 +238,30 @@ def test_gpg_advantage_matches_verl() -> None:
     assert float(torch.count_nonzero(rewards)) < 24 and bool((got[8:12] == 0).all())
     ragged = A.group_advantages_ragged(rewards, A.group_ids_from_sizes([4] * 6), scale="gpg")
     torch.testing.assert_close(ragged, want[:, 0], rtol=1e-6, atol=1e-7)
+
+
+def test_token_sum_norm_divides_by_verls_loss_scale_factor() -> None:
+    """seq-mean-token-sum-norm (Dr. GRPO): verl divides by loss_scale_factor, by default the
+    responses' padded length; grpolab by loss_norm_len, by default max_new_tokens (the same
+    where answers are padded to it, as verl pads them)."""
+    agg = verl_functions("agg_loss")["agg_loss"]
+    gen = torch.Generator().manual_seed(5)
+    loss_mat = torch.randn(4, 7, generator=gen)
+    mask = (torch.rand(4, 7, generator=gen) > 0.3).float()
+    for factor in (None, 512):
+        theirs = agg(loss_mat, mask, "seq-mean-token-sum-norm", loss_scale_factor=factor)
+        ours = L.LOSS_AGGREGATIONS["seq_mean_token_sum_norm"](loss_mat, mask, factor or 7)
+        assert torch.allclose(ours, theirs)
+
+
+def test_the_trainer_divides_by_loss_norm_len(tmp_path) -> None:
+    """loss_norm_len 2 with answers of at most 4 tokens: the same batch's loss, twice max_new
+    tokens' (0: the default divisor)."""
+    from helpers import world_trainer
+
+    losses = []
+    for n in (0, 2):
+        tr = world_trainer(tmp_path / str(n), loss_agg="seq_mean_token_sum_norm",
+                           loss_norm_len=n, beta=0.0)
+        losses.append(tr.update(tr.collect())["policy_loss"])
+    assert losses[0] != 0 and losses[1] == pytest.approx(2 * losses[0], rel=1e-6)

@@ -228,6 +228,7 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
     ({"reward.reward_model.enable": True, "reward.reward_model.model_path": "rm"},
      {"rewards": ["rm:rm"]}),
     ({"data.truncation": "left", "data.max_prompt_length": 64}, {"max_prompt_tokens": 64}),
+    ({A + "loss_scale_factor": 512}, {"loss_norm_len": 512}),
     # verl's reward managers: per answer (naive, dapo, prime) or per batch, plural keywords
     ({"custom_reward_function.path": "r.py", "reward_model.reward_manager": "batch"},
      {"rewards": ["verl-batch:r.py:compute_score"]}),

@@ -227,6 +227,7 @@ class Config:
     loss_agg: LossAgg = opt(
         "seq_mean_token_mean", RUN,
         "how token losses become one number (TRL loss_type)")
+    loss_norm_len: int = opt(0, RUN, "seq_mean_token_sum_norm's divisor; 0: max_new_tokens")
     estimator: Estimator = opt(
         "grpo", RUN,
         "grpo: one advantage per answer (baseline, scale below); reinforce_pp, "

@@ -69,7 +69,7 @@ def _validate_objective(cfg: Config) -> None:
     if not cfg.clip_cov_lb < cfg.clip_cov_ub:
         raise ConfigError(f"clip_cov_lb must be below clip_cov_ub (got {cfg.clip_cov_lb}, "
                           f"{cfg.clip_cov_ub})")
-    for key in ("vespo_k_pos", "vespo_k_neg", "off_policy_mask", "kl_cov_coef"):
+    for key in ("vespo_k_pos", "vespo_k_neg", "off_policy_mask", "kl_cov_coef", "loss_norm_len"):
         if not getattr(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0 (got {getattr(cfg, key)})")
     if cfg.prompt_order != "random" and (cfg.curriculum or cfg.allocate):

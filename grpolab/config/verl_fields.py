@@ -17,7 +17,7 @@ VERL_ALIASES: dict[str, str] = {
     A + "optim.clip_grad": "grad_clip", A + "grad_clip": "grad_clip",
     A + "optim.min_lr_ratio": "min_lr_rate",
     A + "clip_ratio_low": "eps_low", A + "clip_ratio_high": "eps_high",
-    A + "entropy_coeff": "entropy_coef",
+    A + "entropy_coeff": "entropy_coef", A + "loss_scale_factor": "loss_norm_len",
     A + "tau_pos": "sapo_tau_pos", A + "tau_neg": "sapo_tau_neg",
     A + "policy_loss.clip_cov_ratio": "clip_cov_ratio", A + "policy_loss.clip_cov_lb": "clip_cov_lb",
     A + "policy_loss.clip_cov_ub": "clip_cov_ub", A + "policy_loss.kl_cov_ratio": "kl_cov_ratio",

@@ -442,7 +442,7 @@ def _part_loss(cfg: Config, backend: Backend, part: Part, adv: Tensor, counts: t
     old = lp.detach() if part.old_logprobs is None else part.old_logprobs
     return grpo_loss(
         lp, old, part.ref_logprobs, adv, ro.completion_mask, beta=cfg.beta, agg=cfg.loss_agg,
-        norm_len=cfg.max_new_tokens, policy_loss=cfg.policy_loss,
+        norm_len=cfg.loss_norm_len or cfg.max_new_tokens, policy_loss=cfg.policy_loss,
         **{k: getattr(cfg, k) for k in policy_knobs(cfg.policy_loss)},
         kl_estimator=cfg.kl_estimator, kl_is_correction=cfg.kl_is_correction, entropy=ent,
         entropy_coef=entropy_coef, top_entropy_quantile=cfg.top_entropy_quantile,
