@@ -101,10 +101,11 @@ def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
             aside.append(key)
         elif key not in VERL_COMBINED:
             near = difflib.get_close_matches(key, [*VERL_ALIASES, *VERL_COMBINED], n=1, cutoff=0.8)
-            hint = f"; did you mean {near[0]}?" if near else (
-                " (or ask for it: it changes what is trained)")
+            if near:  # (a misspelt key, most likely)
+                raise ConfigError(f"{key}={given[key]!r} (verl): no such key grpolab reads; did "
+                                  f"you mean {near[0]}?")
             raise ConfigError(f"{key}={given[key]!r} (verl) has no grpolab equivalent; remove "
-                              f"it{hint}")
+                              "it (or ask for it: it changes what is trained)")
     touched = set(mine)
     for keys, rule in RULES:  # (a rule the overrides touch too is read with them, there)
         if touched & set(keys) and not later.keys() & set(keys):

@@ -332,7 +332,8 @@ def score(
             raise RewardError(
                 f"reward {name!r} failed on all {n} answers of the batch; the first: "
                 f"{first.removeprefix(f'reward {name!r} ')} (fix the reward, or set "
-                "fail_on_reward_errors: false to score such answers reward_on_error)"
+                "fail_on_reward_errors: false, --no-fail-on-reward-errors, to score such answers "
+                "reward_on_error)"
             )
         mine = problems[start:]  # a reward failing on many answers: its first few, a count
         for message in mine[:LOGGED_PER_BATCH]:
