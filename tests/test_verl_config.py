@@ -261,7 +261,8 @@ def test_resume_mode_is_resume_as_verl_means_it(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("over", "says"), [
-    ({A + "optim.foo": 1}, "optim.foo=1 .verl. has no grpolab equivalent"),
+    ({A + "optim.foo": 1}, "optim.foo=1 .verl.: no such key grpolab reads; did you mean"),
+    ({"trainer.foo": 1}, "trainer.foo=1 .verl. has no grpolab equivalent; remove it .or ask"),
     ({"data.gen_batch_size": 48}, "without algorithm.filter_groups"),
     ({"reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 8},
      "adds to the score of the reward verl names"),
