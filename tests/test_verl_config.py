@@ -472,6 +472,15 @@ def test_a_verl_script_trains_from_the_command_line(tmp_path) -> None:
                         "trainer.resume_mode=auto"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300, check=False)
     assert p.returncode == 0 and "at step 2 of 3" in p.stdout, p.stderr[-2000:]
+    # and the script evaluates the trained model (its training settings left aside, in one
+    # notice), writing where default_local_dir says
+    ev = [a for a in args if "model.path" not in a and "default_local" not in a]
+    p = subprocess.run([sys.executable, "-m", "grpolab", "eval", "--no-progress", *ev,
+                        "data.val_files=train.parquet", f"{M}path=out/final",
+                        "trainer.default_local_dir=ev"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert p.returncode == 0 and "a verl script's settings, left aside" in p.stderr, p.stderr
+    assert json.loads((tmp_path / "ev/eval.json").read_text())["model_path"] == "out/final"
     # DAPO's keys on the same data: 3 epochs of verl's loader batches (6 prompts, 4 a batch:
     # 1 a pass, as verl counts them; 2 trained a step), group filtering
     # on the named reward, the overlong buffer beside it, a warm-up from lr 0

@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = None
     try:
         cfg = make_config(args.config, {**ours, **trl}, args.command, strict=True)
-        given_out = args.out_dir is not None or {"out_dir", "output_dir"} & trl.keys()
+        given_out = args.out_dir is not None or {"out_dir", "output_dir",
+                                                 "trainer.default_local_dir"} & trl.keys()
         if args.command == "eval" and not given_out:  # a config file's is its training's
             cfg = dataclasses.replace(cfg, out_dir=command_defaults("eval")["out_dir"])
         dist.init()  # joins torchrun's process group; nothing in a single process

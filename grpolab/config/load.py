@@ -78,8 +78,10 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     file_rewards = kwargs.get("rewards", Config.__dataclass_fields__["rewards"].default_factory())
     ours = _read(later, earlier=earlier)
     idle = out_of_scope(ours, command) if strict else None  # (TRL's, verl's names too)
-    if idle:
-        theirs = [k for k in later if k not in Config.__dataclass_fields__]
+    theirs = [k for k in later if k not in Config.__dataclass_fields__]
+    if idle and command == "eval" and theirs and all(verl.is_verl(k) for k in theirs):
+        log.warning("%s: a verl script's settings, left aside", idle)  # (its whole script)
+    elif idle:
         raise ConfigError(f"{idle} (read from {', '.join(theirs)})" if theirs else idle)
     if ("rewards" in ours and "reward_weights" not in ours and kwargs.get("reward_weights")
             and ours["rewards"] != file_rewards):
