@@ -225,7 +225,7 @@ def test_passes_count_whole_batches_and_say_so() -> None:
     assert make_config(None, {"warmup_steps": 3.0}, "train").warmup_steps == 3  # (an int)
 
 
-def test_train_runs_trls_epochs_end_to_end(llama: str, tmp_path, capsys) -> None:
+def test_train_runs_trls_epochs_end_to_end(llama: str, tmp_path, capsys, caplog) -> None:
     """``grpolab train`` on a TRL config that counts epochs: 7 prompts, 2 a step (8 answers,
     G 4), so 3 whole steps a pass, 2 epochs: 6 steps, said before the run; a later
     ``--steps`` replaces the epochs (and goes on from the checkpoint with --resume)."""
@@ -259,6 +259,10 @@ def test_train_runs_trls_epochs_end_to_end(llama: str, tmp_path, capsys) -> None
     assert cli.main(["eval", "--config", str(out / "config.json"), "--no-progress",
                      "--model-path", str(out / "final"), "--out-dir", str(tmp_path / "ev"),
                      "--eval-size", "2"]) == 0
+    assert "its trained model is" not in caplog.text
+    assert cli.main(["eval", "--config", str(out / "config.json"), "--no-progress",
+                     "--out-dir", str(tmp_path / "ev0"), "--eval-size", "2"]) == 0
+    assert f"the run started from; its trained model is {out / 'final'}" in caplog.text
     assert cli.main(["train", "--config", str(y), "--no-progress", "--resume",
                      "--steps", "8"]) == 0
     assert "at step 6 of 8" in capsys.readouterr().out

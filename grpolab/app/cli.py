@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  "trainer.default_local_dir"} & trl.keys()
         if args.command == "eval" and not given_out:  # a config file's is its training's
             cfg = dataclasses.replace(cfg, out_dir=command_defaults("eval")["out_dir"])
+        if args.command == "eval" and args.config:
+            _say_trained_model(args.config, {**ours, **trl}, cfg)
         dist.init()  # joins torchrun's process group; nothing in a single process
         args.resume = getattr(args, "resume", False) or (
             args.command == "train" and _verl_resume(args.config, trl, cfg))
@@ -205,6 +207,19 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     finally:
         dist.cleanup()
+
+
+def _say_trained_model(config: str, given: dict[str, Any], cfg: Config) -> None:
+    """``grpolab eval --config <run>/config.json`` evaluates the model the run started from,
+    as the file says; one line names the trained one beside it."""
+    from pathlib import Path
+
+    final = Path(config).expanduser().parent / "final"
+    named = {"model_path", "model_name_or_path", "actor_rollout_ref.model.path"} & given.keys()
+    if not named and (final / "config.json").is_file() and Path(cfg.model_path) != final:
+        logging.getLogger("grpolab").warning(
+            "evaluating %s, the model the run started from; its trained model is %s "
+            "(--model-path)", cfg.model_path, final)
 
 
 def _verl_resume(config: str | None, overrides: dict[str, Any], cfg: Config) -> bool:
