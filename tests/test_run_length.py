@@ -256,6 +256,10 @@ def test_train_runs_trls_epochs_end_to_end(llama: str, tmp_path, capsys, caplog)
     assert [r["lr"] for r in steps] == pytest.approx([0.01 * k / 3 for k in (0, 1, 2, 3, 2, 1)])
     # the run's own config.json (passes, and the steps they made) reads back: eval, resume
     assert make_config(str(out / "config.json"), command="train").passes == 2
+    earlier = json.loads((out / "config.json").read_text())  # (an earlier version's: a key
+    earlier.pop("loss_norm_len")  # fewer)
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    assert make_config(str(tmp_path / "earlier.json"), command="train").passes == 2
     assert cli.main(["eval", "--config", str(out / "config.json"), "--no-progress",
                      "--model-path", str(out / "final"), "--out-dir", str(tmp_path / "ev"),
                      "--eval-size", "2"]) == 0

@@ -234,6 +234,8 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
      {"rewards": ["verl-batch:r.py:compute_score"]}),
     ({"custom_reward_function.path": "r.py", "reward.reward_manager.name": "prime"},
      {"rewards": ["verl:r.py:compute_score"]}),
+    ({"custom_reward_function.path": "r.py", "reward.reward_manager.name": "rate_limited"},
+     {"rewards": ["verl:r.py:compute_score"]}),
 ])
 def test_verl_settings_read_with_the_keys_verl_reads_them_with(over: dict, want: dict) -> None:
     c = _cfg(over)
@@ -254,8 +256,9 @@ def test_resume_mode_is_resume_as_verl_means_it(tmp_path) -> None:
     inside = {"trainer.resume_mode": "resume_path",
               "trainer.resume_from_path": str(out / "checkpoints")}
     assert resume_from(inside, out, False)
-    with pytest.raises(ConfigError, match="grpolab continues the run in out_dir"):
-        resume_from({**inside, "trainer.resume_from_path": str(tmp_path / "other")}, out, True)
+    for other in (tmp_path / "other", out / "global_step_1"):  # (grpolab: its last checkpoint)
+        with pytest.raises(ConfigError, match="grpolab continues the run in out_dir"):
+            resume_from({**inside, "trainer.resume_from_path": str(other)}, out, True)
     with pytest.raises(ConfigError, match="resume_mode=resume_path .verl.: auto, disable"):
         _cfg({"trainer.resume_mode": "resume_path"})
 
@@ -297,7 +300,8 @@ def test_resume_mode_is_resume_as_verl_means_it(tmp_path) -> None:
     ({"custom_reward_function.path": "r.py", "reward_model.reward_manager": "naive",
       "reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 8},
      "naive reward manager does not apply the overlong buffer"),
-    ({"data.reward_fn_key": "src"}, "reward_fn_key=src .verl.: grpolab gives"),
+    ({"data.reward_fn_key": "src"}, "reward_fn_key=src .verl.: grpolab .and verl 0.9.1"),
+    ({"reward.reward_manager.name": "gdpo"}, "reward manager gdpo"),
     ({A + "use_kl_loss": "ture"}, "use_kl_loss='ture' .verl.: not true or false"),
     ({A + "kl_loss_coeff": 0.1}, "did you mean actor_rollout_ref.actor.kl_loss_coef"),
     ({"data.train_files": "t.parquet"}, "without a reward"),
@@ -418,6 +422,12 @@ def test_verl_reward_functions_get_verls_arguments(tmp_path) -> None:
                  " extra_infos)]\n")
     assert load_reward(f"verl-batch:{b}:batch_score")(
         ["p"] * 3, ["it is 7", "it is 8", "7"], **cols) == [1.0, 0.25, 0.5]
+    arr = tmp_path / "arr.py"  # (arrays and 0-d tensors, as verl takes them)
+    arr.write_text("import numpy as np, torch\n"
+                   "def batch_score(**kw):\n    return np.arange(len(kw['solution_strs']))\n"
+                   "def score(**kw):\n    return torch.tensor(0.5)\n")
+    assert load_reward(f"verl-batch:{arr}:batch_score")(["p"] * 2, ["a", "b"]) == [0.0, 1.0]
+    assert load_reward(f"verl:{arr}:score")(["p"], ["a"]) == [0.5]
     one = tmp_path / "one.py"
     one.write_text("def batch_score(**kw):\n    return 1.0\n")
     with pytest.raises(TypeError, match="returns a list of 1 scores"):
@@ -504,3 +514,20 @@ def test_a_verl_script_trains_from_the_command_line(tmp_path) -> None:
     metrics = [json.loads(x) for x in (tmp_path / "dapo/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics] == [0, 1, 2, 3] and metrics[1]["lr"] == 0.0
     assert all(-1 <= r["rewards/overlong"] <= 0 for r in metrics[1:])
+
+
+def test_resume_and_overwrite_are_one_or_the_other(tmp_path, capsys) -> None:
+    """--resume with --overwrite is refused; verl's resume_mode=auto resumes where out_dir
+    holds a checkpoint, disable never."""
+    from grpolab.app import cli
+
+    assert cli.main(["train", "--resume", "--overwrite", "--out-dir", str(tmp_path)]) == 2
+    assert "--resume continues out_dir's run, --overwrite replaces it" in capsys.readouterr().err
+    ckpt = tmp_path / "run" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "last.pt").write_bytes(b"")
+    from grpolab.config import make_config
+
+    cfg = make_config(None, {"out_dir": str(tmp_path / "run")}, "train")
+    assert cli._verl_resume(None, {"trainer.resume_mode": "auto"}, cfg)
+    assert not cli._verl_resume(None, {"trainer.resume_mode": "disable"}, cfg)

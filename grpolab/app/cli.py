@@ -179,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval" and args.config:
             _say_trained_model(args.config, {**ours, **trl}, cfg)
         dist.init()  # joins torchrun's process group; nothing in a single process
+        if getattr(args, "resume", False) and cfg.overwrite:
+            raise ConfigError("--resume continues out_dir's run, --overwrite replaces it: keep one")
         args.resume = getattr(args, "resume", False) or (
-            args.command == "train" and _verl_resume(args.config, trl, cfg))
+            args.command == "train" and not cfg.overwrite and _verl_resume(args.config, trl, cfg))
         cfg = choose_out_dir(cfg, args.command, args.resume)
         out_dir = cfg.out_dir
         if args.command == "workshop":
@@ -232,7 +234,9 @@ def _verl_resume(config: str | None, overrides: dict[str, Any], cfg: Config) -> 
 
     keys = {**(load_yaml(config) if config else {}), **overrides}
     ckpt = Path(cfg.out_dir).expanduser() / "checkpoints"
-    return resume_from(keys, Path(cfg.out_dir), any((ckpt / n).exists() for n in (LAST, PREV)))
+    held = any((ckpt / n).exists() for n in (LAST, PREV))
+    held = dist.all_gather_object(held)[0] if dist.is_dist() else held  # (rank 0's view)
+    return resume_from(keys, Path(cfg.out_dir), held)
 
 
 def _kept(out_dir: str | None, command: str) -> str:

@@ -243,7 +243,8 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
                 raise ConfigError(f"{trl_key}: {value!r} (TRL) has no grpolab equivalent; "
                                   f"grpolab reads {', '.join(k for k in table if k)}{quote}")
             for key, v in table[word].items():
-                put(key, v, trl_key)
+                if not (key == "dtype" and as_word(d.get("dtype")) == "auto"):  # (it decides)
+                    put(key, v, trl_key)
         elif trl_key in TRL_ALIASES:
             value = value if trl_key in ("output_dir", "model_name_or_path") else as_number(value)
             if trl_key == "max_steps" and value == -1:  # TRL: num_train_epochs decides
@@ -372,7 +373,8 @@ def _refuse(given: dict[str, Any], d: dict[str, Any],
             "bf16" if "bf16" in d and as_word(d["bf16"]) in ("true", "none") else None)
     lora = _last(layers, "lora", "use_peft")
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(half or "")
-    if half and as_word(lora) == "false" and as_word(_last(layers, "dtype")) != dtype:
+    if half and as_word(lora) == "false" and as_word(_last(layers, "dtype")) not in (dtype,
+                                                                                    "auto"):
         out.append(f"{half} (TRL) with full fine-tuning: TRL keeps float32 weights under "
                    "autocast, grpolab would train the weights in that precision; set "
                    f"{half}: false (TRL's unset is on) or dtype: {dtype}, knowingly")

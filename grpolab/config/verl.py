@@ -130,8 +130,9 @@ def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
 def resume_from(keys: dict[str, Any], out_dir: Path, holds_checkpoint: bool) -> bool:
     """verl's ``trainer.resume_mode`` among a run's ``keys`` (a file's, then the overrides'),
     as ``--resume``: ``auto`` continues ``out_dir``'s run when it holds a checkpoint (verl's
-    default, here only when given), ``resume_path`` continues the run its
-    ``resume_from_path`` lies in, which must be ``out_dir`` (grpolab resumes its own)."""
+    default, here only when given), ``resume_path`` continues the run whose folder (or its
+    ``checkpoints/`` or last checkpoint) ``resume_from_path`` names, which must be ``out_dir``'s
+    (grpolab resumes its own run, from its last checkpoint)."""
     d = flatten(keys)
     mode = str(d.get("trainer.resume_mode", "disable")).lower()
     if mode == "auto":
@@ -139,7 +140,8 @@ def resume_from(keys: dict[str, Any], out_dir: Path, holds_checkpoint: bool) -> 
     if mode != "resume_path":
         return False
     path = Path(str(d.get("trainer.resume_from_path"))).expanduser().resolve()
-    if not path.is_relative_to(out_dir.expanduser().resolve()):
+    run = out_dir.expanduser().resolve()
+    if path not in (run, run / "checkpoints", run / "checkpoints" / "last.pt"):
         raise ConfigError(f"trainer.resume_from_path={path} (verl): grpolab continues the run "
-                          f"in out_dir ({out_dir}), from its last checkpoint: give that folder")
+                          f"in out_dir ({out_dir}) from its last checkpoint: name that folder")
     return True

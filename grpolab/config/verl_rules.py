@@ -176,8 +176,9 @@ def _data(d: dict[str, Any]) -> dict[str, Any]:
     if A + "shuffle" in d:  # verl's actor deals its answers into mini-batches at random
         out["minibatch_order"] = "shuffled" if flag(d, A + "shuffle") else "groups"
     if (key := d.get("data.reward_fn_key", "data_source")) != "data_source":
-        raise ConfigError(f"data.reward_fn_key={key} (verl): grpolab gives the reward the "
-                          f"rows' data_source column as data_source: rename {key} to it")
+        raise ConfigError(f"data.reward_fn_key={key} (verl): grpolab (and verl 0.9.1's "
+                          "reward loop) give the reward the rows' data_source column as "
+                          f"data_source: rename {key} to it")
     cut = as_word(d.get("data.truncation", "error"))
     if cut not in ("error", "left"):
         raise ConfigError(f"data.truncation={cut} (verl): grpolab keeps a long prompt's last "
@@ -232,9 +233,10 @@ def _rewards(d: dict[str, Any]) -> dict[str, Any]:
             specs.append(f"rm:{d[path]}")
     manager = as_word(d.get("reward_model.reward_manager", d.get("reward.reward_manager.name",
                                                                   "naive")))
-    if manager not in ("naive", "dapo", "prime", "batch"):
+    if manager not in ("naive", "dapo", "rate_limited", "prime", "batch"):
         raise ConfigError(f"reward manager {manager} (verl): grpolab calls a verl reward as "
-                          "the naive, dapo and prime managers do (per answer) or as batch does")
+                          "the naive, dapo and rate_limited managers do (per answer), or as "
+                          "the earlier batch (and prime) ones did")
     for root in ("custom_reward_function.", "reward.custom_reward_function."):
         if d.get(root + "path"):
             kind = "verl-batch" if manager == "batch" else "verl"
@@ -249,11 +251,14 @@ def _rewards(d: dict[str, Any]) -> dict[str, Any]:
         ("reward_model.overlong_buffer.", "data.max_response_length"),
         ("reward.reward_kwargs.overlong_buffer_cfg.", "reward.reward_kwargs.max_resp_len"))
         if flag(d, root + "enable")]  # (DAPO's reward manager adds factor x the punishment)
-    if roots and manager != "dapo" and ("reward_model.reward_manager" in d
-                                         or "reward.reward_manager.name" in d):
+    named = {"reward_model.reward_manager", "reward.reward_manager.name"} & d.keys()
+    if roots and manager != "dapo" and named:
         raise ConfigError(f"{roots[0][0]}enable (verl): verl's {manager} reward manager does "
                           "not apply the overlong buffer (its dapo manager does): set "
                           "reward_model.reward_manager=dapo, or leave the buffer off")
+    if roots and not named:
+        log.warning("%senable (verl): applied, as verl's dapo reward manager would; with no "
+                    "reward_manager named verl's naive one leaves it off", roots[0][0])
     if len(roots) > 1:
         raise ConfigError("reward_model.overlong_buffer.enable and reward(_model).reward_kwargs."
                           "overlong_buffer_cfg.enable (verl) both add DAPO's overlong "

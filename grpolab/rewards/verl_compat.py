@@ -40,6 +40,7 @@ def _accepts(fn: Any) -> set[str] | None:
 
 def _score(fn: Any, got: Any) -> float:
     got = got.get("score") if isinstance(got, dict) else got
+    got = got.item() if getattr(got, "ndim", None) == 0 else got  # (numpy, torch scalars)
     if not isinstance(got, numbers.Real):  # (a bool is one, as verl takes it)
         raise TypeError(f"a verl reward returns a number or a dict with 'score'; "
                         f"{getattr(fn, '__name__', fn)} returned {type(got).__name__}")
@@ -65,6 +66,7 @@ def adapt_verl(fn: Any, batch: bool = False) -> Any:
                                for x in columns.get("extra_info") or [None] * n]}
         if batch:
             got = fn(**{k + "s": v for k, v in args.items()})
+            got = got.tolist() if callable(getattr(got, "tolist", None)) else got  # (arrays)
             if not isinstance(got, (list, tuple)) or len(got) != n:
                 raise TypeError(f"a verl batch reward returns a list of {n} scores; "
                                 f"{getattr(fn, '__name__', fn)} returned {type(got).__name__}")
@@ -72,6 +74,8 @@ def adapt_verl(fn: Any, batch: bool = False) -> Any:
         return [_score(fn, fn(**{k: v[i] for k, v in args.items() if takes is None or k in takes}))
                 for i in range(n)]
 
-    # its name, not its signature (``__wrapped__`` would make the columns check read verl's)
+    # its name and module (a user's: it runs in the reward workers, under reward_timeout), not
+    # its signature (``__wrapped__`` would make the columns check read verl's)
     reward.__name__ = reward.__qualname__ = getattr(fn, "__name__", "verl_reward")
+    reward.__module__ = getattr(fn, "__module__", None) or "verl_reward"
     return reward

@@ -103,8 +103,9 @@ _FLOAT_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "
 
 def checkpoint_dtype(model_path: str) -> str:
     """``dtype: auto``, as transformers reads it: the model config's ``dtype`` (``torch_dtype``
-    before transformers 5), else the first floating-point weight of its safetensors files,
-    else float32 (also for a .gguf file or a known name: they are converted to float32)."""
+    before transformers 5), else the first floating-point weight, by name, of its first
+    safetensors file (the index's first shard), else float32 (also for a .gguf file or a known
+    name: they are converted to float32)."""
     if is_model_source(model_path):
         return "float32"
     folder = Path(hub_folder(model_path) if hub_shaped(model_path) else model_path).expanduser()
@@ -113,19 +114,32 @@ def checkpoint_dtype(model_path: str) -> str:
     except (OSError, ValueError):
         conf = {}
     said = (conf.get("dtype") or conf.get("torch_dtype")) if isinstance(conf, dict) else None
-    for f in [] if said else sorted(folder.glob("*.safetensors")):
-        with f.open("rb") as fh:  # (the header: 8 bytes of length, then JSON; no tensor read)
-            n = int.from_bytes(fh.read(8), "little")
-            head = json.loads(fh.read(n)) if 0 < n < 1 << 27 else {}
-        said = next((_FLOAT_NAMES.get(v.get("dtype"), v.get("dtype")) for k, v in head.items()
-                     if k != "__metadata__" and str(v.get("dtype", "")).startswith(("F", "BF"))),
-                    None)
-        break
-    said = str(said or "float32").removeprefix("torch.")
+    said = None if said == "auto" else said
+    said = str(said or _weights_dtype(folder) or "float32").removeprefix("torch.")
     if said not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"dtype auto: model_path {model_path!r} holds {said} weights; "
                           "grpolab runs float32, bfloat16 or float16: set dtype")
     return said
+
+
+def _weights_dtype(folder: Path) -> str | None:
+    """The first floating-point tensor's dtype, by name, in the first weight file (from its
+    header: 8 bytes of length, then JSON; no tensor is read); None without one."""
+    index = folder / "model.safetensors.index.json"
+    where = index if index.is_file() else folder / "model.safetensors"
+    try:
+        if index.is_file():
+            where = folder / min(json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                                 .values())
+        if not where.is_file():
+            return None
+        with where.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            head = json.loads(fh.read(n)) if 0 < n < 1 << 27 else {}
+        kinds = [head[k]["dtype"] for k in sorted(head) if k != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"dtype auto: cannot read {where} ({type(e).__name__})") from None
+    return next((_FLOAT_NAMES[d] for d in kinds if d in _FLOAT_NAMES), None)
 
 
 def resolve_model(model_path: str, cache_dir: str = "") -> str:
