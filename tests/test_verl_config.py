@@ -443,7 +443,8 @@ def test_verls_own_gsm8k_scorer_runs_unchanged() -> None:
 
 
 @pytest.mark.slow
-def test_a_verl_script_trains_from_the_command_line(tmp_path) -> None:
+def test_a_verl_script_trains_from_the_command_line(tmp_path, monkeypatch, capsys,
+                                                    caplog) -> None:
     """verl's overrides as grpolab train's arguments, on verl-layout parquet data (chat prompts,
     reward_model.ground_truth, data_source, extra_info) with a verl reward function."""
     pd = pytest.importorskip("pandas")
@@ -476,20 +477,20 @@ def test_a_verl_script_trains_from_the_command_line(tmp_path) -> None:
         assert group["rewards"] == [float(any(ch.isdigit() for ch in c))
                                     for c in group["completions"]]
         assert group["answer"] in {"3", "7", "4", "6", "8"}  # the nested ground truth
-    # the same script again with verl's resume_mode=auto and a longer run: it continues
+    # the same script again with verl's resume_mode=auto and a longer run: it continues (in
+    # this process, for the suite's time)
+    from grpolab.app import cli
+
+    monkeypatch.chdir(tmp_path)
     more = [a.replace("total_training_steps=2", "total_training_steps=3") for a in args]
-    p = subprocess.run([sys.executable, "-m", "grpolab", "train", "--no-progress", *more,
-                        "trainer.resume_mode=auto"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300, check=False)
-    assert p.returncode == 0 and "at step 2 of 3" in p.stdout, p.stderr[-2000:]
+    assert cli.main(["train", "--no-progress", *more, "trainer.resume_mode=auto"]) == 0
+    assert "at step 2 of 3" in capsys.readouterr().out
     # and the script evaluates the trained model (its training settings left aside, in one
     # notice), writing where default_local_dir says
     ev = [a for a in args if "model.path" not in a and "default_local" not in a]
-    p = subprocess.run([sys.executable, "-m", "grpolab", "eval", "--no-progress", *ev,
-                        "data.val_files=train.parquet", f"{M}path=out/final",
-                        "trainer.default_local_dir=ev"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300, check=False)
-    assert p.returncode == 0 and "a verl script's settings, left aside" in p.stderr, p.stderr
+    assert cli.main(["eval", "--no-progress", *ev, "data.val_files=train.parquet",
+                     f"{M}path=out/final", "trainer.default_local_dir=ev"]) == 0
+    assert "a verl script's settings, left aside" in caplog.text
     assert json.loads((tmp_path / "ev/eval.json").read_text())["model_path"] == "out/final"
     # DAPO's keys on the same data: 3 epochs of verl's loader batches (6 prompts, 4 a batch:
     # 1 a pass, as verl counts them; 2 trained a step), group filtering

@@ -95,8 +95,8 @@ VERL_ASIDE = (
     "critic.model.enable_gradient_checkpointing", "critic.ppo_micro_batch_size",
     "critic.ppo_max_token_len_per_gpu", "critic.use_dynamic_bsz", "critic.strategy",
     "critic.optim.optimizer_impl", "critic.optim.total_training_steps",
-    "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl",
-    "reward.reward_manager.source", "reward.reward_manager.module.", "reward.num_workers", "reward_model.num_workers",
+    "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl", "reward.reward_manager.source",
+    "reward.reward_manager.module.", "reward.num_workers", "reward_model.num_workers",
     "reward.reward_model.rollout.", "reward.reward_model.enable_resource_pool",
     "reward.reward_model.n_gpus_per_node", "reward.reward_model.nnodes",
     "algorithm.filter_groups.max_inflight_gen_batches")
