@@ -27,6 +27,7 @@ from grpolab.config.verl_fields import (
     R,
 )
 from grpolab.rewards.builtin import load_reward
+from grpolab.rewards.scorer import score
 
 # verl's examples/grpo_trainer LoRA GSM8K script, as its overrides
 SCRIPT = {
@@ -191,7 +192,9 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
      {"warmup_steps": 3, "warmup_from_zero": True, "schedule_per": "step"}),
     ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
       "algorithm.filter_groups.max_num_gen_batches": 10},
-     {"dynamic_sampling": True, "max_sampling_rounds": 9, "dynamic_sampling_on": "first"}),
+     {"dynamic_sampling": True, "max_sampling_rounds": 9, "dynamic_sampling_on": "acc"}),
+    ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "score"},
+     {"dynamic_sampling": True, "dynamic_sampling_on": "first"}),
     ({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "seq_reward"},
      {"dynamic_sampling": True, "dynamic_sampling_on": "total"}),
     ({"algorithm.filter_groups.enable": True, "data.gen_batch_size": 48,  # (DAPO's, warned)
@@ -402,9 +405,16 @@ def test_verl_reward_functions_get_verls_arguments(tmp_path) -> None:
     fn = load_reward(f"verl:{f}:compute_score")
     cols = {"data_source": ["d", "d", "other"], "extra_info": [{"k": 0}, {"k": 0.25}, {"k": 0}],
             "reward_model": [{"ground_truth": "7"}] * 3, "answer": ["7"] * 3}
-    assert fn(["p"] * 3, ["it is 7", "it is 8", "7"], **cols) == [1.0, 0.25, 0.5]
+    assert fn(["p"] * 3, ["it is 7", "it is 8", "7"], **cols) == [
+        {"score": 1.0, "acc": 1}, {"score": 0.25, "acc": 1}, 0.5]
+    # scored: the dict's score, its other numbers beside it (NaN where an answer had none)
+    res = score([fn], ["p"] * 3, ["it is 7", "it is 8", "7"], cols)
+    assert res.per_fn[:, 0].tolist() == [1.0, 0.25, 0.5] and not res.problems
+    assert res.extras["compute_score/acc"][:2].tolist() == [1.0, 1.0]
+    assert res.extras["compute_score/acc"][2].isnan()
     chat = [[{"role": "assistant", "content": "7"}]]
-    assert fn(["p"], chat, data_source=["d"], extra_info=[{"k": 0}], answer=["7"]) == [1.0]
+    assert fn(["p"], chat, data_source=["d"], extra_info=[{"k": 0}], answer=["7"]) == [
+        {"score": 1.0, "acc": 1}]
     h = tmp_path / "h.py"  # verl always passes a dict as extra_info, and takes a bool score
     h.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
                  "    return extra_info.get('w', True)\n")
@@ -421,7 +431,7 @@ def test_verl_reward_functions_get_verls_arguments(tmp_path) -> None:
                  "            for d, s, g, x in zip(data_sources, solution_strs, ground_truths,"
                  " extra_infos)]\n")
     assert load_reward(f"verl-batch:{b}:batch_score")(
-        ["p"] * 3, ["it is 7", "it is 8", "7"], **cols) == [1.0, 0.25, 0.5]
+        ["p"] * 3, ["it is 7", "it is 8", "7"], **cols) == [{"score": 1.0}, {"score": 0.25}, 0.5]
     arr = tmp_path / "arr.py"  # (arrays and 0-d tensors, as verl takes them)
     arr.write_text("import numpy as np, torch\n"
                    "def batch_score(**kw):\n    return np.arange(len(kw['solution_strs']))\n"
@@ -459,7 +469,8 @@ def test_a_verl_script_trains_from_the_command_line(tmp_path, monkeypatch, capsy
     (tmp_path / "r.py").write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
         "    assert data_source == 'arith' and isinstance(extra_info, dict)\n"
-        "    return float(any(ch.isdigit() for ch in solution_str))\n")
+        "    x = float(any(ch.isdigit() for ch in solution_str))\n"
+        "    return {'score': x, 'acc': x > 0, 'pred': solution_str}\n")
     args = ["algorithm.adv_estimator=grpo", "data.train_files=train.parquet",
             "data.train_batch_size=4", "data.max_response_length=6",
             "actor_rollout_ref.model.path=tiny", "actor_rollout_ref.model.lora_rank=4",
@@ -472,6 +483,8 @@ def test_a_verl_script_trains_from_the_command_line(tmp_path, monkeypatch, capsy
     assert p.returncode == 0, p.stderr[-2000:]
     cfg = json.loads((tmp_path / "out/config.json").read_text())
     assert (cfg["budget"], cfg["minibatches"], cfg["group_size"], cfg["lora_r"]) == (8, 2, 2, 4)
+    metrics = [json.loads(x) for x in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    assert all(r["rewards/compute_score/acc"] == r["rewards/compute_score"] for r in metrics[1:])
     samples = [json.loads(x) for x in (tmp_path / "out/samples.jsonl").read_text().splitlines()]
     for group in samples[0]["groups"]:
         assert group["rewards"] == [float(any(ch.isdigit() for ch in c))
@@ -511,7 +524,7 @@ def test_a_verl_script_trains_from_the_command_line(tmp_path, monkeypatch, capsy
     assert said in p.stdout
     cfg = json.loads((tmp_path / "dapo/config.json").read_text())
     assert (cfg["rewards"], cfg["dynamic_sampling_on"], cfg["max_sampling_rounds"]) == (
-        ["verl:r.py:compute_score", "overlong:6:3"], "first", 3)
+        ["verl:r.py:compute_score", "overlong:6:3"], "acc", 3)
     metrics = [json.loads(x) for x in (tmp_path / "dapo/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics] == [0, 1, 2, 3] and metrics[1]["lr"] == 0.0
     assert all(-1 <= r["rewards/overlong"] <= 0 for r in metrics[1:])
@@ -532,3 +545,20 @@ def test_resume_and_overwrite_are_one_or_the_other(tmp_path, capsys) -> None:
     cfg = make_config(None, {"out_dir": str(tmp_path / "run")}, "train")
     assert cli._verl_resume(None, {"trainer.resume_mode": "auto"}, cfg)
     assert not cli._verl_resume(None, {"trainer.resume_mode": "disable"}, cfg)
+
+
+def test_filter_groups_on_acc_judges_the_dicts_acc() -> None:
+    """verl's filter_groups.metric=acc: a kept group's answers differ in the reward dict's
+    acc (its score where an answer's dict has none); score: in the score."""
+    import torch
+
+    from grpolab.rewards.scorer import ScoreResult
+    from grpolab.run.collect import first_judged
+
+    res = ScoreResult(total=torch.zeros(3), per_fn=torch.tensor([[0.5], [0.9], [0.1]]),
+                      names=["cs"], problems=[],
+                      extras={"cs/acc": torch.tensor([1.0, float("nan"), 0.0])})
+    assert first_judged(res, "acc").tolist() == [1.0, pytest.approx(0.9), 0.0]
+    assert first_judged(res, "first").tolist() == pytest.approx([0.5, 0.9, 0.1])
+    assert first_judged(ScoreResult(torch.zeros(1), torch.ones(1, 1), ["cs"], []),
+                        "acc").tolist() == [1.0]

@@ -276,8 +276,8 @@ class Config:
     token_level_loss: bool = opt(False, RUN, "loss_agg=\"token_mean\" (DAPO)")
     rloo: bool = opt(False, RUN, "baseline=\"rloo\", scale=\"none\"")
     dynamic_sampling: bool = opt(False, RUN, "DAPO: refill the batch with mixed-reward groups")
-    dynamic_sampling_on: Literal["total", "first"] = opt("total", RUN, "the rewards a kept group's "
-                                                         "answers differ in: total, or first alone")
+    dynamic_sampling_on: Literal["total", "first", "acc"] = opt("total", RUN, "the rewards a kept "
+        "group's answers differ in: total, first alone, or first's acc (a verl dict's, else first)")
     mask_truncated: bool = opt(
         False, RUN,
         "DAPO overlong filtering: answers cut off by max_new_tokens (no EOS) add nothing to the "

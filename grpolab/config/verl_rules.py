@@ -353,8 +353,9 @@ def _filter_groups(d: dict[str, Any]) -> dict[str, Any]:
     if metric not in ("reward", "acc", "score", "seq_reward", "seq_final_reward"):
         raise ConfigError(f"algorithm.filter_groups.metric={metric} (verl): grpolab keeps the "
                           "groups whose rewards differ")
-    # acc / score: the named reward's own, before DAPO's overlong penalty (its first reward)
-    judged = {"dynamic_sampling_on": "first" if metric in ("acc", "score") else "total"}
+    # acc / score: the named reward's own, before DAPO's overlong penalty (its first reward);
+    # acc: its dict's acc where it returns one
+    judged = {"dynamic_sampling_on": {"acc": "acc", "score": "first"}.get(metric, "total")}
     n = as_number(d.get("algorithm.filter_groups.max_num_gen_batches", 0))
     if isinstance(n, int) and n >= 1:  # DAPO's recipe: batches sampled, the first included
         gen, train = as_number(d.get("data.gen_batch_size")), as_number(

@@ -13,7 +13,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +40,9 @@ class ScoreResult:
     per_fn: torch.Tensor  # float32 [B, K]
     names: list[str]
     problems: list[str]
+    # "NAME/KEY": the numbers beside a verl reward's score ({"score": 1, "acc": True}), [B]
+    # float32, NaN where an answer's dict had none
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def scored_total(self) -> torch.Tensor:
@@ -122,12 +125,13 @@ def _score_one_fn(
     problems: list[str],
     pool: RewardPool | None = None,
     group: int = 1,
-) -> tuple[list[float], int, str]:
+) -> tuple[list[float], int, str, dict[str, list[float]]]:
     """This function's score for every sample, how many samples it gave no usable score for
-    (failed calls and unusable values alike), and the first such failure's message."""
+    (failed calls and unusable values alike), the first such failure's message, and the other
+    numbers of a verl reward's dicts (``fn.dict_scores``) by key."""
     n = len(completions)
     if n == 0:
-        return [], 0, ""
+        return [], 0, "", {}
 
     def where(i: int) -> str:
         return f"sample {i} (prompt={_short(prompts[i])}, completion={_short(completions[i])})"
@@ -154,12 +158,18 @@ def _score_one_fn(
                     f"reward {name!r} returned {got} for {n} samples (expected a list of {n} "
                     f"numbers); samples 0..{n - 1} get on_error={on_error}"
                 )
-                return [on_error] * n, n, problems[-1]
+                return [on_error] * n, n, problems[-1], {}
 
     failures = []
     out = []
+    extras: dict[str, list[float]] = {}
     skips = getattr(fn, "none_unscored", False)  # (TRL's rewards: None is "cannot score")
     for i, value in enumerate(values):
+        if isinstance(value, dict) and getattr(fn, "dict_scores", False):
+            for key, x in value.items():
+                if key != "score" and (v := _to_float(x)) is not None:
+                    extras.setdefault(str(key), [math.nan] * n)[i] = v
+            value = value.get("score")
         number = None if isinstance(value, _Failed) else _to_float(value)
         if value is None and skips:
             out.append(math.nan)
@@ -170,7 +180,7 @@ def _score_one_fn(
             out.append(on_error)
         else:
             out.append(number)
-    return out, len(failures), failures[0] if failures else ""
+    return out, len(failures), failures[0] if failures else "", extras
 
 
 def _score_singly(
@@ -322,12 +332,15 @@ def score(
     names = _unique([reward_name(fn) for fn in reward_fns])
     problems: list[str] = []
     per_fn = torch.zeros(n, k, dtype=torch.float32)
+    extras: dict[str, torch.Tensor] = {}
     for j, (fn, name) in enumerate(zip(reward_fns, names)):
         start = len(problems)
         fn_cols = cols if takes(fn, "completion_ids") else {  # (TRL's trainer argument)
             k: v for k, v in cols.items() if k != "completion_ids"}
-        vals, failed, first = _score_one_fn(fn, name, prompts, completions, fn_cols, on_error,
-                                            problems, pool, group_size)
+        vals, failed, first, more = _score_one_fn(fn, name, prompts, completions, fn_cols,
+                                                  on_error, problems, pool, group_size)
+        extras.update({f"{name}/{key}": torch.tensor(v, dtype=torch.float32)
+                       for key, v in more.items()})
         if fail_on_all_errors and n and failed == n:
             raise RewardError(
                 f"reward {name!r} failed on all {n} answers of the batch; the first: "
@@ -343,7 +356,8 @@ def score(
                            "in reward_problems)", len(mine) - LOGGED_PER_BATCH, name)
         per_fn[:, j] = torch.tensor(vals, dtype=torch.float32)
     total = total_reward(per_fn, torch.tensor(w)) if k else torch.zeros(n)
-    return ScoreResult(total=total, per_fn=per_fn, names=names, problems=problems)
+    return ScoreResult(total=total, per_fn=per_fn, names=names, problems=problems,
+                       extras=extras)
 
 
 def _unique(names: list[str]) -> list[str]:

@@ -3,8 +3,9 @@ verl's ``custom_reward_function.path`` and ``.name``).
 
 verl's reward manager calls ``compute_score(data_source=..., solution_str=...,
 ground_truth=..., extra_info=...)`` once per answer and takes a number, or a dict whose
-``score`` is the reward (its other keys are extra metrics, not read here). The answer is the
-completion's text; the gold is the row's ``reward_model.ground_truth`` (verl's data layout),
+``score`` is the reward (its other numbers, ``acc`` say, are logged as
+``rewards/<name>/<key>``). The answer is the completion's text; the gold is the row's
+``reward_model.ground_truth`` (verl's data layout),
 else its ``answer``; ``data_source`` and ``extra_info`` are the row's columns of those names
 (``{}`` for ``extra_info`` where the data has none, as verl passes). A scorer of verl's own
 gets only the keywords it names, so ``verl:<verl's folder>/utils/reward_score/gsm8k.py:
@@ -38,13 +39,15 @@ def _accepts(fn: Any) -> set[str] | None:
     return {p.name for p in params}
 
 
-def _score(fn: Any, got: Any) -> float:
-    got = got.get("score") if isinstance(got, dict) else got
+def _score(fn: Any, got: Any) -> float | dict[str, Any]:
+    """The answer's score; a dict's with its other keys (the scorer logs their numbers)."""
+    whole = got if isinstance(got, dict) else None
+    got = got.get("score") if whole is not None else got
     got = got.item() if getattr(got, "ndim", None) == 0 else got  # (numpy, torch scalars)
     if not isinstance(got, numbers.Real):  # (a bool is one, as verl takes it)
         raise TypeError(f"a verl reward returns a number or a dict with 'score'; "
                         f"{getattr(fn, '__name__', fn)} returned {type(got).__name__}")
-    return float(got)
+    return float(got) if whole is None else {**whole, "score": float(got)}
 
 
 def adapt_verl(fn: Any, batch: bool = False) -> Any:
@@ -54,7 +57,7 @@ def adapt_verl(fn: Any, batch: bool = False) -> Any:
     verl's batch reward manager's signature (the same, plural, as lists)."""
     takes = _accepts(fn)
 
-    def reward(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+    def reward(prompts: list[Any], completions: list[Any], **columns: Any) -> list[Any]:
         n = len(completions)
         holders = columns.get("reward_model") or [None] * n
         answers = columns.get("answer") or [None] * n
@@ -78,4 +81,5 @@ def adapt_verl(fn: Any, batch: bool = False) -> Any:
     # its signature (``__wrapped__`` would make the columns check read verl's)
     reward.__name__ = reward.__qualname__ = getattr(fn, "__name__", "verl_reward")
     reward.__module__ = getattr(fn, "__module__", None) or "verl_reward"
+    reward.dict_scores = True  # type: ignore[attr-defined]
     return reward

@@ -62,11 +62,18 @@ class Batch:
     # and trained_groups are global.
 
     def add_scores(self, res: ScoreResult) -> None:
-        for j, name in enumerate(res.names):  # (a None, NaN here, is left out: TRL's nanmean)
-            col = res.per_fn[:, j]
+        cols = {**{name: res.per_fn[:, j] for j, name in enumerate(res.names)}, **res.extras}
+        for name, col in cols.items():  # (a None, NaN here, is left out: TRL's nanmean)
             self.reward_sums[name] = self.reward_sums.get(name, 0.0) + float(col.nansum())
             self.reward_counts[name] = (self.reward_counts.get(name, 0.0)
                                         + float((~col.isnan()).sum()))
+
+
+def first_judged(res: ScoreResult, on: str) -> torch.Tensor:
+    """[B] what dynamic sampling judges a group by, besides the total: the first reward's score
+    (``first``), or (``acc``) its verl dict's ``acc`` where an answer's dict gave one."""
+    acc = res.extras.get(f"{res.names[0]}/acc") if on == "acc" and res.names else None
+    return res.per_fn[:, 0] if acc is None else torch.where(acc.isnan(), res.per_fn[:, 0], acc)
 
 
 def kinds_of(rows: list[dict], column: str) -> torch.Tensor | None:
@@ -205,7 +212,7 @@ class Collector:
             # The choice is made on every rank's rewards, so all ranks agree on it.
             sizes = self.rounds[-1][0].tolist()  # this round's groups, every rank's
             judged = everyone if cfg.dynamic_sampling_on == "total" else dist.gather_cat(
-                res.per_fn[:, 0])  # (the first reward alone: verl's filter on acc / score)
+                first_judged(res, cfg.dynamic_sampling_on))  # (verl's filter on acc / score)
             live = ~adv_mod.dead_mask_ragged(judged, adv_mod.group_ids_from_sizes(sizes))
             starts = [0, *itertools.accumulate(sizes)]
             hi = lo + len(self.local_sizes[-1])

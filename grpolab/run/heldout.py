@@ -25,10 +25,13 @@ class Answers:
     problems: int
     checked: torch.Tensor | None = None
     completions: list[str] = field(default_factory=list)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # ScoreResult.extras
 
     def reward_means(self) -> dict[str, float | None]:
-        """``rewards/NAME``: each function's mean over the answers it scored (TRL's nanmean)."""
-        cols = zip(self.names, (c[~c.isnan()] for c in self.per_fn.T))
+        """``rewards/NAME``: each function's mean over the answers it scored (TRL's nanmean);
+        ``rewards/NAME/KEY`` a verl reward's other numbers."""
+        cols = zip([*self.names, *self.extras], (c[~c.isnan()] for c in (
+            *self.per_fn.T, *self.extras.values())))
         return {f"rewards/{n}": float(c.mean()) if len(c) else None for n, c in cols}
 
 
@@ -55,7 +58,10 @@ def score_answers(backend: Any, rows: list[dict], scorer: Scorer, max_new_tokens
             checks.append(score([check_fn], ro.prompts, ro.completions,
                                 row_columns(part, [check_fn], ro.answer_ids))
                           .success(threshold))
-    return Answers(per_fn=torch.cat([p.per_fn for p in parts]),
+    keys = dict.fromkeys(k for p in parts for k in p.extras)  # (parts may lack a key: NaN)
+    extras = {k: torch.cat([p.extras.get(k, torch.full((len(p.total),), math.nan))
+                            for p in parts]) for k in keys}
+    return Answers(per_fn=torch.cat([p.per_fn for p in parts]), extras=extras,
                    ok=torch.cat([p.success(threshold) for p in parts]),
                    names=parts[0].names, problems=sum(len(p.problems) for p in parts),
                    checked=torch.cat(checks) if checks else None, completions=texts)
