@@ -150,6 +150,11 @@ def test_python_api_train_with_a_callable_reward(llama: str, tmp_path: Path) -> 
     groups = json.loads((records.out_dir / "samples.jsonl").read_text())["groups"]
     assert [g["rewards"] for g in groups if "12 +" in g["prompt"]] == [[None, None]]
     assert "NaN" not in (records.out_dir / "metrics.jsonl").read_text()
+    # TRL's resume_from_checkpoint: true continues the run (as the API's resume=True)
+    more = grpolab.train(config(tmp_path, llama, rewards=[length_reward]), steps=2, budget=8,
+                         group_size=2, eval_size=2, log_samples=4, report_to=["none"],
+                         resume_from_checkpoint=True)
+    assert [r["step"] for r in more] == [0, 1, 2]
     assert (records.out_dir / "final" / "README.md").is_file()
 
 

@@ -543,8 +543,8 @@ def test_resume_and_overwrite_are_one_or_the_other(tmp_path, capsys) -> None:
     from grpolab.config import make_config
 
     cfg = make_config(None, {"out_dir": str(tmp_path / "run")}, "train")
-    assert cli._verl_resume(None, {"trainer.resume_mode": "auto"}, cfg)
-    assert not cli._verl_resume(None, {"trainer.resume_mode": "disable"}, cfg)
+    assert cli._resume_asked(None, {"trainer.resume_mode": "auto"}, cfg)
+    assert not cli._resume_asked(None, {"trainer.resume_mode": "disable"}, cfg)
 
 
 def test_filter_groups_on_acc_judges_the_dicts_acc() -> None:
@@ -562,3 +562,21 @@ def test_filter_groups_on_acc_judges_the_dicts_acc() -> None:
     assert first_judged(res, "first").tolist() == pytest.approx([0.5, 0.9, 0.1])
     assert first_judged(ScoreResult(torch.zeros(1), torch.ones(1, 1), ["cs"], []),
                         "acc").tolist() == [1.0]
+
+
+def test_trls_resume_from_checkpoint_is_resume(tmp_path) -> None:
+    """TRL's resume_from_checkpoint (its script passes it to trainer.train): true continues
+    output_dir's run from its last checkpoint, which must exist; a path must be that run's;
+    false or unset: no."""
+    from grpolab.config.load import resume_asked
+
+    out = str(tmp_path / "run")
+    assert resume_asked({"resume_from_checkpoint": True}, out, True)
+    assert resume_asked({"resume_from_checkpoint": f"{out}/checkpoints/last.pt"}, out, True)
+    assert not resume_asked({"resume_from_checkpoint": False}, out, True)
+    assert not resume_asked({}, out, True)
+    with pytest.raises(ConfigError, match="holds no checkpoint to continue from"):
+        resume_asked({"resume_from_checkpoint": "true"}, out, False)
+    with pytest.raises(ConfigError, match="grpolab continues the run in output_dir"):
+        resume_asked({"resume_from_checkpoint": f"{out}/checkpoint-500"}, out, True)
+    assert make_config(None, {"resume_from_checkpoint": True}, "train")  # (read, not refused)

@@ -216,6 +216,19 @@ def _out_dir(cfg: Config, command: str, resume: bool) -> Config:
     return choose_out_dir(cfg, command, resume)
 
 
+def _resume_asked(config: Any, overrides: dict[str, Any], cfg: Config) -> bool:
+    """verl's ``trainer.resume_mode`` or TRL's ``resume_from_checkpoint`` among the config's
+    and the keywords' keys, as ``resume=True`` (not with ``overwrite``)."""
+    from grpolab.config.load import load_yaml, resume_asked
+    from grpolab.run.checkpoint import holds_checkpoint
+
+    if cfg.overwrite:
+        return False
+    keys = load_yaml(config) if isinstance(config, (str, Path)) else (
+        dict(config) if isinstance(config, dict) else {})
+    return resume_asked({**keys, **overrides}, cfg.out_dir, holds_checkpoint(cfg.out_dir))
+
+
 def _records(out_dir: Path, summary: dict[str, Any]) -> Records:
     from grpolab.run.report import read_metrics
 
@@ -232,7 +245,9 @@ def train(config: Config | dict | str | Path | None = None, *, resume: bool = Fa
 
     with _cli_errors(), _online_kept():
         config, overrides, held = _held_rows(config, _trainer_args(overrides))
-        cfg = _out_dir(_config(config, overrides, "train"), "train", resume)
+        cfg = _config(config, overrides, "train")
+        resume = resume or _resume_asked(config, overrides, cfg)
+        cfg = _out_dir(cfg, "train", resume)
         # (rows in memory are written into a folder this run holds; nothing made otherwise)
         with out_dir_lock(cfg.out_dir) if held else contextlib.nullcontext():
             trainer = run_train(_with_rows(cfg, held, resume), resume=resume)

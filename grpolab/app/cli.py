@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "resume", False) and cfg.overwrite:
             raise ConfigError("--resume continues out_dir's run, --overwrite replaces it: keep one")
         args.resume = getattr(args, "resume", False) or (
-            args.command == "train" and not cfg.overwrite and _verl_resume(args.config, trl, cfg))
+            args.command == "train" and not cfg.overwrite and _resume_asked(args.config, trl, cfg))
         cfg = choose_out_dir(cfg, args.command, args.resume)
         out_dir = cfg.out_dir
         if args.command == "workshop":
@@ -224,19 +224,14 @@ def _say_trained_model(config: str, given: dict[str, Any], cfg: Config) -> None:
             "(--model-path)", cfg.model_path, final)
 
 
-def _verl_resume(config: str | None, overrides: dict[str, Any], cfg: Config) -> bool:
-    """verl's ``trainer.resume_mode`` (the file's, then the overrides'), as ``--resume``."""
-    from pathlib import Path
-
-    from grpolab.config.load import load_yaml
-    from grpolab.config.verl import resume_from
-    from grpolab.run.checkpoint import LAST, PREV
+def _resume_asked(config: str | None, overrides: dict[str, Any], cfg: Config) -> bool:
+    """verl's ``trainer.resume_mode`` or TRL's ``resume_from_checkpoint`` (the file's, then
+    the overrides'), as ``--resume``."""
+    from grpolab.config.load import load_yaml, resume_asked
+    from grpolab.run.checkpoint import holds_checkpoint
 
     keys = {**(load_yaml(config) if config else {}), **overrides}
-    ckpt = Path(cfg.out_dir).expanduser() / "checkpoints"
-    held = any((ckpt / n).exists() for n in (LAST, PREV))
-    held = dist.all_gather_object(held)[0] if dist.is_dist() else held  # (rank 0's view)
-    return resume_from(keys, Path(cfg.out_dir), held)
+    return resume_asked(keys, cfg.out_dir, holds_checkpoint(cfg.out_dir))
 
 
 def _kept(out_dir: str | None, command: str) -> str:

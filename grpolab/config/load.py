@@ -13,6 +13,7 @@ import yaml
 
 from grpolab.config import trl, verl, yamlsafe
 from grpolab.config.schema import COMMANDS, Config, ConfigError, command_defaults, field_types
+from grpolab.config.trl_values import as_word
 from grpolab.config.validate import resolve
 from grpolab.config.values import coerce, unknown_key
 from grpolab.core.losses import POLICY_LOSSES, policy_knobs
@@ -196,3 +197,23 @@ def _read(given: dict[str, Any], later: dict[str, Any] | None = None,
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+def resume_asked(keys: dict[str, Any], out_dir: str, held: bool) -> bool:
+    """Whether a config's own keys (a file's, then the overrides') ask to continue out_dir's
+    run, as ``--resume`` does: verl's ``trainer.resume_mode`` (``verl.resume_from``) or TRL's
+    ``resume_from_checkpoint`` (true: the last checkpoint, which must exist, as TRL's script
+    needs one; a path: out_dir's own run). ``held``: out_dir holds a checkpoint."""
+    keys = _names(keys)
+    ask = keys.get("resume_from_checkpoint")
+    if ask is None or as_word(ask) == "false":
+        return verl.resume_from(keys, Path(out_dir), held)
+    run = Path(out_dir).expanduser().resolve()
+    path = run if as_word(ask) == "true" else Path(str(ask)).expanduser().resolve()
+    if path not in (run, run / "checkpoints", run / "checkpoints" / "last.pt"):
+        raise ConfigError(f"resume_from_checkpoint: {ask!r} (TRL): grpolab continues the run in "
+                          f"output_dir ({out_dir}) from its last checkpoint: name that folder")
+    if not held:
+        raise ConfigError(f"resume_from_checkpoint: {ask!r} (TRL): {out_dir} holds no "
+                          "checkpoint to continue from")
+    return True

@@ -88,7 +88,8 @@ _SCRIPT = ("reward_funcs", "reward_model_name_or_path", "dataset_name")
 _SPLITS = ("dataset_config", "dataset_train_split", "dataset_test_split")  # with dataset_name
 TRL_KEYS = frozenset({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *_VLLM_FIXED, *TRL_ASIDE,
                       *_BATCH, *_SCRIPT, "num_train_epochs", "generation_kwargs",
-                      "lr_scheduler_kwargs", *open_r1.KEYS})  # (open-r1's recipes: TRL's)
+                      "lr_scheduler_kwargs", *open_r1.KEYS,  # (open-r1's recipes: TRL's)
+                      "resume_from_checkpoint"})  # (as --resume: config.load.resume_asked)
 # grpolab train's defaults that are not TRL 1.16's (docs/real-models.md#trl-configs): grpolab's
 # value as the warning shows it (filled in from the config), TRL's, and the keys in either
 # naming that set it. A TRL config that sets none of an entry's keys runs on grpolab's value.

@@ -80,7 +80,6 @@ TRL_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
     "lora_task_type": (("CAUSAL_LM",), _LORA), "lora_target_parameters": ((None, []), _LORA),
     "lora_modules_to_save": ((None, []), "grpolab trains the LoRA adapters only"),
     # the run: grpolab resumes out_dir's checkpoint (--resume) and keeps the last step's model
-    "resume_from_checkpoint": ((None,), "grpolab resumes out_dir's checkpoint: --resume"),
     "load_best_model_at_end": ((False,), "grpolab's final model is the last step's"),
 }
 # TRL's vLLM settings: with use_vllm, grpolab's engine runs in the training process, samples

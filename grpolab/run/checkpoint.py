@@ -232,6 +232,12 @@ def holds_run(out_dir: str | os.PathLike) -> bool:
     return any((d / n).is_file() and (d / n).stat().st_size > 0 for n in RUN_FILES)
 
 
+def holds_checkpoint(out_dir: str | os.PathLike) -> bool:
+    """Whether out_dir holds a checkpoint to resume, as rank 0 sees it (every rank agrees)."""
+    held = any((Path(out_dir).expanduser() / "checkpoints" / n).exists() for n in (LAST, PREV))
+    return dist.all_gather_object(held)[0] if dist.is_dist() else held
+
+
 def clear_run(out_dir: str | os.PathLike) -> None:
     """Remove what a run wrote in ``out_dir`` (metrics, samples, checkpoints, its config,
     summary, plots, final/ and checkpoint-<step>/ models) and nothing else: ``--overwrite``
