@@ -287,7 +287,7 @@ def test_failing_reward_is_reported_not_fatal(
     # Both prompts are drawn every step; each reward fails on the 4 answers to the BAD prompt.
     assert [r["reward_problems"] for r in steps] == [8, 8]
     assert all(math.isfinite(r["loss"]) for r in steps)
-    assert "reward 'flaky' raised ValueError: cannot grade this one on sample" in caplog.text
+    assert "reward 'flaky' raised ValueError: cannot grade this one (at my_rewards.py:" in caplog.text
     assert "BAD" in caplog.text and "returned nan" in caplog.text
 
 

@@ -37,6 +37,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -74,8 +75,14 @@ def await_if_needed(value: Any) -> Any:
 
 
 def error_text(e: BaseException, limit: int = 160) -> str:
+    """``Type: message`` on one line, cut at ``limit``, and where in the reward's own code it
+    was raised (the innermost frame outside grpolab and installed packages: ``(at r.py:12)``)."""
     text = " ".join(f"{type(e).__name__}: {e}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    here, lib = os.path.dirname(os.path.dirname(__file__)), os.path.dirname(os.__file__)
+    ours = [f for f in traceback.extract_tb(e.__traceback__)
+            if not f.filename.startswith((here, lib, "<")) and "-packages" not in f.filename]
+    return f"{text} (at {os.path.basename(ours[-1].filename)}:{ours[-1].lineno})" if ours else text
 
 
 def _plain(value: Any) -> Any:
