@@ -315,6 +315,9 @@ def test_alarm_diagnoses() -> None:
     cause, msg = diagnose(8, 8, 3, 5, None, 8)  # binary rewards, polarised prompts
     assert cause == "polarised" and "3 all right, 5 all wrong" in msg and "group_size" in msg
     assert diagnose(8, 8, 0, 0, None, 8)[0] == "all_dead"  # equal middling rewards
+    # answers no reward scored (TRL's None): said before truncation, which it is not
+    assert diagnose(8, 8, 0, 8, 1.0, 8, unscored_share=0.9)[0] == "unscored"
+    assert diagnose(8, 8, 0, 8, 1.0, 8, unscored_share=0.2)[0] == "truncated"
     cause, msg = diagnose(8, 8, 0, 8, 1.0, 16)
     assert cause == "truncated" and "max_new_tokens=16" in msg
     assert "advantages zero" in msg and "every group is dead" in msg

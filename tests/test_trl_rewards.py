@@ -60,6 +60,28 @@ def test_none_from_grpolabs_own_rewards_is_a_failure() -> None:
     res = score([TRLReward(plain)], ["q", "q"], ["a", "b"], on_error=-1.0)
     assert res.per_fn[0, 0].isnan() and res.total.tolist() == [0.0, 1.0] and not res.problems
 
+    def nan(prompts, completions, **_):  # TRL holds a None as NaN: a NaN reads as one
+        return [float("nan"), 1.0]
+
+    res = score([TRLReward(nan)], ["q", "q"], ["a", "b"], on_error=-1.0)
+    assert res.per_fn[0, 0].isnan() and not res.problems
+    res = score([nan], ["q", "q"], ["a", "b"], on_error=-1.0)  # (grpolab's own: a bad value)
+    assert res.per_fn[:, 0].tolist() == [-1.0, 1.0] and len(res.problems) == 1
+
+
+def test_a_resume_needs_the_python_rewards_it_was_given() -> None:
+    """A run trained on Python callables (grpolab.train(rewards=[fn])) resumed without them is
+    refused, not continued on a default reward; the command line says to resume from Python."""
+    from grpolab.config import ConfigError, make_config
+    from grpolab.run.resume import changed_settings
+
+    cfg = make_config(None, {"rewards": ["exact"]}, "train")
+    saved = {"config": {**vars(cfg), "rewards": ["grpolab.app.api:rewards.length_reward"]}}
+    with pytest.raises(ConfigError, match="Python reward.s. length_reward given to grpolab"):
+        changed_settings(saved, cfg, 0, None)
+    with pytest.raises(ValueError, match="'length_reward' was a Python callable given to"):
+        load_reward("grpolab.app.api:rewards.length_reward")
+
 
 def test_eval_means_skip_none() -> None:
     """``grpolab eval``'s rewards/NAME: the mean over the answers the function scored (TRL's

@@ -580,3 +580,7 @@ def test_trls_resume_from_checkpoint_is_resume(tmp_path) -> None:
     with pytest.raises(ConfigError, match="grpolab continues the run in output_dir"):
         resume_asked({"resume_from_checkpoint": f"{out}/checkpoint-500"}, out, True)
     assert make_config(None, {"resume_from_checkpoint": True}, "train")  # (read, not refused)
+    # with overwrite: an explicit ask is refused, verl's auto yields
+    with pytest.raises(ConfigError, match="overwrite replaces it: keep one"):
+        resume_asked({"resume_from_checkpoint": True}, out, True, overwrite=True)
+    assert not resume_asked({"trainer.resume_mode": "auto"}, out, True, overwrite=True)

@@ -218,15 +218,14 @@ def _out_dir(cfg: Config, command: str, resume: bool) -> Config:
 
 def _resume_asked(config: Any, overrides: dict[str, Any], cfg: Config) -> bool:
     """verl's ``trainer.resume_mode`` or TRL's ``resume_from_checkpoint`` among the config's
-    and the keywords' keys, as ``resume=True`` (not with ``overwrite``)."""
+    and the keywords' keys, as ``resume=True``."""
     from grpolab.config.load import load_yaml, resume_asked
     from grpolab.run.checkpoint import holds_checkpoint
 
-    if cfg.overwrite:
-        return False
     keys = load_yaml(config) if isinstance(config, (str, Path)) else (
         dict(config) if isinstance(config, dict) else {})
-    return resume_asked({**keys, **overrides}, cfg.out_dir, holds_checkpoint(cfg.out_dir))
+    return resume_asked({**keys, **overrides}, cfg.out_dir, holds_checkpoint(cfg.out_dir),
+                        cfg.overwrite)
 
 
 def _records(out_dir: Path, summary: dict[str, Any]) -> Records:

@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "resume", False) and cfg.overwrite:
             raise ConfigError("--resume continues out_dir's run, --overwrite replaces it: keep one")
         args.resume = getattr(args, "resume", False) or (
-            args.command == "train" and not cfg.overwrite and _resume_asked(args.config, trl, cfg))
+            args.command == "train" and _resume_asked(args.config, trl, cfg))
         cfg = choose_out_dir(cfg, args.command, args.resume)
         out_dir = cfg.out_dir
         if args.command == "workshop":
@@ -231,7 +231,7 @@ def _resume_asked(config: str | None, overrides: dict[str, Any], cfg: Config) ->
     from grpolab.run.checkpoint import holds_checkpoint
 
     keys = {**(load_yaml(config) if config else {}), **overrides}
-    return resume_asked(keys, cfg.out_dir, holds_checkpoint(cfg.out_dir))
+    return resume_asked(keys, cfg.out_dir, holds_checkpoint(cfg.out_dir), cfg.overwrite)
 
 
 def _kept(out_dir: str | None, command: str) -> str:

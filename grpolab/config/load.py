@@ -199,21 +199,32 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def resume_asked(keys: dict[str, Any], out_dir: str, held: bool) -> bool:
+def resume_asked(keys: dict[str, Any], out_dir: str, held: bool,
+                 overwrite: bool = False) -> bool:
     """Whether a config's own keys (a file's, then the overrides') ask to continue out_dir's
     run, as ``--resume`` does: verl's ``trainer.resume_mode`` (``verl.resume_from``) or TRL's
     ``resume_from_checkpoint`` (true: the last checkpoint, which must exist, as TRL's script
-    needs one; a path: out_dir's own run). ``held``: out_dir holds a checkpoint."""
+    needs one; a path: out_dir's own run). ``held``: out_dir holds a checkpoint. With
+    ``overwrite`` verl's ``auto`` yields, and an explicit ask is refused."""
     keys = _names(keys)
     ask = keys.get("resume_from_checkpoint")
+    flat = verl.flatten(keys)
+    explicit = (ask is not None and as_word(ask) != "false") or as_word(
+        flat.get("trainer.resume_mode")) == "resume_path"
+    if overwrite:
+        if explicit:
+            raise ConfigError("resume_from_checkpoint / trainer.resume_mode=resume_path continue "
+                              "out_dir's run, overwrite replaces it: keep one")
+        return False
     if ask is None or as_word(ask) == "false":
         return verl.resume_from(keys, Path(out_dir), held)
     run = Path(out_dir).expanduser().resolve()
     path = run if as_word(ask) == "true" else Path(str(ask)).expanduser().resolve()
     if path not in (run, run / "checkpoints", run / "checkpoints" / "last.pt"):
-        raise ConfigError(f"resume_from_checkpoint: {ask!r} (TRL): grpolab continues the run in "
-                          f"output_dir ({out_dir}) from its last checkpoint: name that folder")
+        raise ConfigError(f"resume_from_checkpoint: {ask} (TRL): grpolab continues the run in "
+                          f"output_dir ({out_dir}) from its last checkpoint, the one that holds "
+                          "the optimiser's state: name that folder")
     if not held:
-        raise ConfigError(f"resume_from_checkpoint: {ask!r} (TRL): {out_dir} holds no "
+        raise ConfigError(f"resume_from_checkpoint: {ask} (TRL): {out_dir} holds no "
                           "checkpoint to continue from")
     return True

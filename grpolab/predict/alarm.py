@@ -19,7 +19,8 @@ REPEAT_EVERY = 10  # after the first warning, repeat at most once per this many 
 
 def diagnose(groups: int, dead: int, all_right: int, all_wrong: int,
              truncated_share: float | None, max_new_tokens: int,
-             truncated_threshold: float = 0.9) -> tuple[str, str] | None:
+             truncated_threshold: float = 0.9,
+             unscored_share: float = 0.0) -> tuple[str, str] | None:
     """(cause, message) when a step has no learning signal, else None.
 
     ``groups``, ``dead``, ``all_right``, ``all_wrong``: the step's sampled groups and how many
@@ -27,8 +28,16 @@ def diagnose(groups: int, dead: int, all_right: int, all_wrong: int,
     at ``max_new_tokens`` (None when the backend does not know). Causes, checked in order:
     "truncated" (share >= ``truncated_threshold``, which 1 or more turns off), "all_wrong",
     "all_right", "polarised" (every group dead, some all right and some all wrong),
-    "all_dead" (every group dead with equal rewards that are neither the best nor the worst).
+    "all_dead" (every group dead with equal rewards that are neither the best nor the worst);
+    before them all "unscored": every group dead, most answers (``unscored_share`` >= 0.5)
+    scored by no reward (each said None).
     """
+    if groups and dead == groups and unscored_share >= 0.5:
+        return "unscored", (
+            f"{unscored_share:.0%} of the answers were scored by no reward (each returned None, "
+            "TRL's 'cannot score'), and every group is dead. Likely: the rewards do not apply "
+            "to these prompts (one that returns None for other tasks' rows), or the rows' gold "
+            "answers do not parse")
     cut = (truncated_share is not None and truncated_threshold <= 1.0
            and truncated_share >= truncated_threshold)
     if cut:
@@ -84,10 +93,11 @@ class NoSignalAlarm:
         self.steps_without = 0
 
     def check(self, step: int, groups: int, dead: int, all_right: int, all_wrong: int,
-              truncated_share: float | None, max_new_tokens: int, warn: bool = True) -> str | None:
+              truncated_share: float | None, max_new_tokens: int, warn: bool = True,
+              unscored_share: float = 0.0) -> str | None:
         """The cause (see ``diagnose``) or None; logs the warning when due and ``warn``."""
         found = diagnose(groups, dead, all_right, all_wrong, truncated_share, max_new_tokens,
-                         self.truncated_threshold)
+                         self.truncated_threshold, unscored_share)
         if found is None:
             return None
         cause, message = found

@@ -290,6 +290,9 @@ def _load_callable(spec: str, where_fn: str) -> Any:
     module = _import_file(spec, where) if is_file else _import_module(spec, where)
     obj: Any = module
     for part in attr.split("."):
+        if not hasattr(obj, part) and where == "grpolab.app.api":  # (a run's config.json)
+            raise ValueError(f"reward {attr.split('.')[-1]!r} was a Python callable given to "
+                             "grpolab.train: continue the run from Python, with it given again")
         if not hasattr(obj, part):
             raise ValueError(f"reward spec {spec!r}: {where!r} has no attribute {attr!r}")
         obj = getattr(obj, part)

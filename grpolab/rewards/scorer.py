@@ -82,6 +82,13 @@ def _to_float(value: Any) -> float | None:
     return out if math.isfinite(out) and abs(out) <= REWARD_LIMIT else None
 
 
+def _is_nan(value: Any) -> bool:
+    try:
+        return not isinstance(value, (str, bytes)) and math.isnan(float(value))
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return False
+
+
 def _as_list(value: Any) -> list[Any] | None:
     if value is None or isinstance(value, (str, bytes, dict)):
         return None
@@ -171,7 +178,7 @@ def _score_one_fn(
                     extras.setdefault(str(key), [math.nan] * n)[i] = v
             value = value.get("score")
         number = None if isinstance(value, _Failed) else _to_float(value)
-        if value is None and skips:
+        if skips and (value is None or _is_nan(value)):  # (TRL holds a None as NaN: alike)
             out.append(math.nan)
         elif number is None:
             if not isinstance(value, _Failed):
@@ -310,7 +317,7 @@ def score(
 
     In-process, a function that raises (``sys.exit`` included) is re-run one sample at a time;
     samples that still raise, and values that are None/NaN/inf/beyond +-1e9/non-numeric, get
-    ``on_error`` and a problem (a TRL reward's None is NaN: not scored). ``async def`` rewards
+    ``on_error`` and a problem (a TRL reward's None or NaN: not scored, as TRL reads both). ``async def`` rewards
     are awaited. With a ``pool``, its functions that are not grpolab's own run there, in parts
     of whole groups (``group_size`` answers), in parallel, each call within the pool's timeout
     (``_score_in_pool``). With ``fail_on_all_errors``, a function that gave no usable score for

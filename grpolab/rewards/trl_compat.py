@@ -17,7 +17,8 @@ whatever the data).
   dict]]``, as TRL's built-ins), when the function sets ``completion_format =
   "conversational"``, or when a call with text fails (TypeError, KeyError, IndexError,
   AttributeError) and the same call with messages succeeds; the format found is kept;
-* ``None`` is "cannot score", as in TRL 1.16, not a failure (logged once per function): it
+* ``None`` (or NaN, which TRL holds it as) is "cannot score", as in TRL 1.16, not a failure
+  (logged once per function): it
   counts 0 in the weighted total (TRL's nansum) and is left out of the function's logged mean;
   an answer no function scores is left out of its group's statistics and gets advantage 0.
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 from typing import Any
 
 from grpolab.config import ConfigError
@@ -159,10 +161,10 @@ class TRLReward:
             else:
                 self.format = TEXT
         if (not self._warned_none and isinstance(out, (list, tuple))
-                and any(v is None for v in out)):
-            log.info("reward %s returned None (cannot score) for some answers: 0 in the total, "
-                     "left out of its mean (and of the group when no reward scores), as in TRL",
-                     self.__name__)
+                and any(v is None or (isinstance(v, float) and math.isnan(v)) for v in out)):
+            log.info("reward %s returned None or NaN (cannot score) for some answers: 0 in the "
+                     "total, left out of its mean (and of the group when no reward scores), as "
+                     "in TRL", self.__name__)
             self._warned_none = True
         return out
 

@@ -115,6 +115,7 @@ class Collector:
         # scoring [N], truncated answers [B] or None)
         self.rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         self.local_sizes: list[list[int]] = []  # this rank's group sizes, per round
+        self.told_unscored = False  # (answers no reward scored: said once a run)
 
     def choose_prompts(self, n: int) -> tuple[list[int], list[int]]:
         """A round's prompts (indices into the training rows) and group sizes, the same on
@@ -170,6 +171,11 @@ class Collector:
         self.local_sizes.append(sizes[lo:hi])
         ro, rows, res = self.sample_groups(idx[lo:hi], sizes[lo:hi])
         everyone = dist.gather_cat(res.scored_total)  # (NaN: no reward scored the answer)
+        if not self.told_unscored and bool(everyone.isnan().any()) and dist.is_main():
+            log.warning("%d of %d answers were scored by no reward (each returned None): they "
+                        "are left out of their groups, advantage 0, as in TRL; unscored_answers "
+                        "counts them a step", int(everyone.isnan().sum()), everyone.numel())
+            self.told_unscored = True
         ok = dist.gather_cat(res.success(self.cfg.success_threshold).float()).bool()
         self.observe(idx, ok, sizes)  # identical on every rank: samplers stay in step
         cut = dist.gather_cat(ro.truncated.float()) if ro.truncated is not None else None
@@ -318,6 +324,7 @@ class Collector:
         grouped = self.cfg.estimator not in ("ppo", "reinforce_pp")
         rec["no_signal"] = (self.alarm.check(
             step, ds.groups, ds.dead, ds.all_right, ds.all_wrong,
-            rec["sampled_truncated_share"], self.cfg.max_new_tokens, warn=dist.is_main())
+            rec["sampled_truncated_share"], self.cfg.max_new_tokens, warn=dist.is_main(),
+            unscored_share=rec.get("unscored_answers", 0) / max(rec["answers_generated"], 1))
             if grouped else None)
         self.tracker.end_step()

@@ -80,6 +80,7 @@ def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_o
         "truncated_share": (float(cut_all.mean()) if cut_all is not None and cut_all.numel()
                             else None),
         "reward_problems": problems,
+        "unscored_answers": int(sampled.isnan().sum()),  # (every reward said None)
         **posterior,  # P(dead) from the pass-rate posteriors vs dead, per group
         # each reward function's mean over the answers it scored (before weighting)
         **{f"rewards/{k}": v / n if n else None

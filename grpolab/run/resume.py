@@ -45,6 +45,11 @@ def changed_settings(st: dict[str, Any], cfg: Config, rows: int,
         k = data[0]
         raise ConfigError(f"{where} was written for {k}={saved[k]!r} (this run: {now[k]!r}); "
                           f"resume with the run's {', '.join(data)}, or start a new run")
+    gone = [r.rpartition(".")[2] for r in changed.get("rewards", ([], []))[0]
+            if r.startswith("grpolab.app.api:") and r not in now["rewards"]]
+    if gone:  # (a Python callable the API was given: not one to swap for a default)
+        raise ConfigError(f"{where} was written with the Python reward(s) {', '.join(gone)} "
+                          "given to grpolab.train: resume from Python with them given again")
     decay = changed.get("weight_decay")
     if decay and bool(decay[0]) != bool(decay[1]):
         raise ConfigError(f"{where} was written with weight_decay={decay[0]!r} (this run: "
