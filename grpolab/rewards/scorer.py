@@ -317,12 +317,12 @@ def score(
 
     In-process, a function that raises (``sys.exit`` included) is re-run one sample at a time;
     samples that still raise, and values that are None/NaN/inf/beyond +-1e9/non-numeric, get
-    ``on_error`` and a problem (a TRL reward's None or NaN: not scored, as TRL reads both). ``async def`` rewards
-    are awaited. With a ``pool``, its functions that are not grpolab's own run there, in parts
-    of whole groups (``group_size`` answers), in parallel, each call within the pool's timeout
-    (``_score_in_pool``). With ``fail_on_all_errors``, a function that gave no usable score for
-    any sample raises RewardError (one line: the function and its first failure). Otherwise
-    raises only for caller mistakes (mismatched lengths or weights).
+    ``on_error`` and a problem (a TRL reward's None or NaN: not scored, as TRL reads both).
+    ``async def`` rewards are awaited. With a ``pool``, its functions that are not grpolab's own
+    run there, in parts of whole groups (``group_size`` answers), in parallel, each call within
+    the pool's timeout (``_score_in_pool``). With ``fail_on_all_errors``, a function that gave
+    no usable score for any sample raises RewardError (one line: the function and its first
+    failure). Otherwise raises only for caller mistakes (mismatched lengths or weights).
     """
     prompts, completions = list(prompts), list(completions)
     cols = {k: list(v) for k, v in (columns or {}).items()}

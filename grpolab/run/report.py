@@ -54,8 +54,11 @@ def step_record(cfg: Config, step: int, batch: Batch, sampled: Tensor, sampled_o
     cut_all = dist.gather_cat(cut.float()) if cut is not None else None
     problems = int(dist.all_reduce_sum([len(batch.problems)])[0])
     names = list(batch.reward_sums)
-    fn_sums = dist.all_reduce_sum([batch.reward_sums[k] for k in names]
-                                  + [batch.reward_counts[k] for k in names]) if names else []
+    if dist.is_dist():  # (a verl dict's numbers may reach some ranks only: every rank's names)
+        names = sorted(set().union(*dist.all_gather_object(names)))
+    fn_sums = dist.all_reduce_sum([batch.reward_sums.get(k, 0.0) for k in names]
+                                  + [batch.reward_counts.get(k, 0.0) for k in names]
+                                  ) if names else []
     scored = sampled[~sampled.isnan()].float()  # (every answer, but those no reward scored)
     return {
         "step": step,
