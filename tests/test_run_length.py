@@ -264,6 +264,7 @@ def test_train_runs_trls_epochs_end_to_end(llama: str, tmp_path, capsys, caplog)
                      "--model-path", str(out / "final"), "--out-dir", str(tmp_path / "ev"),
                      "--eval-size", "2"]) == 0
     assert "its trained model is" not in caplog.text
+    assert "no eval_dataset: grpolab eval measures dataset's prompts" in caplog.text
     assert cli.main(["eval", "--config", str(out / "config.json"), "--no-progress",
                      "--out-dir", str(tmp_path / "ev0"), "--eval-size", "2"]) == 0
     assert f"the run started from; its trained model is {out / 'final'}" in caplog.text

@@ -69,6 +69,12 @@ def test_none_from_grpolabs_own_rewards_is_a_failure() -> None:
     assert res.per_fn[:, 0].tolist() == [-1.0, 1.0] and len(res.problems) == 1
 
 
+def test_resume_and_resume_from_checkpoint_false_are_one_or_the_other(tmp_path: Path) -> None:
+    with pytest.raises(grpolab.ConfigError, match="resume=True and resume_from_checkpoint=False"):
+        grpolab.train({"model_path": "m", "dataset": "d.jsonl", "out_dir": str(tmp_path)},
+                      resume=True, resume_from_checkpoint=False)
+
+
 def test_a_resume_needs_the_python_rewards_it_was_given() -> None:
     """A run trained on Python callables (grpolab.train(rewards=[fn])) resumed without them is
     refused, not continued on a default reward; the command line says to resume from Python."""

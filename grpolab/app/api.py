@@ -245,7 +245,10 @@ def train(config: Config | dict | str | Path | None = None, *, resume: bool = Fa
     with _cli_errors(), _online_kept():
         config, overrides, held = _held_rows(config, _trainer_args(overrides))
         cfg = _config(config, overrides, "train")
-        resume = resume or _resume_asked(config, overrides, cfg)
+        asked = _resume_asked(config, overrides, cfg)
+        if resume and not asked and "resume_from_checkpoint" in overrides:  # (said false)
+            raise ConfigError("resume=True and resume_from_checkpoint=False: keep one")
+        resume = resume or asked
         cfg = _out_dir(cfg, "train", resume)
         # (rows in memory are written into a folder this run holds; nothing made otherwise)
         with out_dir_lock(cfg.out_dir) if held else contextlib.nullcontext():

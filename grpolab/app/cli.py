@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(cfg, out_dir=command_defaults("eval")["out_dir"])
         if args.command == "eval" and args.config:
             _say_trained_model(args.config, {**ours, **trl}, cfg)
+        if args.command == "eval" and not cfg.eval_dataset and cfg.dataset:
+            _say_which_prompts(cfg)
         dist.init()  # joins torchrun's process group; nothing in a single process
         if getattr(args, "resume", False) and cfg.overwrite:
             raise ConfigError("--resume continues out_dir's run, --overwrite replaces it: keep one")
@@ -222,6 +224,17 @@ def _say_trained_model(config: str, given: dict[str, Any], cfg: Config) -> None:
         logging.getLogger("grpolab").warning(
             "evaluating %s, the model the run started from; its trained model is %s "
             "(--model-path)", cfg.model_path, final)
+
+
+def _say_which_prompts(cfg: Config) -> None:
+    """``grpolab eval`` with no eval_dataset measures the dataset's rows (a Hub dataset's test
+    split aside): said in one line, as they may be the training's."""
+    from grpolab.data.hub import is_hub_dataset
+
+    if not is_hub_dataset(cfg.dataset):
+        logging.getLogger("grpolab").warning(
+            "no eval_dataset: grpolab eval measures dataset's prompts (%s), the training "
+            "prompts if it is the training's (verl: data.val_files)", cfg.dataset)
 
 
 def _resume_asked(config: str | None, overrides: dict[str, Any], cfg: Config) -> bool:
