@@ -250,14 +250,11 @@ def _resume_asked(config: str | None, overrides: dict[str, Any], cfg: Config) ->
 def _kept(out_dir: str | None, command: str) -> str:
     """What an interrupted run leaves, truthfully: SIGINT stops at once, without a checkpoint,
     so --resume is offered only where an earlier one exists."""
-    from pathlib import Path
-
-    from grpolab.run.checkpoint import LAST, PREV
+    from grpolab.run.checkpoint import has_checkpoint
 
     if out_dir is None or command == "eval":
         return "nothing was written"
-    ckpt = Path(out_dir) / "checkpoints"
-    if any((ckpt / n).exists() for n in (LAST, PREV)):
+    if has_checkpoint(out_dir):
         return (f"the last checkpoint and metrics in {out_dir} are kept; continue with "
                 "--resume")
     return (f"no checkpoint was written yet, so nothing can be resumed (metrics so far are in "

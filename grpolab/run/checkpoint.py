@@ -224,17 +224,22 @@ def move_aside(path: Path) -> Path:
 # ------------------------------------------------------------------------- run folders
 
 
+def has_checkpoint(out_dir: str | os.PathLike) -> bool:
+    """Whether out_dir holds a checkpoint (last.pt or prev.pt), as this process sees it."""
+    return any((Path(out_dir).expanduser() / "checkpoints" / n).exists() for n in (LAST, PREV))
+
+
 def holds_run(out_dir: str | os.PathLike) -> bool:
     """Whether a folder already holds (part of) a run: metrics lines or a checkpoint."""
     d = Path(out_dir)
-    if any((d / "checkpoints" / n).exists() for n in (LAST, PREV)):
+    if has_checkpoint(d):
         return True
     return any((d / n).is_file() and (d / n).stat().st_size > 0 for n in RUN_FILES)
 
 
 def holds_checkpoint(out_dir: str | os.PathLike) -> bool:
-    """Whether out_dir holds a checkpoint to resume, as rank 0 sees it (every rank agrees)."""
-    held = any((Path(out_dir).expanduser() / "checkpoints" / n).exists() for n in (LAST, PREV))
+    """``has_checkpoint`` as rank 0 sees it (every rank agrees: collective under torchrun)."""
+    held = has_checkpoint(out_dir)
     return dist.all_gather_object(held)[0] if dist.is_dist() else held
 
 
