@@ -543,8 +543,10 @@ def test_resume_and_overwrite_are_one_or_the_other(tmp_path, capsys) -> None:
     from grpolab.config import make_config
 
     cfg = make_config(None, {"out_dir": str(tmp_path / "run")}, "train")
-    assert cli._resume_asked(None, {"trainer.resume_mode": "auto"}, cfg)
-    assert not cli._resume_asked(None, {"trainer.resume_mode": "disable"}, cfg)
+    from grpolab.app.api import resume_asked_by
+
+    assert resume_asked_by(None, {"trainer.resume_mode": "auto"}, cfg)
+    assert not resume_asked_by(None, {"trainer.resume_mode": "disable"}, cfg)
 
 
 def test_filter_groups_on_acc_judges_the_dicts_acc() -> None:

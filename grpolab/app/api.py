@@ -216,9 +216,10 @@ def _out_dir(cfg: Config, command: str, resume: bool) -> Config:
     return choose_out_dir(cfg, command, resume)
 
 
-def _resume_asked(config: Any, overrides: dict[str, Any], cfg: Config) -> bool:
+def resume_asked_by(config: Any, overrides: dict[str, Any], cfg: Config) -> bool:
     """verl's ``trainer.resume_mode`` or TRL's ``resume_from_checkpoint`` among the config's
-    and the keywords' keys, as ``resume=True``."""
+    (a YAML path, a dict; a Config has none) and the overrides' keys, as ``resume=True``
+    (the CLI's ``--resume`` too)."""
     from grpolab.config.load import load_yaml, resume_asked
     from grpolab.run.checkpoint import holds_checkpoint
 
@@ -245,7 +246,7 @@ def train(config: Config | dict | str | Path | None = None, *, resume: bool = Fa
     with _cli_errors(), _online_kept():
         config, overrides, held = _held_rows(config, _trainer_args(overrides))
         cfg = _config(config, overrides, "train")
-        asked = _resume_asked(config, overrides, cfg)
+        asked = resume_asked_by(config, overrides, cfg)
         if resume and not asked and "resume_from_checkpoint" in overrides:  # (said false)
             raise ConfigError("resume=True and resume_from_checkpoint=False: keep one")
         resume = resume or asked

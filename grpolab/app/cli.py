@@ -183,9 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         dist.init()  # joins torchrun's process group; nothing in a single process
         if getattr(args, "resume", False) and cfg.overwrite:
             raise ConfigError("--resume continues out_dir's run, --overwrite replaces it: keep one")
-        args.resume = getattr(args, "resume", False) or (
-            args.command == "train" and _resume_asked(args.config, trl, cfg))
-        cfg = choose_out_dir(cfg, args.command, args.resume)
+        if args.command == "train":  # (the API's reading of TRL's and verl's resume keys)
+            from grpolab.app.api import resume_asked_by
+
+            args.resume = args.resume or resume_asked_by(args.config, trl, cfg)
+        cfg = choose_out_dir(cfg, args.command, getattr(args, "resume", False))
         out_dir = cfg.out_dir
         if args.command == "workshop":
             return commands.workshop(cfg, args.sweep, args.variants, args.seeds, args.resume)
@@ -235,16 +237,6 @@ def _say_which_prompts(cfg: Config) -> None:
         logging.getLogger("grpolab").warning(
             "no eval_dataset: grpolab eval measures dataset's prompts (%s), the training "
             "prompts if it is the training's (verl: data.val_files)", cfg.dataset)
-
-
-def _resume_asked(config: str | None, overrides: dict[str, Any], cfg: Config) -> bool:
-    """verl's ``trainer.resume_mode`` or TRL's ``resume_from_checkpoint`` (the file's, then
-    the overrides'), as ``--resume``."""
-    from grpolab.config.load import load_yaml, resume_asked
-    from grpolab.run.checkpoint import holds_checkpoint
-
-    keys = {**(load_yaml(config) if config else {}), **overrides}
-    return resume_asked(keys, cfg.out_dir, holds_checkpoint(cfg.out_dir), cfg.overwrite)
 
 
 def _kept(out_dir: str | None, command: str) -> str:

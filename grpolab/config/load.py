@@ -208,9 +208,8 @@ def resume_asked(keys: dict[str, Any], out_dir: str, held: bool,
     ``overwrite`` verl's ``auto`` yields, and an explicit ask is refused."""
     keys = _names(keys)
     ask = keys.get("resume_from_checkpoint")
-    flat = verl.flatten(keys)
     explicit = (ask is not None and as_word(ask) != "false") or as_word(
-        flat.get("trainer.resume_mode")) == "resume_path"
+        keys.get("trainer.resume_mode")) == "resume_path"  # (_names flattened verl's keys)
     if overwrite:
         if explicit:
             raise ConfigError("resume_from_checkpoint / trainer.resume_mode=resume_path continue "
@@ -220,7 +219,7 @@ def resume_asked(keys: dict[str, Any], out_dir: str, held: bool,
         return verl.resume_from(keys, Path(out_dir), held)
     run = Path(out_dir).expanduser().resolve()
     path = run if as_word(ask) == "true" else Path(str(ask)).expanduser().resolve()
-    if path not in (run, run / "checkpoints", run / "checkpoints" / "last.pt"):
+    if not verl.names_the_run(path, run):
         raise ConfigError(f"resume_from_checkpoint: {ask} (TRL): grpolab continues the run in "
                           f"output_dir ({out_dir}) from its last checkpoint, the one that holds "
                           "the optimiser's state: name that folder")

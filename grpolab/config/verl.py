@@ -140,8 +140,14 @@ def resume_from(keys: dict[str, Any], out_dir: Path, holds_checkpoint: bool) -> 
     if mode != "resume_path":
         return False
     path = Path(str(d.get("trainer.resume_from_path"))).expanduser().resolve()
-    run = out_dir.expanduser().resolve()
-    if path not in (run, run / "checkpoints", run / "checkpoints" / "last.pt"):
+    if not names_the_run(path, out_dir):
         raise ConfigError(f"trainer.resume_from_path={path} (verl): grpolab continues the run "
                           f"in out_dir ({out_dir}) from its last checkpoint: name that folder")
     return True
+
+
+def names_the_run(path: Path, out_dir: Path) -> bool:
+    """Whether ``path`` (resolved) is out_dir, its ``checkpoints/`` or its last checkpoint: what
+    a resume may name, as grpolab continues a run from its last checkpoint only."""
+    run = out_dir.expanduser().resolve()
+    return path in (run, run / "checkpoints", run / "checkpoints" / "last.pt")
