@@ -90,7 +90,7 @@ def check_source(model_path: str) -> None:
     loads (a GGUF file or a known name: ``resolve_model`` checks and converts it)."""
     if is_model_source(model_path):
         return
-    folder = Path(hub_folder(model_path) if hub_shaped(model_path) else model_path).expanduser()
+    folder = Path(resolve_model(model_path)).expanduser()  # (neither a .gguf nor a known name)
     if not folder.exists():
         raise FileNotFoundError(f"model_path {str(folder)!r} does not exist")
     if not (folder / "config.json").is_file():
@@ -108,7 +108,7 @@ def checkpoint_dtype(model_path: str) -> str:
     name: they are converted to float32)."""
     if is_model_source(model_path):
         return "float32"
-    folder = Path(hub_folder(model_path) if hub_shaped(model_path) else model_path).expanduser()
+    folder = Path(resolve_model(model_path)).expanduser()  # (neither a .gguf nor a known name)
     try:
         conf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
