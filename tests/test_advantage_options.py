@@ -169,6 +169,20 @@ def test_trainer_leaves_unscored_answers_out(tmp_path) -> None:
     shown = [(x, a) for g in groups for x, a in zip(g["rewards"], g["advantages"])]
     assert any(x is None for x, _ in shown) and all(a == 0 for x, a in shown if x is None)
     assert all(g["dead"] for g in groups if all(x is None for x in g["rewards"]))
+    # each function's own score beside the total (TRL's completions table), None as null
+    lo = 0
+    for g in groups:
+        want = pf[lo:lo + 4]
+        assert list(g["per_reward"]) == ["odd_or_none", "long_or_none"]
+        for j, name in enumerate(g["per_reward"]):
+            assert [math.nan if v is None else v for v in g["per_reward"][name]] == \
+                pytest.approx(want[:, j].tolist(), nan_ok=True)
+        lo += 4
+    from grpolab.run.trackers import sample_columns
+
+    assert sample_columns(groups)[-2:] == ["odd_or_none", "long_or_none"]
+    rows = sample_rows(1, groups)
+    assert [r[-2:] for r in rows[:4]] == [list(x) for x in zip(*groups[0]["per_reward"].values())]
 
 
 @pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline", "ppo"])

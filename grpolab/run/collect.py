@@ -56,12 +56,14 @@ class Batch:
     reward_counts: dict[str, float] = field(default_factory=dict)  # the answers it scored
     rewards_per_fn: torch.Tensor | None = None  # [B, K] each reward function's, as rewards
     group_sizes: list[int] | None = None  # trained groups' sizes (this rank's); None = group_size
+    reward_names: list[str] = field(default_factory=list)  # rewards_per_fn's columns
 
     # Under torchrun, rollout/rows/rewards/sampled_rows/problems/reward_sums are this rank's;
     # sampled_rewards and sampled_success (every rank's, in prompt order), answers_generated
     # and trained_groups are global.
 
     def add_scores(self, res: ScoreResult) -> None:
+        self.reward_names = list(res.names)
         cols = {**{name: res.per_fn[:, j] for j, name in enumerate(res.names)}, **res.extras}
         for name, col in cols.items():  # (a None, NaN here, is left out: TRL's nanmean)
             self.reward_sums[name] = self.reward_sums.get(name, 0.0) + float(col.nansum())

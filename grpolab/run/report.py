@@ -140,8 +140,10 @@ def sample_record(batch: Batch, group_size: int, groups: int,
     if not n:
         return []
     rewards = batch.rewards[:n].float()
-    if batch.rewards_per_fn is not None:  # (null: no reward scored the answer)
-        rewards = torch.where(unscored(batch.rewards_per_fn[:n]), torch.nan, rewards)
+    per_fn = batch.rewards_per_fn
+    if per_fn is not None:  # (null: no reward scored the answer)
+        rewards = torch.where(unscored(per_fn[:n]), torch.nan, rewards)
+    names = batch.reward_names if per_fn is not None and len(batch.reward_names) > 1 else []
     adv = advantages[:n]
     out = []
     lo = 0
@@ -151,12 +153,18 @@ def sample_record(batch: Batch, group_size: int, groups: int,
             "prompt": row["prompt"],
             **({"answer": str(row["answer"])} if row.get("answer") is not None else {}),
             "completions": batch.rollout.completions[lo:hi],
-            "rewards": [None if math.isnan(x) else x for x in rewards[lo:hi].tolist()],
+            "rewards": _nulls(rewards[lo:hi]),
+            **({"per_reward": {name: _nulls(per_fn[lo:hi, j]) for j, name in enumerate(names)}}
+               if names else {}),
             "advantages": adv[lo:hi].tolist(),
             "dead": bool(dead_mask(rewards[lo:hi], k)[0]),
         })
         lo = hi
     return out
+
+
+def _nulls(values: Tensor) -> list[float | None]:
+    return [None if math.isnan(x) else x for x in values.float().tolist()]
 
 
 class RunMismatchError(ValueError):

@@ -78,13 +78,21 @@ def _text(value: Any) -> str:
     return json.dumps(value, default=str)
 
 
+def sample_columns(groups: list[dict]) -> list[str]:
+    """The table's columns: SAMPLE_COLUMNS, then each reward function's score when there are
+    several (TRL's completions table)."""
+    return SAMPLE_COLUMNS + list(groups[0].get("per_reward", {}) if groups else [])
+
+
 def sample_rows(step: int, groups: list[dict]) -> list[list[Any]]:
-    """samples.jsonl's groups of one step as table rows, one per answer (SAMPLE_COLUMNS)."""
+    """samples.jsonl's groups of one step as table rows, one per answer (``sample_columns``)."""
     rows = []
     for gi, g in enumerate(groups):
-        for c, r, a in zip(g["completions"], g["rewards"], g["advantages"]):
+        per = list(g.get("per_reward", {}).values())
+        for i, (c, r, a) in enumerate(zip(g["completions"], g["rewards"], g["advantages"])):
             rows.append([step, gi, _text(g["prompt"]), _text(g.get("answer", "")), _text(c),
-                         None if r is None else float(r), float(a), bool(g["dead"])])
+                         None if r is None else float(r), float(a), bool(g["dead"]),
+                         *(col[i] for col in per)])
     return rows
 
 
@@ -108,7 +116,7 @@ class Tracker:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         raise NotImplementedError
 
-    def log_samples(self, step: int, rows: list[list[Any]]) -> None:
+    def log_samples(self, step: int, columns: list[str], rows: list[list[Any]]) -> None:
         raise NotImplementedError
 
     def log_image(self, name: str, path: Path, step: int) -> None:
@@ -137,12 +145,12 @@ class TensorBoardTracker(Tracker):
             self.writer.add_scalar(k, v, step)
         self.writer.flush()
 
-    def log_samples(self, step: int, rows: list[list[Any]]) -> None:
+    def log_samples(self, step: int, columns: list[str], rows: list[list[Any]]) -> None:
         def cell(v: Any) -> str:
             s = f"{v:.3f}" if isinstance(v, float) else str(v)
             return s.replace("|", "\\|").replace("\n", " ")
 
-        head = "| " + " | ".join(SAMPLE_COLUMNS) + " |\n|" + "---|" * len(SAMPLE_COLUMNS)
+        head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
         self.writer.add_text("samples", head + "\n" + "\n".join(
             "| " + " | ".join(cell(v) for v in r) + " |" for r in rows), step)
 
@@ -175,8 +183,8 @@ class WandbTracker(Tracker):
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
 
-    def log_samples(self, step: int, rows: list[list[Any]]) -> None:
-        self.run.log({"samples": self.wandb.Table(columns=SAMPLE_COLUMNS, data=rows)}, step=step)
+    def log_samples(self, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+        self.run.log({"samples": self.wandb.Table(columns=columns, data=rows)}, step=step)
 
     def log_image(self, name: str, path: Path, step: int) -> None:
         self.run.log({name: self.wandb.Image(str(path))}, step=step)
@@ -203,8 +211,8 @@ class TrackioTracker(Tracker):
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
 
-    def log_samples(self, step: int, rows: list[list[Any]]) -> None:
-        self.run.log({"samples": self.trackio.Table(columns=SAMPLE_COLUMNS, data=rows)},
+    def log_samples(self, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+        self.run.log({"samples": self.trackio.Table(columns=columns, data=rows)},
                      step=step)
 
     def log_image(self, name: str, path: Path, step: int) -> None:
@@ -243,8 +251,8 @@ class MlflowTracker(Tracker):
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
-    def log_samples(self, step: int, rows: list[list[Any]]) -> None:
-        data = {c: [r[i] for r in rows] for i, c in enumerate(SAMPLE_COLUMNS)}
+    def log_samples(self, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+        data = {c: [r[i] for r in rows] for i, c in enumerate(columns)}
         path = f"samples/step_{step:06d}.json"
         try:
             self.client.log_table(self.run_id, data=data, artifact_file=path)
@@ -327,7 +335,7 @@ class Reporter:
         rows = sample_rows(step, samples) if samples else []
         self._each("log", step, numbers)
         if rows:
-            self._each("log_samples", step, rows)
+            self._each("log_samples", step, sample_columns(samples), rows)
         self.last_step = step
         cfg = self.cfg
         if step == 0 or step % every(cfg, "eval_every") == 0 or step == cfg.steps:
