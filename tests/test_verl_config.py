@@ -118,6 +118,28 @@ def test_dapos_verl_script_reads_as_verl_means_it() -> None:
     assert {k: getattr(c, k) for k in want} == want
 
 
+def test_verls_validation_sampling_is_what_grpolab_eval_samples() -> None:
+    """rollout.val_kwargs: grpolab eval samples val_kwargs.n answers a prompt at its
+    temperature, top_p and top_k when do_sample is on (pass@1 = verl's acc mean@n); greedy
+    otherwise, or at temperature 0, as verl; training (greedy held-out) leaves them aside."""
+    from grpolab.app.cli import build_parser, trl_flags
+
+    val = (f"{R}val_kwargs.do_sample=True {R}val_kwargs.n=4 {R}val_kwargs.temperature=0.6 "
+           f"{R}val_kwargs.top_p=0.7 {R}val_kwargs.top_k=-1")
+    for script, want in (
+            (f"{DAPO} {val}", {"eval_samples": 4, "temperature": 0.6, "top_p": 0.7, "top_k": 0}),
+            (DAPO, {"eval_samples": 0, "temperature": 1.0, "top_p": 1.0, "top_k": 0}),
+            (val.replace("temperature=0.6", "temperature=0"), {"eval_samples": 0}),
+            (val.replace("do_sample=True", "do_sample=False"), {"eval_samples": 0}),
+            (f"{val} {R}val_kwargs.top_k=20", {"eval_samples": 4, "top_k": 20})):
+        c = make_config(None, trl_flags(script.split(), build_parser()), "eval")
+        assert {k: getattr(c, k) for k in want} == want, script
+    train = make_config(None, trl_flags(f"{DAPO} {val}".split(), build_parser()), "train")
+    assert (train.eval_samples, train.temperature, train.top_p) == (0, 1.0, 1.0)
+    with pytest.raises(ConfigError, match="keep one of them"):  # (a grpolab flag beside it)
+        make_config(None, {**trl_flags(val.split(), build_parser()), "temperature": 0.9}, "eval")
+
+
 def test_dapos_overlong_penalty_is_verls() -> None:
     """verl's DAPO reward manager's penalty, min(-(length - (max_resp_len - len)) / len x
     factor, 0) with the answer's length EOS included, is what the translated rewards give at
@@ -499,12 +521,20 @@ def test_a_verl_script_trains_from_the_command_line(tmp_path, monkeypatch, capsy
     assert cli.main(["train", "--no-progress", *more, "trainer.resume_mode=auto"]) == 0
     assert "at step 2 of 3" in capsys.readouterr().out
     # and the script evaluates the trained model (its training settings left aside, in one
-    # notice), writing where default_local_dir says
+    # notice), writing where default_local_dir says, sampling as its val_kwargs say
     ev = [a for a in args if "model.path" not in a and "default_local" not in a]
     assert cli.main(["eval", "--no-progress", *ev, "data.val_files=train.parquet",
-                     f"{M}path=out/final", "trainer.default_local_dir=ev"]) == 0
+                     f"{M}path=out/final", "trainer.default_local_dir=ev",
+                     f"{R}val_kwargs.do_sample=True", f"{R}val_kwargs.n=2",
+                     f"{R}val_kwargs.temperature=1.0"]) == 0
     assert "a verl script's settings, left aside" in caplog.text
-    assert json.loads((tmp_path / "ev/eval.json").read_text())["model_path"] == "out/final"
+    res = json.loads((tmp_path / "ev/eval.json").read_text())
+    assert res["model_path"] == "out/final" and res["samples_per_prompt"] == 2
+    sampled = [json.loads(x) for x in (tmp_path / "ev/completions.jsonl").read_text()
+               .splitlines() if not json.loads(x)["greedy"]]
+    assert res["pass@1"] == pytest.approx(sum(x["right"] for x in sampled) / 12)
+    assert res["sampled_rewards/compute_score"] == pytest.approx(  # (verl's reward mean@2)
+        sum(x["rewards"]["compute_score"] for x in sampled) / 12)
     # DAPO's keys on the same data: 3 epochs of verl's loader batches (6 prompts, 4 a batch:
     # 1 a pass, as verl counts them; 2 trained a step), group filtering
     # on the named reward, the overlong buffer beside it, a warm-up from lr 0

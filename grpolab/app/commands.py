@@ -351,7 +351,8 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
                     "sampled_accuracy": float(sampled.ok.float().mean()),  # == pass@1
                     "sampled_accuracy_se": standard_error(correct.double() / n),
                     "sampled_reward_problems": sampled.problems,
-                    "sampled_correct": correct.tolist()})
+                    "sampled_correct": correct.tolist(),  # (and verl's reward mean@n:)
+                    **{f"sampled_{k}": v for k, v in sampled.reward_means().items()}})
         out.update({f"pass@{k}": float(pass_at_k(n, correct, k).mean()) for k in ks_up_to(n)})
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -380,8 +381,7 @@ def evaluate(cfg: Config, compare_to: str | None = None) -> int:
             raise ConfigError(f"--compare {compare_to}: cannot read it ({e})") from None
     res = run_eval(cfg, before)
     line = f"{res['prompts']} prompts: greedy accuracy {res['greedy_accuracy']:.3f}"
-    ks = [k for k in res if k.startswith("pass@")]
-    if ks:
+    if ks := [k for k in res if k.startswith("pass@")]:
         line += f"; at T={res['temperature']}, " + ", ".join(f"{k} {res[k]:.3f}" for k in ks)
     print(line)
     if "greedy_accuracy_by_difficulty" in res:

@@ -67,7 +67,7 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     earlier = _names(load_yaml(yaml_path) if given_file else yaml_path or {})
     try:
         _known(earlier, command)
-        from_file = _read(earlier, later=later)
+        from_file = _read(earlier, later=later, command=command)
         kwargs.update(from_file)
     except ConfigError as e:
         if not given_file:
@@ -77,7 +77,7 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     if idle:  # (a file may serve several commands; eval reads its training's)
         log.warning("%s%s", f"{yaml_path}: " if given_file else "", idle)
     file_rewards = kwargs.get("rewards", Config.__dataclass_fields__["rewards"].default_factory())
-    ours = _read(later, earlier=earlier)
+    ours = _read(later, earlier=earlier, command=command)
     idle = out_of_scope(ours, command) if strict else None  # (TRL's, verl's names too)
     theirs = [k for k in later if k not in Config.__dataclass_fields__]
     if idle and command == "eval" and theirs and all(verl.is_verl(k) for k in theirs):
@@ -179,10 +179,10 @@ def _names(given: dict[Any, Any]) -> dict[str, Any]:
 
 
 def _read(given: dict[str, Any], later: dict[str, Any] | None = None,
-          earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+          earlier: dict[str, Any] | None = None, command: str = "train") -> dict[str, Any]:
     """Keys in grpolab's names (verl's and TRL's translated), values coerced; ``earlier`` and
     ``later``: the file before them and the overrides after (TRL and verl combine keys)."""
-    given = trl.from_trl(verl.from_verl(given, later, earlier), later, earlier)
+    given = trl.from_trl(verl.from_verl(given, later, earlier, command), later, earlier)
     if "steps" in given and "passes" in given and coerce("passes", given["passes"]) > 0:
         if len(given.keys() & field_types().keys()) < len(field_types()) // 2:  # (a run's
             # config.json holds every key, of its version: its steps come from its passes)

@@ -17,6 +17,7 @@ from typing import Any
 from grpolab.config.schema import ConfigError
 from grpolab.config.values import coerce
 from grpolab.config.verl_fields import (
+    VAL_KWARGS,
     VERL_ALIASES,
     VERL_ASIDE,
     VERL_COMBINED,
@@ -55,10 +56,11 @@ def flatten(given: dict[str, Any]) -> dict[str, Any]:
 
 
 def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
-              earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+              earlier: dict[str, Any] | None = None, command: str = "train") -> dict[str, Any]:
     """Translate the verl keys of ``given`` (other keys pass unchanged). ``earlier`` (a YAML
     file) and ``later`` (overrides) are read where verl combines keys, as ``from_trl`` does;
-    a verl key and the grpolab key it sets that disagree are an error."""
+    a verl key and the grpolab key it sets that disagree are an error. ``command``: verl's
+    validation sampling (``rollout.val_kwargs``) is read by ``eval`` only."""
     given = flatten(given)
     if not any(is_verl(k) for k in given):
         return given
@@ -76,6 +78,7 @@ def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
         if g is not None:
             d["__group"] = g
             break
+    d["__command"] = command
     out = {k: v for k, v in given.items() if not is_verl(k)}
     source: dict[str, str] = {}
 
@@ -97,7 +100,7 @@ def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
         if key in VERL_ALIASES:
             if key in d:  # (null: grpolab's default)
                 put(VERL_ALIASES[key], d[key], key)
-        elif key.startswith(VERL_ASIDE):
+        elif key.startswith(VERL_ASIDE) and not (command == "eval" and key in VAL_KWARGS):
             aside.append(key)
         elif key not in VERL_COMBINED:
             near = difflib.get_close_matches(key, [*VERL_ALIASES, *VERL_COMBINED], n=1, cutoff=0.8)

@@ -40,8 +40,11 @@ OVERLONG = tuple(f"{root}{k}" for root in ("reward_model.overlong_buffer.",
                                            "reward_model.reward_kwargs.overlong_buffer_cfg.")
                  for k in ("enable", "len", "penalty_factor", "log")) + (
     "reward.reward_kwargs.max_resp_len", "reward_model.reward_kwargs.max_resp_len")
+# verl's validation sampling: grpolab eval's (training leaves them aside: VERL_ASIDE)
+VAL_KWARGS = tuple(R + "val_kwargs." + k for k in ("n", "do_sample", "temperature", "top_p",
+                                                    "top_k"))
 # verl keys read with others (grpolab.config.verl): each listed so that it is known
-VERL_COMBINED = frozenset({*OVERLONG, "data.gen_batch_size",
+VERL_COMBINED = frozenset({*OVERLONG, *VAL_KWARGS, "data.gen_batch_size",
     "data.train_batch_size", A + "ppo_mini_batch_size", A + "use_kl_loss", A + "kl_loss_coef",
     A + "kl_loss_type", "algorithm.use_kl_in_reward", "algorithm.kl_ctrl.kl_coef",
     "algorithm.kl_penalty", "algorithm.kl_ctrl.type", "algorithm.adv_estimator",

@@ -12,7 +12,7 @@ from typing import Any
 
 from grpolab.config.schema import ConfigError
 from grpolab.config.trl_values import as_number, as_word
-from grpolab.config.verl_fields import OVERLONG, VERL_DEFAULTS, A, M, R
+from grpolab.config.verl_fields import OVERLONG, VAL_KWARGS, VERL_DEFAULTS, A, M, R
 
 log = logging.getLogger("grpolab")
 _KL = {"low_var_kl": "k3", "k3": "k3", "kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2"}
@@ -149,6 +149,21 @@ def _sampling(d: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{R}name={name} (verl): grpolab samples with hf or vllm")
         out["rollout_backend"] = name
     return out
+
+
+def _validation(d: dict[str, Any]) -> dict[str, Any]:
+    """verl's validation sampling, for ``grpolab eval``: with do_sample and a temperature above
+    0, val_kwargs.n answers a prompt at its temperature, top_p and top_k (eval.json's pass@1
+    is verl's acc mean@n); else greedy, as verl's default. (Training's held-out accuracy is
+    greedy whatever they say.)"""
+    if d.get("__command") != "eval" or not flag(d, VAL_KWARGS[1]):
+        return {}
+    n, t = as_number(d.get(VAL_KWARGS[0], 1)), as_number(d.get(VAL_KWARGS[2], 0))
+    if not isinstance(t, (int, float)) or t <= 0:
+        return {}  # (verl samples at temperature 0: greedy)
+    k = as_number(d.get(VAL_KWARGS[4], -1))
+    return {"eval_samples": n, "temperature": t, "top_p": d.get(VAL_KWARGS[3], 1.0),
+            "top_k": 0 if k == -1 else k}
 
 
 def _data(d: dict[str, Any]) -> dict[str, Any]:
@@ -378,6 +393,7 @@ RULES = (
      _loss),
     ((M + "lora_rank", M + "target_modules"), _model),
     ((R + "top_k", R + "do_sample", R + "name"), _sampling),
+    (VAL_KWARGS, _validation),
     (("data.train_files", "data.val_files", "data.shuffle", A + "shuffle", "data.truncation",
       "data.filter_overlong_prompts", "custom_reward_function.path", "data.reward_fn_key"),
      _data),
