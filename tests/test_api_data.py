@@ -175,6 +175,14 @@ def test_api_refusals_are_one_line(llama: str, tmp_path: Path) -> None:
                       ("model", "save a model held in memory with save_pretrained")):
         with pytest.raises(grpolab.ConfigError, match=f"^{key}= .*{said}"):
             grpolab.train(settings(tmp_path, llama), **{key: object()})
+    # a GRPOConfig given as the config itself (it was read as a file's name)
+    trl = pytest.importorskip("trl")
+    with pytest.raises(grpolab.ConfigError, match="^config: a GRPOConfig is not read; a "
+                                                  "GRPOConfig is not read whole"):
+        grpolab.train(trl.GRPOConfig(output_dir=str(tmp_path / "x"), bf16=False, use_cpu=True),
+                      model=llama)
+    with pytest.raises(grpolab.ConfigError, match="^config: a int is not read"):
+        grpolab.train(3)
     # a keyword's None is unset (the config's rows stay); answer_column None reads no column
     from grpolab.app.api import _config, _held_rows
 
@@ -194,3 +202,19 @@ def test_api_refusals_are_one_line(llama: str, tmp_path: Path) -> None:
         grpolab.train(settings(tmp_path, llama), train_dataset=[ROWS[0], {**ROWS[1],
                                                                           "answer": None}])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_api_errors_name_keywords_not_flags(tmp_path: Path) -> None:
+    """The CLI's errors name its flags; from Python the same errors name the keywords."""
+    from grpolab.app.api import _keywords
+
+    said = ("out_dir r already holds a run; continue it with --resume, replace it with "
+            "--overwrite, or choose another --out-dir; --no-lora, --steps, --sweep-x, a--b")
+    assert _keywords(said) == (
+        "out_dir r already holds a run; continue it with resume=True, replace it with "
+        "overwrite=True, or choose another out_dir=; --no-lora, steps=, --sweep-x, a--b")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "run_id": "x"}\n')
+    with pytest.raises(grpolab.ConfigError, match="continue it with resume=True, replace it "
+                                                  "with overwrite=True"):
+        grpolab.workshop(out_dir=str(tmp_path / "run"), steps=1)

@@ -70,6 +70,15 @@ def test_eval_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "5 prompts" in err[0] and "7 of" in err[0], err
     assert not (out2 / "eval.json").exists()
+    # ... or of as many other prompts of the same dataset (another seed, a changed file)
+    prompts = [json.loads(x)["prompt"] for x in (out / "completions.jsonl").read_text()
+               .splitlines()][:7]
+    from grpolab.core.passk import prompts_digest
+
+    assert res["prompts_sha256"] == prompts_digest(prompts)
+    other.write_text(json.dumps({**res, "prompts_sha256": prompts_digest(prompts[::-1])}))
+    assert cli.main([*argv[:-4], "--out-dir", str(out2), "--compare", str(other)]) == 2
+    assert "but not the same ones" in capsys.readouterr().err
 
 
 def test_eval_needs_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -119,7 +128,7 @@ def test_eval_help_and_out_dir_are_evals(tmp_path: Path, monkeypatch: pytest.Mon
     assert seen == ["runs/eval", "runs/after"]
 
 
-def test_compare_gives_paired_gains_and_standard_errors() -> None:
+def test_compare_gives_paired_gains_and_standard_errors(caplog: pytest.LogCaptureFixture) -> None:
     """Hand values: per-prompt differences (1, 0, 1, 0) have mean 0.5 and sample sd 0.5774,
     so s.e. 0.2887; pass@k gains come from the per-prompt estimates."""
     from grpolab.core.passk import compare
@@ -137,6 +146,13 @@ def test_compare_gives_paired_gains_and_standard_errors() -> None:
     assert got["pass@2"][0] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="not of the same prompts"):
         compare(before, {**after, "prompts": 5})
+    # the same dataset and count, other prompts (another seed): refused where both recorded
+    # them; an eval.json from before prompts_sha256 compares by dataset and count
+    with pytest.raises(ValueError, match="but not the same ones"):
+        compare({**before, "prompts_sha256": "a"}, {**after, "prompts_sha256": "b"})
+    assert compare({**before, "prompts_sha256": "a"}, after) == got
+    assert list(compare(before, {**after, "samples_per_prompt": 4})) == ["greedy_accuracy"]
+    assert "pass@k not compared: 2 answers a prompt before, 4 now" in caplog.text
 
 
 def test_eval_writes_what_it_judged_and_splits_by_difficulty(tmp_path: Path,

@@ -62,6 +62,10 @@ def _spec(fn: Any) -> str:
 def _config(config: Config | dict | str | Path | None, overrides: dict[str, Any],
             command: str) -> Config:
     """Defaults, then the config (YAML path, dict or Config), then keyword overrides."""
+    if not isinstance(config, (Config, dict, str, os.PathLike, type(None))):
+        what = _TRAINER_ARGS["args"] if hasattr(config, "to_dict") else (
+            "give a YAML file's path, a dict of settings or a grpolab Config")
+        raise ConfigError(f"config: a {type(config).__name__} is not read; {what}")
     base: dict[str, Any] | str | None = (
         to_dict(config) if isinstance(config, Config) else
         _callables(dict(config)) if isinstance(config, dict) else
@@ -96,9 +100,25 @@ def _cli_errors() -> Iterator[None]:
         from grpolab.app.commands import user_error
 
         err = user_error(e)
+        if isinstance(err, ConfigError) and (said := _keywords(str(err))) != str(err):
+            raise ConfigError(said) from e
         if err is None or err is e:
             raise
         raise err from e
+
+
+def _keywords(message: str) -> str:
+    """An error's command-line flags as this API's keywords (``--out-dir``: ``out_dir=``,
+    ``--resume``: ``resume=True``); other flags as they are."""
+    fields = Config.__dataclass_fields__
+
+    def keyword(m: re.Match[str]) -> str:
+        name = m[1].replace("-", "_")
+        if name == "resume" or fields.get(name) and fields[name].type in (bool, "bool"):
+            return f"{name}=True"
+        return f"{name}=" if name in fields else m[0]
+
+    return re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)", keyword, message)
 
 
 _IN_MEMORY = "(in memory)"  # the dataset's name until the run's folder is chosen

@@ -288,7 +288,8 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
     Writes ``<out_dir>/eval.json`` (by difficulty too, when the rows have a ``difficulty``
     column) and every answer judged to ``<out_dir>/completions.jsonl``; returns eval.json's.
     ``same_as``: an earlier eval.json to compare with, checked to be of the same prompts first."""
-    from grpolab.core.passk import ks_up_to, pass_at_k, same_prompts, standard_error
+    from grpolab.core import passk
+    from grpolab.core.passk import ks_up_to, pass_at_k, standard_error
     from grpolab.data.files import run_rows
     from grpolab.data.hub import is_hub_dataset, with_split
     from grpolab.run.report import by_difficulty
@@ -307,11 +308,11 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
     rows = (held or train_rows)[: cfg.eval_size]
     dataset = cfg.eval_dataset or cfg.dataset
     _check_code_tests(cfg, (rows, dataset))
-    if same_as is not None and not same_prompts(same_as, {"dataset": dataset,
-                                                          "prompts": len(rows)}):
-        raise ConfigError(f"--compare: that evaluation is of {same_as.get('prompts')} prompts "
-                          f"of {same_as.get('dataset')!r}, this one would be of {len(rows)} of "
-                          f"{dataset!r}; compare evaluations of the same prompts")
+    which = {"dataset": dataset, "prompts": len(rows),
+             "prompts_sha256": passk.prompts_digest([r["prompt"] for r in rows])}
+    if same_as is not None and (why := passk.prompts_differ(same_as, which)):
+        raise ConfigError(f"--compare: that evaluation and this one are not of the same prompts"
+                          f" ({why}); compare evaluations of the same prompts")
     scorer = make_scorer(cfg)
     check_columns(scorer.reward_fns, rows)
     model, tok = _load(cfg)
@@ -333,8 +334,7 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
         scorer.close()
     ok = greedy.ok
     out: dict[str, Any] = {
-        "model_path": cfg.model_path, "dataset": dataset,
-        "prompts": len(rows), "greedy_accuracy": float(ok.float().mean()),
+        "model_path": cfg.model_path, **which, "greedy_accuracy": float(ok.float().mean()),
         "greedy_accuracy_se": standard_error(ok.double()),
         **greedy.reward_means(),
         "reward_problems": greedy.problems,

@@ -8,10 +8,15 @@ prompts and verifier, tells which happened. pass@k uses the unbiased estimator o
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 from typing import Any
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger("grpolab")
 
 
 def pass_at_k(n: int, correct: Tensor, k: int) -> Tensor:
@@ -42,9 +47,23 @@ def standard_error(per_prompt: Tensor) -> float:
     return float(per_prompt.std() / n**0.5) if n > 1 else float("nan")
 
 
-def same_prompts(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two evaluations (eval.json's) are of the same prompts: dataset and count."""
-    return (a.get("dataset"), a.get("prompts")) == (b.get("dataset"), b.get("prompts"))
+def prompts_digest(prompts: list[Any]) -> str:
+    """A fingerprint of the prompts evaluated, in order (eval.json's ``prompts_sha256``)."""
+    text = json.dumps(prompts, sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def prompts_differ(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """How two evaluations (eval.json's) are not of the same prompts, or "" when they are:
+    dataset, count and (where both recorded it) the prompts themselves, in order."""
+    if (a.get("dataset"), a.get("prompts")) != (b.get("dataset"), b.get("prompts")):
+        return (f"one is of {a.get('prompts')} prompts of {a.get('dataset')!r}, the other of "
+                f"{b.get('prompts')} of {b.get('dataset')!r}")
+    if a.get("prompts_sha256", "") and b.get("prompts_sha256", "") and (
+            a["prompts_sha256"] != b["prompts_sha256"]):
+        return (f"both are of {a.get('prompts')} prompts of {a.get('dataset')!r}, but not the "
+                "same ones (another seed, or the file changed)")
+    return ""
 
 
 def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[float, float]]:
@@ -54,15 +73,17 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[fl
     Paired: each prompt is its own control, so the error is that of the per-prompt
     differences, smaller than the two accuracies' errors combined when they are correlated.
     """
-    if not same_prompts(before, after):
-        raise ValueError("the two evaluations are not of the same prompts (dataset or count "
-                         "differ)")
+    if why := prompts_differ(before, after):
+        raise ValueError(f"the two evaluations are not of the same prompts: {why}")
     out = {}
     diff = (torch.tensor(after["greedy_correct"], dtype=torch.float64)
             - torch.tensor(before["greedy_correct"], dtype=torch.float64))
     out["greedy_accuracy"] = (float(diff.mean()), standard_error(diff))
-    n = before.get("samples_per_prompt")
-    if n and n == after.get("samples_per_prompt"):
+    n, m = before.get("samples_per_prompt"), after.get("samples_per_prompt")
+    if n and m and n != m:  # (pass@k of n and of m answers are not paired)
+        log.warning("pass@k not compared: %d answers a prompt before, %d now (give the same "
+                    "eval_samples)", n, m)
+    if n and n == m:
         c0, c1 = (torch.tensor(e["sampled_correct"]) for e in (before, after))
         for k in ks_up_to(n):
             d = pass_at_k(n, c1, k) - pass_at_k(n, c0, k)
