@@ -303,7 +303,7 @@ def figure(out: Path, methods: list[str], seeds: list[int], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--methods", nargs="+",
                     default=["grpo", "grpo-g4", "allocate-kind", "allocate-kind-grid",

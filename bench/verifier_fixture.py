@@ -390,9 +390,20 @@ def heldout(resample: bool) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "sample":
-        sample(sys.argv[2] if len(sys.argv) > 2 else "all")
-    elif sys.argv[1] == "heldout":
-        heldout(resample=sys.argv[2:] == ["sample"])
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    sub.add_parser("sample", help="SmolLM2 -> verifier_samples.jsonl").add_argument(
+        "which", nargs="?", default="all", choices=["t1", "greedy", "all"])
+    sub.add_parser("build", help="samples + adversarial, labelled -> the fixture")
+    sub.add_parser("heldout", help="new prompts, greedy -> verifier_heldout").add_argument(
+        "again", nargs="?", choices=["sample"], help="sample them again")
+    args = p.parse_args()
+    if args.what == "sample":
+        sample(args.which)
+    elif args.what == "heldout":
+        heldout(resample=args.again == "sample")
     else:
         build()

@@ -432,12 +432,14 @@ def test_trl_config_names_grpolab_defaults_it_runs_on(tmp_path, caplog) -> None:
         "lora_dropout 0.0 (TRL 0.05), lr 1e-05 (TRL's learning_rate 1e-06), lr_schedule "
         "constant (TRL's lr_scheduler_type linear), max_new_tokens 256 (TRL's "
         "max_completion_length 512), gradient_checkpointing false (TRL true), checkpoint_every "
-        "10, save_model_every 0 (TRL's save_steps 500, for both), eval_every 10 (TRL's "
-        "eval_strategy no), seed 0 (TRL 42), "
+        "10, save_model_every 0 (TRL's save_steps 500, for both), seed 0 (TRL 42), "
         "prompt_order random (TRL's shuffled passes, shuffle_dataset true), "
         "dtype float32 (TRL's bf16 autocast), the model's dropout off (TRL's disable_dropout "
         "false), max_prompt_tokens 1024 (TRL: whole prompts), use_chat_template true (TRL's: "
         "text prompts as written, chat prompts in the template (use_chat_template false))")]
+    caplog.clear()  # (with data held out, grpolab evaluates it where TRL would not)
+    make_config(y, {"eval_dataset": "held.jsonl"}, "train")
+    assert "eval_every 10 (TRL's eval_strategy no)" in grpolab_defaults_note(caplog)[0]
     caplog.clear()
     y.write_text("num_generations: 8\nmax_steps: 10\nuse_peft: false\nbf16: false\n"
                  "per_device_train_batch_size: 8\nloss_type: grpo\nscale_rewards: group\n"

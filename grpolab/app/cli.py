@@ -33,8 +33,10 @@ def command_fields(command: str) -> list[str]:
 class _Parser(argparse.ArgumentParser):
     """argparse errors on one line too: the usage of ~60 flags would bury the message."""
 
+    help_for = ""  # the command whose --help to point to, once known
+
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {message} (see {self.help_for or self.prog} --help)\n")
 
 
 def _add_config_flags(p: argparse.ArgumentParser, command: str) -> None:
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="grpolab: %(message)s")
     parser = build_parser()
     args, extra = parser.parse_known_args(_bool_words(sys.argv[1:] if argv is None else argv))
+    parser.help_for = f"{parser.prog} {args.command}"
     trl = trl_flags(extra, parser)
     ours = {k: v for k, v in _overrides(args).items() if v is not None}
     twice = sorted(set(ours) & set(trl))

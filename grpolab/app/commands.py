@@ -269,7 +269,7 @@ def _finish_train(cfg: Config, trainer: GRPOTrainer, title: str, heldout: list) 
               f"{summary['mean_dead_share']:.3f}; Brier {summary['posterior_dead_brier']:.3f} "
               f"(base rate {summary['posterior_dead_brier_base_rate']:.3f}), "
               f"see {out}/calibration.png")
-    print(f"trained {summary['steps']} steps: mean reward {summary['mean_reward']:.3f}{acc}")
+    print(f"trained {summary['steps']} step{'s' * (summary['steps'] != 1)}: mean reward {summary['mean_reward']:.3f}{acc}")
     print(f"wrote {out}/metrics.jsonl, {out}/train.png and the model in {out}/final")
 
 

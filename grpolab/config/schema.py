@@ -391,9 +391,9 @@ class Config:
         5, MODEL, "steps averaged for the training reward's start and recent level")
     reward_weights: list[float] = opt([], ALL, "one per reward; [] = all 1")
     format_pattern: str = opt(
-        "", MODEL_EVAL,
-        "regex of the format reward (\"\" = think/answer tags)")
-    reward_on_error: float = opt(0.0, ALL, "score of an answer whose reward raised or gave NaN")
+        "", MODEL_EVAL, "regex of the format reward (\"\" = think/answer tags)")
+    reward_on_error: float = opt(0.0, ALL, "score of an answer whose reward raised, hung or gave "
+                                 "garbage (None or NaN: not scored, as TRL)")
     lora: bool = opt(True, RUN, "train rank-lora_r adapters; reference = adapters off (no copy)")
     lora_r: int = opt(8, RUN, "LoRA rank")
     lora_alpha: int = opt(16, RUN, "LoRA scale numerator (scale = alpha / r)")

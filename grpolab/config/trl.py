@@ -165,7 +165,8 @@ def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
     """``TRL_DEFAULTS_DIFFER``'s entries that none of ``given`` (the keys of the file and of
     the overrides) sets, each as "grpolab's value (TRL's)"."""
     shown = {k: str(v).lower() if isinstance(v, bool) else v for k, v in vars(cfg).items()}
-    same = {"prompt_order": cfg.prompt_order == "epochs"}  # (TRL's order, set by its epochs)
+    same = {"prompt_order": cfg.prompt_order == "epochs",  # (TRL's order, set by its epochs)
+            "eval_every": not cfg.eval_dataset}  # (nothing held out: nothing evaluated)
     return [f"{ours.format_map(shown)} ({theirs})" for ours, theirs, keys in TRL_DEFAULTS_DIFFER
             if not set(given) & set(keys) and (cfg.lora or ours.split()[0] not in _LORA_ONLY)
             and not same.get(ours.split()[0])]

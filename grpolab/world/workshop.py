@@ -121,10 +121,10 @@ def variants_help() -> str:
 
 SWEEP_HEADER = ["variant", "G", "prompts/step", "mean dead share", "predicted dead share",
                 "all-right share of dead groups",
-                "held-out acc start", "held-out acc end", "held-out acc gain",
+                "held-out p(T) start", "held-out p(T) end", "held-out p(T) gain",
                 "greedy start", "greedy end", "greedy gain", "answers generated"]
-# held-out accuracy is at the run's temperature, exact (the world has one right string per
-# prompt); greedy beside it
+# p(T): held-out accuracy at the run's temperature, exact (the world has one right string per
+# prompt); greedy accuracy (the status lines' "held-out acc") beside it
 SUMMARY_KEYS = ["mean_dead_share", "mean_predicted_dead_share", "all_right_share_of_dead",
                 "start_heldout_pass_prob", "final_heldout_pass_prob", "heldout_pass_prob_gain",
                 "start_heldout_acc", "final_heldout_acc", "heldout_acc_gain", "answers_generated"]
