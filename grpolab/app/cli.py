@@ -51,7 +51,7 @@ def _add_config_flags(p: argparse.ArgumentParser, command: str) -> None:
         if isinstance(value, list):
             shown = ",".join(map(str, value))
         elif dataclasses.is_dataclass(value):
-            shown = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(value).items())
+            shown = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(value).items())
         else:
             shown = value
         text = meta[name]["helps"].get(command, meta[name]["help"])
