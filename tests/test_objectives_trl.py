@@ -353,8 +353,9 @@ def test_adaptive_entropy_matches_trls_controller(loss_type: str, q: float, star
 
 def trl_classes() -> tuple[type, ...]:
     from trl.scripts.grpo import GRPOScriptArguments
+    from trl.scripts.utils import DatasetMixtureConfig
 
-    return GRPOConfig, ModelConfig, GRPOScriptArguments
+    return GRPOConfig, ModelConfig, GRPOScriptArguments, DatasetMixtureConfig
 
 
 def test_trl_aliases_are_trl_fields() -> None:

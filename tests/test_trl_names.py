@@ -218,6 +218,14 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
     ({"dataset_name": "o/d", "dataset_train_split": "tr", "dataset_test_split": "dev",
       "eval_strategy": "epoch"}, {"dataset": "o/d::tr", "eval_dataset": "o/d::dev"}),
     ({"dataset_name": "o/d", "dataset": "m.jsonl"}, {"dataset": "m.jsonl"}),  # (aside)
+    # TRL's dataset mixture of one dataset: its script's dataset_name keys; nothing held out
+    ({"datasets": [{"path": "o/d", "name": "main", "split": "dev", "columns": ["q"]}],
+      "eval_strategy": "steps", "streaming": False},
+     {"dataset": "o/d:main:dev", "eval_dataset": ""}),
+    ({"datasets": [{"path": "json", "data_files": "m.jsonl", "fraction": 1.0}],
+      "test_split_size": None}, {"dataset": "m.jsonl"}),
+    ({"datasets": [{"path": "data", "data_dir": "math"}]}, {"dataset": "data/math"}),
+    ({"datasets": [{"path": "o/d"}], "dataset_name": "o/e"}, {"dataset": "o/d"}),  # (TRL's)
     # a string that names no registry entry but has an owner is a reward model (GRPOTrainer's)
     ({"reward_funcs": ["org/rm-0.6B", "accuracy_reward"]},
      {"rewards": ["rm:org/rm-0.6B", "trl.rewards:accuracy_reward"]}),
@@ -262,6 +270,11 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"lr_scheduler_type": "constant", "warmup_steps": 3}, "use constant_with_warmup"),
     ({"reward_funcs": ["accuracy_reward"], "rewards": ["math"]}, "sets rewards to"),
     ({"dataset_name": ".", "dataset_config": "main"}, "'.' is a local folder: its splits"),
+    ({"datasets": [{"path": "o/d"}, {"path": "o/e"}]}, "lists 2 datasets: grpolab trains on one"),
+    ({"datasets": [{"path": "o/d"}], "test_split_size": 0.1}, "give them as eval_dataset"),
+    ({"datasets": [{"path": "o/d", "revision": "x"}]}, "an entry takes path .required."),
+    ({"datasets": [{"path": "o/d", "data_files": "a.jsonl"}]}, "path json, csv or parquet"),
+    ({"datasets": "o/d"}, "a list of entries"),
     ({"save_steps": 2, "save_model_every": 3}, "save_steps: 2 .TRL. sets save_model_every to 2"),
     ({"num_iterations": 2, "save_steps": 3}, "save_steps: 3 .TRL. counts optimiser steps"),
     ({"save_steps": 2.5}, "save_steps: 2.5 .TRL. must be a count of optimiser steps, or below"),

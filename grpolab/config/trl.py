@@ -29,6 +29,7 @@ from grpolab.config.trl_values import (
     dataset_spec,
     generation_settings,
     generation_steps,
+    mixture,
     per_batches,
     processes,
     run_share,
@@ -86,8 +87,9 @@ _BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps",
 # model, which it puts first
 _SCRIPT = ("reward_funcs", "reward_model_name_or_path", "dataset_name")
 _SPLITS = ("dataset_config", "dataset_train_split", "dataset_test_split")  # with dataset_name
+_MIXTURE = ("datasets",)  # DatasetMixtureConfig's (trl_values.mixture; the rest: aside)
 TRL_KEYS = frozenset({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *_VLLM_FIXED, *TRL_ASIDE,
-                      *_BATCH, *_SCRIPT, "num_train_epochs", "generation_kwargs",
+                      *_BATCH, *_SCRIPT, *_MIXTURE, "num_train_epochs", "generation_kwargs",
                       "lr_scheduler_kwargs", *open_r1.KEYS,  # (open-r1's recipes: TRL's)
                       "resume_from_checkpoint"})  # (as --resume: config.load.resume_asked)
 # grpolab train's defaults that are not TRL 1.16's (docs/real-models.md#trl-configs): grpolab's
@@ -184,7 +186,8 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     override's ``gradient_accumulation_steps`` multiply as in TRL. Only ``given``'s keys are
     translated, less those ``later`` sets again.
     """
-    later, earlier = later or {}, earlier or {}
+    later, earlier = mixture(later or {}), mixture(earlier or {})
+    given = mixture(given)
     if "top_k" in given and given["top_k"] is None and "top_k" in later:
         given = {k: v for k, v in given.items() if k != "top_k"}  # (the later one is read)
     if "top_k" in given and given["top_k"] is None:
@@ -326,8 +329,8 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     if hub and {"dataset_name", *_SPLITS} & given.keys() and not {"dataset_name", *_SPLITS} & (
             later.keys()):  # (translated in the last layer that names it)
         put("dataset", dataset_spec(d, "dataset_train_split", "train"), "dataset_name")
-        if as_word(d.get("eval_strategy", "no")) != "no" and _after(layers, "dataset_name",
-                                                                     "eval_dataset"):
+        if as_word(d.get("eval_strategy", "no")) != "no" and not d.get("datasets") and _after(
+                layers, "dataset_name", "eval_dataset"):
             put("eval_dataset", dataset_spec(d, "dataset_test_split", "test"), "dataset_name")
     for key, value in open_r1.translated(d).items():
         put(key, value, "dataset_prompt_column")

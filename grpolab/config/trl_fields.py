@@ -132,6 +132,7 @@ TRL_ASIDE = frozenset({
     "max_tool_calling_iterations",  # tools (GRPOTrainer's argument, not the config's)
     "dataset_config", "dataset_train_split", "dataset_test_split",
     "dataset_streaming",  # dataset_name
+    "streaming", "test_split_size",  # datasets (a mixture: a test split refused there)
     # vLLM's engine
     "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
     "vllm_server_port", "vllm_server_timeout", "vllm_group_port",

@@ -5,6 +5,7 @@ helpers that read TRL's values (YAML numbers, words, whole counts, torchrun's pr
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -246,3 +247,54 @@ def schedule_options(d: dict[str, Any]) -> dict[str, Any]:
     if floor is not None:
         return {"min_lr": float(as_number(floor))}
     return {} if rate is None else {"min_lr_rate": float(as_number(rate))}
+
+
+_MIXTURE_ENTRY = {"path", "name", "data_dir", "data_files", "split", "columns", "fraction"}
+
+
+def mixture(layer: dict[str, Any]) -> dict[str, Any]:
+    """TRL's dataset mixture (``datasets: [{path, name, split, ...}]``, its script's
+    DatasetMixtureConfig) of one dataset, as its script's ``dataset_name`` keys (read as TRL's
+    script reads them, ``dataset_spec``): ``path`` a Hub id in the local cache or a local
+    file or folder (``data_dir`` a folder in it; ``data_files`` one file, with the builder
+    ``json``/``csv``/``parquet`` or none as its path), ``name`` its config, ``split``;
+    ``columns`` and one entry's ``fraction`` change nothing here. Several datasets, or a
+    ``test_split_size``, are refused in one line. ``datasets`` stays in the layer (a mixture
+    holds no test split: nothing is held out from it)."""
+    sets = layer.get("datasets")
+    if not sets:
+        return layer
+    if not isinstance(sets, list) or not all(isinstance(x, dict) for x in sets):
+        raise ConfigError("datasets (TRL's mixture): a list of entries such as {path: "
+                          "org/name, split: train}")
+    if len(sets) > 1:
+        raise ConfigError(f"datasets (TRL's mixture) lists {len(sets)} datasets: grpolab "
+                          "trains on one source; put their rows in one folder (its files read "
+                          "as one dataset) and give it as dataset")
+    if layer.get("test_split_size") is not None:
+        raise ConfigError("test_split_size (TRL): grpolab does not split held-out rows off the "
+                          "training data; give them as eval_dataset")
+    (entry,) = sets
+    if set(entry) - _MIXTURE_ENTRY or not entry.get("path"):
+        raise ConfigError(f"datasets (TRL's mixture): an entry takes path (required), "
+                          f"{', '.join(sorted(_MIXTURE_ENTRY - {'path'}))}; got {sorted(entry)}")
+    path, files = str(entry["path"]), entry.get("data_files")
+    if files is not None:
+        files = [files] if isinstance(files, str) else files
+        if not isinstance(files, list) or len(files) != 1 or path not in (
+                "json", "csv", "parquet"):
+            raise ConfigError("datasets (TRL's mixture): data_files reads here as one local "
+                              "file with path json, csv or parquet; or give path a file or "
+                              "folder")
+        path = str(files[0])
+    elif entry.get("data_dir"):
+        path = os.path.join(path, str(entry["data_dir"]))
+    if layer.get("dataset_name"):  # (as TRL's script)
+        logging.getLogger("grpolab").warning("datasets and dataset_name both given (TRL): "
+                                             "datasets is read, dataset_name left aside")
+    out = {**layer, "dataset_name": path}
+    for key, ours in (("name", "dataset_config"), ("split", "dataset_train_split")):
+        out.pop(ours, None)
+        if entry.get(key):
+            out[ours] = entry[key]
+    return out
