@@ -16,6 +16,7 @@ from helpers import same_answers
 from transformers import AutoModelForCausalLM
 
 from grpolab.app import cli, commands
+from grpolab.config import ConfigError, make_config
 from grpolab.rollout import sampling
 from grpolab.rollout import vllm as vllm_backend
 from grpolab.rollout.batch import first_eos_mask, shared_prompts
@@ -362,6 +363,30 @@ def test_hub_ids_are_read_from_the_local_cache_never_downloaded(
     (tmp_path / "tiny-org").mkdir()
     shutil.copytree(llama, tmp_path / "tiny-org" / "other-model")  # a local folder wins
     assert cli.main(["train", "--config", yaml_path, "--steps", "1", "--eval-size", "0"]) == 0
+    # TRL's model_revision: the cached snapshot its ref (or commit) names, as ID@REVISION
+    from grpolab.rollout.models import resolve_model
+    from grpolab.run.model_card import base_model_id
+
+    root = cache / "models--tiny-org--tiny-llama"
+    commit = "beef" * 10
+    shutil.copytree(llama, root / "snapshots" / commit)
+    (root / "refs" / "v2").write_text(commit)
+    for keys in ({"model_name_or_path": "tiny-org/tiny-llama", "model_revision": "v2"},
+                 {"model_path": "tiny-org/tiny-llama", "model_revision": "v2"}):
+        c = make_config(None, keys, "train")
+        assert c.model_path == "tiny-org/tiny-llama@v2"
+        assert resolve_model(c.model_path) == str(root / "snapshots" / commit)
+    c = make_config({"model_name_or_path": "tiny-org/tiny-llama"}, {"model_revision": commit},
+                    "train")  # (a commit, over a file's model)
+    assert resolve_model(c.model_path) == str(root / "snapshots" / commit)
+    assert base_model_id(c.model_path) == "tiny-org/tiny-llama"
+    assert make_config(None, {"model_name_or_path": "tiny-org/tiny-llama",
+                              "model_revision": "main"}, "train").model_path == "tiny-org/tiny-llama"
+    with pytest.raises(FileNotFoundError, match=r"hf download tiny-org/tiny-llama --revision v3"):
+        resolve_model("tiny-org/tiny-llama@v3")
+    with pytest.raises(ConfigError, match="'tiny-org/other-model' is no Hub id .a local folder"):
+        make_config(None, {"model_name_or_path": "tiny-org/other-model",
+                           "model_revision": "v2"}, "train")
 
 
 def test_vllm_without_gpu_is_one_line_exit_2(

@@ -265,7 +265,7 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"loss_type": "bnpo", "gradient_accumulation_steps": 2}, "use loss_type: dapo"),
     ({"bf16": True, "use_peft": False}, "bf16 .TRL. with full fine-tuning"),
     ({"fp16": True, "lora": False}, "fp16 .TRL. with full fine-tuning"),
-    ({"model_revision": "v2"}, "model_revision: 'v2'"),
+    ({"model_revision": "v2"}, "model_revision: 'v2' .TRL. picks a Hub model's revision"),
     ({"gradient_accumulation_steps": 1.5}, "must be a whole number"),
     ({"lr_scheduler_type": "constant", "warmup_steps": 3}, "use constant_with_warmup"),
     ({"reward_funcs": ["accuracy_reward"], "rewards": ["math"]}, "sets rewards to"),

@@ -37,6 +37,7 @@ from grpolab.config.trl_values import (
     script_rewards,
     warmup_batches,
     whole_count,
+    with_revision,
 )
 from grpolab.config.values import coerce
 
@@ -91,7 +92,8 @@ _MIXTURE = ("datasets",)  # DatasetMixtureConfig's (trl_values.mixture; the rest
 TRL_KEYS = frozenset({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *_VLLM_FIXED, *TRL_ASIDE,
                       *_BATCH, *_SCRIPT, *_MIXTURE, "num_train_epochs", "generation_kwargs",
                       "lr_scheduler_kwargs", *open_r1.KEYS,  # (open-r1's recipes: TRL's)
-                      "resume_from_checkpoint"})  # (as --resume: config.load.resume_asked)
+                      "resume_from_checkpoint",  # (as --resume: config.load.resume_asked)
+                      "model_revision"})  # (a Hub id's, as model_path ID@REVISION)
 # grpolab train's defaults that are not TRL 1.16's (docs/real-models.md#trl-configs): grpolab's
 # value as the warning shows it (filled in from the config), TRL's, and the keys in either
 # naming that set it. A TRL config that sets none of an entry's keys runs on grpolab's value.
@@ -187,7 +189,7 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     translated, less those ``later`` sets again.
     """
     later, earlier = mixture(later or {}), mixture(earlier or {})
-    given = mixture(given)
+    given = with_revision(mixture(given), {**earlier, **given, **later})
     if "top_k" in given and given["top_k"] is None and "top_k" in later:
         given = {k: v for k, v in given.items() if k != "top_k"}  # (the later one is read)
     if "top_k" in given and given["top_k"] is None:

@@ -73,7 +73,7 @@ TRL_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
     "router_aux_loss_coef": ((None, 0.0), "grpolab adds no MoE router loss"),
     "cast_lm_head_to_fp32": ((False,), "grpolab runs the LM head in dtype (softmax in float32)"),
     # the model and its LoRA
-    "model_revision": (("main",), _MODEL), "model_init_kwargs": ((None, {}), _MODEL),
+    "model_init_kwargs": ((None, {}), _MODEL),
     "trust_remote_code": ((False,), "grpolab runs no model code shipped with the weights"),
     "load_in_4bit": ((False,), "grpolab loads the weights unquantised, in dtype"),
     "load_in_8bit": ((False,), "grpolab loads the weights unquantised, in dtype"),

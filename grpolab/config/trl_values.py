@@ -298,3 +298,23 @@ def mixture(layer: dict[str, Any]) -> dict[str, Any]:
         if entry.get(key):
             out[ours] = entry[key]
     return out
+
+
+
+def with_revision(given: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's ``model_revision`` (a branch, tag or commit other than main; ``d``: every
+    layer's keys) on the Hub id a layer names, or the one an earlier layer named: grpolab's
+    ``model_path`` ``ID@REVISION``, read from the local cache. A local model has no revision
+    to pick: refused in one line."""
+    revision = str(d.get("model_revision") or "main")
+    if revision == "main" or not {"model_revision", "model_name_or_path"} & given.keys():
+        return given
+    key = "model_path" if "model_path" in given and "model_name_or_path" not in given else (
+        "model_name_or_path")
+    model = str(given.get(key) or d.get("model_name_or_path") or d.get("model_path") or "")
+    if "@" in model:
+        return given
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", model) or os.path.exists(os.path.expanduser(model)):
+        raise ConfigError(f"model_revision: {revision!r} (TRL) picks a Hub model's revision, "
+                          f"and model {model!r} is no Hub id (a local folder is as it is)")
+    return {**given, key: f"{model}@{revision}"}

@@ -46,21 +46,24 @@ def with_split(spec: str, split: str) -> str:
     return spec if m is None or m["split"] else f"{m['id']}:{m['config'] or ''}:{split}"
 
 
-def cached(name: str, repo_type: str, what: str) -> str:
-    """The local snapshot folder of Hub repository ``name`` at its ``main`` revision, as the
-    Hugging Face cache holds it (HF_HUB_CACHE, HF_HOME); FileNotFoundError in one line naming
-    ``what`` and the fetch when it is not there. Nothing is downloaded."""
+def cached(name: str, repo_type: str, what: str, revision: str | None = None) -> str:
+    """The local snapshot folder of Hub repository ``name`` at its ``main`` revision (or
+    ``revision``), as the Hugging Face cache holds it (HF_HUB_CACHE, HF_HOME);
+    FileNotFoundError in one line naming ``what`` and the fetch when it is not there. Nothing
+    is downloaded."""
     from huggingface_hub import constants, snapshot_download
 
     try:
-        return str(snapshot_download(name, repo_type=repo_type, local_files_only=True))
+        return str(snapshot_download(name, repo_type=repo_type, revision=revision,
+                                     local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached, or not a valid id: the same one line
         kind = "dataset" if repo_type == "dataset" else "model"
         flag = " --repo-type dataset" if repo_type == "dataset" else ""
         raise FileNotFoundError(
             f"{what} is not a local {'file or ' if kind == 'dataset' else ''}folder, nor a "
             f"Hugging Face Hub {kind} in the local cache ({constants.HF_HUB_CACHE}); grpolab "
-            f"downloads nothing at run time: fetch it first (hf download{flag} {name})"
+            f"downloads nothing at run time: fetch it first (hf download{flag} {name}"
+            f"{f' --revision {revision}' if revision else ''})"
             f"{'' if kind == 'dataset' else ' or give its folder'}") from None
 
 

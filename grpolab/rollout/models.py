@@ -75,14 +75,18 @@ def is_model_source(value: str) -> bool:
 
 
 def hub_shaped(value: str) -> bool:
-    """A Hugging Face Hub id ("org/model") that is not a local path, a known name or a GGUF."""
-    return hub.hub_shaped(value) and not is_model_source(value)
+    """A Hugging Face Hub id ("org/model", "org/model@REVISION") that is not a local path, a
+    known name or a GGUF."""
+    name, at, revision = value.partition("@")
+    return hub.hub_shaped(name) and not is_model_source(name) and bool(revision or not at)
 
 
 def hub_folder(name: str, what: str = "model_path") -> str:
     """The snapshot folder of Hub model ``name`` in the local Hugging Face cache, at its
-    ``main`` revision (``grpolab.data.hub.cached``); nothing is downloaded."""
-    return hub.cached(name, "model", f"{what} {name!r}")
+    ``main`` revision or the one after ``@`` (a branch, tag or commit: TRL's model_revision;
+    ``grpolab.data.hub.cached``); nothing is downloaded."""
+    repo, _, revision = name.partition("@")
+    return hub.cached(repo, "model", f"{what} {name!r}", revision or None)
 
 
 def check_source(model_path: str) -> None:

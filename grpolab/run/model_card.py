@@ -29,7 +29,7 @@ def base_model_id(model_path: str) -> str | None:
     if model_path in KNOWN_BASES:
         return KNOWN_BASES[model_path]
     if hub_shaped(model_path):  # (read from the Hugging Face cache: its id is the name)
-        return model_path
+        return model_path.partition("@")[0]
     cfg = Path(model_path).expanduser() / "config.json"
     try:
         name = json.loads(cfg.read_text()).get("_name_or_path") or ""
