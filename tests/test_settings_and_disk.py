@@ -31,6 +31,7 @@ BAD_SETTINGS = [
     (["--lora-r", "0"], "lora_r must be >= 1"),
     (["--lora-r", "-3"], "lora_r must be >= 1"),
     (["--reward-timeout", "-1"], "reward_timeout must be >= 0"),
+    (["--out-dir", ""], "out_dir is empty"),  # (it wrote into the working folder)
 ]
 
 
@@ -40,7 +41,7 @@ def test_settings_that_wreck_a_run_are_one_line_exit_2(
         flags: list[str], words: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
-    code, err = run_cli(["workshop", *flags, "--out-dir", str(out), "--no-progress"], capsys)
+    code, err = run_cli(["workshop", "--out-dir", str(out), *flags, "--no-progress"], capsys)
     assert code == 2 and len(err) == 1 and words in err[0], err
     assert not out.exists()
 
@@ -117,3 +118,29 @@ def test_eval_dataset_folder_uses_its_test_split(tmp_path: Path) -> None:
     cfg = make_config(None, {"dataset": str(folder), "eval_dataset": str(folder)})
     train, held = run_rows(cfg)
     assert [r["prompt"] for r in train] == ["train"] and [r["prompt"] for r in held] == ["test"]
+
+
+@pytest.mark.parametrize("theirs", ["model", "final", "summary"])
+def test_a_folder_of_other_files_is_never_written_over(tmp_path: Path, theirs: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A new run in a folder that holds no grpolab run but files of a run's names (a model's
+    config.json, a final/ or summary.json another tool left) is refused, --overwrite or not,
+    and nothing there changes; a grpolab run's own config.json alone does not block."""
+    out = tmp_path / "m"
+    out.mkdir()
+    if theirs == "model":
+        (out / "config.json").write_text('{"model_type": "llama"}')
+    elif theirs == "final":
+        (out / "final").mkdir()
+        (out / "final" / "notes.txt").write_text("x")
+    else:
+        (out / "summary.json").write_text("{}")
+    before = files_under(out)
+    for more in ([], ["--overwrite"]):
+        code, err = run_cli(["workshop", "--out-dir", str(out), "--steps", "1", *more], capsys)
+        assert code == 2 and len(err) == 1 and "of no grpolab run" in err[0], err
+        assert files_under(out) == before
+    mine = tmp_path / "mine"  # (a grpolab run stopped before its first metrics line)
+    mine.mkdir()
+    (mine / "config.json").write_text('{"group_size": 8}')
+    assert checkpoint.export.foreign_outputs(mine) == []

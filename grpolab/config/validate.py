@@ -172,6 +172,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"pass_batch must be >= 0 (got {cfg.pass_batch}); 0: a step's prompts")
     if cfg.log_samples < 0:
         raise ConfigError(f"log_samples must be >= 0 (got {cfg.log_samples})")
+    if not str(cfg.out_dir).strip():
+        raise ConfigError("out_dir is empty: name the folder the run writes to")
     if cfg.shard == "fsdp" and cfg.lora:
         raise ConfigError("shard fsdp shards a full fine-tune: add --no-lora (LoRA's "
                           "adapters are small; run it data-parallel with shard none)")

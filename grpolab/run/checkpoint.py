@@ -265,6 +265,10 @@ def claim_out_dir(out_dir: Path, overwrite: bool) -> None:
     from grpolab.run.report import read_metrics
 
     held = dist.all_reduce_sum([float(holds_run(out_dir))])[0]
+    if not held and (theirs := export.foreign_outputs(out_dir)):  # (a model folder, say)
+        raise ConfigError(f"out_dir {out_dir} holds {', '.join(theirs)} of no grpolab run (a "
+                          "model's or another tool's files), which a run would write over: "
+                          "choose another out_dir")
     if not held:  # (every rank looked before rank 0 may clear anything)
         return
     if not overwrite:

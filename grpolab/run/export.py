@@ -103,6 +103,18 @@ def _leftovers(out_dir: Path, *names: str) -> list[Path]:
             if w.name.endswith((".partial", ".old"))]
 
 
+def foreign_outputs(out_dir: Path) -> list[str]:
+    """The files of a run's names in a folder that holds no run: a config.json that is no
+    grpolab run's (a model's), a final/ or summary.json without the run that wrote them."""
+    d, out = Path(out_dir), []
+    try:
+        mine = "group_size" in json.loads((d / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        mine = not (d / "config.json").exists()
+    out += [] if mine else ["config.json"]
+    return out + [n for n in ("final/", "summary.json") if (d / n.rstrip("/")).exists()]
+
+
 def check_free(out_dir: Path, run_id: str | None) -> None:
     """Before a run writes model folders: a ``checkpoint-<step>/`` it did not write (another
     tool's, another run's) would be replaced at that step; refused in one line instead."""
