@@ -29,6 +29,7 @@ from grpolab.rewards.builtin import (
 )
 from grpolab.rewards.pool import RewardPool
 from grpolab.rewards.scorer import RewardError, score
+from grpolab.run import checkpoint
 from grpolab.run.report import read_metrics
 
 
@@ -150,7 +151,9 @@ def test_a_reward_failing_on_every_answer_is_one_line_from_the_cli(
     code, err = run_cli(args, capsys)
     assert code == 2 and len(err) == 1, err
     assert "reward 'bad' failed on all 8 answers" in err[0] and "TypeError" in err[0]
-    code, err = run_cli([*args, "--overwrite", "--no-fail-on-reward-errors"], capsys)
+    # nothing of it is left to block the rerun (exit 2: a mistake; the folder is the rerun's)
+    assert not checkpoint.holds_run(out) and not (out / "config.json").exists()
+    code, err = run_cli([*args, "--no-fail-on-reward-errors"], capsys)
     assert code == 0
     assert read_metrics(out / "metrics.jsonl")[-1]["reward_problems"] == 8
 

@@ -92,7 +92,7 @@ class GRPOTrainer:
         # PPO's value model: a copy of the policy as it starts, with a value head
         self.critic = Critic(backend.model, cfg.critic_lr) if cfg.estimator == "ppo" else None
         self.entropy_control = EntropyControl(cfg)  # the entropy bonus's coefficient
-        self.step_num = 0
+        self.step_num, self.claimed = 0, False  # claimed: a new run's (freed by a mistake before step 1)
         self.metrics: MetricsWriter | None = None
         self.samples: MetricsWriter | None = None  # samples.jsonl (cfg.log_samples groups a step)
         self.stop = StopSignals()
@@ -111,7 +111,12 @@ class GRPOTrainer:
         """
         with (checkpoint.out_dir_lock(self.out_dir), self.stop.handlers(self.out_dir),
               contextlib.closing(self), finishing(self.reporter)):  # the reporter's finish, told whether the run failed
-            return self._run(resume, on_step)
+            try:
+                return self._run(resume, on_step)
+            except ValueError:  # (a reward failing at its first call: the rerun has the folder)
+                if self.claimed and self.step_num == 0 and dist.is_main():
+                    checkpoint.clear_run(self.out_dir)
+                raise
 
     def _run(self, resume: bool, on_step: Callable[[dict], None] | None) -> list:
         cfg = self.cfg
@@ -124,7 +129,7 @@ class GRPOTrainer:
                   flush=True)
         if not resume:
             checkpoint.claim_out_dir(self.out_dir, cfg.overwrite)
-            self.run_id = checkpoint.new_run_id()
+            self.run_id, self.claimed = checkpoint.new_run_id(), True
         if cfg.save_model_every:  # (every rank reads it: all refuse together)
             export.check_free(self.out_dir, self.run_id)
         if dist.is_main():  # one writer; every rank computes the same global records
