@@ -309,6 +309,14 @@ def test_model_files_are_refused_in_one_line(tiny_model: str, tmp_path: Path,
     tok_cfg = json.loads(cfg_path.read_text())
     cfg_path.write_text(json.dumps({**tok_cfg, "chat_template": INTERNALS}))
     _one_line(*run(internals), "chat template")
+    # a truncated weight file (safetensors' own error), a config.json that is no JSON
+    cut = _copy_model(tiny_model, tmp_path / "cut")
+    with open(cut / "model.safetensors", "r+b") as f:
+        f.truncate(4000)
+    _one_line(*run(cut), "cannot load the model", "deserializing header")
+    broken = _copy_model(tiny_model, tmp_path / "broken")
+    (broken / "config.json").write_text("{bad")
+    _one_line(*run(broken), "cannot load the model", "not a valid JSON file")
 
     from transformers import AutoTokenizer
 

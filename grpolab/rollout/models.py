@@ -231,12 +231,13 @@ def load_model(path: str, device: str | None = None, dtype: str = "float32",
     path = resolve_model(str(path), cache_dir)
     check_weight_files(path)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     try:  # safetensors only: nothing in a model folder is unpickled
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
                                                      dtype=getattr(torch, dtype),
                                                      use_safetensors=True)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - the folder's files (a truncated weight file's
+        # SafetensorError, a broken config.json or tokenizer): the user's, in one line
         first = (" ".join(str(e).split()) or type(e).__name__)[:200]
         raise ValueError(f"model_path {path}: cannot load the model ({first})") from None
     return model.to(dev), tok
