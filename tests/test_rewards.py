@@ -204,6 +204,40 @@ def test_wrong_length_and_non_list_penalise_whole_batch() -> None:
     assert "'scalar'" in res.problems[1]
 
 
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no")
+
+
+class _NoRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("no")
+
+
+class _NoLen(list):
+    def __len__(self) -> int:
+        raise RuntimeError("no")
+
+
+def test_hostile_errors_and_values_are_problems_not_crashes() -> None:
+    """A reward's exception whose __str__ raises, values whose __repr__ raises, a list whose
+    __len__ raises: scored on_error and reported, the scorer itself never raises."""
+    def unprintable(prompts, completions, **_):
+        raise _Unprintable
+
+    def no_repr(prompts, completions, **_):
+        return [_NoRepr() for _ in completions]
+
+    def no_len(prompts, completions, **_):
+        return _NoLen([1.0] * len(completions))
+
+    res = score([unprintable, no_repr, no_len], ["p"] * 2, ["a", "b"], {}, on_error=-1.0,
+                fail_on_all_errors=False)
+    assert res.per_fn.tolist() == [[-1.0] * 3] * 2
+    assert any("_Unprintable: (its message could not be read)" in p for p in res.problems)
+    assert any("<a _NoRepr>" in p for p in res.problems)
+
+
 def test_batch_only_failure_falls_back_to_per_sample_scores() -> None:
     def no_batches(prompts: list[str], completions: list[str], **_: object) -> list[float]:
         if len(completions) > 1:

@@ -77,7 +77,11 @@ def await_if_needed(value: Any) -> Any:
 def error_text(e: BaseException, limit: int = 160) -> str:
     """``Type: message`` on one line, cut at ``limit``, and where in the reward's own code it
     was raised (the innermost frame outside grpolab and installed packages: ``(at r.py:12)``)."""
-    text = " ".join(f"{type(e).__name__}: {e}".split())
+    try:
+        said = str(e)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises: its type alone
+        said = "(its message could not be read)"
+    text = " ".join(f"{type(e).__name__}: {said}".split())
     text = text if len(text) <= limit else text[: limit - 3] + "..."
     here, lib = os.path.dirname(os.path.dirname(__file__)), os.path.dirname(os.__file__)
     ours = [f for f in traceback.extract_tb(e.__traceback__)

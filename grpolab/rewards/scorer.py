@@ -66,7 +66,10 @@ def reward_name(fn: Any) -> str:
 
 
 def _short(obj: Any, limit: int = 80) -> str:
-    text = repr(obj)
+    try:
+        text = repr(obj)
+    except Exception:  # noqa: BLE001 - a value whose __repr__ raises: its type alone
+        text = f"<a {type(obj).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -96,7 +99,7 @@ def _as_list(value: Any) -> list[Any] | None:
         return value.reshape(-1).tolist() if value.dim() == 1 else None
     try:
         return list(value)
-    except TypeError:
+    except Exception:  # noqa: BLE001 - not a list, or one whose __len__/__iter__ raises
         return None
 
 
