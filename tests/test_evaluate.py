@@ -63,7 +63,7 @@ def test_eval_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert json.loads((out / "eval.json").read_text()) == res
     # --compare with an evaluation of other prompts: refused before any work or write
     other = tmp_path / "other.json"
-    other.write_text(json.dumps({**res, "prompts": 5}))
+    other.write_text(json.dumps({**res, "prompts": 5, "greedy_correct": res["greedy_correct"][:5]}))
     out2 = tmp_path / "eval2"
     capsys.readouterr()
     assert cli.main([*argv[:-4], "--out-dir", str(out2), "--compare", str(other)]) == 2
@@ -79,6 +79,10 @@ def test_eval_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     other.write_text(json.dumps({**res, "prompts_sha256": prompts_digest(prompts[::-1])}))
     assert cli.main([*argv[:-4], "--out-dir", str(out2), "--compare", str(other)]) == 2
     assert "but not the same ones" in capsys.readouterr().err
+    other.write_text("[1, 2]")  # (JSON of another shape: refused before any work)
+    assert cli.main([*argv[:-4], "--out-dir", str(out2), "--compare", str(other)]) == 2
+    assert "is no grpolab eval.json" in capsys.readouterr().err
+    assert not (out2 / "eval.json").exists()
 
 
 def test_eval_needs_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -144,8 +148,13 @@ def test_compare_gives_paired_gains_and_standard_errors(caplog: pytest.LogCaptur
     assert got["pass@1"][0] == pytest.approx(0.375)
     # pass@2 per prompt = 1 if c >= 1: differences (1, 0, 1, 0) -> mean 0.5
     assert got["pass@2"][0] == pytest.approx(0.5)
-    with pytest.raises(ValueError, match="not of the same prompts"):
+    with pytest.raises(ValueError, match="cannot be paired: that evaluation is of 4 prompts"):
         compare(before, {**after, "prompts": 5})
+    for bad in ([1, 2], {**before, "greedy_correct": [0, 1]}, {**before, "greedy_correct": "x"}):
+        with pytest.raises(ValueError, match="that file is no grpolab eval.json"):
+            compare(bad, after)  # (a file of another shape: refused, not a traceback)
+    assert list(compare({**before, "sampled_correct": [9, 0, 0, 0]}, after)) == [
+        "greedy_accuracy"]  # (counts above the samples: pass@k not paired)
     # the same dataset and count, other prompts (another seed): refused where both recorded
     # them; an eval.json from before prompts_sha256 compares by dataset and count
     with pytest.raises(ValueError, match="but not the same ones"):

@@ -311,8 +311,7 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
     which = {"dataset": dataset, "prompts": len(rows),
              "prompts_sha256": passk.prompts_digest([r["prompt"] for r in rows])}
     if same_as is not None and (why := passk.prompts_differ(same_as, which)):
-        raise ConfigError(f"--compare: that evaluation and this one are not of the same prompts"
-                          f" ({why}); compare evaluations of the same prompts")
+        raise ConfigError(f"--compare: {why}; compare evaluations of the same prompts")
     scorer = make_scorer(cfg)
     check_columns(scorer.reward_fns, rows)
     model, tok = _load(cfg)

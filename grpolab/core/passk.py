@@ -53,12 +53,18 @@ def prompts_digest(prompts: list[Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def prompts_differ(a: dict[str, Any], b: dict[str, Any]) -> str:
-    """How two evaluations (eval.json's) are not of the same prompts, or "" when they are:
-    dataset, count and (where both recorded it) the prompts themselves, in order."""
+def prompts_differ(a: Any, b: dict[str, Any]) -> str:
+    """Why evaluation ``a`` (an earlier eval.json, read as JSON) cannot be paired with ``b``,
+    or "" when it can: it must be one (a per-prompt ``greedy_correct`` of 0/1 for each of its
+    ``prompts``), of the same dataset and count and (where both recorded it) the same prompts,
+    in order."""
+    right = a.get("greedy_correct") if isinstance(a, dict) else None
+    if not (isinstance(right, list) and len(right) == a.get("prompts")
+            and all(x in (0, 1) for x in right)):
+        return "that file is no grpolab eval.json (it has no greedy_correct for each prompt)"
     if (a.get("dataset"), a.get("prompts")) != (b.get("dataset"), b.get("prompts")):
-        return (f"one is of {a.get('prompts')} prompts of {a.get('dataset')!r}, the other of "
-                f"{b.get('prompts')} of {b.get('dataset')!r}")
+        return (f"that evaluation is of {a.get('prompts')} prompts of {a.get('dataset')!r}, "
+                f"this one of {b.get('prompts')} of {b.get('dataset')!r}")
     if a.get("prompts_sha256", "") and b.get("prompts_sha256", "") and (
             a["prompts_sha256"] != b["prompts_sha256"]):
         return (f"both are of {a.get('prompts')} prompts of {a.get('dataset')!r}, but not the "
@@ -74,12 +80,17 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[fl
     differences, smaller than the two accuracies' errors combined when they are correlated.
     """
     if why := prompts_differ(before, after):
-        raise ValueError(f"the two evaluations are not of the same prompts: {why}")
+        raise ValueError(f"the two evaluations cannot be paired: {why}")
+    n, m = before.get("samples_per_prompt"), after.get("samples_per_prompt")
+    for e, k in ((before, n), (after, m)):  # (the sampled counts, checked as the greedy ones)
+        c = e.get("sampled_correct") if k else None
+        if k and not (isinstance(k, int) and isinstance(c, list) and len(c) == e["prompts"]
+                      and all(isinstance(x, int) and 0 <= x <= k for x in c)):
+            n = m = None  # (pass@k not paired: the greedy gain alone)
     out = {}
     diff = (torch.tensor(after["greedy_correct"], dtype=torch.float64)
             - torch.tensor(before["greedy_correct"], dtype=torch.float64))
     out["greedy_accuracy"] = (float(diff.mean()), standard_error(diff))
-    n, m = before.get("samples_per_prompt"), after.get("samples_per_prompt")
     if n and m and n != m:  # (pass@k of n and of m answers are not paired)
         log.warning("pass@k not compared: %d answers a prompt before, %d now (give the same "
                     "eval_samples)", n, m)
