@@ -199,3 +199,23 @@ def test_eval_writes_what_it_judged_and_splits_by_difficulty(tmp_path: Path,
     sampled = [x for x in lines if not x["greedy"]]
     assert [x["prompt"] for x in sampled] == [x["prompt"] for x in greedy for _ in range(2)]
     assert sum(x["right"] for x in sampled) == sum(res["sampled_correct"])
+
+
+def test_eval_says_when_no_reward_scored_the_answers(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A reward that says None (TRL's "cannot score") for every answer: accuracy 0 is not
+    left unexplained; eval.json counts the unscored answers and the printed line says so."""
+    model = make_tiny_model(tmp_path / "model", arch="llama", hidden=32, heads=4)
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n"
+                            for a in range(3)))
+    (tmp_path / "r.py").write_text("def none(prompts, completions, **kw):\n"
+                                   "    return [None] * len(completions)\n")
+    out = tmp_path / "ev"
+    assert cli.main(["eval", "--model-path", model, "--eval-dataset", str(data), "--rewards",
+                     f"{tmp_path / 'r.py'}:none", "--max-new-tokens", "3", "--eval-samples",
+                     "2", "--out-dir", str(out), "--no-progress"]) == 0
+    res = json.loads((out / "eval.json").read_text())
+    assert (res["greedy_accuracy"], res["unscored_answers"], res["rewards/none"]) == (0.0, 3, None)
+    assert res["sampled_unscored_answers"] == 6
+    assert "(3 answers no reward scored: none right)" in capsys.readouterr().out

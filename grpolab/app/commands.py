@@ -379,13 +379,13 @@ def evaluate(cfg: Config, compare_to: str | None = None) -> int:
         except (OSError, ValueError) as e:
             raise ConfigError(f"--compare {compare_to}: cannot read it ({e})") from None
     res = run_eval(cfg, before)
-    line = f"{res['prompts']} prompts: greedy accuracy {res['greedy_accuracy']:.3f}"
+    line = f"{res['prompts']} prompts: greedy accuracy {res['greedy_accuracy']:.3f}" + (
+        f" ({u} answers no reward scored: none right)" if (u := res["unscored_answers"]) else "")
     if ks := [k for k in res if k.startswith("pass@")]:
         line += f"; at T={res['temperature']}, " + ", ".join(f"{k} {res[k]:.3f}" for k in ks)
     print(line)
-    if "greedy_accuracy_by_difficulty" in res:
-        print("  by difficulty: " + ", ".join(
-            f"{k} {v:.3f}" for k, v in res["greedy_accuracy_by_difficulty"].items()))
+    if by := res.get("greedy_accuracy_by_difficulty"):
+        print("  by difficulty: " + ", ".join(f"{k} {v:.3f}" for k, v in by.items()))
     if before is not None:
         for name, (gain, se) in compare(before, res).items():
             print(f"  {name}: {gain:+.3f} ± {se:.3f} (paired standard error) against {compare_to}")

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from grpolab.core.advantages import unscored
 from grpolab.rewards.builtin import RewardFn
 from grpolab.rewards.scorer import Scorer, row_columns, score
 
@@ -27,12 +28,14 @@ class Answers:
     completions: list[str] = field(default_factory=list)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # ScoreResult.extras
 
-    def reward_means(self) -> dict[str, float | None]:
+    def reward_means(self) -> dict[str, float | int | None]:
         """``rewards/NAME``: each function's mean over the answers it scored (TRL's nanmean);
-        ``rewards/NAME/KEY`` a verl reward's other numbers."""
+        ``rewards/NAME/KEY`` a verl reward's other numbers; ``unscored_answers``: the answers
+        no reward scored (TRL's None from each: not counted right)."""
         cols = zip([*self.names, *self.extras], (c[~c.isnan()] for c in (
             *self.per_fn.T, *self.extras.values())))
-        return {f"rewards/{n}": float(c.mean()) if len(c) else None for n, c in cols}
+        return {**{f"rewards/{n}": float(c.mean()) if len(c) else None for n, c in cols},
+                "unscored_answers": int(unscored(self.per_fn).sum())}
 
 
 def plain(scores: torch.Tensor) -> list[float | None]:
