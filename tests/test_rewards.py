@@ -109,6 +109,10 @@ def test_load_from_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="executing .* failed: SyntaxError") as info:
         load_reward(f"{broken}:oops")
     assert "\n" not in str(info.value)
+    leaving = tmp_path / "leaving.py"  # (an exit at import ended grpolab without a word)
+    leaving.write_text("import sys\nsys.exit(5)\n")
+    with pytest.raises(ValueError, match="executing .* failed: SystemExit: 5"):
+        load_reward(f"{leaving}:f")
 
 
 @pytest.mark.parametrize(

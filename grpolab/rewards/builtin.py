@@ -156,7 +156,7 @@ def _import_module(spec: str, modname: str) -> Any:
         if e.name and (modname == e.name or modname.startswith(e.name + ".")):
             raise ValueError(f"reward spec {spec!r}: module {modname!r} not found") from e
         raise ValueError(f"reward spec {spec!r}: importing {modname!r} failed: {error_text(e)}") from e
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise ValueError(f"reward spec {spec!r}: importing {modname!r} failed: {error_text(e)}") from e
 
 
@@ -174,7 +174,7 @@ def _import_file(spec: str, path: str) -> Any:
     sys.modules[modname] = module  # needed for pickling and dataclasses inside the file
     try:
         mod_spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # (an exit() at import ended grpolab without a word)
         del sys.modules[modname]
         raise ValueError(f"reward spec {spec!r}: executing {path!r} failed: {error_text(e)}") from e
     return module
