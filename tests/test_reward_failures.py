@@ -155,6 +155,11 @@ def test_a_reward_failing_on_every_answer_is_one_line_from_the_cli(
     assert not checkpoint.holds_run(out) and not (out / "config.json").exists()
     code, err = run_cli([*args, "--no-fail-on-reward-errors"], capsys)
     assert code == 0
+    def no_nan(word: str) -> None:
+        raise AssertionError(f"summary.json holds {word}: not JSON")
+
+    summary = json.loads((out / "summary.json").read_text(), parse_constant=no_nan)
+    assert summary["start_heldout_acc"] is None  # (nothing held out: undefined, null)
     assert read_metrics(out / "metrics.jsonl")[-1]["reward_problems"] == 8
 
 

@@ -329,5 +329,14 @@ def finish_run(out: Path, plot_name: str, title: str, lengths: bool = False,
     plot_run(rows, out / plot_name, title, lengths=lengths)
     plot_calibration(rows, out / "calibration.png", calibration_title or title)
     summary = {**fields, **summarize(rows)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(json.dumps(_no_nan(summary), indent=2))  # (valid JSON)
     return summary
+
+
+def _no_nan(value: Any) -> Any:
+    """``value`` with every float NaN (an undefined mean: no steps, no dead group) as None."""
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_nan(v) for v in value]
+    return None if isinstance(value, float) and math.isnan(value) else value
