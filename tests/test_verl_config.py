@@ -460,10 +460,23 @@ def test_verl_reward_functions_get_verls_arguments(tmp_path) -> None:
                    "def score(**kw):\n    return torch.tensor(0.5)\n")
     assert load_reward(f"verl-batch:{arr}:batch_score")(["p"] * 2, ["a", "b"]) == [0.0, 1.0]
     assert load_reward(f"verl:{arr}:score")(["p"], ["a"]) == [0.5]
+    # a scalar, or a list of one score for any batch: the whole batch off, on_error (retried
+    # answer by answer, one score passed for each), and a batch where every answer is off stops
+    from grpolab.rewards.scorer import RewardError
+    from grpolab.rewards.scorer import score as score_batch
+
     one = tmp_path / "one.py"
-    one.write_text("def batch_score(**kw):\n    return 1.0\n")
-    with pytest.raises(TypeError, match="returns a list of 1 scores"):
-        load_reward(f"verl-batch:{one}:batch_score")(["p"], ["x"], answer=["1"])
+    one.write_text("def batch_score(**kw):\n    return 1.0\n"
+                   "def short(**kw):\n    return [1.0]\n")
+    for name in ("batch_score", "short"):
+        fn = load_reward(f"verl-batch:{one}:{name}")
+        res = score_batch([fn], ["p"] * 3, ["x", "y", "z"], {"answer": ["1"] * 3},
+                          on_error=-1.0, fail_on_all_errors=False)
+        assert res.per_fn[:, 0].tolist() == [-1.0] * 3
+        assert "for 3 samples (expected a list of 3 numbers)" in res.problems[0]
+        with pytest.raises(RewardError, match="failed on all 3 answers"):
+            score_batch([fn], ["p"] * 3, ["x", "y", "z"], {"answer": ["1"] * 3},
+                        fail_on_all_errors=True)
 
 
 def test_verls_own_gsm8k_scorer_runs_unchanged() -> None:

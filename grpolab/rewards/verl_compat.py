@@ -71,8 +71,8 @@ def adapt_verl(fn: Any, batch: bool = False) -> Any:
             got = fn(**{k + "s": v for k, v in args.items()})
             got = got.tolist() if callable(getattr(got, "tolist", None)) else got  # (arrays)
             if not isinstance(got, (list, tuple)) or len(got) != n:
-                raise TypeError(f"a verl batch reward returns a list of {n} scores; "
-                                f"{getattr(fn, '__name__', fn)} returned {type(got).__name__}")
+                return got  # (the scorer's "returned ... for n samples": the whole batch off,
+                # not retried answer by answer, where one score would pass for each)
             return [_score(fn, g) for g in got]
         return [_score(fn, fn(**{k: v[i] for k, v in args.items() if takes is None or k in takes}))
                 for i in range(n)]
