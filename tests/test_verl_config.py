@@ -337,6 +337,18 @@ def test_resume_mode_is_resume_as_verl_means_it(tmp_path) -> None:
     ({R + "name": "sglang"}, "grpolab samples with hf or vllm"),
     ({R + "do_sample": False}, "greedy groups"),
     ({A + "optim.lr": 1e-6, "lr": 1e-5}, "sets lr to 1e-06, but lr sets it to 1e-05"),
+    # values no rule can read: each named (they were tracebacks, or unnamed, or taken as off)
+    ({M + "target_modules": 5}, "target_modules=5 .verl.: cannot be read"),
+    ({A + "optim.betas": "abc"}, "optim.betas='abc' .verl.: cannot be read"),
+    ({A + "optim.betas": [0.9]}, "optim.betas=.0.9. .verl.: cannot be read"),
+    ({"trainer.save_freq": "abc"}, "save_freq='abc' .verl. must be a whole number"),
+    ({"trainer.save_freq": 1.5}, "save_freq=1.5 .verl. must be a whole number"),
+    ({"trainer.test_freq": "abc"}, "test_freq='abc' .verl. must be a whole number"),
+    ({"trainer.test_freq": [1]}, "test_freq=.1. .verl. must be a whole number"),
+    ({"trainer.total_epochs": "abc", "trainer.total_training_steps": 3},
+     "total_epochs='abc' .verl. must be a whole number >= 1"),
+    ({"algorithm.filter_groups.enable": True,
+      "algorithm.filter_groups.max_num_gen_batches": "abc"}, "max_num_gen_batches='abc'"),
 ])
 def test_what_verl_names_and_grpolab_cannot_honour_is_refused(over: dict, says: str) -> None:
     with pytest.raises(ConfigError, match=says):

@@ -112,7 +112,14 @@ def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
     touched = set(mine)
     for keys, rule in RULES:  # (a rule the overrides touch too is read with them, there)
         if touched & set(keys) and not later.keys() & set(keys):
-            for key, value in rule(d).items():
+            try:
+                said = rule(d)
+            except (ValueError, TypeError) as e:  # (not ConfigError: a value the rule could not
+                if isinstance(e, ConfigError):    # read; named with the keys it was reading)
+                    raise
+                mine = ", ".join(f"{k}={d[k]!r}" for k in keys if k in touched)
+                raise ConfigError(f"{mine} (verl): cannot be read ({e})") from None
+            for key, value in said.items():
                 put(key, value, next(k for k in keys if k in touched))
     if aside:
         log.warning("verl settings left aside (they change nothing that is trained here): %s",

@@ -49,6 +49,14 @@ def _whole(d: dict[str, Any], key: str) -> int:
     return n
 
 
+def _count(d: dict[str, Any], key: str) -> int:
+    """A verl frequency or count (-1 or 0: off), as an int; anything else a one-line error."""
+    n = as_number(d[key])
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise ConfigError(f"{key}={d[key]!r} (verl) must be a whole number (-1: off)")
+    return n
+
+
 def _total_steps(d: dict[str, Any]) -> Any:  # (verl's total_training_steps, or grpolab's steps)
     return as_number(d.get("trainer.total_training_steps", d.get("steps")))
 
@@ -209,16 +217,16 @@ def _data(d: dict[str, Any]) -> dict[str, Any]:
 
 def _trainer(d: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if "trainer.total_epochs" in d and not {"trainer.total_training_steps", "steps",
-                                             "max_steps", "passes"} & d.keys():
+    epochs = _whole(d, "trainer.total_epochs") if "trainer.total_epochs" in d else None
+    if epochs and not {"trainer.total_training_steps", "steps", "max_steps", "passes"} & d.keys():
         # verl: total_epochs x the whole batches of a pass, counted when the data is read
-        out["passes"] = _whole(d, "trainer.total_epochs")
-    if "trainer.total_epochs" in d and not {"data.shuffle", "prompt_order"} & d.keys():
+        out["passes"] = epochs
+    if epochs and not {"data.shuffle", "prompt_order"} & d.keys():
         out["prompt_order"] = "epochs"  # (verl's shuffled passes; kept when --steps extends)
     if "trainer.save_freq" in d:
-        out["checkpoint_every"] = max(int(as_number(d["trainer.save_freq"])), 0)
-    test = as_number(d.get("trainer.test_freq", -1))
-    if isinstance(test, int) and test > 0:
+        out["checkpoint_every"] = max(_count(d, "trainer.save_freq"), 0)
+    test = _count(d, "trainer.test_freq") if "trainer.test_freq" in d else -1
+    if test > 0:
         out["eval_every"] = test
     elif "trainer.test_freq" in d:  # verl: before training only (grpolab also after the last,
         out["eval_every"] = 10**9  # whatever length a later --steps or the data gives the run)
@@ -371,8 +379,9 @@ def _filter_groups(d: dict[str, Any]) -> dict[str, Any]:
     # acc / score: the named reward's own, before DAPO's overlong penalty (its first reward);
     # acc: its dict's acc where it returns one
     judged = {"dynamic_sampling_on": {"acc": "acc", "score": "first"}.get(metric, "total")}
-    n = as_number(d.get("algorithm.filter_groups.max_num_gen_batches", 0))
-    if isinstance(n, int) and n >= 1:  # DAPO's recipe: batches sampled, the first included
+    n = _count(d, "algorithm.filter_groups.max_num_gen_batches") if (
+        "algorithm.filter_groups.max_num_gen_batches" in d) else 0
+    if n >= 1:  # DAPO's recipe: batches sampled, the first included
         gen, train = as_number(d.get("data.gen_batch_size")), as_number(
             d.get("data.train_batch_size"))
         if isinstance(gen, int) and isinstance(train, int) and gen > 0 and train > 0:
