@@ -144,3 +144,29 @@ def test_a_folder_of_other_files_is_never_written_over(tmp_path: Path, theirs: s
     mine.mkdir()
     (mine / "config.json").write_text('{"group_size": 8}')
     assert checkpoint.export.foreign_outputs(mine) == []
+
+
+def test_a_damaged_log_is_named_on_resume(tmp_path: Path, caplog) -> None:
+    """A resume keeps the log's lines up to the checkpoint: lines it cannot read (a damaged
+    or removed file) are named in one warning, not silently left out."""
+    from grpolab.run.report import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    w = MetricsWriter(path, None, "r1")
+    for step in range(4):
+        w.write({"step": step})
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], lines[1], "{torn", lines[3]]) + "\n")
+    with caplog.at_level("WARNING", logger="grpolab"):
+        MetricsWriter(path, 3, "r1")
+    assert f"{path} has no readable line of step 2 (damaged or removed?)" in caplog.text
+    assert [r["step"] for r in read_metrics(path)] == [0, 1, 3]
+    caplog.clear()
+    path.unlink()
+    with caplog.at_level("WARNING", logger="grpolab"):
+        MetricsWriter(tmp_path / "samples.jsonl", 2, "r1", first=1)
+    assert "has no readable line of steps 1, 2" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpolab"):  # (a whole log: nothing said)
+        MetricsWriter(tmp_path / "samples.jsonl", 0, "r1", first=1)
+    assert not caplog.text

@@ -182,7 +182,7 @@ class MetricsWriter:
     """
 
     def __init__(self, path: str | os.PathLike, resume_after_step: int | None = None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, first: int = 0) -> None:
         self.path = Path(path)
         self.run_id = run_id
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,6 +198,15 @@ class MetricsWriter:
             raise RunMismatchError(f"{self.path} holds lines of run {', '.join(others)}, the "
                                    f"checkpoint is of run {run_id}: they are not one run")
         keep = [r for r in old if r.get("step", -1) <= resume_after_step]
+        lost = sorted(set(range(first, resume_after_step + 1)) - {r.get("step") for r in keep})
+        if lost:  # (a damaged or deleted log: said, not silently short; ``first``: its first)
+            import logging
+
+            logging.getLogger("grpolab").warning(
+                "%s has no readable line of step%s %s (damaged or removed?); the run goes on "
+                "from step %d without them", self.path, "s" * (len(lost) > 1),
+                ", ".join(map(str, lost[:10])) + (" ..." if len(lost) > 10 else ""),
+                resume_after_step)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         os.replace(tmp, self.path)

@@ -136,7 +136,7 @@ class GRPOTrainer:
             after = start if resume else None
             self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl", after, self.run_id)
             if cfg.log_samples:
-                self.samples = MetricsWriter(self.out_dir / "samples.jsonl", after, self.run_id)
+                self.samples = MetricsWriter(self.out_dir / "samples.jsonl", after, self.run_id, 1)
             checkpoint.write_config(self.out_dir, to_dict(cfg), start if resume else None,
                                     changed=bool(self.resumed_changes))
         if self.reporter:
