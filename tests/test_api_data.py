@@ -218,3 +218,24 @@ def test_api_errors_name_keywords_not_flags(tmp_path: Path) -> None:
     with pytest.raises(grpolab.ConfigError, match="continue it with resume=True, replace it "
                                                   "with overwrite=True"):
         grpolab.workshop(out_dir=str(tmp_path / "run"), steps=1)
+
+
+def test_a_callable_given_again_resumes_its_run(llama: str, tmp_path: Path) -> None:
+    """A notebook runs the cell that defines the reward again: a new function of the same name,
+    which this process numbers anew (``score_2``); the resume reads it as the reward the run
+    was written with. A run resumed without it is still refused."""
+    def make() -> Any:
+        def score(prompts, completions, **_):
+            return [float(len(c) % 2) for c in completions]
+        return score
+
+    first = grpolab.train(settings(tmp_path, llama, rewards=[make()], checkpoint_every=1,
+                                   eval_size=0, steps=1), dataset=ROWS)
+    saved = json.loads((first.out_dir / "config.json").read_text())["rewards"]
+    more = grpolab.train(settings(tmp_path, llama, rewards=[make()], eval_size=0, steps=2),
+                         resume=True, dataset=ROWS)
+    assert [r["step"] for r in more] == [0, 1, 2]
+    assert json.loads((first.out_dir / "config.json").read_text())["rewards"] != saved
+    with pytest.raises(grpolab.ConfigError, match="resume from Python with them given again"):
+        grpolab.train(settings(tmp_path, llama, rewards=["exact"], eval_size=0, steps=3),
+                      resume=True, dataset=ROWS)
