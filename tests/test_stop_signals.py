@@ -116,3 +116,26 @@ def test_a_signal_while_the_final_files_are_written(
         assert run_cli([*args, "--resume"], capsys)[0] == 0
         assert (out / "summary.json").exists()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize(("command", "said"), [
+    ("eval", "stopped by SIGTERM: the evaluation writes its files at its end: none were written"),
+    ("train", "stopped by SIGTERM: outside a training step (loading, or between runs)")])
+def test_a_signal_outside_a_run_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch, command: str,
+                                            said: str) -> None:
+    """SIGTERM while grpolab eval works, or while train loads its model (before the run's own
+    handlers): one line and 143, not a silent end."""
+    from grpolab.app import commands
+
+    def signalled(*args: Any) -> int:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 0
+
+    monkeypatch.setattr(commands, "evaluate" if command == "eval" else "train", signalled)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    code, err = run_cli([command, "--model-path", "m", "--dataset", "d.jsonl",
+                         *(["--eval-dataset", "d.jsonl"] if command == "eval" else []),
+                         "--out-dir", str(tmp_path / "o")], capsys)
+    assert code == 143 and len(err) == 1 and err[0].startswith(f"grpolab: {said}"), err
+    assert {s: signal.getsignal(s) for s in before} == before  # (put back: none left behind)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import signal
 import sys
 import typing
 from typing import Any, NoReturn
@@ -172,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     if twice:
         parser.error(f"{', '.join(twice)} given twice (as --{twice[0].replace('_', '-')} and "
                      f"--{twice[0]}); keep one")
-    out_dir = None
+    out_dir, before = None, {}
     try:
+        from grpolab.run.stopping import stop_before_start
+
+        before = stop_before_start(args.command)
         cfg = make_config(args.config, {**ours, **trl}, args.command, strict=True)
         given_out = args.out_dir is not None or {"out_dir", "output_dir",
                                                  "trainer.default_local_dir"} & trl.keys()
@@ -216,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     finally:
         dist.cleanup()
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 def _say_trained_model(config: str, given: dict[str, Any], cfg: Config) -> None:
@@ -245,9 +251,9 @@ def _say_which_prompts(cfg: Config) -> None:
 def _kept(out_dir: str | None, command: str) -> str:
     """What an interrupted run leaves, truthfully: SIGINT stops at once, without a checkpoint,
     so --resume is offered only where an earlier one exists."""
-    from grpolab.run.checkpoint import has_checkpoint
+    from grpolab.run.checkpoint import has_checkpoint, holds_run
 
-    if out_dir is None or command == "eval":
+    if out_dir is None or command == "eval" or not holds_run(out_dir):
         return "nothing was written"
     if has_checkpoint(out_dir):
         return (f"the last checkpoint and metrics in {out_dir} are kept; continue with "

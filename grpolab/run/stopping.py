@@ -31,6 +31,23 @@ class RunStopped(BaseException):
         self.exit_code = 128 + int(signum)
 
 
+def stop_before_start(command: str) -> dict[int, Any]:
+    """Where a run's own handlers are not in place (loading the model; ``eval`` throughout):
+    SIGTERM/SIGUSR1 stop at once with one line (they ended the process without a word).
+    Returns the handlers they replace."""
+    said = ("the evaluation writes its files at its end: none were written" if command == "eval"
+            else "outside a training step (loading, or between runs): what was written before "
+                 "is kept whole")
+
+    def handler(signum: int, frame: Any) -> None:
+        raise RunStopped(signum, f"stopped by {signal.Signals(signum).name}: {said}")
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, handler) for s in STOP_SIGNALS}  # (the handlers before: put
+    # back by the caller, so that one in-process call leaves none behind)
+
+
 class StopSignals:
     """The stop signal received during a run (0 if none), and the handlers that record it."""
 
