@@ -457,8 +457,13 @@ def test_verl_reward_functions_get_verls_arguments(tmp_path) -> None:
     g.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
                  "    return 'yes'\n")
     bad = load_reward(f"verl:{g}:compute_score")
-    with pytest.raises(TypeError, match="returned str"):
+    with pytest.raises(TypeError, match="returned a str"):
         bad(["p"], ["x"], answer=["1"])
+    nd = tmp_path / "no_score.py"
+    nd.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                  "    return {'acc': 1}\n")
+    with pytest.raises(TypeError, match=r"returned a dict without 'score' \(keys: acc\)"):
+        load_reward(f"verl:{nd}:compute_score")(["p"], ["x"], answer=["1"])
     b = tmp_path / "b.py"  # verl's batch reward manager: one call, the same arguments as lists
     b.write_text("def batch_score(data_sources, solution_strs, ground_truths, extra_infos):\n"
                  "    return [{'score': float(g in s) + x['k']} if d == 'd' else 0.5\n"

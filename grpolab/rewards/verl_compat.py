@@ -45,8 +45,12 @@ def _score(fn: Any, got: Any) -> float | dict[str, Any]:
     got = got.get("score") if whole is not None else got
     got = got.item() if getattr(got, "ndim", None) == 0 else got  # (numpy, torch scalars)
     if not isinstance(got, numbers.Real):  # (a bool is one, as verl takes it)
+        what = (f"a dict without 'score' (keys: {', '.join(map(str, whole))})"
+                if whole is not None and "score" not in whole else
+                f"a dict whose 'score' is a {type(got).__name__}" if whole is not None else
+                f"a {type(got).__name__}")
         raise TypeError(f"a verl reward returns a number or a dict with 'score'; "
-                        f"{getattr(fn, '__name__', fn)} returned {type(got).__name__}")
+                        f"{getattr(fn, '__name__', fn)} returned {what}")
     return float(got) if whole is None else {**whole, "score": float(got)}
 
 
