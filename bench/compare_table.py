@@ -14,12 +14,16 @@ def row(run: Path) -> list[str]:
     s = json.loads((run / "summary.json").read_text())
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     secs = sum(r.get("time_step_s", 0.0) for r in steps)
-    return [run.name, f"{s['start_heldout_acc']:.3f}", f"{s['final_heldout_acc']:.3f}",
-            f"{s['heldout_acc_gain']:+.3f}", str(s["answers_generated"]),
-            str(s["useful_answers"]), f"{s['answers_per_useful']:.2f}",
-            f"{s['mean_dead_share']:.3f}",
-            (f"{s.get('posterior_dead_brier', float('nan')):.3f} / "
-             f"{s.get('posterior_dead_brier_base_rate', float('nan')):.3f}"), f"{secs:.0f}"]
+
+    def num(key: str, fmt: str) -> str:  # (summary.json's null: undefined, shown as -)
+        return "-" if s.get(key) is None else format(s[key], fmt)
+
+    return [run.name, num("start_heldout_acc", ".3f"), num("final_heldout_acc", ".3f"),
+            num("heldout_acc_gain", "+.3f"), str(s["answers_generated"]),
+            str(s["useful_answers"]), num("answers_per_useful", ".2f"),
+            num("mean_dead_share", ".3f"),
+            f"{num('posterior_dead_brier', '.3f')} / {num('posterior_dead_brier_base_rate', '.3f')}",
+            f"{secs:.0f}"]
 
 
 if __name__ == "__main__":

@@ -180,7 +180,7 @@ def test_trainer_leaves_unscored_answers_out(tmp_path) -> None:
         lo += 4
     from grpolab.run.trackers import sample_columns
 
-    assert sample_columns(groups)[-2:] == ["odd_or_none", "long_or_none"]
+    assert sample_columns(groups)[-2:] == ["rewards/odd_or_none", "rewards/long_or_none"]
     rows = sample_rows(1, groups)
     assert [r[-2:] for r in rows[:4]] == [list(x) for x in zip(*groups[0]["per_reward"].values())]
 

@@ -183,6 +183,9 @@ def test_api_refusals_are_one_line(llama: str, tmp_path: Path) -> None:
                       model=llama)
     with pytest.raises(grpolab.ConfigError, match="^config: a int is not read"):
         grpolab.train(3)
+    with pytest.raises(grpolab.ConfigError, match="^config: a list is not read; rows go in "
+                                                  "train_dataset="):
+        grpolab.train(ROWS)  # (TRL takes the dataset as an argument: a likely slip)
     # a keyword's None is unset (the config's rows stay); answer_column None reads no column
     from grpolab.app.api import _config, _held_rows
 
@@ -209,10 +212,12 @@ def test_api_errors_name_keywords_not_flags(tmp_path: Path) -> None:
     from grpolab.app.api import _keywords
 
     said = ("out_dir r already holds a run; continue it with --resume, replace it with "
-            "--overwrite, or choose another --out-dir; --no-lora, --steps, --sweep-x, a--b")
+            "--overwrite, or choose another --out-dir; --no-lora, --steps, --sweep-x, a--b, "
+            "runs/--steps/x.jsonl, --no-fail-on-reward-errors")
     assert _keywords(said) == (
         "out_dir r already holds a run; continue it with resume=True, replace it with "
-        "overwrite=True, or choose another out_dir=; --no-lora, steps=, --sweep-x, a--b")
+        "overwrite=True, or choose another out_dir=; lora=False, steps=, --sweep-x, a--b, "
+        "runs/--steps/x.jsonl, fail_on_reward_errors=False")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "run_id": "x"}\n')
     with pytest.raises(grpolab.ConfigError, match="continue it with resume=True, replace it "
@@ -222,8 +227,8 @@ def test_api_errors_name_keywords_not_flags(tmp_path: Path) -> None:
 
 def test_a_callable_given_again_resumes_its_run(llama: str, tmp_path: Path) -> None:
     """A notebook runs the cell that defines the reward again: a new function of the same name,
-    which this process numbers anew (``score_2``); the resume reads it as the reward the run
-    was written with. A run resumed without it is still refused."""
+    the reward the run was written with, named so in every process; the resume takes it. A run
+    resumed without it, or with another, is refused."""
     def make() -> Any:
         def score(prompts, completions, **_):
             return [float(len(c) % 2) for c in completions]
@@ -235,7 +240,21 @@ def test_a_callable_given_again_resumes_its_run(llama: str, tmp_path: Path) -> N
     more = grpolab.train(settings(tmp_path, llama, rewards=[make()], eval_size=0, steps=2),
                          resume=True, dataset=ROWS)
     assert [r["step"] for r in more] == [0, 1, 2]
-    assert json.loads((first.out_dir / "config.json").read_text())["rewards"] != saved
+    assert json.loads((first.out_dir / "config.json").read_text())["rewards"] == saved
     with pytest.raises(grpolab.ConfigError, match="resume from Python with them given again"):
         grpolab.train(settings(tmp_path, llama, rewards=["exact"], eval_size=0, steps=3),
                       resume=True, dataset=ROWS)
+
+    def other(prompts, completions, **_):  # (another name: not the run's reward)
+        return [0.0] * len(completions)
+
+    with pytest.raises(grpolab.ConfigError, match="resume from Python with them given again"):
+        grpolab.train(settings(tmp_path, llama, rewards=[other], eval_size=0, steps=3),
+                      resume=True, dataset=ROWS)
+    # two of one name in one run: numbered in the order given, the same in every process
+    from grpolab.app.api import _callables
+
+    a, b = make(), make()
+    assert _callables({"rewards": [a, b, a]})["rewards"] == [
+        "grpolab.app.api:rewards.score", "grpolab.app.api:rewards.score_2",
+        "grpolab.app.api:rewards.score"]

@@ -119,6 +119,15 @@ def test_a_folder_this_run_did_not_write_is_never_replaced(tmp_path: Path,
     with pytest.raises(ConfigError, match="holds checkpoint-2 not written by this run"):
         tr.train()
     assert os.listdir(out / "checkpoint-2") == ["optimizer.pt"]
+    # ... another grpolab run's folder too, and the user's files beside it (the refusal is a
+    # mistake before step 1: it takes back only what this run wrote)
+    (out / "checkpoint-2" / "grpolab.json").write_text(json.dumps({"run_id": "other"}))
+    (out / "train.png").write_text("mine")
+    tr = tiny_trainer(out, steps=2, save_model_every=1)
+    with pytest.raises(ConfigError, match="holds checkpoint-2 not written by this run"):
+        tr.train()
+    assert sorted(os.listdir(out / "checkpoint-2")) == ["grpolab.json", "optimizer.pt"]
+    assert (out / "train.png").read_text() == "mine"
 
     def full(*_a, **_k):
         raise OSError(28, "No space left on device")

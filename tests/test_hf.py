@@ -384,6 +384,10 @@ def test_hub_ids_are_read_from_the_local_cache_never_downloaded(
                               "model_revision": "main"}, "train").model_path == "tiny-org/tiny-llama"
     with pytest.raises(FileNotFoundError, match=r"hf download tiny-org/tiny-llama --revision v3"):
         resolve_model("tiny-org/tiny-llama@v3")
+    at = tmp_path / "runs" / "exp@lr1e-5"  # (a local folder with an @ in its name is one)
+    shutil.copytree(llama, at / "final")
+    assert resolve_model("runs/exp@lr1e-5/final") == "runs/exp@lr1e-5/final"
+    assert base_model_id("runs/exp@lr1e-5/final") is None
     with pytest.raises(ConfigError, match="'tiny-org/other-model' is no Hub id .a local folder"):
         make_config(None, {"model_name_or_path": "tiny-org/other-model",
                            "model_revision": "v2"}, "train")

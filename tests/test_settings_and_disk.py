@@ -162,11 +162,30 @@ def test_a_damaged_log_is_named_on_resume(tmp_path: Path, caplog) -> None:
     assert f"{path} has no readable line of step 2 (damaged or removed?)" in caplog.text
     assert [r["step"] for r in read_metrics(path)] == [0, 1, 3]
     caplog.clear()
-    path.unlink()
+    path.unlink()  # (a run's metrics removed)
     with caplog.at_level("WARNING", logger="grpolab"):
-        MetricsWriter(tmp_path / "samples.jsonl", 2, "r1", first=1)
-    assert "has no readable line of steps 1, 2" in caplog.text
+        MetricsWriter(path, 2, "r1")
+    assert "has no readable line of steps 0, 1, 2" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="grpolab"):  # (a whole log: nothing said)
-        MetricsWriter(tmp_path / "samples.jsonl", 0, "r1", first=1)
+    samples = tmp_path / "samples.jsonl"  # (from step 1; none at all: log_samples just on)
+    samples.write_text(json.dumps({"step": 1, "run_id": "r1"}) + "\n")
+    with caplog.at_level("WARNING", logger="grpolab"):
+        MetricsWriter(samples, 2, "r1", first=1)
+    assert "samples.jsonl has no readable line of step 2" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpolab"):
+        MetricsWriter(tmp_path / "new.jsonl", 3, "r1", first=1)
     assert not caplog.text
+
+
+def test_the_default_folder_moves_past_other_files(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default out_dir holding a model's files (no run): the run takes runs/workshop-2, as
+    it does past an earlier run, and leaves them as they are."""
+    from grpolab.app.commands import choose_out_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "workshop").mkdir(parents=True)
+    (tmp_path / "runs" / "workshop" / "config.json").write_text('{"model_type": "llama"}')
+    cfg = make_config(None, {}, "workshop")
+    assert choose_out_dir(cfg, "workshop").out_dir == f"{cfg.out_dir}-2"

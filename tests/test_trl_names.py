@@ -224,7 +224,6 @@ def test_trl_training_arguments_translate(tmp_path, monkeypatch, caplog) -> None
      {"dataset": "o/d:main:dev", "eval_dataset": ""}),
     ({"datasets": [{"path": "json", "data_files": "m.jsonl", "fraction": 1.0}],
       "test_split_size": None}, {"dataset": "m.jsonl"}),
-    ({"datasets": [{"path": "data", "data_dir": "math"}]}, {"dataset": "data/math"}),
     ({"datasets": [{"path": "o/d"}], "dataset_name": "o/e"}, {"dataset": "o/d"}),  # (TRL's)
     # a string that names no registry entry but has an owner is a reward model (GRPOTrainer's)
     ({"reward_funcs": ["org/rm-0.6B", "accuracy_reward"]},
@@ -275,6 +274,9 @@ def test_trl_training_values(trl_keys: dict, want: dict) -> None:
     ({"datasets": [{"path": "o/d", "revision": "x"}]}, "an entry takes path .required."),
     ({"datasets": [{"path": "o/d", "data_files": "a.jsonl"}]}, "path json, csv or parquet"),
     ({"datasets": "o/d"}, "a list of entries"),
+    ({"datasets": [{"path": "o/d", "data_dir": "math"}]}, "data_dir of 'o/d', no local folder"),
+    ({"model_name_or_path": "./local", "model_revision": "v2"}, "'./local' is no Hub id"),
+    ({"model_path": "o/m@v2", "model_revision": "v3"}, "name two revisions; keep one"),
     ({"save_steps": 2, "save_model_every": 3}, "save_steps: 2 .TRL. sets save_model_every to 2"),
     ({"num_iterations": 2, "save_steps": 3}, "save_steps: 3 .TRL. counts optimiser steps"),
     ({"save_steps": 2.5}, "save_steps: 2.5 .TRL. must be a count of optimiser steps, or below"),
@@ -644,3 +646,10 @@ def test_trl_interval_shares_follow_a_later_length() -> None:
     assert make_config(file, {"max_steps": 400}, "train").checkpoint_every == 20
     with pytest.raises(ConfigError, match="with epochs and 2 optimiser steps a sampled batch"):
         make_config(file, {"passes": 2}, "train")  # (at one a batch: a share, test_run_length)
+
+
+def test_a_mixtures_data_dir_is_a_folder_in_its_local_path(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "math").mkdir(parents=True)
+    c = make_config(None, {"datasets": [{"path": "data", "data_dir": "math"}]}, "train")
+    assert c.dataset == "data/math"

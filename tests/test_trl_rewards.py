@@ -97,7 +97,11 @@ def test_eval_means_skip_none() -> None:
     nan = float("nan")
     got = Answers(per_fn=torch.tensor([[1.0, nan], [0.0, nan], [1.0, nan]]),
                   ok=torch.tensor([True, False, True]), names=["acc", "fmt"], problems=0)
-    assert got.reward_means() == {"rewards/acc": pytest.approx(2 / 3), "rewards/fmt": None}
+    assert got.reward_means() == {"rewards/acc": pytest.approx(2 / 3), "rewards/fmt": None,
+                                  "unscored_answers": 0}
+    both = Answers(per_fn=torch.tensor([[1.0, nan], [nan, nan]]), ok=torch.tensor([True, False]),
+                   names=["acc", "fmt"], problems=0)
+    assert both.reward_means()["unscored_answers"] == 1  # (no function scored the second)
     assert plain(torch.tensor([0.5, nan])) == [0.5, None]
 
 

@@ -50,12 +50,16 @@ class Records(list):
     summary: dict[str, Any]
 
 
-def _spec(fn: Any) -> str:
+def _spec(fn: Any, taken: dict[str, Any]) -> str:
+    """A callable's reward spec, by its name: the same in every process, so that a run resumes
+    with the function given again (a notebook's cell run again: a new object, the same name).
+    Two of one name in one run (``taken``: its callables so far) are numbered, in order."""
     name = re.sub(r"\W", "_", getattr(fn, "__name__", "") or type(fn).__name__)
     key, n = name, 2
-    while getattr(rewards, key, fn) is not fn:
+    while taken.get(key, fn) is not fn:
         key, n = f"{name}_{n}", n + 1
     setattr(rewards, key, fn)
+    taken[key] = fn
     return f"grpolab.app.api:rewards.{key}"
 
 
@@ -63,31 +67,34 @@ def _config(config: Config | dict | str | Path | None, overrides: dict[str, Any]
             command: str) -> Config:
     """Defaults, then the config (YAML path, dict or Config), then keyword overrides."""
     if not isinstance(config, (Config, dict, str, os.PathLike, type(None))):
-        what = _TRAINER_ARGS["args"] if hasattr(config, "to_dict") else (
-            "give a YAML file's path, a dict of settings or a grpolab Config")
+        what = (_TRAINER_ARGS["args"] if hasattr(config, "output_dir") else  # (TrainingArguments)
+                "rows go in train_dataset=" if hasattr(config, "__len__") else
+                "give a YAML file's path, a dict of settings or a grpolab Config")
         raise ConfigError(f"config: a {type(config).__name__} is not read; {what}")
+    taken: dict[str, Any] = {}  # (the run's callables, by the names they are given)
     base: dict[str, Any] | str | None = (
         to_dict(config) if isinstance(config, Config) else
-        _callables(dict(config)) if isinstance(config, dict) else
+        _callables(dict(config), taken) if isinstance(config, dict) else
         None if config is None else str(config))
     if isinstance(config, Config) and config.passes > 0:
         del base["steps"]  # (passes set the steps: a Config holds both)
     if "answer_column" in overrides and overrides["answer_column"] is None:
         overrides = {**overrides, "answer_column": ""}  # (None: no answer column, as YAML's null)
-    return make_config(base, _callables(dict(overrides)), command, strict=True)
+    return make_config(base, _callables(dict(overrides), taken), command, strict=True)
 
 
-def _callables(given: dict[str, Any]) -> dict[str, Any]:
+def _callables(given: dict[str, Any], taken: dict[str, Any] | None = None) -> dict[str, Any]:
     """Reward functions given as Python callables (``rewards``, TRL's ``reward_funcs``), as
-    reward specs."""
+    reward specs (``_spec``; ``taken``: the run's callables named so far)."""
+    taken = {} if taken is None else taken
     for key in ("rewards", "reward_funcs"):
         specs = given.get(key)
         if specs is not None:
             specs = [specs] if callable(specs) or isinstance(specs, str) else list(specs)
-            given[key] = [_spec(r) if callable(r) else r for r in specs]
+            given[key] = [_spec(r, taken) if callable(r) else r for r in specs]
     watch = given.get("watch_reward")
     if callable(watch):
-        given["watch_reward"] = _spec(watch)
+        given["watch_reward"] = _spec(watch, taken)
     return given
 
 
@@ -113,12 +120,14 @@ def _keywords(message: str) -> str:
     fields = Config.__dataclass_fields__
 
     def keyword(m: re.Match[str]) -> str:
-        name = m[1].replace("-", "_")
+        name, on = m[1].replace("-", "_"), "True"
+        if name.startswith("no_") and name[3:] in fields:  # (--no-lora: lora=False)
+            name, on = name[3:], "False"
         if name == "resume" or fields.get(name) and fields[name].type in (bool, "bool"):
-            return f"{name}=True"
+            return f"{name}={on}"
         return f"{name}=" if name in fields else m[0]
 
-    return re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)", keyword, message)
+    return re.sub(r"(?<![\w/.-])--([a-z][a-z0-9-]*)", keyword, message)
 
 
 _IN_MEMORY = "(in memory)"  # the dataset's name until the run's folder is chosen

@@ -26,7 +26,7 @@ from grpolab.rewards.scorer import load_rewards, make_scorer
 from grpolab.rewards.trl_compat import check_columns
 from grpolab.rollout.sampling import Filters
 from grpolab.rollout.templates import check_render
-from grpolab.run import dist, shard
+from grpolab.run import dist, export, shard
 from grpolab.run.checkpoint import CheckpointError, busy_error, holds_run, lock_holder, out_dir_lock
 from grpolab.run.export import save_model
 from grpolab.run.heldout import plain, score_answers
@@ -422,10 +422,11 @@ def choose_out_dir(cfg: Config, command: str, resume: bool = False) -> Config:
         return cfg
     # Rank 0 looks and every rank takes its answer: a rank that looked later could see rank 0's
     # own lock (taken as soon as it runs on) and refuse the run.
-    busy, in_use = (lock_holder(out), _in_use(out)) if dist.is_main() else (None, False)
+    default = cfg.out_dir == command_defaults(command).get("out_dir", Config.out_dir)
+    busy, in_use = (lock_holder(out), _in_use(out) or default and bool(export.foreign_outputs(
+        out))) if dist.is_main() else (None, False)  # (the default moves past a model's files)
     if dist.is_dist():
         busy, in_use = dist.all_gather_object((busy, in_use))[0]
-    default = cfg.out_dir == command_defaults(command).get("out_dir", Config.out_dir)
     if busy is not None and (resume or cfg.overwrite or not default):
         raise busy_error(cfg.out_dir, busy)  # (the run's own lock decides; this is early)
     if resume and not out.is_dir():  # (nothing made: the folder named may be a typo)

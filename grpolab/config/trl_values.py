@@ -288,6 +288,10 @@ def mixture(layer: dict[str, Any]) -> dict[str, Any]:
                               "folder")
         path = str(files[0])
     elif entry.get("data_dir"):
+        if not os.path.isdir(os.path.expanduser(path)):
+            raise ConfigError(f"datasets (TRL's mixture): data_dir of {path!r}, no local "
+                              "folder: give the folder itself as path (a Hub dataset's subfolder "
+                              "is not read)")
         path = os.path.join(path, str(entry["data_dir"]))
     if layer.get("dataset_name"):  # (as TRL's script)
         logging.getLogger("grpolab").warning("datasets and dataset_name both given (TRL): "
@@ -312,9 +316,13 @@ def with_revision(given: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
     key = "model_path" if "model_path" in given and "model_name_or_path" not in given else (
         "model_name_or_path")
     model = str(given.get(key) or d.get("model_name_or_path") or d.get("model_path") or "")
+    if "@" in model and model.rpartition("@")[2] != revision:
+        raise ConfigError(f"model_revision: {revision!r} (TRL) and model {model!r} name two "
+                          "revisions; keep one")
     if "@" in model:
         return given
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", model) or os.path.exists(os.path.expanduser(model)):
+    if (not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", model)
+            or os.path.exists(os.path.expanduser(model))):
         raise ConfigError(f"model_revision: {revision!r} (TRL) picks a Hub model's revision, "
                           f"and model {model!r} is no Hub id (a local folder is as it is)")
     return {**given, key: f"{model}@{revision}"}

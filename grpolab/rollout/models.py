@@ -77,6 +77,8 @@ def is_model_source(value: str) -> bool:
 def hub_shaped(value: str) -> bool:
     """A Hugging Face Hub id ("org/model", "org/model@REVISION") that is not a local path, a
     known name or a GGUF."""
+    if Path(value).expanduser().exists():  # (a local folder wins, an "@" in its name too)
+        return False
     name, at, revision = value.partition("@")
     return hub.hub_shaped(name) and not is_model_source(name) and bool(revision or not at)
 

@@ -260,12 +260,20 @@ def clear_run(out_dir: str | os.PathLike) -> None:
                 p.unlink()
 
 
+def unclaim(out_dir: Path) -> None:
+    """A new run's files (log, config) go after a mistake before step 1: the rerun's folder."""
+    for name in ("metrics.jsonl", "samples.jsonl", "config.json"):
+        (Path(out_dir) / name).unlink(missing_ok=True)
+
+
 def claim_out_dir(out_dir: Path, overwrite: bool) -> None:
     """A new run's folder must not hold another run: refuse, or clear it on ``overwrite``."""
     from grpolab.run.report import read_metrics
 
     held = dist.all_reduce_sum([float(holds_run(out_dir))])[0]
-    if not held and (theirs := export.foreign_outputs(out_dir)):  # (a model folder, say)
+    theirs = [] if held else export.foreign_outputs(out_dir)  # (a model folder, say; rank
+    theirs = dist.all_gather_object(theirs)[0] if dist.is_dist() else theirs  # 0's answer)
+    if theirs:
         raise ConfigError(f"out_dir {out_dir} holds {', '.join(theirs)} of no grpolab run (a "
                           "model's or another tool's files), which a run would write over: "
                           "choose another out_dir")
@@ -273,8 +281,7 @@ def claim_out_dir(out_dir: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         last = (read_metrics(out_dir / "metrics.jsonl") or [{}])[-1]
-        what = (f" (run {last['run_id']}, step {last.get('step')})" if last.get("run_id")
-                else "")
+        what = f" (run {last['run_id']}, step {last.get('step')})" if last.get("run_id") else ""
         raise ConfigError(f"out_dir {out_dir} already holds a run{what}; continue it "
                           "with --resume, replace it with --overwrite, or choose another "
                           "--out-dir")

@@ -199,7 +199,8 @@ class MetricsWriter:
                                    f"checkpoint is of run {run_id}: they are not one run")
         keep = [r for r in old if r.get("step", -1) <= resume_after_step]
         lost = sorted(set(range(first, resume_after_step + 1)) - {r.get("step") for r in keep})
-        if lost:  # (a damaged or deleted log: said, not silently short; ``first``: its first)
+        if lost and (old or not first):  # (a damaged or deleted log: said, not silently
+            # short; ``first``: its first step; a samples log with no line: one just turned on)
             import logging
 
             logging.getLogger("grpolab").warning(

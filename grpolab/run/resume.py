@@ -3,7 +3,6 @@ errors for one it cannot (another model shape or optimiser grouping, other promp
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +33,7 @@ def changed_settings(st: dict[str, Any], cfg: Config, rows: int,
     """The settings this run changes from the checkpoint ``st``'s: {key: (saved, now)}, those
     a resume may change freely left out; a checkpoint of other prompts (``rows`` training
     prompts here) or with weight decay switched refused before anything is loaded."""
-    saved, now = dict(st.get("config") or {}), to_dict(cfg)
-    for c in (saved, now):  # a Python callable given again: the same name, whatever number
-        c["rewards"] = [re.sub(r"^(grpolab\.app\.api:rewards\.\w+?)_\d+$", r"\1", str(r))
-                        for r in c.get("rewards", [])]  # this process gave it (api._spec)
+    saved, now = st.get("config") or {}, to_dict(cfg)
     # (passes only set the steps; the steps move the schedule, a warm-up share's length too)
     fixed = cfg.lr_schedule != "constant" or 0 < cfg.warmup_steps < 1
     free = RESUME_FREE_KEYS - ({"steps"} if fixed else set())

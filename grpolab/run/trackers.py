@@ -81,7 +81,8 @@ def _text(value: Any) -> str:
 def sample_columns(groups: list[dict]) -> list[str]:
     """The table's columns: SAMPLE_COLUMNS, then each reward function's score when there are
     several (TRL's completions table)."""
-    return SAMPLE_COLUMNS + list(groups[0].get("per_reward", {}) if groups else [])
+    return SAMPLE_COLUMNS + [f"rewards/{n}" for n in (groups[0].get("per_reward", {})
+                                                      if groups else [])]
 
 
 def sample_rows(step: int, groups: list[dict]) -> list[list[Any]]:

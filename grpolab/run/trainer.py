@@ -71,8 +71,7 @@ class GRPOTrainer:
         self.heldout_rows = heldout_rows or []
         self.heldout_by_difficulty: dict[str, float] | None = None  # the last evaluation's
         self.scorer: Scorer = make_scorer(cfg, reward_fns)
-        self.watch_fn = watch_fn  # strict held-out check of the reward-hacking watch
-        self.watch = Watch(watch_fn, cfg.watch_margin, cfg.watch_window)
+        self.watch_fn, self.watch = watch_fn, Watch(watch_fn, cfg.watch_margin, cfg.watch_window)
         self.out_dir = Path(out_dir or cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = self.out_dir / "checkpoints"
@@ -93,8 +92,8 @@ class GRPOTrainer:
         self.critic = Critic(backend.model, cfg.critic_lr) if cfg.estimator == "ppo" else None
         self.entropy_control = EntropyControl(cfg)  # the entropy bonus's coefficient
         self.step_num, self.claimed = 0, False  # claimed: a new run's (freed by a mistake before step 1)
-        self.metrics: MetricsWriter | None = None
-        self.samples: MetricsWriter | None = None  # samples.jsonl (cfg.log_samples groups a step)
+        self.metrics: MetricsWriter | None = None  # metrics.jsonl, and samples.jsonl (cfg.
+        self.samples: MetricsWriter | None = None  # log_samples groups a step)
         self.stop = StopSignals()
         # settings a resume changed: {key: (the checkpoint's value, this run's)}
         self.resumed_changes: dict[str, tuple[Any, Any]] = {}
@@ -115,7 +114,7 @@ class GRPOTrainer:
                 return self._run(resume, on_step)
             except ValueError:  # (a reward failing at its first call: the rerun has the folder)
                 if self.claimed and self.step_num == 0 and dist.is_main():
-                    checkpoint.clear_run(self.out_dir)
+                    checkpoint.unclaim(self.out_dir)
                 raise
 
     def _run(self, resume: bool, on_step: Callable[[dict], None] | None) -> list:
@@ -129,7 +128,7 @@ class GRPOTrainer:
                   flush=True)
         if not resume:
             checkpoint.claim_out_dir(self.out_dir, cfg.overwrite)
-            self.run_id, self.claimed = checkpoint.new_run_id(), True
+            self.run_id = checkpoint.new_run_id()
         if cfg.save_model_every:  # (every rank reads it: all refuse together)
             export.check_free(self.out_dir, self.run_id)
         if dist.is_main():  # one writer; every rank computes the same global records
@@ -139,6 +138,7 @@ class GRPOTrainer:
                 self.samples = MetricsWriter(self.out_dir / "samples.jsonl", after, self.run_id, 1)
             checkpoint.write_config(self.out_dir, to_dict(cfg), start if resume else None,
                                     changed=bool(self.resumed_changes))
+            self.claimed = not resume  # (its files written: a mistake before step 1 takes them)
         if self.reporter:
             self.reporter.start(self)
         records = []
