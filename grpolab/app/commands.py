@@ -253,8 +253,7 @@ def _finish_train(cfg: Config, trainer: GRPOTrainer, title: str, heldout: list) 
                          f"{Path(cfg.model_path).name}")
     from grpolab.run.model_card import write_model_card
 
-    # whole or absent, whenever the run is stopped
-    save_model(backend, out / "final", full, lambda final: write_model_card(
+    save_model(backend, out / "final", full, lambda final: write_model_card(  # (whole or absent)
         final, cfg, summary, read_metrics(out / "metrics.jsonl"), len(heldout[: cfg.eval_size])))
     acc = (f", held-out acc {summary['start_heldout_acc']:.3f} -> "
            f"{summary['final_heldout_acc']:.3f} (greedy)" if heldout and cfg.eval_size
@@ -269,8 +268,9 @@ def _finish_train(cfg: Config, trainer: GRPOTrainer, title: str, heldout: list) 
               f"{summary['mean_dead_share']:.3f}; Brier {summary['posterior_dead_brier']:.3f} "
               f"(base rate {summary['posterior_dead_brier_base_rate']:.3f}), "
               f"see {out}/calibration.png")
-    print(f"trained {summary['steps']} step{'s' * (summary['steps'] != 1)}: mean reward {summary['mean_reward']:.3f}{acc}")
-    print(f"wrote {out}/metrics.jsonl, {out}/train.png and the model in {out}/final")
+    n = summary["steps"]
+    print(f"trained {n} step{'s' * (n != 1)}: mean reward {summary['mean_reward']:.3f}{acc}\n"
+          f"wrote {out}/metrics.jsonl, {out}/train.png and the model in {out}/final")
 
 
 def train(cfg: Config, resume: bool) -> int:

@@ -304,7 +304,6 @@ def mixture(layer: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-
 def with_revision(given: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's ``model_revision`` (a branch, tag or commit other than main; ``d``: every
     layer's keys) on the Hub id a layer names, or the one an earlier layer named: grpolab's

@@ -9,6 +9,7 @@ them back.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from grpolab.run import dist
 from grpolab.run.plots import plot_run
+
+log = logging.getLogger("grpolab")
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -201,9 +204,7 @@ class MetricsWriter:
         lost = sorted(set(range(first, resume_after_step + 1)) - {r.get("step") for r in keep})
         if lost and (old or not first):  # (a damaged or deleted log: said, not silently
             # short; ``first``: its first step; a samples log with no line: one just turned on)
-            import logging
-
-            logging.getLogger("grpolab").warning(
+            log.warning(
                 "%s has no readable line of step%s %s (damaged or removed?); the run goes on "
                 "from step %d without them", self.path, "s" * (len(lost) > 1),
                 ", ".join(map(str, lost[:10])) + (" ..." if len(lost) > 10 else ""),
