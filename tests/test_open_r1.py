@@ -297,7 +297,7 @@ def test_a_changed_save_each_pass_is_a_free_resume_change() -> None:
 
     c = make_config(None, {}, "train")
     later = dataclasses.replace(c, save_each_pass=True, checkpoint_every=5, save_model_every=5)
-    assert changed_settings({"config": to_dict(c)}, later, 0, None) == {}
+    assert changed_settings({"config": to_dict(c)}, later, [], None) == {}
 
 
 def test_each_pass_saves_and_the_system_prompt() -> None:

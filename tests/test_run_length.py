@@ -318,10 +318,10 @@ def test_resume_sees_a_warmup_share_move() -> None:
            "num_generations": 8}
     a = make_config(None, {**trl, "max_steps": 100}, "train")
     b = make_config(None, {**trl, "max_steps": 200}, "train")
-    assert changed_settings({"config": to_dict(a)}, b, 10, None) == {"steps": (100, 200)}
+    assert changed_settings({"config": to_dict(a)}, b, [], None) == {"steps": (100, 200)}
     p = with_length(make_config(None, {"passes": 2, "budget": 16, "group_size": 4}, "train"), 8)
     q = make_config({"passes": 2, "budget": 16, "group_size": 4}, {"steps": 4}, "train")
-    assert changed_settings({"config": to_dict(p)}, q, 8, None) == {}
+    assert changed_settings({"config": to_dict(p)}, q, [], None) == {}
 
 
 def test_api_takes_a_config_with_passes() -> None:

@@ -189,3 +189,15 @@ def test_the_default_folder_moves_past_other_files(tmp_path: Path,
     (tmp_path / "runs" / "workshop" / "config.json").write_text('{"model_type": "llama"}')
     cfg = make_config(None, {}, "workshop")
     assert choose_out_dir(cfg, "workshop").out_dir == f"{cfg.out_dir}-2"
+
+
+def test_a_resume_on_changed_rows_of_the_same_count_is_refused(tmp_path: Path) -> None:
+    """A checkpoint keeps its training rows' fingerprint: the same count of other rows (the
+    file edited, or reordered) is refused before anything loads, not trained on unsaid."""
+    tr = tiny_trainer(tmp_path, steps=1, checkpoint_every=1)
+    tr.train()
+    again = tiny_trainer(tmp_path, steps=2)
+    again.train_rows = again.rollouts.rows = list(reversed(again.train_rows))
+    with pytest.raises(ConfigError, match="other training rows than this run's, as many"):
+        again.train(resume=True)
+    assert tiny_trainer(tmp_path, steps=2).train(resume=True)[-1]["step"] == 2  # (its own rows)

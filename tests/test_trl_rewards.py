@@ -84,7 +84,7 @@ def test_a_resume_needs_the_python_rewards_it_was_given() -> None:
     cfg = make_config(None, {"rewards": ["exact"]}, "train")
     saved = {"config": {**vars(cfg), "rewards": ["grpolab.app.api:rewards.length_reward"]}}
     with pytest.raises(ConfigError, match="Python reward.s. length_reward given to grpolab"):
-        changed_settings(saved, cfg, 0, None)
+        changed_settings(saved, cfg, [], None)
     with pytest.raises(ValueError, match="'length_reward' was a Python callable given to"):
         load_reward("grpolab.app.api:rewards.length_reward")
 

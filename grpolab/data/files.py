@@ -351,3 +351,12 @@ def _warn_overlap(train: list[dict[str, Any]], held: list[dict[str, Any]]) -> No
         log.warning("%d of the %d eval_dataset prompts evaluated (eval_size) are also training "
                     "prompts: held-out accuracy on them measures recall, not generalisation",
                     both, len(held))
+
+
+def rows_digest(rows: list[dict[str, Any]]) -> str:
+    """A fingerprint of a run's training rows, in order (its checkpoints keep it: a resume on
+    rows that changed, their count or not, is refused)."""
+    import hashlib
+
+    text = json.dumps(rows, sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -24,6 +24,7 @@ import torch
 
 from grpolab.config import Config, ConfigError
 from grpolab.core import advantages as adv_mod
+from grpolab.data.files import rows_digest
 from grpolab.predict.alarm import NoSignalAlarm
 from grpolab.predict.allocate import allocate_by_kind, allocate_table, size_axis
 from grpolab.predict.curriculum import PromptSampler
@@ -98,6 +99,7 @@ class Collector:
     def __init__(self, cfg: Config, backend: Backend, rows: list[dict], scorer: Scorer,
                  generator: torch.Generator, sampler: PromptSampler) -> None:
         self.cfg, self.backend, self.rows, self.scorer = cfg, backend, rows, scorer
+        self._digest: str | None = None  # (the rows' fingerprint, once asked: state_dict)
         self.gen, self.sampler = generator, sampler
         # the config's sampling settings are what the backend draws with
         filters, built = Filters.of(cfg), getattr(backend, "filters", None)
@@ -269,6 +271,13 @@ class Collector:
             batch.rollout, batch.rows, batch.rewards = ro.select([]), [], rewards[:0]
             batch.rewards_per_fn = res.per_fn[:0]
         return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it: the pass-rate posteriors, and the fingerprint of the
+        rows they are of (``resume.changed_settings`` compares it)."""
+        if self._digest is None:  # (once: hashing every row at every checkpoint is waste)
+            self._digest = rows_digest(self.rows)
+        return {"pass_rates": self.tracker.state_dict(), "rows_sha256": self._digest}
 
     # ------------------------------------------------------------ measuring the groups --
     def outcomes(self, batch: Batch, sampled: torch.Tensor, sampled_ok: torch.Tensor,

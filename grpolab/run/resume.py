@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from grpolab.config import Config, ConfigError, to_dict
+from grpolab.data.files import rows_digest
 from grpolab.run.checkpoint import CheckpointError
 
 # Config keys a resume may change without changing the maths (micro_batch splits a step
@@ -28,11 +29,11 @@ DATA_KEYS = ("dataset", "eval_dataset", "dataset_size", "prompt_column", "answer
              "world_heldout_size", "world_top_share", "world_carry_share")
 
 
-def changed_settings(st: dict[str, Any], cfg: Config, rows: int,
+def changed_settings(st: dict[str, Any], cfg: Config, rows: list[dict[str, Any]],
                      path: Path | None) -> dict[str, tuple[Any, Any]]:
     """The settings this run changes from the checkpoint ``st``'s: {key: (saved, now)}, those
-    a resume may change freely left out; a checkpoint of other prompts (``rows`` training
-    prompts here) or with weight decay switched refused before anything is loaded."""
+    a resume may change freely left out; a checkpoint of other prompts (``rows``: this run's
+    training rows) or with weight decay switched refused before anything is loaded."""
     saved, now = st.get("config") or {}, to_dict(cfg)
     # (passes only set the steps; the steps move the schedule, a warm-up share's length too)
     fixed = cfg.lr_schedule != "constant" or 0 < cfg.warmup_steps < 1
@@ -56,10 +57,14 @@ def changed_settings(st: dict[str, Any], cfg: Config, rows: int,
                           f"{decay[1]!r}): decay on or off changes the optimiser's parameter "
                           "groups; resume with the run's weight_decay, or start a new run")
     saved_rows = len(st.get("sampler", {}).get("pass_rate", ()))
-    if saved_rows and saved_rows != rows:
+    if saved_rows and saved_rows != len(rows):
         raise ConfigError(f"{where} was written for a dataset of {saved_rows} prompts, this "
-                          f"run's has {rows} (the dataset file changed?); resume with the run's "
-                          "data, or start a new run")
+                          f"run's has {len(rows)} (the dataset file changed?); resume with the "
+                          "run's data, or start a new run")
+    if st.get("rows_sha256") not in (None, rows_digest(rows)):  # (older files: none kept)
+        raise ConfigError(f"{where} was written for other training rows than this run's, as "
+                          "many (the dataset file changed: rows edited or reordered?); resume "
+                          "with the run's data, or start a new run")
     return changed
 
 

@@ -353,7 +353,7 @@ class GRPOTrainer:
             "gen": self.gen.get_state(),
             "sampler_gen": self.sampler.generator.get_state(),
             "sampler": self.sampler.state_dict(),
-            "pass_rates": self.rollouts.tracker.state_dict(),  # the pass-rate posteriors
+            **self.rollouts.state_dict(),  # the pass-rate posteriors, the rows' fingerprint
             "torch_rng": torch.get_rng_state(),
             "world_size": dist.world_size(),
             "rank_rng": rank_rng,  # each rank samples from its own stream
@@ -370,7 +370,7 @@ class GRPOTrainer:
         """Put a checkpoint's content back (weights, optimiser, RNGs, sampler, posteriors,
         watch, alarm). A state written for another model shape (a changed lora_r, say) is a
         ConfigError naming the setting; other changed settings are warned about."""
-        changed = resume.changed_settings(st, self.cfg, len(self.train_rows), path)
+        changed = resume.changed_settings(st, self.cfg, self.train_rows, path)
         try:
             if st.get("dcp"):
                 checkpoint.load_sharded(st, path or self.ckpt_dir / checkpoint.LAST,
