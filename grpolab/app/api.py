@@ -304,7 +304,8 @@ def workshop(config: Config | dict | str | Path | None = None, *, resume: bool =
         cfg = _out_dir(_config(config, overrides, "workshop"), "workshop", resume)
         if not (sweep or variants or seeds):
             summary = run_workshop(cfg, resume=resume)
-            return _records(Path(cfg.out_dir), summary)
+            file = Path(cfg.out_dir) / "summary.json"  # (as train's: an undefined number None)
+            return _records(file.parent, json.loads(file.read_text()) if file.is_file() else summary)
         if resume:
             raise ConfigError("resume continues one run, not a sweep")
         run_sweep(cfg, list(sweep or [cfg.group_size]), list(variants or ["grpo"]),
