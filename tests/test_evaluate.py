@@ -109,7 +109,7 @@ def test_eval_help_and_out_dir_are_evals(tmp_path: Path, monkeypatch: pytest.Mon
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """eval's help says what a shared setting means to eval, and eval writes to --out-dir, else
     runs/eval: never into the training run's out_dir that a --config file names."""
-    from grpolab.app import commands
+    from grpolab.app import evaluate
 
     with pytest.raises(SystemExit):
         cli.main(["eval", "--help"])
@@ -123,7 +123,7 @@ def test_eval_help_and_out_dir_are_evals(tmp_path: Path, monkeypatch: pytest.Mon
     assert "comma-separated (q_proj,v_proj); all-linear = every" in text and "[all-" not in text
 
     seen: list[str] = []
-    monkeypatch.setattr(commands, "evaluate", lambda cfg, compare: seen.append(cfg.out_dir) or 0)
+    monkeypatch.setattr(evaluate, "evaluate", lambda cfg, compare: seen.append(cfg.out_dir) or 0)
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run.yaml"
     run.write_text("model_path: m\ndataset: d.jsonl\nout_dir: runs/train-x\n")

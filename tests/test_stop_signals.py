@@ -126,13 +126,16 @@ def test_a_signal_outside_a_run_is_one_line(tmp_path: Path, capsys: pytest.Captu
                                             said: str) -> None:
     """SIGTERM while grpolab eval works, or while train loads its model (before the run's own
     handlers): one line and 143, not a silent end."""
-    from grpolab.app import commands
+    from grpolab.app import commands, evaluate
 
     def signalled(*args: Any) -> int:
         os.kill(os.getpid(), signal.SIGTERM)
         return 0
 
-    monkeypatch.setattr(commands, "evaluate" if command == "eval" else "train", signalled)
+    if command == "eval":
+        monkeypatch.setattr(evaluate, "evaluate", signalled)
+    else:
+        monkeypatch.setattr(commands, "train", signalled)
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     code, err = run_cli([command, "--model-path", "m", "--dataset", "d.jsonl",
                          *(["--eval-dataset", "d.jsonl"] if command == "eval" else []),

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from grpolab.app import commands
+from grpolab.app import commands, evaluate
 from grpolab.app.commands import choose_out_dir
 from grpolab.config import Config, ConfigError, literal_fields, make_config, yamlsafe
 from grpolab.config.schema import command_defaults
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "workshop":
             return commands.workshop(cfg, args.sweep, args.variants, args.seeds, args.resume)
         if args.command == "eval":
-            return commands.evaluate(cfg, args.compare)
+            return evaluate.evaluate(cfg, args.compare)
         return commands.train(cfg, args.resume)
     except KeyboardInterrupt:
         print(f"grpolab: interrupted; {_kept(out_dir, args.command)}", file=sys.stderr)

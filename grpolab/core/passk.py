@@ -1,4 +1,4 @@
-"""The measures of ``grpolab eval`` (run by ``commands.run_eval``): pass@k and paired gains.
+"""The measures of ``grpolab eval`` (run by ``app.evaluate.run_eval``): pass@k and paired gains.
 
 RL with verifiable rewards is known to sharpen pass@1 while it can narrow pass@k for large k
 (the answers a model can reach at all); measuring both, before and after training, on the same
