@@ -166,8 +166,8 @@ def test_killed_run_resumes_bitwise(env: dict, reference: Path) -> None:
     assert [x.name for x in ckpt.iterdir() if ".tmp" in x.name] == []
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+@pytest.mark.slow  # (SIGUSR1 takes the same handler: tests/test_stop_signals.py runs it in
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])  # process, for the time)
 def test_sigterm_checkpoints_and_resumes_bitwise(env: dict, reference: Path,
                                                  sig: signal.Signals) -> None:
     """What a scheduler sends before preemption: the step in flight finishes, a checkpoint is
