@@ -73,10 +73,10 @@ def test_eval_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     # ... or of as many other prompts of the same dataset (another seed, a changed file)
     prompts = [json.loads(x)["prompt"] for x in (out / "completions.jsonl").read_text()
                .splitlines()][:7]
-    from grpolab.core.passk import prompts_digest
+    from grpolab.data.files import fingerprint
 
-    assert res["prompts_sha256"] == prompts_digest(prompts)
-    other.write_text(json.dumps({**res, "prompts_sha256": prompts_digest(prompts[::-1])}))
+    assert res["prompts_sha256"] == fingerprint(prompts)
+    other.write_text(json.dumps({**res, "prompts_sha256": fingerprint(prompts[::-1])}))
     assert cli.main([*argv[:-4], "--out-dir", str(out2), "--compare", str(other)]) == 2
     assert "but not the same ones" in capsys.readouterr().err
     other.write_text("[1, 2]")  # (JSON of another shape: refused before any work)

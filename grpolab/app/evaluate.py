@@ -27,9 +27,8 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
     Writes ``<out_dir>/eval.json`` (by difficulty too, when the rows have a ``difficulty``
     column) and every answer judged to ``<out_dir>/completions.jsonl``; returns eval.json's.
     ``same_as``: an earlier eval.json to compare with, checked to be of the same prompts first."""
-    from grpolab.core import passk
-    from grpolab.core.passk import ks_up_to, pass_at_k, standard_error
-    from grpolab.data.files import run_rows
+    from grpolab.core.passk import ks_up_to, pass_at_k, prompts_differ, standard_error
+    from grpolab.data.files import fingerprint, run_rows
     from grpolab.data.hub import is_hub_dataset, with_split
     from grpolab.run.report import by_difficulty
 
@@ -48,8 +47,8 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
     dataset = cfg.eval_dataset or cfg.dataset
     check_code_tests(cfg, (rows, dataset))
     which = {"dataset": dataset, "prompts": len(rows),
-             "prompts_sha256": passk.prompts_digest([r["prompt"] for r in rows])}
-    if same_as is not None and (why := passk.prompts_differ(same_as, which)):
+             "prompts_sha256": fingerprint([r["prompt"] for r in rows])}
+    if same_as is not None and (why := prompts_differ(same_as, which)):
         raise ConfigError(f"--compare: {why}; compare evaluations of the same prompts")
     scorer = make_scorer(cfg)
     check_columns(scorer.reward_fns, rows)

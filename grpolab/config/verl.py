@@ -114,10 +114,10 @@ def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
         if touched & set(keys) and not later.keys() & set(keys):
             try:
                 said = rule(d)
-            except (ValueError, TypeError) as e:  # (not ConfigError: a value the rule could not
-                if isinstance(e, ConfigError):    # read; named with the keys it was reading)
-                    raise
-                mine = ", ".join(f"{k}={d[k]!r}" for k in keys if k in touched)
+            except ConfigError:
+                raise
+            except (ValueError, TypeError) as e:  # (a value the rule could not read: named
+                mine = ", ".join(f"{k}={d[k]!r}" for k in keys if k in touched)  # with its keys)
                 raise ConfigError(f"{mine} (verl): cannot be read ({e})") from None
             for key, value in said.items():
                 put(key, value, next(k for k in keys if k in touched))

@@ -8,8 +8,6 @@ prompts and verifier, tells which happened. pass@k uses the unbiased estimator o
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from typing import Any
 
@@ -45,12 +43,6 @@ def standard_error(per_prompt: Tensor) -> float:
     """Standard error of a mean over prompts (sample std / sqrt(prompts))."""
     n = per_prompt.numel()
     return float(per_prompt.std() / n**0.5) if n > 1 else float("nan")
-
-
-def prompts_digest(prompts: list[Any]) -> str:
-    """A fingerprint of the prompts evaluated, in order (eval.json's ``prompts_sha256``)."""
-    text = json.dumps(prompts, sort_keys=True, default=str, ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def prompts_differ(a: Any, b: dict[str, Any]) -> str:

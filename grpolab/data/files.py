@@ -10,6 +10,7 @@ structured gold) are passed to rewards as they are.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -353,10 +354,9 @@ def _warn_overlap(train: list[dict[str, Any]], held: list[dict[str, Any]]) -> No
                     both, len(held))
 
 
-def rows_digest(rows: list[dict[str, Any]]) -> str:
-    """A fingerprint of a run's training rows, in order (its checkpoints keep it: a resume on
-    rows that changed, their count or not, is refused)."""
-    import hashlib
-
-    text = json.dumps(rows, sort_keys=True, default=str, ensure_ascii=False)
+def fingerprint(values: list[Any]) -> str:
+    """The sha256 of a list of rows or prompts, in order, as JSON: a run's training rows (its
+    checkpoints keep it: a resume on rows that changed, their count or not, is refused) and
+    the prompts ``grpolab eval`` measured (eval.json's ``prompts_sha256``)."""
+    text = json.dumps(values, sort_keys=True, default=str, ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()

@@ -262,7 +262,7 @@ def clear_run(out_dir: str | os.PathLike) -> None:
 
 def unclaim(out_dir: Path) -> None:
     """A new run's files (log, config) go after a mistake before step 1: the rerun's folder."""
-    for name in ("metrics.jsonl", "samples.jsonl", "config.json"):
+    for name in (*RUN_FILES, "config.json"):
         (Path(out_dir) / name).unlink(missing_ok=True)
 
 

@@ -24,7 +24,7 @@ import torch
 
 from grpolab.config import Config, ConfigError
 from grpolab.core import advantages as adv_mod
-from grpolab.data.files import rows_digest
+from grpolab.data.files import fingerprint
 from grpolab.predict.alarm import NoSignalAlarm
 from grpolab.predict.allocate import allocate_by_kind, allocate_table, size_axis
 from grpolab.predict.curriculum import PromptSampler
@@ -276,7 +276,7 @@ class Collector:
         """What a checkpoint keeps of it: the pass-rate posteriors, and the fingerprint of the
         rows they are of (``resume.changed_settings`` compares it)."""
         if self._digest is None:  # (once: hashing every row at every checkpoint is waste)
-            self._digest = rows_digest(self.rows)
+            self._digest = fingerprint(self.rows)
         return {"pass_rates": self.tracker.state_dict(), "rows_sha256": self._digest}
 
     # ------------------------------------------------------------ measuring the groups --

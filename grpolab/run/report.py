@@ -137,6 +137,7 @@ def sample_record(batch: Batch, group_size: int, groups: int,
     import torch
 
     from grpolab.core.advantages import dead_mask, unscored
+    from grpolab.run.heldout import plain
 
     sizes = (batch.group_sizes or [group_size] * (len(batch.rows) // group_size))[:groups]
     n = sum(sizes)
@@ -156,18 +157,14 @@ def sample_record(batch: Batch, group_size: int, groups: int,
             "prompt": row["prompt"],
             **({"answer": str(row["answer"])} if row.get("answer") is not None else {}),
             "completions": batch.rollout.completions[lo:hi],
-            "rewards": _nulls(rewards[lo:hi]),
-            **({"per_reward": {name: _nulls(per_fn[lo:hi, j]) for j, name in enumerate(names)}}
+            "rewards": plain(rewards[lo:hi]),
+            **({"per_reward": {name: plain(per_fn[lo:hi, j].float()) for j, name in enumerate(names)}}
                if names else {}),
             "advantages": adv[lo:hi].tolist(),
             "dead": bool(dead_mask(rewards[lo:hi], k)[0]),
         })
         lo = hi
     return out
-
-
-def _nulls(values: Tensor) -> list[float | None]:
-    return [None if math.isnan(x) else x for x in values.float().tolist()]
 
 
 class RunMismatchError(ValueError):

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from grpolab.config import Config, ConfigError, to_dict
-from grpolab.data.files import rows_digest
+from grpolab.data.files import fingerprint
 from grpolab.run.checkpoint import CheckpointError
 
 # Config keys a resume may change without changing the maths (micro_batch splits a step
@@ -61,7 +61,7 @@ def changed_settings(st: dict[str, Any], cfg: Config, rows: list[dict[str, Any]]
         raise ConfigError(f"{where} was written for a dataset of {saved_rows} prompts, this "
                           f"run's has {len(rows)} (the dataset file changed?); resume with the "
                           "run's data, or start a new run")
-    if st.get("rows_sha256") not in (None, rows_digest(rows)):  # (older files: none kept)
+    if st.get("rows_sha256") not in (None, fingerprint(rows)):  # (older files: none kept)
         raise ConfigError(f"{where} was written for other training rows than this run's, as "
                           "many (the dataset file changed: rows edited or reordered?); resume "
                           "with the run's data, or start a new run")
