@@ -2,6 +2,6 @@
 
 import sys
 
-from grpolab.app.cli import main
+from grpolab.app import main
 
 sys.exit(main())

@@ -225,6 +225,27 @@ def test_api_errors_name_keywords_not_flags(tmp_path: Path) -> None:
         grpolab.workshop(out_dir=str(tmp_path / "run"), steps=1)
 
 
+def test_api_warnings_are_shown_as_the_clis(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A program that configured no logging sees grpolab's warnings as the CLI prints them
+    (Python's last-resort handler printed them bare); one that did gets them its own way."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # (as a plain script: no pytest's)
+    with pytest.raises(grpolab.ConfigError):
+        grpolab.workshop(out_dir=str(tmp_path / "run"), logging_steps=3, group_size=0)
+    err = capsys.readouterr().err.splitlines()
+    assert err and err[0].startswith("grpolab: TRL settings left aside"), err
+    assert not logging.getLogger("grpolab").handlers  # (taken back after the call)
+    seen: list[str] = []
+    mine = logging.Handler()
+    mine.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    monkeypatch.setattr(logging.getLogger(), "handlers", [mine])
+    with pytest.raises(grpolab.ConfigError):
+        grpolab.workshop(out_dir=str(tmp_path / "run"), logging_steps=3, group_size=0)
+    assert capsys.readouterr().err == "" and seen[0].startswith("TRL settings left aside")
+
+
 def test_a_callable_given_again_resumes_its_run(llama: str, tmp_path: Path) -> None:
     """A notebook runs the cell that defines the reward again: a new function of the same name,
     the reward the run was written with, named so in every process; the resume takes it. A run

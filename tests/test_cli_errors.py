@@ -123,6 +123,29 @@ def test_real_process_prints_exactly_one_line(tmp_path: Path) -> None:
         assert p.stderr.count("\n") == 1 and p.stderr.startswith("grpolab: error: "), p.stderr
 
 
+def test_ctrl_c_while_torch_loads_is_one_line(tmp_path: Path) -> None:
+    """Ctrl-C in the second or two torch takes to load (before grpolab's own handling) ends
+    in one line and 130, as later; ``import grpolab`` itself loads no torch."""
+    script = ("import builtins, sys\n"
+              "real = builtins.__import__\n"
+              "def imp(name, *a, **k):\n"
+              "    if name == 'torch':\n"
+              "        raise KeyboardInterrupt\n"
+              "    return real(name, *a, **k)\n"
+              "import grpolab\n"
+              "assert 'torch' not in sys.modules and grpolab.__version__\n"
+              "builtins.__import__ = imp\n"
+              "from grpolab.app import main\n"
+              "sys.exit(main(['workshop', '--out-dir', sys.argv[1]]))\n")
+    p = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], check=False,
+                       capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stderr) == (130, "grpolab: interrupted; nothing was written\n")
+    assert not (tmp_path / "run").exists()
+    import grpolab  # (every name the package offers is there on first use)
+
+    assert all(callable(getattr(grpolab, name)) for name in grpolab.__all__)
+
+
 # ---------------------------------------------------------------- during training ----
 
 

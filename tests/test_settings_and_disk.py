@@ -53,6 +53,10 @@ def test_out_dir_that_is_a_file_or_read_only(tmp_path: Path, capsys: pytest.Capt
     assert code == 2 and err == [(f"grpolab: error: out_dir {tmp_path / 'afile'} is a file, "
                                   "not a folder")]
     assert (tmp_path / "afile").read_text() == "keep me"
+    code, err = run_cli(["workshop", "--out-dir", str(tmp_path / "afile" / "sub")], capsys)
+    assert code == 2 and err == [(f"grpolab: error: out_dir {tmp_path / 'afile' / 'sub'} cannot "
+                                  f"be made: {tmp_path / 'afile'} is a file")]
+    assert (tmp_path / "afile").read_text() == "keep me"
     ro = tmp_path / "ro"
     ro.mkdir()
     monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != ro)  # (root ignores chmod)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import sys
@@ -112,6 +113,23 @@ def _cli_errors() -> Iterator[None]:
         if err is None or err is e:
             raise
         raise err from e
+
+
+@contextlib.contextmanager
+def _warnings_shown() -> Iterator[None]:
+    """grpolab's warnings on stderr as the CLI shows them (``grpolab: ...``) for the call's
+    length, unless the program has configured logging itself (then they go where it says)."""
+    log = logging.getLogger("grpolab")
+    if log.handlers or logging.getLogger().handlers:
+        yield
+        return
+    shown = logging.StreamHandler()
+    shown.setFormatter(logging.Formatter("grpolab: %(message)s"))
+    log.addHandler(shown)
+    try:
+        yield
+    finally:
+        log.removeHandler(shown)
 
 
 def _keywords(message: str) -> str:
@@ -272,7 +290,7 @@ def train(config: Config | dict | str | Path | None = None, *, resume: bool = Fa
     from grpolab.app.commands import run_train
     from grpolab.run.checkpoint import out_dir_lock
 
-    with _cli_errors(), _online_kept():
+    with _cli_errors(), _warnings_shown(), _online_kept():
         config, overrides, held = _held_rows(config, _trainer_args(overrides))
         cfg = _config(config, overrides, "train")
         asked = resume_asked_by(config, overrides, cfg)
@@ -300,7 +318,7 @@ def workshop(config: Config | dict | str | Path | None = None, *, resume: bool =
 
     if "train_dataset" in overrides:  # (refused as dataset is: not the workshop's)
         overrides["dataset"] = overrides.pop("train_dataset")
-    with _cli_errors():
+    with _cli_errors(), _warnings_shown():
         cfg = _out_dir(_config(config, overrides, "workshop"), "workshop", resume)
         if not (sweep or variants or seeds):
             summary = run_workshop(cfg, resume=resume)

@@ -301,6 +301,8 @@ def choose_out_dir(cfg: Config, command: str, resume: bool = False) -> Config:
     probe = out
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"out_dir {cfg.out_dir} cannot be made: {probe} is a file")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"out_dir {cfg.out_dir} is not writable ({probe} is read-only)")
     if command == "eval":
