@@ -653,3 +653,14 @@ def test_a_mixtures_data_dir_is_a_folder_in_its_local_path(tmp_path, monkeypatch
     (tmp_path / "data" / "math").mkdir(parents=True)
     c = make_config(None, {"datasets": [{"path": "data", "data_dir": "math"}]}, "train")
     assert c.dataset == "data/math"
+
+
+def test_a_mixture_beside_dataset_name_is_said_once(tmp_path, caplog) -> None:
+    """The file's layer is read again as the overrides' context: its warning is the file's."""
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    file = {"datasets": [{"path": str(tmp_path / "d.jsonl")}], "dataset_name": "o/e"}
+    with caplog.at_level("WARNING", logger="grpolab"):
+        c = make_config(file, {"learning_rate": 1e-5}, "train")
+    assert c.dataset == str(tmp_path / "d.jsonl")
+    said = [r.getMessage() for r in caplog.records if "dataset_name left aside" in r.getMessage()]
+    assert len(said) == 1, said

@@ -188,7 +188,7 @@ def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,
     override's ``gradient_accumulation_steps`` multiply as in TRL. Only ``given``'s keys are
     translated, less those ``later`` sets again.
     """
-    later, earlier = mixture(later or {}), mixture(earlier or {})
+    later, earlier = mixture(later or {}, say=False), mixture(earlier or {}, say=False)
     given = with_revision(mixture(given), {**earlier, **given, **later})
     if "top_k" in given and given["top_k"] is None and "top_k" in later:
         given = {k: v for k, v in given.items() if k != "top_k"}  # (the later one is read)

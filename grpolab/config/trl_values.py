@@ -252,7 +252,7 @@ def schedule_options(d: dict[str, Any]) -> dict[str, Any]:
 _MIXTURE_ENTRY = {"path", "name", "data_dir", "data_files", "split", "columns", "fraction"}
 
 
-def mixture(layer: dict[str, Any]) -> dict[str, Any]:
+def mixture(layer: dict[str, Any], say: bool = True) -> dict[str, Any]:
     """TRL's dataset mixture (``datasets: [{path, name, split, ...}]``, its script's
     DatasetMixtureConfig) of one dataset, as its script's ``dataset_name`` keys (read as TRL's
     script reads them, ``dataset_spec``): ``path`` a Hub id in the local cache or a local
@@ -260,7 +260,8 @@ def mixture(layer: dict[str, Any]) -> dict[str, Any]:
     ``json``/``csv``/``parquet`` or none as its path), ``name`` its config, ``split``;
     ``columns`` and one entry's ``fraction`` change nothing here. Several datasets, or a
     ``test_split_size``, are refused in one line. ``datasets`` stays in the layer (a mixture
-    holds no test split: nothing is held out from it)."""
+    holds no test split: nothing is held out from it). ``say``: warn of a dataset_name left
+    aside (the layer being translated; not again where it is read as another's context)."""
     sets = layer.get("datasets")
     if not sets:
         return layer
@@ -293,7 +294,7 @@ def mixture(layer: dict[str, Any]) -> dict[str, Any]:
                               "folder: give the folder itself as path (a Hub dataset's subfolder "
                               "is not read)")
         path = os.path.join(path, str(entry["data_dir"]))
-    if layer.get("dataset_name"):  # (as TRL's script)
+    if say and layer.get("dataset_name"):  # (as TRL's script)
         logging.getLogger("grpolab").warning("datasets and dataset_name both given (TRL): "
                                              "datasets is read, dataset_name left aside")
     out = {**layer, "dataset_name": path}
