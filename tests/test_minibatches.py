@@ -128,7 +128,7 @@ def test_ppo_critic_steps_per_minibatch(tmp_path) -> None:
         ref.critic.opt.zero_grad()
         loss, _ = value_loss(ref.critic.values(ref.backend, part), scored.old_values[half, :w],
                              scored.returns[half, :w], part.completion_mask, ref.cfg.value_clip,
-                             int(part.completion_mask.sum()))
+                             (4, int(part.completion_mask.sum())), ref.cfg.loss_agg)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.critic.params, ref.cfg.grad_clip)
         ref.critic.opt.step()
@@ -167,3 +167,29 @@ def test_each_rank_must_split_its_share_evenly(over: dict, world: int, says: str
 def test_minibatches_that_cannot_be_equal_are_refused(over: dict, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         make_config(None, over, "workshop")
+
+
+def test_token_mean_by_batch_divides_each_step_by_the_batchs_share(tmp_path,
+                                                                  monkeypatch) -> None:
+    """token_mean_by batch (TRL's dapo with steps_per_generation): every micro-batch's loss is
+    over the sampled batch's tokens / minibatches; the statistics keep the step's own count."""
+    seen: list[dict] = []
+    real = update.grpo_loss
+
+    def spy(*args, **kw):
+        seen.append({k: kw[k] for k in ("global_tokens", "loss_tokens")})
+        return real(*args, **kw)
+
+    monkeypatch.setattr(update, "grpo_loss", spy)
+    tr = world_trainer(tmp_path, minibatches=2, minibatch_order="shuffled", loss_agg="token_mean",
+                       token_mean_by="batch", micro_batch=4)
+    batch = tr.collect()
+    tr.update(batch)
+    total = int(batch.rollout.completion_mask.sum())
+    assert len(seen) == 8 and {s["loss_tokens"] for s in seen} == {total / 2}  # 2 x 4 micro
+    steps = [{s["global_tokens"] for s in seen[i:i + 4]} for i in (0, 4)]
+    assert all(len(x) == 1 for x in steps) and sum(x.pop() for x in steps) == total
+    seen.clear()
+    tr.cfg = make_config(None, {**tr.cfg.__dict__, "token_mean_by": "minibatch"})
+    tr.update(batch)
+    assert {s["loss_tokens"] for s in seen} == {None}

@@ -28,7 +28,7 @@ trl = pytest.importorskip("trl")
 from trl import GRPOConfig, GRPOTrainer, ModelConfig
 from trl import rewards as trl_rewards
 from trl.trainer.utils import entropy_from_logits
-from trl_harness import bare_trainer, trl_advantages, trl_loss
+from trl_harness import bare_trainer, trl_advantages, trl_loss, trl_step_loss
 
 pytestmark = pytest.mark.trl
 
@@ -488,3 +488,35 @@ def test_generation_batch_and_its_optimiser_steps_are_trls(tmp_path, over: dict)
     assert c.micro_batch == t.per_device_train_batch_size
     assert c.epochs == t.num_iterations
 
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo", "grpo"])
+def test_several_steps_a_generation_divide_as_trl(loss_type: str) -> None:
+    """steps_per_generation 2 over one accumulation: TRL's dapo, cispo and vespo divide each
+    step's token sum by the generation batch's tokens / 2 (num_items_in_batch spans it), not
+    by the step's own; grpolab's token_mean_by batch. Steps of 9 and 18 tokens; grpo (a mean
+    per answer) is as before."""
+    cfg = make_config(None, {"loss_type": loss_type, "steps_per_generation": 2, "beta": 0.04,
+                             "per_device_train_batch_size": 3, "num_generations": 3}, "train")
+    assert cfg.minibatches == 2 and cfg.micro_batch == 3
+    logp, old, ref, adv, mask = pair(41, b=6, t=6, spread=0.3)
+    mask[:3] = 0
+    mask[:3, :3] = 1  # step 1: 9 tokens; step 2: 18
+    mask[3:] = 1
+    items = mask.sum()
+    from grpolab.core.policy_losses import policy_knobs
+
+    tr = bare_trainer(loss_type=loss_type, beta=0.04,
+                      epsilon_high=cfg.cispo_max if loss_type == "cispo" else 0.2)
+    tr.args.steps_per_generation = 2
+    for rows in (slice(0, 3), slice(3, 6)):
+        m = mask[rows]
+        batch_share = float(items) / cfg.minibatches if cfg.token_mean_by == "batch" else None
+        agree(lambda rows=rows, m=m, share=batch_share: grpo_loss(
+                  logp[rows], old[rows], ref[rows], adv[rows], m, beta=cfg.beta,
+                  agg=cfg.loss_agg, policy_loss=cfg.policy_loss,
+                  **{k: getattr(cfg, k) for k in policy_knobs(cfg.policy_loss)},
+                  global_rows=3, global_tokens=int(m.sum()), loss_tokens=share).loss,
+              lambda rows=rows, m=m: trl_step_loss(tr, logp[rows], old[rows], ref[rows],
+                                                   adv[rows], m, torch.zeros(3, 6), items),
+              logp)

@@ -114,6 +114,45 @@ def test_gmpo_matches_verl_geo_mean(eps_low: float, eps_high: float) -> None:
           logp)
 
 
+def _config_loss(cfg: Any, logp, old, ref, adv, mask, **split: int):
+    """grpo_loss as the trainer calls it (run.update._part_loss) with ``cfg``'s settings."""
+    from grpolab.core.policy_losses import policy_knobs
+
+    return grpo_loss(logp, old, ref, adv, mask, beta=cfg.beta, agg=cfg.loss_agg,
+                     policy_loss=cfg.policy_loss, kl_estimator=cfg.kl_estimator,
+                     entropy_agg=cfg.entropy_agg, policy_agg=cfg.policy_agg,
+                     **{k: getattr(cfg, k) for k in policy_knobs(cfg.policy_loss)}, **split).loss
+
+
+@pytest.mark.parametrize(("mode", "extra"), [("sapo", {}), ("geo_mean", {}), ("gspo", {
+    "clip_ratio_low": 0.01, "clip_ratio_high": 0.02}), ("vanilla", {})])
+def test_a_verl_config_gives_verls_whole_actor_loss(mode: str, extra: dict) -> None:
+    """verl's actor loss, read from its config: the policy loss (SAPO's and geo_mean's mean per
+    answer whatever loss_agg_mode says; GSPO without the dual clip clip_ratio_c gives the
+    vanilla loss) plus kl_loss_coef x its KL aggregated as loss_agg_mode."""
+    from grpolab.config import make_config
+
+    a = "actor_rollout_ref.actor."
+    cfg = make_config(None, {a + "policy_loss.loss_mode": mode, a + "loss_agg_mode": "token-mean",
+                             a + "use_kl_loss": True, a + "kl_loss_coef": 0.1,
+                             a + "kl_loss_type": "low_var_kl", a + "clip_ratio_c": 2.0,
+                             **{a + k: v for k, v in extra.items()}}, "train")
+    logp, old, ref, adv, mask = pair(37, spread=1.0)
+    kl = verl_functions("kl_penalty", "kl_penalty_forward")["kl_penalty"]
+    agg = verl_functions("agg_loss")["agg_loss"]
+
+    def theirs():
+        policy = verl_loss(mode, logp, old, adv, mask, "token_mean", clip_ratio_c=2.0, **extra)
+        return policy + 0.1 * agg(kl(logp, ref, "low_var_kl"), mask.float(), "token-mean")
+
+    agree(lambda: _config_loss(cfg, logp, old, ref, adv, mask), theirs, logp)
+    # micro-batches' shares of the whole (the KL's by tokens, the policy term's by answers)
+    rows, tokens = mask.shape[0], int(mask.sum())
+    parts = [_config_loss(cfg, logp[i], old[i], ref[i], adv[i], mask[i], global_rows=rows,
+                          global_tokens=tokens) for i in (slice(0, 2), slice(2, None))]
+    assert float(sum(parts).detach()) == pytest.approx(float(theirs().detach()), rel=1e-5)
+
+
 @pytest.mark.parametrize(("ours", "theirs"), [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl")])
 def test_kl_estimators_match_verl(ours: str, theirs: str) -> None:
     """grpolab's KL estimators against verl's kl_penalty (actor.kl_loss_type / kl_penalty),
@@ -238,6 +277,37 @@ def test_gpg_advantage_matches_verl() -> None:
     assert float(torch.count_nonzero(rewards)) < 24 and bool((got[8:12] == 0).all())
     ragged = A.group_advantages_ragged(rewards, A.group_ids_from_sizes([4] * 6), scale="gpg")
     torch.testing.assert_close(ragged, want[:, 0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_vectorized", "rloo", "rloo_vectorized"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_verls_group_advantages_from_its_config(name: str, norm: bool) -> None:
+    """verl's GRPO and RLOO advantages (the loop and the vectorized forms) against grpolab's
+    reading of its config (with verl's sample std + 1e-6, which grpolab's defaults are not):
+    random rewards, a dead group all right, one all wrong, one of equal fractions; Dr. GRPO's
+    norm_adv_by_std_in_grpo=False (read by verl's grpo only, as here)."""
+    import numpy as np
+
+    from grpolab.config import make_config
+    from grpolab.run.update import advantages
+
+    g = torch.Generator().manual_seed(6)
+    rewards = torch.rand(32, generator=g)
+    rewards[:16] = (rewards[:16] > 0.5).float()
+    rewards[16:20], rewards[20:24], rewards[24:28] = 1.0, 0.0, 0.25
+    cfg = make_config(None, {"algorithm.adv_estimator": name, "std": "sample", "std_eps": 1e-6,
+                             "algorithm.norm_adv_by_std_in_grpo": norm,
+                             "actor_rollout_ref.rollout.n": 4}, "train")
+    fn_name = f"compute_{name.split('_')[0]}{'_vectorized' * name.endswith('vectorized')}"
+    ns = verl_functions(f"{fn_name}_outcome_advantage")
+    token_rewards = torch.zeros(32, 3)
+    token_rewards[:, -1] = rewards
+    told = {"norm_adv_by_std_in_grpo": norm} if name == "grpo" else {}  # (verl's compute_advantage)
+    want, _ = ns[f"{fn_name}_outcome_advantage"](token_rewards, torch.ones(32, 3),
+                                                 np.repeat(np.arange(8), 4), epsilon=1e-6, **told)
+    got = advantages(cfg, rewards)
+    torch.testing.assert_close(got, want[:, 0].float(), rtol=1e-5, atol=1e-6)
+    assert bool((got[16:28] == 0).all())  # dead groups: exactly 0 in grpolab
 
 
 def test_token_sum_norm_divides_by_verls_loss_scale_factor() -> None:

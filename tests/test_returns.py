@@ -195,21 +195,21 @@ def test_value_loss_clips_around_the_old_value() -> None:
 
     old, ret, m = torch.tensor([[0.0, 0.0]]), torch.tensor([[1.0, 1.0]]), torch.ones(1, 2)
     v = torch.tensor([[2.0, 0.4]], requires_grad=True)
-    loss, hit = value_loss(v, old, ret, m, 0.5, tokens=2)
+    loss, hit = value_loss(v, old, ret, m, 0.5, (1, 2))
     # token 0: (2-1)^2 = 1 vs clipped (0.5-1)^2 = 0.25 -> 1; token 1: 0.36 vs (0.4-1)^2 -> 0.36
     assert float(loss.detach()) == pytest.approx(0.5 * (1 + 0.36) / 2) and hit == 0.0
     v2 = torch.tensor([[-1.0, 0.0]], requires_grad=True)  # moving away past the clip
-    loss2, hit2 = value_loss(v2, old, ret, m, 0.5, tokens=2)
+    loss2, hit2 = value_loss(v2, old, ret, m, 0.5, (1, 2))
     # token 0: (-1-1)^2 = 4 vs clipped (-0.5-1)^2 = 2.25 -> 4 (the unclipped term decides)
     assert float(loss2.detach()) == pytest.approx(0.5 * (4 + 1) / 2) and hit2 == 0.0
     v3 = torch.tensor([[3.0, 1.0]], requires_grad=True)
-    loss3, hit3 = value_loss(v3, torch.tensor([[2.0, 1.0]]), ret, m, 0.5, tokens=2)
+    loss3, hit3 = value_loss(v3, torch.tensor([[2.0, 1.0]]), ret, m, 0.5, (1, 2))
     assert hit3 == 0.0
     # token 0: (3-1)^2 = 4 vs clipped (2.5-1)^2 = 2.25 -> 4; nothing clipped decides
     loss3.backward()
     assert v3.grad.flatten().tolist() == pytest.approx([0.5 * 2 * 2 / 2, 0.0])
     v4 = torch.tensor([[1.2, 1.0]], requires_grad=True)  # old 0 +- 0.5: both clipped to 0.5
-    loss4, hit4 = value_loss(v4, old, ret, m, 0.5, tokens=2)
+    loss4, hit4 = value_loss(v4, old, ret, m, 0.5, (1, 2))
     # (0.5 - 1)^2 = 0.25 beats 0.04 and 0: the clipped term decides at both tokens
     assert float(loss4.detach()) == pytest.approx(0.5 * (0.25 + 0.25) / 2) and hit4 == 1.0
     loss4.backward()
@@ -230,11 +230,16 @@ def test_gae_and_value_loss_equal_verl(gamma: float, lam: float) -> None:
     torch.testing.assert_close(adv * mask, want_adv * mask, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ret * mask, want_ret * mask, atol=1e-5, rtol=1e-5)
     v = values + 0.8 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(5))
-    ours, frac = value_loss(v, values, ret, mask, 0.5, tokens=int(mask.sum()))
-    theirs, their_frac = verl["compute_value_loss"](v, ret, values, mask.float(), 0.5,
-                                                    loss_agg_mode="token-mean")
-    assert float(ours) == pytest.approx(float(theirs), rel=1e-5)
-    assert frac == pytest.approx(float(their_frac), rel=1e-5)
+    counts = (mask.shape[0], int(mask.sum()))
+    for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):  # (verl's critic:
+        ours, frac = value_loss(v, values, ret, mask, 0.5, counts, agg)  # the actor's agg)
+        theirs, their_frac = verl["compute_value_loss"](v, ret, values, mask.float(), 0.5,
+                                                        loss_agg_mode=agg.replace("_", "-"))
+        assert float(ours) == pytest.approx(float(theirs), rel=1e-5), agg
+        assert frac == pytest.approx(float(their_frac), rel=1e-5)
+        halves = [value_loss(v[i], values[i], ret[i], mask[i], 0.5, counts, agg)[0]
+                  for i in (slice(0, 4), slice(4, None))]  # micro-batches: shares of the whole
+        assert float(sum(halves)) == pytest.approx(float(theirs), rel=1e-5), agg
 
 
 def ppo_trainer(out: Path, **over: Any) -> Any:

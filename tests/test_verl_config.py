@@ -333,6 +333,7 @@ def test_resume_mode_is_resume_as_verl_means_it(tmp_path) -> None:
     ({"data.train_files": "t.parquet", "reward_model.enable": False}, "without a reward"),
     ({"trainer.logger": ["console", "swanlab"]}, "swanlab is not one of"),
     ({"critic.model.path": "other", M + "path": "runs/x"}, "a copy of the policy"),
+    ({"critic.loss_agg_mode": "seq-mean-token-mean"}, "value loss takes the actor's"),
     ({"data.train_files": ["a.parquet", "b.parquet"]}, "grpolab reads one file or folder"),
     ({R + "name": "sglang"}, "grpolab samples with hf or vllm"),
     ({R + "do_sample": False}, "greedy groups"),

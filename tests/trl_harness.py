@@ -79,9 +79,11 @@ def adaptive_trainer(args: dict, **over) -> GRPOTrainer:
     return tr
 
 
-def trl_step_loss(tr: GRPOTrainer, logp, old, ref, adv, mask, entropies) -> torch.Tensor:
+def trl_step_loss(tr: GRPOTrainer, logp, old, ref, adv, mask, entropies,
+                  items=None) -> torch.Tensor:
     """One optimiser step's loss of the bare trainer ``tr`` (one micro-batch; its state, such
-    as the adaptive entropy controller's, carried from step to step)."""
+    as the adaptive entropy controller's, carried from step to step); ``items``: the
+    generation batch's tokens (TRL's num_items_in_batch; default this step's)."""
     b, t = logp.shape
     tr.max_completion_length = t
     tr._get_per_token_logps_and_entropies = lambda *a, **k: (logp, entropies, None)
@@ -89,7 +91,7 @@ def trl_step_loss(tr: GRPOTrainer, logp, old, ref, adv, mask, entropies) -> torc
               "prompt_mask": torch.ones(b, 1, dtype=torch.long),
               "completion_ids": torch.zeros(b, t, dtype=torch.long), "completion_mask": mask,
               "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": mask.sum()}
+              "num_items_in_batch": mask.sum() if items is None else items}
     return GRPOTrainer._compute_loss(tr, None, inputs)
 
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 import ast
 import importlib.util
 import math
+import os
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,9 +31,12 @@ def verl_functions(*names: str) -> dict[str, Any]:
                           "ActorConfig": object,  # the tests' configs are namespaces
                           "math": math, "Optimizer": torch.optim.Optimizer,
                           "LambdaLR": torch.optim.lr_scheduler.LambdaLR}  # (the schedules')
+    ns.update(np=np, os=os, get_device_name=lambda: "cpu")  # (groupwise's, on the CPU)
     helpers = ("masked_sum", "masked_mean", "masked_var", "masked_whiten")
+    grouped = ("_resolve_device", "_to_1d_numpy_object_array", "as_torch_index", "group_mean_std")
     names = (*names, "agg_loss") if "agg_loss" not in names else names
     for file, wanted in (("utils/torch_functional.py", (*helpers, *names)),
+                         ("utils/groupwise.py", grouped),  # (the vectorized estimators')
                          ("trainer/ppo/core_algos.py", names)):
         tree = ast.parse((root / file).read_text())
         for node in tree.body:

@@ -2,7 +2,8 @@
 (``validate``), with TRL's names accepted (``trl``)."""
 
 from grpolab.config.load import load_yaml, make_config, to_dict
-from grpolab.config.schema import Config, ConfigError, Speed, literal_fields
+from grpolab.config.schema import Config, ConfigError, literal_fields
+from grpolab.config.speed import Speed
 from grpolab.config.validate import resolve, validate
 from grpolab.config.values import coerce
 

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from grpolab.config.speed import Speed
 from grpolab.core.advantages import (
     ADVANTAGE_BASELINES,
     ADVANTAGE_SCALES,
@@ -34,6 +35,7 @@ Baseline = Literal[tuple(ADVANTAGE_BASELINES)]  # type: ignore[valid-type]
 Scale = Literal[tuple(ADVANTAGE_SCALES)]  # type: ignore[valid-type]
 StdKind = Literal[tuple(STD_KINDS)]  # type: ignore[valid-type]
 RewardAggregation = Literal[tuple(REWARD_AGGREGATIONS)]  # type: ignore[valid-type]
+PolicyAgg = Literal[("loss", *LOSS_AGGREGATIONS)]  # type: ignore[valid-type]
 AllocationObjective = Literal[tuple(ALLOCATION_OBJECTIVES)]  # type: ignore[valid-type]
 PassRatePrior = Literal[tuple(PASS_RATE_PRIORS)]  # type: ignore[valid-type]
 Estimator = Literal[("grpo", *ESTIMATORS, "ppo")]  # type: ignore[valid-type]
@@ -66,24 +68,6 @@ def opt(default: Any, commands: tuple[str, ...], help: str, eval_help: str = "",
 
 def _copy(value: Any) -> Any:
     return dataclasses.replace(value) if dataclasses.is_dataclass(value) else type(value)(value)
-
-
-@dataclass
-class Speed:
-    """The speed paths: each computes the same maths as the plain path (up to float rounding)
-    and is on by default; switching one off measures what it buys. Recorded with the run."""
-
-    lean_forward: bool = True  # Llama-family and GPT-2 models on grpolab's forward (fastlm)
-    # CPU: sample on LoRA-merged, oneDNN-prepacked weights; CUDA: the GPU's decode and
-    # training layouts (merged q/k/v, stacked adapters; fastlm.FastLM.cuda_layout)
-    cpu_pack: bool = True
-    score_pack: bool = True  # CPU: scoring's frozen linears on oneDNN copies (with cpu_pack)
-    early_exit: bool = True  # finished answers leave the decode batch
-    length_buckets: bool = True  # answers of unequal length scored in length buckets
-    head_grad_in_forward: bool = True  # a frozen LM head's input gradient made in forward
-    # CUDA: decoding at a fixed shape, each step a replayed CUDA graph; the decoder and its
-    # graphs kept for later sampling calls of as many rows (its cache stays allocated)
-    graph_decode: bool = True
 
 
 @dataclass
@@ -227,6 +211,12 @@ class Config:
     loss_agg: LossAgg = opt(
         "seq_mean_token_mean", RUN,
         "how token losses become one number (TRL loss_type)")
+    policy_agg: PolicyAgg = opt(
+        "loss", RUN, "the policy term's mean where not loss_agg's, its KL and entropy as "
+        "loss_agg (verl's sapo and geo_mean: seq_mean_token_mean)")
+    token_mean_by: Literal["minibatch", "batch"] = opt(
+        "minibatch", RUN, "token_mean's divisor: an optimiser step's tokens (verl's) or the "
+        "sampled batch's / minibatches (TRL's dapo, cispo, vespo with steps_per_generation)")
     loss_norm_len: int = opt(0, RUN, "seq_mean_token_sum_norm's divisor; 0: max_new_tokens")
     estimator: Estimator = opt(
         "grpo", RUN,

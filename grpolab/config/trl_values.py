@@ -117,9 +117,11 @@ def batch_settings(d: dict[str, Any], group: Any, check: bool = True) -> dict[st
     """TRL's batch settings as grpolab's ``budget`` (answers sampled at once, over all
     processes: one generation batch), ``minibatches`` (optimiser steps on it, each on a random
     share of it, as TRL deals its shuffled buffer out; with ``steps_per_generation`` > the
-    accumulation) and ``micro_batch`` (rows per forward/backward). ``group``: the run's group
-    size (None: 8, TRL's and grpolab's default); with ``check``, it must divide the generation
-    batch, said in TRL's terms (the budget comes from them)."""
+    accumulation; then for dapo, cispo and vespo each step's token sum over the generation
+    batch's tokens / its steps, ``token_mean_by``) and ``micro_batch`` (rows per
+    forward/backward). ``group``: the run's group size (None: 8, TRL's and grpolab's
+    default); with ``check``, it must divide the generation batch, said in TRL's terms (the
+    budget comes from them)."""
     per = whole_count(d, "per_device_train_batch_size", 8)
     acc = whole_count(d, "gradient_accumulation_steps", 1)
     k = generation_steps(d)
@@ -136,6 +138,8 @@ def batch_settings(d: dict[str, Any], group: Any, check: bool = True) -> dict[st
     out: dict[str, Any] = {"budget": answers, "micro_batch": per}
     if k > 1:
         out.update(minibatches=k, minibatch_order="shuffled")
+        if as_word(d.get("loss_type", "dapo")) in ("dapo", "cispo", "vespo"):  # (TRL divides
+            out["token_mean_by"] = "batch"  # by the generation batch's tokens / its steps)
     return out
 
 def warmup_batches(d: dict[str, Any], per_sample: int) -> Any:

@@ -12,7 +12,8 @@ from typing import Any, Literal
 import yaml
 
 from grpolab.config import yamlsafe
-from grpolab.config.schema import ConfigError, Speed, field_types
+from grpolab.config.schema import ConfigError, field_types
+from grpolab.config.speed import Speed
 
 
 def unknown_key(name: str, known: list[str], command: str = "workshop") -> ConfigError:

@@ -119,9 +119,12 @@ def _loss(d: dict[str, Any]) -> dict[str, Any]:
                           f"grpolab reads {', '.join(_LOSS_MODES)}")
     if A + "policy_loss.loss_mode" in d:  # (else grpolab's policy_loss, if given, stands)
         out["policy_loss"] = _LOSS_MODES[mode]
+        if mode in ("sapo", "geo_mean"):  # (verl's: the policy term so, whatever loss_agg_mode)
+            out["policy_agg"] = "seq_mean_token_mean"
     if A + "clip_ratio_c" in d:  # the dual clip; for DPPO the importance weight's cap
-        dppo = _LOSS_MODES[mode] if A + "policy_loss.loss_mode" in d else d.get("policy_loss")
-        out["dppo_cap" if str(dppo).startswith("dppo") else "dual_clip"] = d[A + "clip_ratio_c"]
+        loss = _LOSS_MODES[mode] if A + "policy_loss.loss_mode" in d else d.get("policy_loss")
+        if loss != "gspo":  # (verl's gspo has no dual clip)
+            out["dppo_cap" if str(loss).startswith("dppo") else "dual_clip"] = d[A + "clip_ratio_c"]
     if mode == "cispo":  # verl's bounds on the weight: 1 - low and 1 + high
         out["cispo_min"] = 1 - float(d.get(A + "clip_ratio_low", 0.2))
         out["cispo_max"] = 1 + float(d.get(A + "clip_ratio_high", 0.2))
@@ -356,6 +359,10 @@ def _critic(d: dict[str, Any]) -> dict[str, Any]:
                        ("critic.ppo_epochs", A + "ppo_epochs")):
         if key in d and str(d[key]) != str(d.get(actor, VERL_DEFAULTS.get(actor, 1))):
             raise ConfigError(f"{key} (verl): grpolab's value model takes the actor's ({actor})")
+    own = as_word(d.get("critic.loss_agg_mode", d.get(A + "loss_agg_mode", "token-mean")))
+    if own != as_word(d.get(A + "loss_agg_mode", "token-mean")):  # (verl's default: the actor's)
+        raise ConfigError("critic.loss_agg_mode (verl): grpolab's value loss takes the actor's "
+                          f"({A}loss_agg_mode)")
     return {}
 
 
@@ -416,7 +423,8 @@ RULES = (
     ((A + "optim.lr_scheduler_type", A + "optim.warmup_style", A + "optim.lr_warmup_steps",
       A + "optim.lr_warmup_steps_ratio", A + "optim.betas", A + "optim.optimizer",
       A + "optim.num_cycles", A + "optim.zero_indexed_step"), _schedule),
-    (("critic.model.path", "critic.ppo_mini_batch_size", "critic.ppo_epochs"), _critic),
+    (("critic.model.path", "critic.ppo_mini_batch_size", "critic.ppo_epochs",
+      "critic.loss_agg_mode"), _critic),
     (("algorithm.filter_groups.enable", "algorithm.filter_groups.metric",
       "algorithm.filter_groups.max_num_gen_batches", "data.gen_batch_size"), _filter_groups),
 )

@@ -188,10 +188,12 @@ def grpo_loss(
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     entropy_agg: str | None = None,
+    policy_agg: str | None = None,
     top_entropy_quantile: float = 1.0,
     off_policy_mask: float = 0.0,
     global_rows: int | None = None,
     global_tokens: int | None = None,
+    loss_tokens: float | None = None,
     **knobs: float,
 ) -> LossOut:
     """Policy loss plus beta * KL per token, aggregated as ``agg`` says, minus an entropy bonus.
@@ -204,8 +206,11 @@ def grpo_loss(
     needed for ``top_entropy_quantile`` < 1 (the policy loss keeps only that top share of tokens
     by entropy; KL is kept on every token, as in TRL) and for ``entropy_coef`` > 0 (the loss
     subtracts coef x the entropy over the tokens trained on, aggregated as ``entropy_agg``:
-    None, like the loss, as verl does; ``token_mean``, as TRL always does). ``off_policy_mask``
-    > 0 drops the policy loss of the answers ``off_policy_keep`` drops (the KL term stays).
+    None (or "loss"), like the loss, as verl does; ``token_mean``, as TRL always does).
+    ``policy_agg``: the policy term's own aggregation where not ``agg`` (None or "loss": as
+    ``agg``); verl's sapo and geo_mean aggregate it as seq_mean_token_mean whatever its
+    loss_agg_mode, their KL and entropy terms as ``agg``. ``off_policy_mask`` > 0 drops the
+    policy loss of the answers ``off_policy_keep`` drops (the KL term stays).
 
     With one optimisation pass ``old_logp`` is ``logp.detach()``: the ratio is 1, its gradient
     is the policy gradient, and clipping never bites.
@@ -215,6 +220,10 @@ def grpo_loss(
     part's share of the global values (its replies, or for ``token_mean`` its tokens, over the
     global count) and the token statistics (kl, clip_frac, entropy, the shares) its share
     of the tokens: summing the parts gives the whole batch's numbers and gradient.
+    ``loss_tokens``: a token mean's divisor for the loss where it is not ``global_tokens``
+    (TRL's dapo, cispo and vespo with several optimiser steps a generation: the generation
+    batch's tokens over its steps); the statistics and the entropy bonus keep
+    ``global_tokens``.
     """
     fn = POLICY_LOSSES.get(policy_loss)
     if fn is None:
@@ -237,8 +246,10 @@ def grpo_loss(
         kept = off_policy_keep(logp, old_logp, advantages, mask, off_policy_mask)
         surrogate = surrogate * kept
         dropped = (1 - kept).expand_as(m) * m
+    entropy_agg, policy_agg = (None if x == "loss" else x for x in (entropy_agg, policy_agg))
+    main = policy_agg or agg  # the policy term's aggregation
     per_token = surrogate
-    kl_val = 0.0
+    kl_val, kl_term = 0.0, None  # kl_term: the KL aggregated apart (as agg, not as main)
     if beta > 0 and ref_logp is not None:
         kl_fn = KL_ESTIMATORS.get(kl_estimator)
         if kl_fn is None:
@@ -246,14 +257,17 @@ def grpo_loss(
         kl = kl_fn(logp, ref_logp)
         if kl_is_correction:
             kl = kl * terms.ratio
-        per_token = per_token + beta * kl
+        if main == agg:
+            per_token = per_token + beta * kl
+        else:  # (verl: the policy loss + kl_loss_coef x agg_loss(kl, loss_agg_mode))
+            kl_term = beta * aggregate(kl, mask, agg, norm_len)
         kl_val = float(((kl * m).sum() / m.sum().clamp(min=1)).detach())
-    loss = aggregate(per_token, mask, agg, norm_len)
+    loss = aggregate(per_token, mask, main, norm_len)
     trained = m if keep is None else m * keep.to(m.dtype)
     bonus = None  # an entropy bonus aggregated otherwise than the loss, subtracted after
     if entropy_coef and entropy is not None:
         bonus = entropy_coef * aggregate(entropy, trained, entropy_agg or agg, norm_len)
-        if (entropy_agg or agg) == agg:
+        if (entropy_agg or agg) == main and loss_tokens is None:
             loss, bonus = loss - bonus, None
     elif entropy_coef:
         raise ValueError("entropy_coef > 0 needs the per-token entropies")
@@ -261,7 +275,7 @@ def grpo_loss(
     ent_val = None if entropy is None else float((entropy.detach() * m).sum() / denom)
     out = LossOut(
         loss=loss,
-        policy_loss=float(aggregate(surrogate.detach(), mask, agg, norm_len)),
+        policy_loss=float(aggregate(surrogate.detach(), mask, main, norm_len)),
         kl=kl_val,
         clip_frac=float((clipped.to(m.dtype) * m).sum() / denom),
         entropy=ent_val,
@@ -272,23 +286,30 @@ def grpo_loss(
     )
     split = global_rows is not None or global_tokens is not None
     if split:
-        out = share_of(out, mask, agg, global_rows, global_tokens)
+        out = share_of(out, mask, main, global_rows, global_tokens, loss_tokens)
+    if kl_term is not None:
+        if split:
+            kl_term = share_of(LossOut(kl_term, 0.0, 0.0, 0.0), mask, agg, global_rows,
+                               global_tokens, loss_tokens).loss
+        out.loss = out.loss + kl_term
     if bonus is not None:  # its own share of the batch (for a token mean, of the completion
         # tokens: with top_entropy_quantile < 1 each part's trained tokens are its own)
         if split:
-            bonus = share_of(LossOut(bonus, 0.0, 0.0, 0.0), mask, str(entropy_agg),
+            bonus = share_of(LossOut(bonus, 0.0, 0.0, 0.0), mask, entropy_agg or agg,
                              global_rows, global_tokens).loss
         out.loss = out.loss - bonus
     return out
 
 
 def share_of(out: LossOut, mask: Tensor, agg: str, global_rows: int | None,
-             global_tokens: int | None) -> LossOut:
+             global_tokens: int | None, loss_tokens: float | None = None) -> LossOut:
     """A part's numbers as its share of the global batch's: the part's mean times its count
-    over the global count (replies, or tokens for token-weighted aggregations)."""
+    over the global count (replies, or tokens for token-weighted aggregations: for the loss,
+    over ``loss_tokens`` where given)."""
     tok_share = int(mask.sum()) / global_tokens if global_tokens else 1.0
     rows = mask.shape[0] / global_rows if global_rows else 1.0
-    share = tok_share if agg in TOKEN_WEIGHTED_AGGS else rows
+    share = rows if agg not in TOKEN_WEIGHTED_AGGS else (
+        int(mask.sum()) / loss_tokens if loss_tokens else tok_share)
     return LossOut(
         loss=out.loss * share,
         policy_loss=out.policy_loss * share,

@@ -25,6 +25,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from grpolab.core.losses import aggregate
+
 Reduce = Callable[[list[float]], list[float]]
 WHITEN_EPS = 1e-8
 
@@ -112,16 +114,22 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0,
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
-               clip: float, tokens: int) -> tuple[Tensor, float]:
-    """PPO's clipped value loss, 0.5 x max((v - R)^2, (clip(v, v_old +- clip) - R)^2) summed over
-    this part's real tokens and divided by ``tokens``, the global batch's count (so micro-batches
-    and ranks add up to the token mean); and the share of tokens the clipped term decided."""
+               clip: float, counts: tuple[int, int], agg: str = "token_mean",
+               norm_len: int | None = None) -> tuple[Tensor, float]:
+    """PPO's clipped value loss, 0.5 x max((v - R)^2, (clip(v, v_old +- clip) - R)^2) per token,
+    aggregated as ``agg`` (verl's critic: as the actor's loss_agg_mode), as this part's share
+    of the global batch's (``counts``: its answers and tokens over micro-batches and ranks, so
+    the parts add up to the whole); and the share of tokens the clipped term decided."""
     m = mask.to(values.dtype)
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     worst = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
     hit = ((clipped - returns) ** 2 > (values - returns) ** 2).to(values.dtype)
     n = m.sum().clamp(min=1)
-    return 0.5 * (worst * m).sum() / tokens, float((hit * m).sum() / n)
+    if agg == "token_mean":  # this part's tokens over the global batch's
+        loss = 0.5 * (worst * m).sum() / counts[1]
+    else:  # a mean over answers: this part's over the global batch's
+        loss = aggregate(0.5 * worst, mask, agg, norm_len) * mask.shape[0] / counts[0]
+    return loss, float((hit * m).sum() / n)
 
 
 def explained_variance(returns: Tensor, values: Tensor, mask: Tensor) -> float:

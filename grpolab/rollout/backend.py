@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from grpolab.config.schema import Speed
+from grpolab.config.speed import Speed
 from grpolab.rollout.batch import Rollout, first_eos_mask
 from grpolab.rollout.head import head_logprobs, token_logprobs, token_logprobs_and_entropy
 from grpolab.rollout.logprobs import (

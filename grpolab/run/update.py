@@ -28,13 +28,7 @@ from torch import Tensor
 from grpolab.config import Config
 from grpolab.core import advantages as adv_mod
 from grpolab.core.losses import KL_ESTIMATORS, LossOut, grpo_loss, policy_knobs, sequence_kl
-from grpolab.core.returns import (
-    ESTIMATORS,
-    explained_variance,
-    gae,
-    token_rewards,
-    value_loss,
-)
+from grpolab.core.returns import ESTIMATORS, explained_variance, gae, token_rewards, value_loss
 from grpolab.rollout.backend import Backend
 from grpolab.rollout.batch import Rollout, cut_to_longest, micro_batches, minibatch_rows
 from grpolab.rollout.critic import Critic
@@ -357,7 +351,8 @@ def _opt_step(cfg: Config, backend: Backend, opt: torch.optim.Optimizer, params:
     if sharded and dist.all_reduce_sum([float(not parts)])[0]:
         raise TrainingError(f"a rank has no answers in mini-batch {k + 1} of step {step + 1}; "
                             "fsdp needs every rank in every backward")
-    counts = (scored.mini_rows[k], scored.mini_tokens[k])
+    counts = (scored.mini_rows[k], scored.mini_tokens[k],  # (and a token mean's divisor: TRL's
+              sum(scored.mini_tokens) / cfg.minibatches if cfg.token_mean_by == "batch" else None)
     for j, part in enumerate(parts):
         if sharded:  # FSDP reduces once, in the last micro-batch's backward
             shard.set_sync(backend.model, j == len(parts) - 1)
@@ -407,15 +402,17 @@ def critic_pass(cfg: Config, backend: Backend, critic: Critic, scored: Scored
 
 def _critic_step(cfg: Config, backend: Backend, critic: Critic, scored: Scored, k: int
                  ) -> dict[str, float]:
-    """The clipped value loss against the returns over mini-batch ``k``'s micro-batches, its
-    token mean over the mini-batch (every rank), one Adam step."""
+    """The clipped value loss against the returns over mini-batch ``k``'s micro-batches,
+    aggregated over the mini-batch (every rank) as the policy's loss_agg (verl's), one step."""
     critic.opt.zero_grad(set_to_none=True)
     total, clip_hits, tokens = 0.0, 0.0, scored.mini_tokens[k]
     for part in (p for p in scored.parts if p.mini == k):
         w = part.rollout.completion_ids.shape[1]
         v = critic.values(backend, part.rollout)
         loss, hit = value_loss(v, scored.old_values[part.rows, :w], scored.returns[part.rows, :w],
-                               part.rollout.completion_mask, cfg.value_clip, tokens)
+                               part.rollout.completion_mask, cfg.value_clip,
+                               (scored.mini_rows[k], tokens), cfg.loss_agg,
+                               cfg.loss_norm_len or cfg.max_new_tokens)
         loss.backward()
         total += float(loss.detach())
         clip_hits += hit * float(part.rollout.completion_mask.sum())
@@ -429,10 +426,11 @@ def _critic_step(cfg: Config, backend: Backend, critic: Critic, scored: Scored, 
             "critic_grad_norm": gn}
 
 
-def _part_loss(cfg: Config, backend: Backend, part: Part, adv: Tensor, counts: tuple[int, int],
+def _part_loss(cfg: Config, backend: Backend, part: Part, adv: Tensor, counts: tuple,
                with_entropy: bool, entropy_coef: float) -> LossOut:
     """This micro-batch's share of its mini-batch's global GRPO loss (``counts``: the
-    mini-batch's answers and tokens over every rank), with autograd."""
+    mini-batch's answers and tokens over every rank, and a token mean's divisor), with
+    autograd."""
     ro = part.rollout
     if with_entropy:  # the same log-probs, plus each position's entropy
         lp, ent = backend.logprobs_and_entropy(ro, cfg.temperature,
@@ -446,5 +444,6 @@ def _part_loss(cfg: Config, backend: Backend, part: Part, adv: Tensor, counts: t
         **{k: getattr(cfg, k) for k in policy_knobs(cfg.policy_loss)},
         kl_estimator=cfg.kl_estimator, kl_is_correction=cfg.kl_is_correction, entropy=ent,
         entropy_coef=entropy_coef, top_entropy_quantile=cfg.top_entropy_quantile,
-        entropy_agg=None if cfg.entropy_agg == "loss" else cfg.entropy_agg,
-        off_policy_mask=cfg.off_policy_mask, global_rows=counts[0], global_tokens=counts[1])
+        entropy_agg=cfg.entropy_agg, policy_agg=cfg.policy_agg,
+        off_policy_mask=cfg.off_policy_mask, global_rows=counts[0], global_tokens=counts[1],
+        loss_tokens=counts[2])
