@@ -1,5 +1,6 @@
 """Issue 15: ragged groups, Beta pass-rate posteriors, the allocator and the no-signal alarm."""
 
+import itertools
 import json
 import logging
 import math
@@ -20,6 +21,7 @@ from grpolab.predict.allocate import (
     allocate_by_kind,
     allocate_table,
     kind_quotas,
+    size_axis,
 )
 from grpolab.predict.posterior import (
     GridPassRateTracker,
@@ -130,6 +132,25 @@ def test_prior_fit_recovers_the_population() -> None:
     assert fit_beta_prior(torch.tensor([1.0]), torch.tensor([3.0])) == (1.0, 1.0)  # one prompt
 
 
+@pytest.mark.parametrize("decay", [1.0, 0.97, 0.74])
+def test_prior_fit_on_decayed_evidence_of_every_age(decay: float) -> None:
+    """The tracker fits its prior to decayed counts, answers of different ages weighing
+    decay^age: the binomial noise it subtracts is the weights' (sum of squares / sum per
+    prompt), not one per prompt, so the population's spread is found at any decay (it came
+    out up to 10x too narrow: a0 + b0 at its 200 cap for decay 0.74)."""
+    torch.manual_seed(0)
+    p = torch.distributions.Beta(torch.tensor(6.0), torch.tensor(14.0)).sample((4000,))
+    t = PassRateTracker(4000, decay=decay)
+    for half in (torch.arange(0, 2000), torch.arange(2000, 4000)):  # seen 4 and 1 steps ago
+        right = torch.distributions.Binomial(8, p[half]).sample()
+        t.observe(half, right, [8] * 2000)
+        for _ in range(3 if half[0] == 0 else 1):
+            t.end_step()
+    a0, b0 = t.prior
+    assert a0 / (a0 + b0) == pytest.approx(0.3, abs=0.02)
+    assert a0 + b0 == pytest.approx(20.0, rel=0.2)
+
+
 def test_tracker_observes_decays_and_predicts_before_seeing() -> None:
     t = PassRateTracker(3, decay=0.5, prior_strength=0.0)
     before = t.dead_probability([0, 1], [4, 4])
@@ -214,6 +235,9 @@ def test_brier_and_reliability_hand_values() -> None:
     assert s["posterior_dead_brier"] == pytest.approx(brier_score(pred, dead))
     assert s["posterior_dead_brier_base_rate"] == pytest.approx(0.24)  # base rate 0.4
     assert s["posterior_dead_groups"] == 5 and len(s["posterior_dead_reliability"]) == 4
+    # measured over the same groups (pooled: 2 of 5), not the steps' mean share (1/3 per step)
+    assert s["posterior_measured_dead_share"] == pytest.approx(0.4)
+    assert s["mean_posterior_dead_share"] == pytest.approx(2.56 / 5)
 
 
 # ------------------------------------------------------------------ allocation --
@@ -275,6 +299,29 @@ def test_allocator_explores_and_respects_limits() -> None:
     assert allocate(a[:2], b[:2], 64, 4, 8, generator=gen)[1] == [8, 8]
 
 
+def test_exploration_is_its_share_on_average_per_kind_too() -> None:
+    """explore 0.1 of 64 answers at size 4 is 1.6 groups: one, and a second 60% of the time
+    (it was one, 6.25%); per kind of a 16-answer quota 0.4 groups (it was none, ever)."""
+    n = 400
+    live = torch.arange(n) < n // 2  # half certainly live, half certainly dead
+    a = torch.where(live, 5.0, 0.01).double()
+    b = torch.where(live, 5.0, 100.0).double()
+    kinds = torch.arange(n) % 4
+    dead = dead_probability(a[:, None], b[:, None], size_axis(4, 16)[None, :])
+    gen = torch.Generator().manual_seed(2)
+    spent = {"plain": 0.0, "by_kind": 0.0}
+    for _ in range(300):
+        for how, (idx, sizes) in (("plain", allocate_table(dead, 64, 4, 16, explore=0.1,
+                                                           generator=gen)),
+                                  ("by_kind", allocate_by_kind(dead, kinds, 64, 4, 16,
+                                                               explore=0.1, generator=gen))):
+            assert sum(sizes) == 64
+            spent[how] += sum(z for i, z in zip(idx, sizes) if not live[i]) / 64 / 300
+    # explored prompts are random: half of them the dead ones, which get nothing otherwise
+    assert spent["plain"] == pytest.approx(0.05, abs=0.01)
+    assert spent["by_kind"] == pytest.approx(0.05, abs=0.01)
+
+
 def test_kind_quotas_hand_values() -> None:
     four = torch.tensor([0] * 50 + [1] * 50 + [2] * 50 + [3] * 50)
     assert kind_quotas(four, 32, 4) == [8, 8, 8, 8]
@@ -314,7 +361,11 @@ def test_alarm_diagnoses() -> None:
     assert diagnose(8, 8, 8, 0, 0.0, 8)[0] == "all_right"
     cause, msg = diagnose(8, 8, 3, 5, None, 8)  # binary rewards, polarised prompts
     assert cause == "polarised" and "3 all right, 5 all wrong" in msg and "group_size" in msg
-    assert diagnose(8, 8, 0, 0, None, 8)[0] == "all_dead"  # equal middling rewards
+    # a reward constant at 0.5 (below success_threshold 1): all wrong, the constant named
+    assert "the reward is constant" in diagnose(8, 8, 0, 8, None, 8)[1]
+    # the truncation check: at the threshold it fires; above 1 it is off
+    assert diagnose(8, 2, 0, 2, 1.0, 8, truncated_threshold=1.0)[0] == "truncated"
+    assert diagnose(8, 8, 0, 8, 1.0, 8, truncated_threshold=1.01)[0] == "all_wrong"
     # answers no reward scored (TRL's None): said before truncation, which it is not
     assert diagnose(8, 8, 0, 8, 1.0, 8, unscored_share=0.9)[0] == "unscored"
     assert diagnose(8, 8, 0, 8, 1.0, 8, unscored_share=0.2)[0] == "truncated"
@@ -481,12 +532,19 @@ def test_allocate_with_dynamic_sampling_fills_the_budget_with_live_ragged_groups
         sizes = b.group_sizes
         assert sum(sizes) == len(b.rows) == b.rewards.numel() and len(sizes) == b.trained_groups
         assert 32 - 2 < sum(sizes) <= 32 or b.cap_hit
-        start = 0
+        start, prompts = 0, []
         for n in sizes:  # every trained group is live, and its rows are one prompt's
             r = b.rewards[start:start + n]
             assert r.max() > r.min()
             assert len({row["prompt"] for row in b.rows[start:start + n]}) == 1
+            prompts.append(b.rows[start]["prompt"])
             start += n
+        # a refill allocates among the prompts the step has not had (the posteriors, having
+        # just seen the kept ones live, chose a third of them again)
+        assert len(set(prompts)) == len(prompts)
+        starts = [0, *itertools.accumulate(rec["group_sizes"])][:-1]  # every sampled group
+        sampled = [b.sampled_rows[i]["prompt"] for i in starts]
+        assert len(set(sampled)) == len(sampled) <= 64  # (64 training prompts: none twice)
         assert rec["answers_generated"] == sum(rec["group_sizes"]) >= sum(sizes)
         assert rec["useful_answers"] == sum(sizes)  # the live answers trained on
         assert math.isfinite(rec["loss"])
@@ -510,7 +568,8 @@ def test_allocate_config_checks() -> None:
 # --------------------------------------------------------- Hugging Face tiny run --
 
 
-def test_hf_run_logs_predicted_vs_measured_with_calibration(tmp_path, monkeypatch) -> None:
+def test_hf_run_logs_predicted_vs_measured_with_calibration(tmp_path, monkeypatch,
+                                                         capsys) -> None:
     pytest.importorskip("transformers")
     from grpolab.app import cli
     from grpolab.rollout.tinyhf import make_tiny_model
@@ -534,6 +593,9 @@ def test_hf_run_logs_predicted_vs_measured_with_calibration(tmp_path, monkeypatc
     summary = json.loads((out / "summary.json").read_text())
     assert summary["posterior_dead_groups"] == 6
     assert 0 <= summary["posterior_dead_brier"] <= 1
+    said = capsys.readouterr().out
+    assert (f"measured {summary['posterior_measured_dead_share']:.3f} (over the same 6 groups)"
+            in said)
     assert sum(b["groups"] for b in summary["posterior_dead_reliability"]) == 6
     assert (out / "calibration.png").read_bytes()[:4] == b"\x89PNG"
 

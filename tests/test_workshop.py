@@ -118,6 +118,22 @@ def test_mean_summary_hand_values() -> None:
     assert "mean_dead_share_sd" not in mean_summary([a])
 
 
+def test_a_sweep_value_undefined_in_every_seed_is_a_dash(tmp_path) -> None:
+    """No held-out rows (eval_size 0) leave the held-out numbers undefined in every seed: the
+    table says '-' and the plot leaves them out (the sweep crashed after its last run)."""
+    from grpolab.config import Config
+    from grpolab.run.plots import plot_sweep
+    from grpolab.world.workshop import SUMMARY_KEYS, mean_summary, sweep_row
+
+    held = [k for k in SUMMARY_KEYS if "heldout" in k]
+    runs = [{**dict.fromkeys(SUMMARY_KEYS, x), **dict.fromkeys(held, None)} for x in (0.2, 0.4)]
+    m = mean_summary(runs)
+    row = sweep_row("grpo", Config(), m)
+    assert row[3] == "0.300 ± 0.141" and row[6:9] == ["-"] * 3 and row[9:12] == ["-"] * 3
+    plot_sweep([("grpo", 8, m), ("grpo", 4, m)], tmp_path / "sweep.png")
+    png_size(tmp_path / "sweep.png")
+
+
 @pytest.mark.slow
 def test_short_run_is_deterministic_per_seed(tmp_path) -> None:
     """Same seed, same thread count: the same metrics line for line (timings aside); another

@@ -264,7 +264,9 @@ def _finish_train(cfg: Config, trainer: GRPOTrainer, title: str, heldout: list) 
             acc += f"; REWARD HACKING SUSPECTED at steps {summary['hacking_suspected_steps']}"
     if "posterior_dead_brier" in summary and cfg.group_size > 1:
         print(f"dead groups: predicted {summary['mean_posterior_dead_share']:.3f}, measured "
-              f"{summary['mean_dead_share']:.3f}; Brier {summary['posterior_dead_brier']:.3f} "
+              f"{summary['posterior_measured_dead_share']:.3f} (over the same "
+              f"{summary['posterior_dead_groups']} groups); Brier "
+              f"{summary['posterior_dead_brier']:.3f} "
               f"(base rate {summary['posterior_dead_brier_base_rate']:.3f}), "
               f"see {out}/calibration.png")
     n = summary["steps"]

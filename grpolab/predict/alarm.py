@@ -26,11 +26,12 @@ def diagnose(groups: int, dead: int, all_right: int, all_wrong: int,
     ``groups``, ``dead``, ``all_right``, ``all_wrong``: the step's sampled groups and how many
     were dead (all right / all wrong); ``truncated_share``: share of its sampled answers cut off
     at ``max_new_tokens`` (None when the backend does not know). Causes, checked in order:
-    "truncated" (share >= ``truncated_threshold``, which 1 or more turns off), "all_wrong",
-    "all_right", "polarised" (every group dead, some all right and some all wrong),
-    "all_dead" (every group dead with equal rewards that are neither the best nor the worst);
-    before them all "unscored": every group dead, most answers (``unscored_share`` >= 0.5)
-    scored by no reward (each said None).
+    "truncated" (share >= ``truncated_threshold``, which above 1 turns off), "all_wrong"
+    (every group dead below success_threshold: a reward constant at 0.5 is one), "all_right",
+    "polarised" (every group dead, some all right and some all wrong); before them all
+    "unscored": every group dead, most answers (``unscored_share`` >= 0.5) scored by no reward
+    (each said None). A dead group is all right or all wrong (``dead_stats``), so these cover
+    every step whose groups are all dead.
     """
     if groups and dead == groups and unscored_share >= 0.5:
         return "unscored", (
@@ -62,22 +63,18 @@ def diagnose(groups: int, dead: int, all_right: int, all_wrong: int,
             "Likely: the answers are not in the form the reward parses (check samples.jsonl; "
             "e.g. \\boxed{} vs an 'Answer:' line, answer_sources, the chat template), the task "
             "is too hard for the starting model (easier prompts, a larger group_size, curriculum "
-            "or allocate), or the temperature is too low to ever find a right answer")
+            "or allocate), the temperature is too low to ever find a right answer, or the reward "
+            "is constant (it ignores the completion; below success_threshold it counts as wrong)")
     if all_right == groups:
         return "all_right", (
             f"all {groups} groups are all right: every answer gets full reward. Likely: the task "
             "is too easy for the model (harder prompts), or the reward does not read the answer "
             "(it ignores its completions, or compares the wrong column)")
-    if all_right and all_wrong:
-        return "polarised", (
-            f"all {groups} groups are dead ({all_right} all right, {all_wrong} all wrong): each "
-            "prompt was either always or never solved. Likely: the policy's pass rates sit near "
-            "0 and 1 (a larger group_size, curriculum, allocate or dynamic_sampling find the "
-            "prompts in between), or a temperature too low to vary the answers")
-    return "all_dead", (
-        f"all {groups} groups are dead: the reward does not vary within any group. Likely: a "
-        "reward that ignores the completion or is constant, or a temperature too low to vary "
-        "the answers")
+    return "polarised", (
+        f"all {groups} groups are dead ({all_right} all right, {all_wrong} all wrong): each "
+        "prompt was either always or never solved. Likely: the policy's pass rates sit near "
+        "0 and 1 (a larger group_size, curriculum, allocate or dynamic_sampling find the "
+        "prompts in between), or a temperature too low to vary the answers")
 
 
 class NoSignalAlarm:

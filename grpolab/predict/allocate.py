@@ -58,7 +58,8 @@ def allocate(a: Tensor, b: Tensor, budget: int, min_size: int, max_size: int, *,
 
     ``a``, ``b`` [N]: each prompt's Beta posterior (``allocate_table`` takes any predictor's
     P(dead) table instead). Every size is in [min_size, max_size]; a prompt is chosen at most
-    once. ``explore`` in [0, 1): share of the budget given first to random prompts at min_size.
+    once. ``explore`` in [0, 1): share of the budget given first to random prompts at min_size
+    (on average: whole groups, the fraction drawn).
     The result is exactly ``budget`` answers whenever the prompts and max_size allow it (the
     remainder of budget / min_size is added to open groups).
     """
@@ -88,8 +89,14 @@ def allocate_table(dead: Tensor, budget: int, min_size: int, max_size: int, *,
     value = value_fn(sizes_axis[None, :], dead.to(torch.float64)[order])  # [N, S]
     size = torch.zeros(n_prompts, dtype=torch.long)  # 0 = not chosen
     left = budget
-    # exploration: random prompts at min_size, whatever their posterior
-    n_explore = min(int(explore * budget) // min_size, n_prompts)
+    # exploration: random prompts at min_size, whatever their posterior; explore x budget /
+    # min_size groups, the fraction a coin of that weight (so explore is the share on average;
+    # rounded down, 0.1 of a 16-answer kind at size 4 explored nothing)
+    want = explore * budget / min_size
+    n_explore = int(want)
+    if want > n_explore and float(torch.rand((), generator=generator)) < want - n_explore:
+        n_explore += 1
+    n_explore = min(n_explore, n_prompts, budget // min_size)
     if n_explore:
         size[:n_explore] = min_size  # the order is already a random permutation
         left -= n_explore * min_size
@@ -134,13 +141,15 @@ def kind_quotas(kinds: Tensor, budget: int, min_size: int) -> list[int]:
 
 def allocate_by_kind(dead: Tensor, kinds: Tensor, budget: int, min_size: int, max_size: int, *,
                      objective: str = "live_groups", explore: float = 0.0,
-                     generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+                     generator: torch.Generator | None = None,
+                     free: Tensor | None = None) -> tuple[list[int], list[int]]:
     """``allocate_table`` within each kind: prompts of kind k (``kinds`` [N]) share
-    ``kind_quotas(kinds, budget, min_size)[k]`` answers. Returns (indices [K], sizes [K])."""
+    ``kind_quotas(kinds, budget, min_size)[k]`` answers, chosen among the ``free`` [N] ones
+    (default all). Returns (indices [K], sizes [K])."""
     idx: list[int] = []
     sizes: list[int] = []
     for k, quota in enumerate(kind_quotas(kinds, budget, min_size)):
-        mine = torch.nonzero(kinds == k).flatten()
+        mine = torch.nonzero((kinds == k) & (True if free is None else free)).flatten()
         if quota < min_size or mine.numel() == 0:
             continue
         i, n = allocate_table(dead[mine], quota, min_size, max_size, objective=objective,

@@ -60,16 +60,20 @@ def dead_probability(a: Tensor, b: Tensor, n: Tensor | int) -> Tensor:
 
 
 def fit_beta_prior(successes: Tensor, failures: Tensor, strength: float = 0.0,
-                   default: tuple[float, float] = DEFAULT_PRIOR) -> tuple[float, float]:
+                   default: tuple[float, float] = DEFAULT_PRIOR,
+                   squares: Tensor | None = None) -> tuple[float, float]:
     """Beta(a0, b0) of the prompts' pass rates, by the method of moments of the beta-binomial.
 
-    ``successes``, ``failures`` [N] (decayed, so fractional) counts per prompt; prompts with
-    fewer than one answer's worth of evidence are left out. The mean is m = sum s / sum n; the
-    spread comes from the n-weighted scatter of the prompts' rates r_i = s_i / n_i: with
-    rho = 1 / (a0 + b0 + 1),  E[sum_i n_i (r_i - m)^2] = m (1-m) (K + rho (N - K))  for K
-    prompts and N answers, solved for rho. ``strength`` > 0 fixes a0 + b0 instead (only the
-    mean is fitted). a0 + b0 is kept in [MIN_STRENGTH, MAX_STRENGTH]; with under two prompts
-    (or no prompt seen twice when the spread is needed) ``default`` is returned.
+    ``successes``, ``failures`` [N] (decayed, so fractional) counts per prompt; ``squares`` [N]
+    each prompt's sum of its answers' squared weights (an answer weighs decay^age; None: every
+    weight 1, undecayed counts). Prompts with under one answer's worth of evidence are left
+    out. The mean is m = sum s / sum n; the spread comes from the n-weighted scatter of the
+    prompts' rates r_i = s_i / n_i: with rho = 1 / (a0 + b0 + 1) and q_i the squares,
+    E[sum_i n_i (r_i - m)^2] = m (1-m) (rho N + (1 - rho) Q) for N = sum n_i answers and
+    Q = sum q_i / n_i (K, the prompts, when every weight is 1), solved for rho. ``strength``
+    > 0 fixes a0 + b0 instead (only the mean is fitted). a0 + b0 is kept in [MIN_STRENGTH,
+    MAX_STRENGTH]; with under two prompts (or no prompt seen twice when the spread is
+    needed) ``default`` is returned.
     """
     s = successes.to(torch.float64)
     n = s + failures.to(torch.float64)
@@ -83,10 +87,11 @@ def fit_beta_prior(successes: Tensor, failures: Tensor, strength: float = 0.0,
     if strength > 0:
         c = strength
     else:
-        if total - k < 1e-9:
+        q = float(k) if squares is None else float((squares.to(torch.float64)[keep] / n).sum())
+        if total - q < 1e-9:
             return default
         scatter = float((n * (s / n - m) ** 2).sum()) / (m * (1 - m))
-        rho = (scatter - k) / (total - k)
+        rho = (scatter - q) / (total - q)
         rho = min(max(rho, 1.0 / (MAX_STRENGTH + 1)), 1.0 / (MIN_STRENGTH + 1))
         c = 1.0 / rho - 1.0
     return m * c, (1.0 - m) * c
@@ -107,6 +112,7 @@ class PassRateTracker:
         self.prior_strength = prior_strength
         self.successes = torch.zeros(n, dtype=torch.float64)
         self.failures = torch.zeros(n, dtype=torch.float64)
+        self.squares = torch.zeros(n, dtype=torch.float64)  # sum of squared answer weights
         self.prior = DEFAULT_PRIOR
         # kinds [N]: prompts of one kind (e.g. one difficulty) share a prior fitted to them
         # alone, the population's while fewer than two of them were seen; [K, 2] (a0, b0)
@@ -153,28 +159,33 @@ class PassRateTracker:
         n = torch.as_tensor(sizes, dtype=torch.float64)
         self.successes.index_add_(0, t, s)
         self.failures.index_add_(0, t, n - s)
+        self.squares.index_add_(0, t, n)  # (each new answer weighs 1)
 
     def end_step(self) -> None:
         """Fade all evidence by ``decay`` and refit the prior to what is left."""
         self.successes.mul_(self.decay)
         self.failures.mul_(self.decay)
-        self.prior = fit_beta_prior(self.successes, self.failures, self.prior_strength)
+        self.squares.mul_(self.decay ** 2)
+        self.prior = fit_beta_prior(self.successes, self.failures, self.prior_strength,
+                                    squares=self.squares)
         if self.kinds is not None and self.kind_priors is not None:
             for k in range(len(self.kind_priors)):
                 mine = self.kinds == k
                 self.kind_priors[k] = torch.tensor(fit_beta_prior(
-                    self.successes[mine], self.failures[mine], self.prior_strength, self.prior))
+                    self.successes[mine], self.failures[mine], self.prior_strength, self.prior,
+                    self.squares[mine]))
 
     def state_dict(self) -> dict[str, Any]:
         st = {"successes": self.successes.clone(), "failures": self.failures.clone(),
-              "prior": list(self.prior)}
+              "squares": self.squares.clone(), "prior": list(self.prior)}
         if self.kind_priors is not None:
             st["kind_priors"] = self.kind_priors.clone()
         return st
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.successes.copy_(st["successes"])
-        self.failures.copy_(st["failures"])
+        self.failures.copy_(st["failures"])  # (a checkpoint before squares were kept: as if
+        self.squares.copy_(st.get("squares", self.successes + self.failures))  # undecayed)
         self.prior = (float(st["prior"][0]), float(st["prior"][1]))
         if self.kind_priors is not None:
             if "kind_priors" not in st:
@@ -265,6 +276,7 @@ class GridPassRateTracker(PassRateTracker):
     def end_step(self) -> None:
         self.successes.mul_(self.decay)
         self.failures.mul_(self.decay)
+        self.squares.mul_(self.decay ** 2)
         self.weights = fit_grid_prior(self.successes, self.failures, self.grid, self.weights)
         if self.kinds is not None and self.kind_priors is not None:
             for k in range(len(self.kind_priors)):
@@ -331,8 +343,9 @@ def _pairs(rows: list[dict]) -> tuple[Tensor, Tensor]:
 def calibration_summary(rows: list[dict]) -> dict[str, Any]:
     """From a run's metrics lines: the posterior's Brier score for "this group will be dead",
     the Brier score of always predicting the run's dead share (a predictor is informative when
-    it beats it), the mean predicted and measured dead share, and the reliability table.
-    Empty when no line carries the per-group predictions."""
+    it beats it), the mean predicted and measured dead share over the same groups (pooled:
+    a step of more groups counts more, unlike the summary's per-step mean_dead_share), and
+    the reliability table. Empty when no line carries the per-group predictions."""
     pred, dead = _pairs(rows)
     if not pred.numel():
         return {}
@@ -340,6 +353,7 @@ def calibration_summary(rows: list[dict]) -> dict[str, Any]:
     return {
         "posterior_dead_groups": int(pred.numel()),
         "mean_posterior_dead_share": float(pred.mean()),
+        "posterior_measured_dead_share": base,
         "posterior_dead_brier": brier_score(pred, dead),
         "posterior_dead_brier_base_rate": brier_score(torch.full_like(dead, base), dead),
         "posterior_dead_reliability": reliability_table(pred, dead),

@@ -121,21 +121,35 @@ class Collector:
         self.local_sizes: list[list[int]] = []  # this rank's group sizes, per round
         self.told_unscored = False  # (answers no reward scored: said once a run)
 
-    def choose_prompts(self, n: int) -> tuple[list[int], list[int]]:
+    def choose_prompts(self, n: int, taken: set[int] | None = None
+                       ) -> tuple[list[int], list[int]]:
         """A round's prompts (indices into the training rows) and group sizes, the same on
         every rank: n distinct prompts from the sampler at group_size each, or with
-        ``allocate`` what the allocator buys with ``budget`` answers from the posteriors."""
+        ``allocate`` what the allocator buys with ``budget`` answers from the posteriors,
+        among the prompts not ``taken`` (the step's earlier rounds': the posteriors have just
+        seen those live and would choose them again), adding its choice to them."""
         cfg = self.cfg
         if not cfg.allocate:
             return self.sampler.draw(n), [cfg.group_size] * n
         lo, hi = cfg.allocate_min_group, cfg.allocate_max_group
+        taken = set() if taken is None else taken
+        free = torch.ones(len(self.rows), dtype=torch.bool)
+        free[list(taken)] = False
+        if not bool(free.any()):  # (every prompt had: any again)
+            free[:] = True
         dead = self.tracker.dead_table(size_axis(lo, hi))
         how: dict[str, Any] = {"objective": cfg.allocate_objective,
                                "explore": cfg.allocate_explore,
                                "generator": self.sampler.generator}
         if cfg.allocate_by_kind:
-            return allocate_by_kind(dead, self.tracker.kinds, cfg.budget, lo, hi, **how)
-        return allocate_table(dead, cfg.budget, lo, hi, **how)
+            idx, sizes = allocate_by_kind(dead, self.tracker.kinds, cfg.budget, lo, hi,
+                                          free=free, **how)
+        else:
+            cand = torch.nonzero(free).flatten()
+            i, sizes = allocate_table(dead[cand], cfg.budget, lo, hi, **how)
+            idx = cand[i].tolist()
+        taken.update(idx)
+        return idx, sizes
 
     def observe(self, idx: list[int], ok: torch.Tensor, sizes: list[int]) -> None:
         """Each drawn prompt's group pass rate, for the curriculum's running statistics; each
@@ -163,14 +177,14 @@ class Collector:
                                      len(rows) if ragged else g, ro.answer_ids)
 
     def sample_round(
-        self, n: int
+        self, n: int, taken: set[int] | None = None
     ) -> tuple[Rollout, list[dict], ScoreResult, torch.Tensor, torch.Tensor, int]:
         """Every rank draws the same n prompts and samples its contiguous shard of whole groups.
 
         Returns this rank's rollout, rows and scores, every rank's rewards and successes in
         prompt order (for statistics and group selection), and where this rank's groups start.
         """
-        idx, sizes = self.choose_prompts(n)
+        idx, sizes = self.choose_prompts(n, taken)
         lo, hi = dist.shard(len(idx))
         self.local_sizes.append(sizes[lo:hi])
         ro, rows, res = self.sample_groups(idx[lo:hi], sizes[lo:hi])
@@ -193,7 +207,8 @@ class Collector:
         cfg, g = self.cfg, self.cfg.group_size
         n = cfg.prompts_per_step
         self.rounds, self.local_sizes = [], []
-        ro, rows, res, everyone, ok, lo = self.sample_round(n)
+        taken: set[int] = set()  # the step's prompts so far
+        ro, rows, res, everyone, ok, lo = self.sample_round(n, taken)
         rewards = res.total
         batch = Batch(ro, rows, rewards, answers_generated=everyone.numel(),
                       sampled_rewards=[everyone], sampled_success=[ok], sampled_rows=list(rows),
@@ -244,7 +259,7 @@ class Collector:
                 keep_sizes.append(sizes[j])
             if full() or batch.rounds > cfg.max_sampling_rounds:
                 break
-            ro, rows, res, everyone, ok, lo = self.sample_round(n)
+            ro, rows, res, everyone, ok, lo = self.sample_round(n, taken)
             rewards = res.total
             batch.rounds += 1
             batch.answers_generated += everyone.numel()

@@ -130,23 +130,23 @@ def plot_sweep(
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     variants = list(dict.fromkeys(v for v, _, _ in results))
     cmap = plt.get_cmap("tab10")
-    start = next((s["start_heldout_acc"] for _, _, s in results), None)
-    start_p = next((s["start_heldout_pass_prob"] for _, _, s in results), None)
+    start = next((s.get("start_heldout_acc", math.nan) for _, _, s in results), None)
+    start_p = next((s.get("start_heldout_pass_prob", math.nan) for _, _, s in results), None)
     for i, variant in enumerate(variants):
         pts = sorted((g, s) for v, g, s in results if v == variant)
         gs = [g for g, _ in pts]
         c = cmap(i % 10)
-        axes[0].plot(gs, [s["mean_dead_share"] for _, s in pts], "o-", color=c,
+        axes[0].plot(gs, [s.get("mean_dead_share", math.nan) for _, s in pts], "o-", color=c,
                      label=f"{variant}: measured")
-        axes[0].plot(gs, [s["mean_predicted_dead_share"] for _, s in pts], "x--", color=c,
+        axes[0].plot(gs, [s.get("mean_predicted_dead_share", math.nan) for _, s in pts], "x--", color=c,
                      alpha=0.7, label=f"{variant}: predicted")
-        axes[1].plot(gs, [s["final_heldout_acc"] for _, s in pts], "o-", color=c,
+        axes[1].plot(gs, [s.get("final_heldout_acc", math.nan) for _, s in pts], "o-", color=c,
                      label=f"{variant}: greedy")
-        axes[1].plot(gs, [s["final_heldout_pass_prob"] for _, s in pts], "s:", color=c,
+        axes[1].plot(gs, [s.get("final_heldout_pass_prob", math.nan) for _, s in pts], "s:", color=c,
                      alpha=0.7, label=f"{variant}: T=1 (exact)")
         axes[2].plot(gs, [s.get("answers_per_useful", math.nan) for _, s in pts], "o-", color=c,
                      label=variant)
-    if start is not None:
+    if start is not None and not math.isnan(start):  # (undefined: no held-out rows)
         axes[1].axhline(start, color="grey", lw=1, ls="--", label="greedy at the start")
     if start_p is not None and not math.isnan(start_p):
         axes[1].axhline(start_p, color="grey", lw=1, ls=":", label="T=1 at the start")

@@ -29,6 +29,10 @@ DATA_KEYS = ("dataset", "eval_dataset", "dataset_size", "prompt_column", "answer
              "world_heldout_size", "world_top_share", "world_carry_share")
 
 
+# Config keys that shape the pass-rate posteriors' state (grid or Beta priors, one per kind).
+POSTERIOR_KEYS = ("predict_prior", "predict_group_by")
+
+
 def changed_settings(st: dict[str, Any], cfg: Config, rows: list[dict[str, Any]],
                      path: Path | None) -> dict[str, tuple[Any, Any]]:
     """The settings this run changes from the checkpoint ``st``'s: {key: (saved, now)}, those
@@ -46,6 +50,12 @@ def changed_settings(st: dict[str, Any], cfg: Config, rows: list[dict[str, Any]]
         k = data[0]
         raise ConfigError(f"{where} was written for {k}={saved[k]!r} (this run: {now[k]!r}); "
                           f"resume with the run's {', '.join(data)}, or start a new run")
+    shaped = [k for k in POSTERIOR_KEYS if k in changed]
+    if shaped:
+        k = shaped[0]
+        raise ConfigError(f"{where} was written with {k}={saved[k]!r} (this run: {now[k]!r}): "
+                          "the pass-rate posteriors it keeps are of that form; resume with the "
+                          f"run's {', '.join(shaped)}, or start a new run")
     gone = [r.rpartition(".")[2] for r in changed.get("rewards", ([], []))[0]
             if r.startswith("grpolab.app.api:") and r not in now["rewards"]]
     if gone:  # (a Python callable the API was given: not one to swap for a default)

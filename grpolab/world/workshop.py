@@ -153,8 +153,9 @@ def mean_summary(summaries: list[dict]) -> dict:
 
 
 def sweep_row(variant: str, cfg: Config, s: dict) -> list:
-    """One table row from a run's config and (seed-averaged) summary: 'mean ± sd' over seeds."""
-    cells = [f"{s[k]:.3f} ± {s[k + '_sd']:.3f}" if k + "_sd" in s else s[k]
+    """One table row from a run's config and (seed-averaged) summary: 'mean ± sd' over seeds;
+    '-' where the value is undefined in every seed (no held-out rows, no dead group)."""
+    cells = [f"{s[k]:.3f} ± {s[k + '_sd']:.3f}" if k + "_sd" in s else s.get(k, "-")
              for k in SUMMARY_KEYS[:-1]]
     return [variant, cfg.group_size, cfg.prompts_per_step, *cells,
             round(s["answers_generated"])]
