@@ -128,7 +128,7 @@ def test_ppo_critic_steps_per_minibatch(tmp_path) -> None:
         ref.critic.opt.zero_grad()
         loss, _ = value_loss(ref.critic.values(ref.backend, part), scored.old_values[half, :w],
                              scored.returns[half, :w], part.completion_mask, ref.cfg.value_clip,
-                             (4, int(part.completion_mask.sum())), ref.cfg.loss_agg)
+                             (4, int(part.completion_mask.sum())), ref.cfg.value_agg)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.critic.params, ref.cfg.grad_clip)
         ref.critic.opt.step()

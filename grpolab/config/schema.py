@@ -229,6 +229,8 @@ class Config:
     critic_warmup: int = opt(0, RUN, "ppo: steps that train only the value model")
     value_clip: float = opt(0.5, RUN, "ppo: a value may move this far from its old estimate "
                             "in the loss (verl cliprange_value)")
+    value_agg: LossAgg = opt("token_mean", RUN, "ppo: how the value loss's tokens become one "
+                             "number (verl critic.loss_agg_mode, by default its actor's)")
     baseline: Baseline = opt(
         "mean", RUN,
         "mean: r - group mean (GRPO); rloo: r - mean of the others")

@@ -113,6 +113,8 @@ def _loss(d: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if A + "loss_agg_mode" in d:
         out["loss_agg"] = as_word(d[A + "loss_agg_mode"]).replace("-", "_")
+        if "critic.loss_agg_mode" not in d:  # (verl's critic takes its actor's by default)
+            out["value_agg"] = out["loss_agg"]
     mode = as_word(d.get(A + "policy_loss.loss_mode", "vanilla"))
     if mode not in _LOSS_MODES:
         raise ConfigError(f"{A}policy_loss.loss_mode={mode} (verl) has no grpolab equivalent; "
@@ -359,10 +361,8 @@ def _critic(d: dict[str, Any]) -> dict[str, Any]:
                        ("critic.ppo_epochs", A + "ppo_epochs")):
         if key in d and str(d[key]) != str(d.get(actor, VERL_DEFAULTS.get(actor, 1))):
             raise ConfigError(f"{key} (verl): grpolab's value model takes the actor's ({actor})")
-    own = as_word(d.get("critic.loss_agg_mode", d.get(A + "loss_agg_mode", "token-mean")))
-    if own != as_word(d.get(A + "loss_agg_mode", "token-mean")):  # (verl's default: the actor's)
-        raise ConfigError("critic.loss_agg_mode (verl): grpolab's value loss takes the actor's "
-                          f"({A}loss_agg_mode)")
+    if "critic.loss_agg_mode" in d:  # (by default the actor's loss_agg_mode: _loss)
+        return {"value_agg": as_word(d["critic.loss_agg_mode"]).replace("-", "_")}
     return {}
 
 

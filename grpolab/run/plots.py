@@ -84,7 +84,7 @@ def plot_run(rows: list[dict], out_png: str | os.PathLike, title: str = "",
                  label="predicted  mean p^G+(1-p)^G")
     if _series(rows, "posterior_dead_share")[0]:  # any backend, before sampling
         ax2.plot(*_series(rows, "posterior_dead_share"), ":", color="tab:blue", lw=1.5,
-                 label="predicted from Beta posteriors")
+                 label="predicted from the posteriors")
     ax2.set_xlabel("step")
     ax2.set_ylim(0, 1)
     ax2.set_ylabel("share of groups")
@@ -197,7 +197,7 @@ def plot_calibration(rows: list[dict], out_png: str | os.PathLike, title: str = 
     steps = [r["step"] for r in rows if r.get("posterior_dead_share") is not None]
     ax2.plot(steps, [r["posterior_dead_share"] for r in rows
                      if r.get("posterior_dead_share") is not None],
-             "k--", label="predicted (Beta posteriors)")
+             "k--", label="predicted (pass-rate posteriors)")
     ax2.plot([r["step"] for r in rows if r.get("dead_share") is not None and r.get("step")],
              [r["dead_share"] for r in rows if r.get("dead_share") is not None and r.get("step")],
              color="tab:red", label="measured")

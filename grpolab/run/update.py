@@ -403,7 +403,7 @@ def critic_pass(cfg: Config, backend: Backend, critic: Critic, scored: Scored
 def _critic_step(cfg: Config, backend: Backend, critic: Critic, scored: Scored, k: int
                  ) -> dict[str, float]:
     """The clipped value loss against the returns over mini-batch ``k``'s micro-batches,
-    aggregated over the mini-batch (every rank) as the policy's loss_agg (verl's), one step."""
+    aggregated over the mini-batch (every rank) as ``value_agg`` says, one Adam step."""
     critic.opt.zero_grad(set_to_none=True)
     total, clip_hits, tokens = 0.0, 0.0, scored.mini_tokens[k]
     for part in (p for p in scored.parts if p.mini == k):
@@ -411,7 +411,7 @@ def _critic_step(cfg: Config, backend: Backend, critic: Critic, scored: Scored, 
         v = critic.values(backend, part.rollout)
         loss, hit = value_loss(v, scored.old_values[part.rows, :w], scored.returns[part.rows, :w],
                                part.rollout.completion_mask, cfg.value_clip,
-                               (scored.mini_rows[k], tokens), cfg.loss_agg,
+                               (scored.mini_rows[k], tokens), cfg.value_agg,
                                cfg.loss_norm_len or cfg.max_new_tokens)
         loss.backward()
         total += float(loss.detach())

@@ -48,7 +48,8 @@ class Watch:
 
     def record(self, rec: dict[str, Any], step: int) -> None:
         """Add the watch's fields to a step's metrics record (a verdict at evaluations;
-        between them a step carries the last one) and warn once when it first fires."""
+        between them a step carries the last one) and warn when it starts to fire (again
+        after an evaluation that cleared it)."""
         self.reward_history.append(rec["reward_mean"])
         if self.check_fn is None:
             return

@@ -157,6 +157,9 @@ def sweep_row(variant: str, cfg: Config, s: dict) -> list:
     '-' where the value is undefined in every seed (no held-out rows, no dead group)."""
     cells = [f"{s[k]:.3f} ± {s[k + '_sd']:.3f}" if k + "_sd" in s else s.get(k, "-")
              for k in SUMMARY_KEYS[:-1]]
+    if cfg.allocate:  # (the allocator chooses the groups' sizes and count each step)
+        return [variant, f"{cfg.allocate_min_group}-{cfg.allocate_max_group}", "-", *cells,
+                round(s["answers_generated"])]
     return [variant, cfg.group_size, cfg.prompts_per_step, *cells,
             round(s["answers_generated"])]
 
