@@ -27,9 +27,14 @@ __all__ = ["Config", "ConfigError", "RunError", "dead_stats", "group_advantages"
 __version__ = "0.1.0"
 
 
+_PACKAGES = ("app", "config", "core", "data", "predict", "rewards", "rollout", "run", "world")
+
+
 def __getattr__(name: str) -> Any:
     if name in _FROM:
         return getattr(importlib.import_module(_FROM[name]), name)
+    if name in _PACKAGES:  # (grpolab.core.losses after a bare import grpolab, as before)
+        return importlib.import_module(f"grpolab.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

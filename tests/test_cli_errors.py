@@ -301,3 +301,12 @@ def test_switches_take_hugging_faces_true_and_false(tmp_path: Path,
     code, err = _cli(["workshop", "--group_size", "3", "--dynamic-sampling", "true",
                       "--out-dir", str(tmp_path / "run")], capsys)
     assert code == 2 and err == ["grpolab: error: group_size 3 does not divide the budget 64"]
+
+
+def test_a_bare_import_reaches_the_subpackages() -> None:
+    """``import grpolab`` then ``grpolab.core.losses`` (as before the lazy names), in a fresh
+    process where nothing else has loaded them."""
+    code = "import grpolab; print(grpolab.config.Config, grpolab.core.losses.grpo_loss.__name__)"
+    p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and "grpo_loss" in p.stdout, p.stderr

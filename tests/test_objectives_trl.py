@@ -520,3 +520,9 @@ def test_several_steps_a_generation_divide_as_trl(loss_type: str) -> None:
               lambda rows=rows, m=m: trl_step_loss(tr, logp[rows], old[rows], ref[rows],
                                                    adv[rows], m, torch.zeros(3, 6), items),
               logp)
+    # loss_tokens alone (no global counts) is the divisor too: the token sum over it
+    m = mask[3:]
+    whole = grpo_loss(logp[3:], old[3:], ref[3:], adv[3:], m, beta=0.0, agg="token_mean").loss
+    alone = grpo_loss(logp[3:], old[3:], ref[3:], adv[3:], m, beta=0.0, agg="token_mean",
+                      loss_tokens=4 * float(m.sum())).loss
+    assert float(alone.detach()) == pytest.approx(float(whole.detach()) / 4)

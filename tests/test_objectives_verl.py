@@ -125,7 +125,7 @@ def _config_loss(cfg: Any, logp, old, ref, adv, mask, **split: int):
 
 
 @pytest.mark.parametrize(("mode", "extra"), [("sapo", {}), ("geo_mean", {}), ("gspo", {
-    "clip_ratio_low": 0.01, "clip_ratio_high": 0.02}), ("vanilla", {})])
+    "clip_ratio_low": 0.01, "clip_ratio_high": 0.02, "clip_ratio_c": 1.05}), ("vanilla", {})])
 def test_a_verl_config_gives_verls_whole_actor_loss(mode: str, extra: dict) -> None:
     """verl's actor loss, read from its config: the policy loss (SAPO's and geo_mean's mean per
     answer whatever loss_agg_mode says; GSPO without the dual clip clip_ratio_c gives the
@@ -133,16 +133,20 @@ def test_a_verl_config_gives_verls_whole_actor_loss(mode: str, extra: dict) -> N
     from grpolab.config import make_config
 
     a = "actor_rollout_ref.actor."
+    extra = {"clip_ratio_c": 2.0, **extra}  # (GSPO's: a cap that would bite, were it applied)
     cfg = make_config(None, {a + "policy_loss.loss_mode": mode, a + "loss_agg_mode": "token-mean",
                              a + "use_kl_loss": True, a + "kl_loss_coef": 0.1,
-                             a + "kl_loss_type": "low_var_kl", a + "clip_ratio_c": 2.0,
+                             a + "kl_loss_type": "low_var_kl",
                              **{a + k: v for k, v in extra.items()}}, "train")
     logp, old, ref, adv, mask = pair(37, spread=1.0)
+    if mode == "gspo":  # a sequence ratio above the cap with a negative advantage
+        seq = ((logp - old) * mask).sum(1) / mask.sum(1)
+        assert bool(((seq.exp() > 1.05) & (adv < 0)).any())
     kl = verl_functions("kl_penalty", "kl_penalty_forward")["kl_penalty"]
     agg = verl_functions("agg_loss")["agg_loss"]
 
     def theirs():
-        policy = verl_loss(mode, logp, old, adv, mask, "token_mean", clip_ratio_c=2.0, **extra)
+        policy = verl_loss(mode, logp, old, adv, mask, "token_mean", **extra)
         return policy + 0.1 * agg(kl(logp, ref, "low_var_kl"), mask.float(), "token-mean")
 
     agree(lambda: _config_loss(cfg, logp, old, ref, adv, mask), theirs, logp)

@@ -214,6 +214,9 @@ def test_value_loss_clips_around_the_old_value() -> None:
     assert float(loss4.detach()) == pytest.approx(0.5 * (0.25 + 0.25) / 2) and hit4 == 1.0
     loss4.backward()
     assert not v4.grad.any()  # the clipped term has no gradient into v
+    # a mini-batch whose answers are all masked (mask_truncated): 0, not 0/0
+    loss5, _ = value_loss(v4, old, ret, torch.zeros(1, 2), 0.5, (1, 0))
+    assert float(loss5.detach()) == 0.0
 
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.0), (0.0, 1.0)])

@@ -208,18 +208,20 @@ def test_a_resume_on_changed_rows_of_the_same_count_is_refused(tmp_path: Path) -
 
 
 def test_a_resume_with_other_posteriors_is_refused_before_loading(tmp_path: Path) -> None:
-    """predict_prior and predict_group_by shape the pass-rate posteriors a checkpoint keeps:
-    another (grid for beta, per-kind priors or none) is one line, before any weight loads (it
-    was a shape traceback after the weights)."""
+    """predict_group_by shapes the pass-rate posteriors a checkpoint keeps (a prior per
+    kind): another, or another prior's form beside it, is one line before any weight loads (it
+    was a shape traceback after the weights). The prior's form alone resumes (the counts are
+    the same), said as a changed setting."""
     tr = tiny_trainer(tmp_path, steps=1, checkpoint_every=1)
     tr.train()
-    with pytest.raises(ConfigError, match="written with predict_prior='beta' .this run: "
-                                          "'grid'.: the pass-rate posteriors"):
-        tiny_trainer(tmp_path, steps=2, predict_prior="grid").train(resume=True)
-    assert tiny_trainer(tmp_path, steps=2).train(resume=True)[-1]["step"] == 2
+    assert tiny_trainer(tmp_path, steps=2, predict_prior="grid").train(
+        resume=True)[-1]["step"] == 2
     from grpolab.config import Config, to_dict
     from grpolab.run.resume import changed_settings
 
     saved = {"config": to_dict(Config(predict_group_by="level"))}
     with pytest.raises(ConfigError, match="written with predict_group_by='level'"):
         changed_settings(saved, Config(), [], None)
+    with pytest.raises(ConfigError, match="written with predict_prior='beta' .this run: "
+                                          "'grid'.: the pass-rate posteriors"):
+        changed_settings(saved, Config(predict_group_by="level", predict_prior="grid"), [], None)

@@ -138,7 +138,7 @@ def batch_settings(d: dict[str, Any], group: Any, check: bool = True) -> dict[st
     out: dict[str, Any] = {"budget": answers, "micro_batch": per}
     if k > 1:
         out.update(minibatches=k, minibatch_order="shuffled")
-        if as_word(d.get("loss_type", "dapo")) in ("dapo", "cispo", "vespo"):  # (TRL divides
+        if as_word(d.get("loss_type")) in ("dapo", "cispo", "vespo"):  # (TRL divides
             out["token_mean_by"] = "batch"  # by the generation batch's tokens / its steps)
     return out
 

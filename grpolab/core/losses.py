@@ -284,7 +284,7 @@ def grpo_loss(
         trained_entropy=0.0 if entropy is None else float((entropy.detach() * trained).sum()),
         trained_tokens=float(trained.sum()),
     )
-    split = global_rows is not None or global_tokens is not None
+    split = global_rows is not None or global_tokens is not None or loss_tokens is not None
     if split:
         out = share_of(out, mask, main, global_rows, global_tokens, loss_tokens)
     if kl_term is not None:

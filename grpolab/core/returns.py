@@ -126,7 +126,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     hit = ((clipped - returns) ** 2 > (values - returns) ** 2).to(values.dtype)
     n = m.sum().clamp(min=1)
     if agg == "token_mean":  # this part's tokens over the global batch's
-        loss = 0.5 * (worst * m).sum() / counts[1]
+        loss = 0.5 * (worst * m).sum() / max(counts[1], 1)  # (no tokens: every answer masked)
     else:  # a mean over answers: this part's over the global batch's
         loss = aggregate(0.5 * worst, mask, agg, norm_len) * mask.shape[0] / counts[0]
     return loss, float((hit * m).sum() / n)

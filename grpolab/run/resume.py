@@ -29,7 +29,8 @@ DATA_KEYS = ("dataset", "eval_dataset", "dataset_size", "prompt_column", "answer
              "world_heldout_size", "world_top_share", "world_carry_share")
 
 
-# Config keys that shape the pass-rate posteriors' state (grid or Beta priors, one per kind).
+# Config keys that shape the pass-rate posteriors' state: a prior per kind (the prior's form
+# alone loads either way: the counts are the same).
 POSTERIOR_KEYS = ("predict_prior", "predict_group_by")
 
 
@@ -50,7 +51,8 @@ def changed_settings(st: dict[str, Any], cfg: Config, rows: list[dict[str, Any]]
         k = data[0]
         raise ConfigError(f"{where} was written for {k}={saved[k]!r} (this run: {now[k]!r}); "
                           f"resume with the run's {', '.join(data)}, or start a new run")
-    shaped = [k for k in POSTERIOR_KEYS if k in changed]
+    by_kind = saved.get("predict_group_by") or now.get("predict_group_by")
+    shaped = [k for k in POSTERIOR_KEYS if k in changed and (by_kind or k != "predict_prior")]
     if shaped:
         k = shaped[0]
         raise ConfigError(f"{where} was written with {k}={saved[k]!r} (this run: {now[k]!r}): "
