@@ -465,7 +465,7 @@ def test_train_defaults_against_trl(tmp_path, monkeypatch) -> None:
             differ.add(name)
     assert differ == TRAIN_DEFAULTS_DIFFER
     # each is named, when a TRL config leaves it out, in the one warning (load.make_config)
-    named = {k for _, _, keys in trl_names.TRL_DEFAULTS_DIFFER for k in keys}
+    named = {k for _, _, keys, _ in trl_names.TRL_DEFAULTS_DIFFER for k in keys}
     assert TRAIN_DEFAULTS_DIFFER <= named
 
 
@@ -526,3 +526,32 @@ def test_several_steps_a_generation_divide_as_trl(loss_type: str) -> None:
     alone = grpo_loss(logp[3:], old[3:], ref[3:], adv[3:], m, beta=0.0, agg="token_mean",
                       loss_tokens=4 * float(m.sum())).loss
     assert float(alone.detach()) == pytest.approx(float(whole.detach()) / 4)
+
+
+def test_defaults_trl_takes_trls_defaults_for_what_a_config_leaves_unset(tmp_path,
+                                                                        caplog) -> None:
+    """``defaults: trl``: each setting a TRL config leaves unset takes TRL 1.16's default (read
+    from its own GRPOConfig here), where grpolab has it; the two it has not (autocast, dropout
+    on) stay in the one warning. A setting given, in either naming, stays as given."""
+    trl_default = trl_defaults()
+    for _, _, _, theirs in trl_names.TRL_DEFAULTS_DIFFER:
+        for k, v in theirs.items():
+            if k in trl_default:
+                assert trl_default[k] == v, k
+    with caplog.at_level("WARNING", logger="grpolab"):
+        c = make_config(None, {"defaults": "trl", "num_generations": 8}, "train")
+    said = [r.getMessage() for r in caplog.records if "defaults, not TRL's" in r.getMessage()]
+    assert said == [("this TRL config leaves these at grpolab's defaults, not TRL's: dtype "
+                     "float32 (TRL's bf16 autocast), the model's dropout off (TRL's "
+                     "disable_dropout false)")]
+    assert (c.beta, c.loss_agg, c.kl_is_correction, c.std, c.std_eps, c.budget, c.micro_batch,
+            c.lora, c.lr, c.lr_schedule, c.max_new_tokens, c.seed, c.passes, c.eval_size) == (
+        0.0, "token_mean", True, "sample", 1e-4, 8, 8, False, 1e-6, "linear", 512, 42, 3.0, 0)
+    c = make_config(None, {"defaults": "trl", "beta": 0.04, "lr": 1e-5}, "train")
+    assert (c.beta, c.lr, c.loss_agg) == (0.04, 1e-5, "token_mean")
+    (tmp_path / "f.yaml").write_text("loss_type: grpo\ndefaults: trl\n")
+    c = make_config(tmp_path / "f.yaml", {"learning_rate": 3e-6}, "train")
+    assert (c.loss_agg, c.beta, c.lr) == ("seq_mean_token_mean", 0.0, 3e-6)
+    assert make_config(None, {"num_generations": 8}, "train").beta == 0.04  # (grpolab's)
+    with pytest.raises(ConfigError, match="defaults"):
+        make_config(None, {"defaults": "trl"}, "workshop", strict=True)

@@ -20,7 +20,8 @@ from typing import Any
 
 from grpolab.config import open_r1
 from grpolab.config.schema import ConfigError
-from grpolab.config.trl_fields import TRL_ASIDE, TRL_FIXED, TRL_VALUES
+from grpolab.config.trl_fields import BATCH as _BATCH
+from grpolab.config.trl_fields import TRL_ASIDE, TRL_DEFAULTS_DIFFER, TRL_FIXED, TRL_VALUES
 from grpolab.config.trl_fields import VLLM_FIXED as _VLLM_FIXED
 from grpolab.config.trl_values import (
     as_number,
@@ -82,8 +83,6 @@ _NONE_IS_EMPTY = ("reward_weights", "lora_target_modules")
 _NONE_IS = {"min_p": 0.0, "chat_template_kwargs": {}, "save_total_limit": 0}  # (0: all kept)
 # TRL's batch: answers per optimiser step = per device x accumulation x processes (TRL's
 # defaults: 8, 1); each process's forward/backward takes per_device rows at a time.
-_BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps",
-          "generation_batch_size", "steps_per_generation")
 # `trl grpo`'s script arguments: its reward functions (as grpolab's reward specs) and reward
 # model, which it puts first
 _SCRIPT = ("reward_funcs", "reward_model_name_or_path", "dataset_name")
@@ -94,46 +93,6 @@ TRL_KEYS = frozenset({*TRL_ALIASES, *TRL_VALUES, *TRL_FIXED, *_VLLM_FIXED, *TRL_
                       "lr_scheduler_kwargs", *open_r1.KEYS,  # (open-r1's recipes: TRL's)
                       "resume_from_checkpoint",  # (as --resume: config.load.resume_asked)
                       "model_revision"})  # (a Hub id's, as model_path ID@REVISION)
-# grpolab train's defaults that are not TRL 1.16's (docs/real-models.md#trl-configs): grpolab's
-# value as the warning shows it (filled in from the config), TRL's, and the keys in either
-# naming that set it. A TRL config that sets none of an entry's keys runs on grpolab's value.
-TRL_DEFAULTS_DIFFER: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("beta {beta}", "TRL 0.0", ("beta",)),
-    ("loss_agg {loss_agg}", "TRL's loss_type dapo",
-     ("loss_type", "loss_agg", "token_level_loss", "dr_grpo")),
-    ("kl_is_correction {kl_is_correction}", "TRL's use_bias_correction_kl true",
-     ("use_bias_correction_kl", "kl_is_correction")),
-    ("std {std} + std_eps {std_eps}", "TRL's scale_rewards: the sample std + 1e-4",
-     ("scale_rewards", "std", "std_eps", "multi_objective_aggregation")),
-    ("budget {budget}", "TRL's per_device_train_batch_size 8 x gradient_accumulation_steps 1",
-     (*_BATCH, "budget")),
-    ("micro_batch {micro_batch}", "TRL's per_device_train_batch_size 8", (*_BATCH, "micro_batch")),
-    ("lora {lora}", "TRL's use_peft false", ("use_peft", "lora")),
-    ("lora_r {lora_r}", "TRL 16", ("lora_r",)),  # (these three with LoRA on only)
-    ("lora_alpha {lora_alpha}", "TRL 32", ("lora_alpha",)),
-    ("lora_dropout {lora_dropout}", "TRL 0.05", ("lora_dropout", "disable_dropout")),
-    ("lr {lr}", "TRL's learning_rate 1e-06", ("learning_rate", "lr")),
-    ("lr_schedule {lr_schedule}", "TRL's lr_scheduler_type linear",
-     ("lr_scheduler_type", "lr_schedule")),
-    ("max_new_tokens {max_new_tokens}", "TRL's max_completion_length 512",
-     ("max_completion_length", "max_new_tokens")),
-    ("gradient_checkpointing {gradient_checkpointing}", "TRL true", ("gradient_checkpointing",)),
-    ("steps {steps}", "TRL's num_train_epochs 3",
-     ("max_steps", "steps", "num_train_epochs", "passes")),
-    ("checkpoint_every {checkpoint_every}, save_model_every {save_model_every}",
-     "TRL's save_steps 500, for both", ("save_steps", "save_strategy", "checkpoint_every",
-                                        "save_model_every")),
-    ("eval_every {eval_every}", "TRL's eval_strategy no",
-     ("eval_strategy", "eval_steps", "eval_every", "eval_size")),
-    ("seed {seed}", "TRL 42", ("seed",)),
-    ("prompt_order {prompt_order}", "TRL's shuffled passes, shuffle_dataset true",
-     ("shuffle_dataset", "prompt_order")),
-    ("dtype {dtype}", "TRL's bf16 autocast", ("bf16", "fp16", "dtype")),
-    ("the model's dropout off", "TRL's disable_dropout false", ("disable_dropout",)),
-    ("max_prompt_tokens {max_prompt_tokens}", "TRL: whole prompts", ("max_prompt_tokens",)),
-    ("use_chat_template {use_chat_template}", ("TRL's: text prompts as written, chat prompts in "
-     "the template (use_chat_template false)"), ("use_chat_template",)),
-)
 _LORA_ONLY = ("lora_r", "lora_alpha", "lora_dropout")
 log = logging.getLogger("grpolab")
 
@@ -171,9 +130,19 @@ def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
     shown = {k: str(v).lower() if isinstance(v, bool) else v for k, v in vars(cfg).items()}
     same = {"prompt_order": cfg.prompt_order == "epochs",  # (TRL's order, set by its epochs)
             "eval_every": not cfg.eval_dataset}  # (nothing held out: nothing evaluated)
-    return [f"{ours.format_map(shown)} ({theirs})" for ours, theirs, keys in TRL_DEFAULTS_DIFFER
+    return [f"{ours.format_map(shown)} ({theirs})" for ours, theirs, keys, _ in TRL_DEFAULTS_DIFFER
             if not set(given) & set(keys) and (cfg.lora or ours.split()[0] not in _LORA_ONLY)
             and not same.get(ours.split()[0])]
+
+
+def trl_base(given: set[str] | Any) -> dict[str, Any]:
+    """``defaults: trl``: TRL 1.16's values (its names) for the settings none of ``given``
+    sets, read as a layer under the file: what ``unset_defaults`` would warn of, set as TRL's."""
+    out: dict[str, Any] = {}
+    for _, _, keys, theirs in TRL_DEFAULTS_DIFFER:
+        if not set(given) & set(keys):
+            out.update(theirs)
+    return out
 
 
 def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,

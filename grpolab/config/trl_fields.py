@@ -140,3 +140,58 @@ TRL_ASIDE = frozenset({
     "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
     "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
 })
+
+
+# TRL's batch: answers per optimiser step = per device x accumulation x processes (TRL's
+# defaults: 8, 1); each process's forward/backward takes per_device rows at a time.
+BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps",
+         "generation_batch_size", "steps_per_generation")
+# grpolab train's defaults that are not TRL 1.16's (docs/real-models.md#trl-configs): grpolab's
+# value as the warning shows it (filled in from the config), TRL's in words, the keys in either
+# naming that set it, and TRL's default in its names (what ``defaults: trl`` sets; {}: none
+# grpolab has). A TRL config that sets none of an entry's keys runs on grpolab's value, or with
+# ``defaults: trl`` on TRL's.
+TRL_DEFAULTS_DIFFER: tuple[tuple[str, str, tuple[str, ...], dict[str, Any]], ...] = (
+    ("beta {beta}", "TRL 0.0", ("beta",), {"beta": 0.0}),
+    ("loss_agg {loss_agg}", "TRL's loss_type dapo",
+     ("loss_type", "loss_agg", "token_level_loss", "dr_grpo"), {"loss_type": "dapo"}),
+    ("kl_is_correction {kl_is_correction}", "TRL's use_bias_correction_kl true",
+     ("use_bias_correction_kl", "kl_is_correction"), {"use_bias_correction_kl": True}),
+    ("std {std} + std_eps {std_eps}", "TRL's scale_rewards: the sample std + 1e-4",
+     ("scale_rewards", "std", "std_eps", "multi_objective_aggregation"),
+     {"scale_rewards": "group"}),
+    ("budget {budget}", "TRL's per_device_train_batch_size 8 x gradient_accumulation_steps 1",
+     (*BATCH, "budget"), {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1}),
+    ("micro_batch {micro_batch}", "TRL's per_device_train_batch_size 8", (*BATCH, "micro_batch"),
+     {"per_device_train_batch_size": 8}),
+    ("lora {lora}", "TRL's use_peft false", ("use_peft", "lora"), {"use_peft": False}),
+    ("lora_r {lora_r}", "TRL 16", ("lora_r",), {"lora_r": 16}),  # (with LoRA on only)
+    ("lora_alpha {lora_alpha}", "TRL 32", ("lora_alpha",), {"lora_alpha": 32}),
+    ("lora_dropout {lora_dropout}", "TRL 0.05", ("lora_dropout", "disable_dropout"),
+     {"lora_dropout": 0.05}),
+    ("lr {lr}", "TRL's learning_rate 1e-06", ("learning_rate", "lr"), {"learning_rate": 1e-6}),
+    ("lr_schedule {lr_schedule}", "TRL's lr_scheduler_type linear",
+     ("lr_scheduler_type", "lr_schedule"), {"lr_scheduler_type": "linear"}),
+    ("max_new_tokens {max_new_tokens}", "TRL's max_completion_length 512",
+     ("max_completion_length", "max_new_tokens"), {"max_completion_length": 512}),
+    ("gradient_checkpointing {gradient_checkpointing}", "TRL true", ("gradient_checkpointing",),
+     {"gradient_checkpointing": True}),
+    ("steps {steps}", "TRL's num_train_epochs 3",
+     ("max_steps", "steps", "num_train_epochs", "passes"), {"num_train_epochs": 3}),
+    ("checkpoint_every {checkpoint_every}, save_model_every {save_model_every}",
+     "TRL's save_steps 500, for both", ("save_steps", "save_strategy", "checkpoint_every",
+                                        "save_model_every"), {"save_steps": 500}),
+    ("eval_every {eval_every}", "TRL's eval_strategy no",
+     ("eval_strategy", "eval_steps", "eval_every", "eval_size"), {"eval_strategy": "no"}),
+    ("seed {seed}", "TRL 42", ("seed",), {"seed": 42}),
+    ("prompt_order {prompt_order}", "TRL's shuffled passes, shuffle_dataset true",
+     ("shuffle_dataset", "prompt_order"), {"shuffle_dataset": True}),
+    # (TRL's autocast keeps float32 weights: grpolab has no autocast, so float32 stays, said)
+    ("dtype {dtype}", "TRL's bf16 autocast", ("bf16", "fp16", "dtype"), {}),
+    ("the model's dropout off", "TRL's disable_dropout false", ("disable_dropout",), {}),
+    ("max_prompt_tokens {max_prompt_tokens}", "TRL: whole prompts", ("max_prompt_tokens",),
+     {"max_prompt_tokens": 0}),
+    ("use_chat_template {use_chat_template}", ("TRL's: text prompts as written, chat prompts in "
+     "the template (use_chat_template false)"), ("use_chat_template",),
+     {"use_chat_template": False}),
+)
