@@ -285,9 +285,10 @@ def test_gpg_advantage_matches_verl() -> None:
 
 @pytest.mark.parametrize("name", ["grpo", "grpo_vectorized", "rloo", "rloo_vectorized"])
 @pytest.mark.parametrize("norm", [True, False])
-def test_verls_group_advantages_from_its_config(name: str, norm: bool) -> None:
+@pytest.mark.parametrize("std", [{"std": "sample", "std_eps": 1e-6}, {"defaults": "verl"}])
+def test_verls_group_advantages_from_its_config(name: str, norm: bool, std: dict) -> None:
     """verl's GRPO and RLOO advantages (the loop and the vectorized forms) against grpolab's
-    reading of its config (with verl's sample std + 1e-6, which grpolab's defaults are not):
+    reading of its config (with verl's sample std + 1e-6, given or as ``defaults: verl``):
     random rewards, a dead group all right, one all wrong, one of equal fractions; Dr. GRPO's
     norm_adv_by_std_in_grpo=False (read by verl's grpo only, as here)."""
     import numpy as np
@@ -299,7 +300,7 @@ def test_verls_group_advantages_from_its_config(name: str, norm: bool) -> None:
     rewards = torch.rand(32, generator=g)
     rewards[:16] = (rewards[:16] > 0.5).float()
     rewards[16:20], rewards[20:24], rewards[24:28] = 1.0, 0.0, 0.25
-    cfg = make_config(None, {"algorithm.adv_estimator": name, "std": "sample", "std_eps": 1e-6,
+    cfg = make_config(None, {"algorithm.adv_estimator": name, **std,
                              "algorithm.norm_adv_by_std_in_grpo": norm,
                              "actor_rollout_ref.rollout.n": 4}, "train")
     fn_name = f"compute_{name.split('_')[0]}{'_vectorized' * name.endswith('vectorized')}"

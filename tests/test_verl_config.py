@@ -655,3 +655,28 @@ def test_trls_resume_from_checkpoint_is_resume(tmp_path) -> None:
     with pytest.raises(ConfigError, match="overwrite replaces it: keep one"):
         resume_asked({"resume_from_checkpoint": True}, out, True, overwrite=True)
     assert not resume_asked({"trainer.resume_mode": "auto"}, out, True, overwrite=True)
+
+
+def test_defaults_verl_takes_verls_defaults_for_what_a_config_leaves_unset(caplog) -> None:
+    """``defaults: verl``: each setting a verl config leaves unset takes verl 0.9.1's default
+    (VERL_DEFAULTS, read from verl's own config file by another test), where grpolab has it;
+    the warning then names only the two it has not (verl's default reward, its bf16 compute)."""
+    for _, _, _, theirs in VERL_DEFAULTS_DIFFER:
+        for k, v in theirs.items():
+            if k in VERL_DEFAULTS:
+                assert VERL_DEFAULTS[k] == v, k
+    over = {"defaults": "verl", "algorithm.adv_estimator": "grpo", R + "n": 8,
+            "data.train_batch_size": 32, A + "ppo_mini_batch_size": 16}
+    with caplog.at_level("WARNING", logger="grpolab"):
+        c = make_config(None, over, "train")
+    said = [r.getMessage() for r in caplog.records if "not verl 0.9.1's" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(": rewards ['exact'] (verl's default_compute_score "
+                                               "by data_source), dtype float32 (verl: bfloat16 "
+                                               "compute)"), said
+    assert (c.beta, c.budget, c.minibatches, c.loss_agg, c.dual_clip, c.std, c.std_eps, c.lr,
+            c.weight_decay, c.lora, c.max_new_tokens, c.max_prompt_tokens, c.passes,
+            c.checkpoint_every, c.prompt_order) == (0.0, 256, 2, "token_mean", 3.0, "sample",
+                                                    1e-6, 1e-6, 0.01, False, 512, 512, 30.0, 0,
+                                                    "epochs")
+    c = make_config(None, {"defaults": "verl"}, "train")  # verl's own: PPO, one answer each
+    assert (c.estimator, c.group_size, c.budget) == ("ppo", 1, 1024)

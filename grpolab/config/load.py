@@ -65,8 +65,10 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
         raise ConfigError(idle)
     given_file = isinstance(yaml_path, (str, Path)) and bool(yaml_path)
     earlier = _names(load_yaml(yaml_path) if given_file else yaml_path or {})
-    if as_word(later.get("defaults", earlier.get("defaults"))) == "trl" and command == "train":
-        earlier = {**trl.trl_base(earlier.keys() | later.keys()), **earlier}  # (under the file)
+    peer = as_word(later.get("defaults", earlier.get("defaults")))
+    if peer in ("trl", "verl") and command == "train":  # (a layer under the file)
+        base = trl.trl_base if peer == "trl" else verl.verl_base
+        earlier = {**base(earlier.keys() | later.keys()), **earlier}
     try:
         _known(earlier, command)
         from_file = _read(earlier, later=later, command=command)

@@ -335,9 +335,10 @@ class Config:
     cache_dir: str = opt("", ALL, "where the world's fine-tuned start and converted .gguf models "
                          "are cached; \"\" = ~/.cache/grpolab")
     # --- real models ---
-    defaults: Literal["grpolab", "trl"] = opt(
-        "grpolab", MODEL, "what a setting left unset is: grpolab train's default, or TRL 1.16 "
-        "GRPOConfig's (beta 0, loss_type dapo, lr 1e-6, ...: the ones a TRL config is warned of)")
+    defaults: Literal["grpolab", "trl", "verl"] = opt(
+        "grpolab", MODEL, "what a setting left unset is: grpolab train's default, TRL 1.16 "
+        "GRPOConfig's (beta 0, loss_type dapo, lr 1e-6, ...) or verl 0.9.1's (the ones its "
+        "config is warned of)")
     model_path: str = opt(
         "", MODEL_EVAL, "HF model folder, a .gguf file or smollm2-135m-instruct")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = opt(

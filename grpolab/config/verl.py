@@ -133,8 +133,18 @@ def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
     moot = {"std": cfg.estimator != "grpo" or cfg.scale != "std",  # (no std division)
             "dual_clip": cfg.policy_loss != "clip",  # (verl's dual clip: vanilla's only)
             "prompt_order": cfg.prompt_order == "epochs"}  # (verl's order)
-    return [f"{ours.format_map(shown)} ({theirs})" for ours, theirs, keys in VERL_DEFAULTS_DIFFER
+    return [f"{ours.format_map(shown)} ({theirs})" for ours, theirs, keys, _ in VERL_DEFAULTS_DIFFER
             if not set(given) & set(keys) and not moot.get(ours.split()[0])]
+
+
+def verl_base(given: set[str] | Any) -> dict[str, Any]:
+    """``defaults: verl``: verl 0.9.1's values (its names) for the settings none of ``given``
+    sets, read as a layer under the file: what ``unset_defaults`` would warn of, as verl's."""
+    out: dict[str, Any] = {}
+    for _, _, keys, theirs in VERL_DEFAULTS_DIFFER:
+        if not set(given) & set(keys):
+            out.update(theirs)
+    return out
 
 
 def resume_from(keys: dict[str, Any], out_dir: Path, holds_checkpoint: bool) -> bool:
