@@ -168,6 +168,11 @@ def test_trainer_leaves_unscored_answers_out(tmp_path) -> None:
     assert any(row[5] is None for row in sample_rows(1, groups))
     shown = [(x, a) for g in groups for x, a in zip(g["rewards"], g["advantages"])]
     assert any(x is None for x, _ in shown) and all(a == 0 for x, a in shown if x is None)
+    # said once a run: a checkpoint keeps that it was said, so a resume does not say it again
+    assert tr.rollouts.told_unscored and tr.state_dict()["told_unscored"] is True
+    again = world_trainer(tmp_path / "again", rewards=["odd_or_none", "long_or_none"])
+    again.rollouts.load_state_dict(tr.state_dict())
+    assert again.rollouts.told_unscored
     assert all(g["dead"] for g in groups if all(x is None for x in g["rewards"]))
     # each function's own score beside the total (TRL's completions table), None as null
     lo = 0

@@ -288,11 +288,19 @@ class Collector:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of it: the pass-rate posteriors, and the fingerprint of the
-        rows they are of (``resume.changed_settings`` compares it)."""
+        """What a checkpoint keeps of it: the pass-rate posteriors, the fingerprint of the
+        rows they are of (``resume.changed_settings`` compares it), whether the unscored
+        answers were said."""
         if self._digest is None:  # (once: hashing every row at every checkpoint is waste)
             self._digest = fingerprint(self.rows)
-        return {"pass_rates": self.tracker.state_dict(), "rows_sha256": self._digest}
+        return {"pass_rates": self.tracker.state_dict(), "rows_sha256": self._digest,
+                "told_unscored": self.told_unscored}
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        """From a checkpoint's state (the trainer's, which holds this one's keys)."""
+        if "pass_rates" in st:  # (older files have none: the posteriors start afresh)
+            self.tracker.load_state_dict(st["pass_rates"])
+        self.told_unscored = bool(st.get("told_unscored", False))  # (said once a run)
 
     # ------------------------------------------------------------ measuring the groups --
     def outcomes(self, batch: Batch, sampled: torch.Tensor, sampled_ok: torch.Tensor,
