@@ -555,3 +555,25 @@ def test_defaults_trl_takes_trls_defaults_for_what_a_config_leaves_unset(tmp_pat
     assert make_config(None, {"num_generations": 8}, "train").beta == 0.04  # (grpolab's)
     with pytest.raises(ConfigError, match="defaults"):
         make_config(None, {"defaults": "trl"}, "workshop", strict=True)
+    # TRL's defaults lie under the file and the overrides: a key of any naming there wins,
+    # wherever it is written, and one that sets part of a default keeps the rest TRL's
+    a = "actor_rollout_ref.actor."
+    for where in ("file", "flags"):
+        def made(keys: dict, where: str = where) -> Config:
+            both = {"defaults": "trl", **keys}
+            return make_config(*((both, None) if where == "file" else (None, both)), "train")
+        c = made({"scale": "none", "budget": 16, a + "optim.lr": 1e-5})
+        assert (c.scale, c.std, c.budget, c.micro_batch, c.lr) == ("none", "sample", 16, 8, 1e-5)
+        c = made({"std_eps": 1e-6, "save_model_every": 5})
+        assert (c.std, c.std_eps, c.checkpoint_every, c.save_model_every) == (
+            "sample", 1e-6, 500, 5)
+        c = made({"max_steps": 10, "eval_strategy": "steps", "eval_steps": 5,
+                  "eval_dataset": "e.jsonl"})  # (a length or evaluation given: whole)
+        assert (c.steps, c.passes, c.eval_size, c.eval_every) == (10, 0.0, 256, 5)
+    # grpolab eval reads a training file's defaults too (its answers' length, template, seed)
+    c = make_config({"defaults": "trl", "model_path": "m"}, {}, "eval")
+    assert (c.max_new_tokens, c.use_chat_template, c.seed) == (512, False, 42)
+    import grpolab  # a Config holds every setting: no default is left to take
+
+    with pytest.raises(ConfigError, match="a Config holds every setting"):
+        grpolab.train(Config(model_path="m"), defaults="trl")

@@ -665,3 +665,17 @@ def test_alarm_state_is_in_the_trainers_checkpoint(tmp_path, caplog) -> None:
         caplog.clear()
         assert resumed.step()["no_signal"] == "all_wrong"
     assert "NO LEARNING SIGNAL" not in caplog.text
+
+
+def test_refills_by_kind_when_a_kinds_prompts_are_all_had(tmp_path) -> None:
+    """allocate_by_kind in a refill round: every prompt of the kinds with a quota had this
+    step, one free prompt left of a kind with none: the refill takes any prompt again (it chose
+    none: an empty round stopped the run with a bare error)."""
+    tr = world_trainer(tmp_path, allocate=True, allocate_by_kind=True, predict_group_by="answer",
+                       dynamic_sampling=True, allocate_min_group=2, allocate_max_group=4)
+    kinds = tr.tracker.kinds
+    quota = kind_quotas(kinds, 32, 2)
+    spare = next(i for i in range(len(kinds)) if quota[int(kinds[i])] == 0)
+    taken = set(range(len(kinds))) - {spare}
+    idx, sizes = tr.rollouts.choose_prompts(0, taken)
+    assert idx and sum(sizes) == 32

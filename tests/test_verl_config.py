@@ -680,3 +680,11 @@ def test_defaults_verl_takes_verls_defaults_for_what_a_config_leaves_unset(caplo
                                                     "epochs")
     c = make_config(None, {"defaults": "verl"}, "train")  # verl's own: PPO, one answer each
     assert (c.estimator, c.group_size, c.budget) == ("ppo", 1, 1024)
+    # an estimator named: not verl's rollout.n 1 (no group baseline), grpolab's 8, warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpolab"):
+        c = make_config(None, {"defaults": "verl", "estimator": "grpo"}, "train")
+    assert c.group_size == 8 and "group_size 8 (verl's rollout.n 1)" in caplog.text
+    # verl's null unsets: its default, here verl's; a TRL name over it wins
+    assert make_config({"defaults": "verl", A + "optim.lr": None}, None, "train").lr == 1e-6
+    assert make_config({"defaults": "verl", "learning_rate": 1e-5}, None, "train").lr == 1e-5

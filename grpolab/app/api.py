@@ -72,6 +72,10 @@ def _config(config: Config | dict | str | Path | None, overrides: dict[str, Any]
                 "rows go in train_dataset=" if hasattr(config, "__len__") else
                 "give a YAML file's path, a dict of settings or a grpolab Config")
         raise ConfigError(f"config: a {type(config).__name__} is not read; {what}")
+    if isinstance(config, Config) and overrides.get("defaults") not in (None, "grpolab"):
+        raise ConfigError(f"defaults={overrides['defaults']!r}: a Config holds every setting, "
+                          "so none is left to take another's default; give a dict or a YAML "
+                          "file of the settings you set")
     taken: dict[str, Any] = {}  # (the run's callables, by the names they are given)
     base: dict[str, Any] | str | None = (
         to_dict(config) if isinstance(config, Config) else

@@ -66,9 +66,15 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     given_file = isinstance(yaml_path, (str, Path)) and bool(yaml_path)
     earlier = _names(load_yaml(yaml_path) if given_file else yaml_path or {})
     peer = as_word(later.get("defaults", earlier.get("defaults")))
-    if peer in ("trl", "verl") and command == "train":  # (a layer under the file)
-        base = trl.trl_base if peer == "trl" else verl.verl_base
-        earlier = {**base(earlier.keys() | later.keys()), **earlier}
+    covered: set[str] = set()  # (the keys whose defaults the peer's gave: not warned of)
+    if peer in ("trl", "verl") and command in ("train", "eval"):  # (the command's defaults)
+        base, left = (trl.trl_base if peer == "trl" else verl.verl_base)(
+            earlier.keys() | later.keys())
+        table = trl.TRL_DEFAULTS_DIFFER if peer == "trl" else verl.VERL_DEFAULTS_DIFFER
+        covered = ({k for _, _, keys, theirs in table if theirs for k in keys}  # (less those
+                   - {k for _, _, keys, theirs in table if not theirs for k in keys} - left)
+        kwargs.update({k: v for k, v in _read(base, command=command).items()
+                       if command in Config.__dataclass_fields__[k].metadata["commands"]})
     try:
         _known(earlier, command)
         from_file = _read(earlier, later=later, command=command)
@@ -102,7 +108,7 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     cfg = resolve(Config(**kwargs))
     if command == "train":  # (the workshop warns per run: a sweep's variants change them)
         warn_idle(cfg)
-    given = earlier.keys() | later.keys()
+    given = earlier.keys() | later.keys() | covered
     if command == "train" and given & trl.TRL_KEYS:
         left = trl.unset_defaults(given, cfg)
         if left:

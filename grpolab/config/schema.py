@@ -336,7 +336,7 @@ class Config:
                          "are cached; \"\" = ~/.cache/grpolab")
     # --- real models ---
     defaults: Literal["grpolab", "trl", "verl"] = opt(
-        "grpolab", MODEL, "what a setting left unset is: grpolab train's default, TRL 1.16 "
+        "grpolab", MODEL_EVAL, "what a setting left unset is: grpolab train's default, TRL 1.16 "
         "GRPOConfig's (beta 0, loss_type dapo, lr 1e-6, ...) or verl 0.9.1's (the ones its "
         "config is warned of)")
     model_path: str = opt(

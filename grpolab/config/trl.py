@@ -135,14 +135,19 @@ def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
             and not same.get(ours.split()[0])]
 
 
-def trl_base(given: set[str] | Any) -> dict[str, Any]:
-    """``defaults: trl``: TRL 1.16's values (its names) for the settings none of ``given``
-    sets, read as a layer under the file: what ``unset_defaults`` would warn of, set as TRL's."""
+# entries a given key replaces whole (the run's length; evaluation on or off), not as a
+# default under it (TRL's num_train_epochs under max_steps would set the steps again)
+WHOLE = ("steps", "eval_every")
+
+
+def trl_base(given: set[str] | Any) -> tuple[dict[str, Any], set[str]]:
+    """``defaults: trl``: TRL 1.16's values (its names), read as the command's defaults under
+    the file and the overrides (and, as ``verl_base``, the keys of an entry it leaves: none)."""
     out: dict[str, Any] = {}
-    for _, _, keys, theirs in TRL_DEFAULTS_DIFFER:
-        if not set(given) & set(keys):
+    for ours, _, keys, theirs in TRL_DEFAULTS_DIFFER:
+        if not (ours.split()[0] in WHOLE and set(given) & set(keys)):
             out.update(theirs)
-    return out
+    return out, set()
 
 
 def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,

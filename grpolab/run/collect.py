@@ -141,13 +141,17 @@ class Collector:
         how: dict[str, Any] = {"objective": cfg.allocate_objective,
                                "explore": cfg.allocate_explore,
                                "generator": self.sampler.generator}
-        if cfg.allocate_by_kind:
-            idx, sizes = allocate_by_kind(dead, self.tracker.kinds, cfg.budget, lo, hi,
-                                          free=free, **how)
-        else:
-            cand = torch.nonzero(free).flatten()
-            i, sizes = allocate_table(dead[cand], cfg.budget, lo, hi, **how)
-            idx = cand[i].tolist()
+        for _ in range(2):  # (a kind's prompts all had, the others' quota none: any again)
+            if cfg.allocate_by_kind:
+                idx, sizes = allocate_by_kind(dead, self.tracker.kinds, cfg.budget, lo, hi,
+                                              free=free, **how)
+            else:
+                cand = torch.nonzero(free).flatten()
+                i, sizes = allocate_table(dead[cand], cfg.budget, lo, hi, **how)
+                idx = cand[i].tolist()
+            if idx:
+                break
+            free[:] = True
         taken.update(idx)
         return idx, sizes
 
