@@ -685,6 +685,10 @@ def test_defaults_verl_takes_verls_defaults_for_what_a_config_leaves_unset(caplo
     with caplog.at_level("WARNING", logger="grpolab"):
         c = make_config(None, {"defaults": "verl", "estimator": "grpo"}, "train")
     assert c.group_size == 8 and "group_size 8 (verl's rollout.n 1)" in caplog.text
+    # sapo's own mean is verl's sapo's: not a clip loss's given over it
+    over = {A + "policy_loss.loss_mode": "sapo", A + "loss_agg_mode": "token-mean"}
+    assert make_config(over, None, "train").policy_agg == "seq_mean_token_mean"
+    assert make_config(over, {"policy_loss": "clip"}, "train").policy_agg == "loss"
     # verl's null unsets: its default, here verl's; a TRL name over it wins
     assert make_config({"defaults": "verl", A + "optim.lr": None}, None, "train").lr == 1e-6
     assert make_config({"defaults": "verl", "learning_rate": 1e-5}, None, "train").lr == 1e-5

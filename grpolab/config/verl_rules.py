@@ -121,8 +121,9 @@ def _loss(d: dict[str, Any]) -> dict[str, Any]:
                           f"grpolab reads {', '.join(_LOSS_MODES)}")
     if A + "policy_loss.loss_mode" in d:  # (else grpolab's policy_loss, if given, stands)
         out["policy_loss"] = _LOSS_MODES[mode]
-        if mode in ("sapo", "geo_mean"):  # (verl's: the policy term so, whatever loss_agg_mode)
-            out["policy_agg"] = "seq_mean_token_mean"
+        if d.get("policy_loss", _LOSS_MODES[mode]) in ("sapo", "gmpo"):  # (verl's: the policy
+            out["policy_agg"] = "seq_mean_token_mean"  # term so, whatever loss_agg_mode; not
+            # under another policy_loss given beside it)
     if A + "clip_ratio_c" in d:  # the dual clip; for DPPO the importance weight's cap
         loss = _LOSS_MODES[mode] if A + "policy_loss.loss_mode" in d else d.get("policy_loss")
         if loss != "gspo":  # (verl's gspo has no dual clip)
