@@ -68,11 +68,7 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     peer = as_word(later.get("defaults", earlier.get("defaults")))
     covered: set[str] = set()  # (the keys whose defaults the peer's gave: not warned of)
     if peer in ("trl", "verl") and command in ("train", "eval"):  # (the command's defaults)
-        base, left = (trl.trl_base if peer == "trl" else verl.verl_base)(
-            earlier.keys() | later.keys())
-        table = trl.TRL_DEFAULTS_DIFFER if peer == "trl" else verl.VERL_DEFAULTS_DIFFER
-        covered = ({k for _, _, keys, theirs in table if theirs for k in keys}  # (less those
-                   - {k for _, _, keys, theirs in table if not theirs for k in keys} - left)
+        base, covered = peer_defaults(peer, earlier.keys() | later.keys())
         kwargs.update({k: v for k, v in _read(base, command=command).items()
                        if command in Config.__dataclass_fields__[k].metadata["commands"]})
     try:
@@ -120,6 +116,26 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
             log.warning("this verl config leaves these at grpolab's defaults, not verl 0.9.1's: "
                         "%s", ", ".join(left))
     return cfg
+
+
+def peer_defaults(peer: str, given: set[str] | Any) -> tuple[dict[str, Any], set[str]]:
+    """``defaults: trl`` / ``verl``: the peer's values (in its names) of the settings whose
+    defaults differ from grpolab's (``TRL_DEFAULTS_DIFFER``, ``VERL_DEFAULTS_DIFFER``), read as
+    the command's defaults under the file and the overrides, and the keys they cover (not
+    warned of). A given length or evaluation replaces the peer's whole; verl's rollout.n 1 (its
+    PPO's) is not taken where an estimator is named (a group of one has no baseline)."""
+    table = trl.TRL_DEFAULTS_DIFFER if peer == "trl" else verl.VERL_DEFAULTS_DIFFER
+    estimator = bool({"algorithm.adv_estimator", "estimator"} & set(given))
+    base: dict[str, Any] = {}
+    covered: set[str] = set()
+    for ours, _, keys, theirs in table:
+        name = ours.split()[0]
+        if (name in ("steps", "eval_every") and set(given) & set(keys)
+                or name == "group_size" and estimator or not theirs):
+            continue
+        base.update(theirs)
+        covered |= set(keys)
+    return base, covered - {k for _, _, keys, theirs in table if not theirs for k in keys}
 
 
 def warn_idle(cfg: Config, where: str = "") -> None:

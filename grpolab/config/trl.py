@@ -81,8 +81,6 @@ _UNSET_OK = ("delta", "epsilon_high", "eval_steps", "output_dir", "model_name_or
 _NONE_IS_EMPTY = ("reward_weights", "lora_target_modules")
 # grpolab's own keys, also TRL's, whose None (TRL's unset) is off: no min-p filter, no options
 _NONE_IS = {"min_p": 0.0, "chat_template_kwargs": {}, "save_total_limit": 0}  # (0: all kept)
-# TRL's batch: answers per optimiser step = per device x accumulation x processes (TRL's
-# defaults: 8, 1); each process's forward/backward takes per_device rows at a time.
 # `trl grpo`'s script arguments: its reward functions (as grpolab's reward specs) and reward
 # model, which it puts first
 _SCRIPT = ("reward_funcs", "reward_model_name_or_path", "dataset_name")
@@ -133,21 +131,6 @@ def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
     return [f"{ours.format_map(shown)} ({theirs})" for ours, theirs, keys, _ in TRL_DEFAULTS_DIFFER
             if not set(given) & set(keys) and (cfg.lora or ours.split()[0] not in _LORA_ONLY)
             and not same.get(ours.split()[0])]
-
-
-# entries a given key replaces whole (the run's length; evaluation on or off), not as a
-# default under it (TRL's num_train_epochs under max_steps would set the steps again)
-WHOLE = ("steps", "eval_every")
-
-
-def trl_base(given: set[str] | Any) -> tuple[dict[str, Any], set[str]]:
-    """``defaults: trl``: TRL 1.16's values (its names), read as the command's defaults under
-    the file and the overrides (and, as ``verl_base``, the keys of an entry it leaves: none)."""
-    out: dict[str, Any] = {}
-    for ours, _, keys, theirs in TRL_DEFAULTS_DIFFER:
-        if not (ours.split()[0] in WHOLE and set(given) & set(keys)):
-            out.update(theirs)
-    return out, set()
 
 
 def from_trl(given: dict[str, Any], later: dict[str, Any] | None = None,

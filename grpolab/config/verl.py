@@ -137,22 +137,6 @@ def unset_defaults(given: set[str] | Any, cfg: Any) -> list[str]:
             if not set(given) & set(keys) and not moot.get(ours.split()[0])]
 
 
-def verl_base(given: set[str] | Any) -> tuple[dict[str, Any], set[str]]:
-    """``defaults: verl``: verl 0.9.1's values (its names), read as the command's defaults
-    under the file and the overrides, and the keys of an entry it leaves at grpolab's.
-    A given length or evaluation replaces verl's whole; a given estimator drops verl's
-    rollout.n 1 (its PPO's: a group of one has no group baseline)."""
-    estimator = {"algorithm.adv_estimator", "estimator"} & set(given)
-    out: dict[str, Any] = {}
-    for ours, _, keys, theirs in VERL_DEFAULTS_DIFFER:
-        name = ours.split()[0]
-        if not ((name in ("steps", "eval_every") and set(given) & set(keys))
-                or (name == "group_size" and estimator)):
-            out.update(theirs)
-    return out, ({R + "n", "group_size"} if estimator else set())  # (grpolab's group size:
-    # warned of as not verl's)
-
-
 def resume_from(keys: dict[str, Any], out_dir: Path, holds_checkpoint: bool) -> bool:
     """verl's ``trainer.resume_mode`` among a run's ``keys`` (a file's, then the overrides'),
     as ``--resume``: ``auto`` continues ``out_dir``'s run when it holds a checkpoint (verl's

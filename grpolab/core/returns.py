@@ -117,7 +117,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
                clip: float, counts: tuple[int, int], agg: str = "token_mean",
                norm_len: int | None = None) -> tuple[Tensor, float]:
     """PPO's clipped value loss, 0.5 x max((v - R)^2, (clip(v, v_old +- clip) - R)^2) per token,
-    aggregated as ``agg`` (verl's critic: as the actor's loss_agg_mode), as this part's share
+    aggregated as ``agg`` (``value_agg``: verl's critic.loss_agg_mode), as this part's share
     of the global batch's (``counts``: its answers and tokens over micro-batches and ranks, so
     the parts add up to the whole); and the share of tokens the clipped term decided."""
     m = mask.to(values.dtype)
