@@ -270,6 +270,11 @@ def test_a_setting_the_run_does_not_read_is_named(caplog) -> None:
     assert warnings({"entropy_target": 3.0, "entropy_coef_max": 0.5}) == [
         "entropy_target, entropy_coef_max act only with use_adaptive_entropy"]
     assert warnings({"entropy_target": 3.0, "use_adaptive_entropy": True}) == []
+    said = ("token_mean_by batch acts only with minibatches > 1 and a token_mean loss_agg: one "
+            "optimiser step a batch divides by its own tokens")
+    assert warnings({"token_mean_by": "batch", "loss_agg": "token_mean"}) == [said]
+    assert warnings({"token_mean_by": "batch", "minibatches": 2}) == [said]  # (per answer)
+    assert warnings({"token_mean_by": "batch", "minibatches": 2, "loss_agg": "token_mean"}) == []
 
 
 def test_trl_entropy_bonus_with_micro_batches_is_warned(caplog) -> None:

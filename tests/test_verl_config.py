@@ -685,6 +685,11 @@ def test_defaults_verl_takes_verls_defaults_for_what_a_config_leaves_unset(caplo
     with caplog.at_level("WARNING", logger="grpolab"):
         c = make_config(None, {"defaults": "verl", "estimator": "grpo"}, "train")
     assert c.group_size == 8 and "group_size 8 (verl's rollout.n 1)" in caplog.text
+    # TRL's defaults chosen beside a verl key: no warning of verl's (over TRL's values)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpolab"):
+        make_config(None, {"defaults": "trl", R + "n": 4}, "train")
+    assert "not verl 0.9.1's" not in caplog.text and "not TRL's: dtype" in caplog.text
     # sapo's own mean is verl's sapo's: not a clip loss's given over it
     over = {A + "policy_loss.loss_mode": "sapo", A + "loss_agg_mode": "token-mean"}
     assert make_config(over, None, "train").policy_agg == "seq_mean_token_mean"

@@ -65,7 +65,7 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
         raise ConfigError(idle)
     given_file = isinstance(yaml_path, (str, Path)) and bool(yaml_path)
     earlier = _names(load_yaml(yaml_path) if given_file else yaml_path or {})
-    peer = as_word(later.get("defaults", earlier.get("defaults")))
+    peer = later.get("defaults", earlier.get("defaults"))  # (exactly: another is refused)
     covered: set[str] = set()  # (the keys whose defaults the peer's gave: not warned of)
     if peer in ("trl", "verl") and command in ("train", "eval"):  # (the command's defaults)
         base, covered = peer_defaults(peer, earlier.keys() | later.keys())
@@ -105,12 +105,12 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     if command == "train":  # (the workshop warns per run: a sweep's variants change them)
         warn_idle(cfg)
     given = earlier.keys() | later.keys() | covered
-    if command == "train" and given & trl.TRL_KEYS:
+    if command == "train" and given & trl.TRL_KEYS and peer != "verl":  # (the other's chosen)
         left = trl.unset_defaults(given, cfg)
         if left:
             log.warning("this TRL config leaves these at grpolab's defaults, not TRL's: %s",
                         ", ".join(left))
-    if command == "train" and any(verl.is_verl(k) for k in given):
+    if command == "train" and any(verl.is_verl(k) for k in given) and peer != "trl":
         left = verl.unset_defaults(given, cfg)
         if left:
             log.warning("this verl config leaves these at grpolab's defaults, not verl 0.9.1's: "
@@ -141,7 +141,7 @@ def peer_defaults(peer: str, given: set[str] | Any) -> tuple[dict[str, Any], set
 def warn_idle(cfg: Config, where: str = "") -> None:
     """One warning for each kind of setting the run changed but does not read: another policy
     loss's, ``off_policy_mask`` with one epoch (pi = pi_old there: nothing is masked), the
-    adaptive entropy controller's without it."""
+    adaptive entropy controller's without it, ``token_mean_by`` with one step or no token mean."""
     idle = sorted(k for k in IDLE_KNOBS if k not in policy_knobs(cfg.policy_loss)
                   and getattr(cfg, k) != Config.__dataclass_fields__[k].default)
     if idle:
@@ -157,6 +157,10 @@ def warn_idle(cfg: Config, where: str = "") -> None:
         log.warning("%s%s act only with use_adaptive_entropy", where, ", ".join(moved))
     if (cfg.min_lr_rate or cfg.min_lr) and cfg.lr_schedule != "cosine":
         log.warning("%smin_lr_rate and min_lr act only with lr_schedule cosine", where)
+    token_mean = "token_mean" in (cfg.loss_agg, cfg.policy_agg)
+    if cfg.token_mean_by == "batch" and (cfg.minibatches == 1 or not token_mean):
+        log.warning("%stoken_mean_by batch acts only with minibatches > 1 and a token_mean "
+                    "loss_agg: one optimiser step a batch divides by its own tokens", where)
 
 
 def _known(given: dict[str, Any], command: str) -> None:
