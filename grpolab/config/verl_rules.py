@@ -119,15 +119,16 @@ def _loss(d: dict[str, Any]) -> dict[str, Any]:
     if mode not in _LOSS_MODES:
         raise ConfigError(f"{A}policy_loss.loss_mode={mode} (verl) has no grpolab equivalent; "
                           f"grpolab reads {', '.join(_LOSS_MODES)}")
-    if A + "policy_loss.loss_mode" in d:  # (else grpolab's policy_loss, if given, stands)
+    given = A + "policy_loss.loss_mode" in d
+    # the run's policy loss: grpolab's policy_loss where given beside verl's (a later layer's)
+    loss = d.get("policy_loss", _LOSS_MODES[mode] if given else None)
+    if given:  # (else grpolab's policy_loss, if given, stands)
         out["policy_loss"] = _LOSS_MODES[mode]
-        if d.get("policy_loss", _LOSS_MODES[mode]) in ("sapo", "gmpo"):  # (verl's: the policy
-            out["policy_agg"] = "seq_mean_token_mean"  # term so, whatever loss_agg_mode; not
-            # under another policy_loss given beside it)
-    if A + "clip_ratio_c" in d:  # the dual clip; for DPPO the importance weight's cap
-        loss = _LOSS_MODES[mode] if A + "policy_loss.loss_mode" in d else d.get("policy_loss")
-        if loss != "gspo":  # (verl's gspo has no dual clip)
-            out["dppo_cap" if str(loss).startswith("dppo") else "dual_clip"] = d[A + "clip_ratio_c"]
+        if loss in ("sapo", "gmpo"):  # verl's: their policy term so, whatever loss_agg_mode
+            out["policy_agg"] = "seq_mean_token_mean"
+    if A + "clip_ratio_c" in d and loss != "gspo":  # the dual clip (none in verl's gspo); for
+        # DPPO the importance weight's cap
+        out["dppo_cap" if str(loss).startswith("dppo") else "dual_clip"] = d[A + "clip_ratio_c"]
     if mode == "cispo":  # verl's bounds on the weight: 1 - low and 1 + high
         out["cispo_min"] = 1 - float(d.get(A + "clip_ratio_low", 0.2))
         out["cispo_max"] = 1 + float(d.get(A + "clip_ratio_high", 0.2))
