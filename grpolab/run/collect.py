@@ -295,10 +295,15 @@ class Collector:
         """What a checkpoint keeps of it: the pass-rate posteriors, the fingerprint of the
         rows they are of (``resume.changed_settings`` compares it), whether the unscored
         answers were said."""
-        if self._digest is None:  # (once: hashing every row at every checkpoint is waste)
-            self._digest = fingerprint(self.rows)
-        return {"pass_rates": self.tracker.state_dict(), "rows_sha256": self._digest,
+        return {"pass_rates": self.tracker.state_dict(), "rows_sha256": self.rows_digest(),
                 "told_unscored": self.told_unscored}
+
+    def rows_digest(self) -> str:
+        """The training rows' fingerprint, computed once (every checkpoint keeps it, and a
+        resume compares the checkpoint's with it)."""
+        if self._digest is None:
+            self._digest = fingerprint(self.rows)
+        return self._digest
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         """From a checkpoint's state (the trainer's, which holds this one's keys)."""

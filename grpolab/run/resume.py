@@ -3,6 +3,7 @@ errors for one it cannot (another model shape or optimiser grouping, other promp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,12 @@ POSTERIOR_KEYS = ("predict_prior", "predict_group_by")
 
 
 def changed_settings(st: dict[str, Any], cfg: Config, rows: list[dict[str, Any]],
-                     path: Path | None) -> dict[str, tuple[Any, Any]]:
+                     path: Path | None, digest: Callable[[], str] | None = None,
+                     ) -> dict[str, tuple[Any, Any]]:
     """The settings this run changes from the checkpoint ``st``'s: {key: (saved, now)}, those
     a resume may change freely left out; a checkpoint of other prompts (``rows``: this run's
-    training rows) or with weight decay switched refused before anything is loaded."""
+    training rows; ``digest``: their fingerprint, where kept) or with weight decay switched
+    refused before anything is loaded."""
     saved, now = st.get("config") or {}, to_dict(cfg)
     # (passes only set the steps; the steps move the schedule, a warm-up share's length too)
     fixed = cfg.lr_schedule != "constant" or 0 < cfg.warmup_steps < 1
@@ -73,7 +76,8 @@ def changed_settings(st: dict[str, Any], cfg: Config, rows: list[dict[str, Any]]
         raise ConfigError(f"{where} was written for a dataset of {saved_rows} prompts, this "
                           f"run's has {len(rows)} (the dataset file changed?); resume with the "
                           "run's data, or start a new run")
-    if st.get("rows_sha256") not in (None, fingerprint(rows)):  # (older files: none kept)
+    kept = st.get("rows_sha256")  # (older files: none kept)
+    if kept is not None and kept != (digest() if digest else fingerprint(rows)):
         raise ConfigError(f"{where} was written for other training rows than this run's, as "
                           "many (the dataset file changed: rows edited or reordered?); resume "
                           "with the run's data, or start a new run")
