@@ -275,6 +275,16 @@ def test_a_setting_the_run_does_not_read_is_named(caplog) -> None:
     assert warnings({"token_mean_by": "batch", "loss_agg": "token_mean"}) == [said]
     assert warnings({"token_mean_by": "batch", "minibatches": 2}) == [said]  # (per answer)
     assert warnings({"token_mean_by": "batch", "minibatches": 2, "loss_agg": "token_mean"}) == []
+    # the value model's settings (verl's critic.*, algorithm.lam) act with ppo alone
+    assert warnings({"critic_lr": 1e-4, "lam": 0.95}) == [
+        "critic_lr, lam act only with estimator ppo (the value model's)"]
+    assert warnings({"critic.optim.lr": 1e-4, "algorithm.adv_estimator": "grpo"}) == [
+        "critic_lr acts only with estimator ppo (the value model's)"]
+    assert warnings({"critic_lr": 1e-4, "lam": 0.95, "estimator": "ppo"}) == []
+    assert warnings({"critic_lr": 1e-3, "critic_warmup": 0}) == []  # (the workshop's default)
+    # verl's actor loss_agg_mode is its critic's only where verl has one (gae)
+    assert warnings({"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum",
+                     "algorithm.adv_estimator": "grpo"}) == []
 
 
 def test_trl_entropy_bonus_with_micro_batches_is_warned(caplog) -> None:

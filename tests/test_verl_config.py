@@ -187,6 +187,8 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
     ({A + "loss_agg_mode": "seq-mean-token-mean", "critic.loss_agg_mode": "token-mean"},
      {"loss_agg": "seq_mean_token_mean", "value_agg": "token_mean"}),
     ({"critic.loss_agg_mode": "seq-mean-token-sum"}, {"value_agg": "seq_mean_token_sum"}),
+    ({A + "loss_agg_mode": "seq-mean-token-sum", "algorithm.adv_estimator": "grpo"},
+     {"loss_agg": "seq_mean_token_sum", "value_agg": "token_mean"}),  # (no critic: no value_agg)
     ({A + "policy_loss.loss_mode": "sapo"}, {"policy_loss": "sapo",
                                              "policy_agg": "seq_mean_token_mean"}),
     ({A + "policy_loss.loss_mode": "gspo", A + "clip_ratio_c": 10.0}, {"policy_loss": "gspo",

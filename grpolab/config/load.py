@@ -141,7 +141,8 @@ def peer_defaults(peer: str, given: set[str] | Any) -> tuple[dict[str, Any], set
 def warn_idle(cfg: Config, where: str = "") -> None:
     """One warning for each kind of setting the run changed but does not read: another policy
     loss's, ``off_policy_mask`` with one epoch (pi = pi_old there: nothing is masked), the
-    adaptive entropy controller's without it, ``token_mean_by`` with one step or no token mean."""
+    adaptive entropy controller's without it, ``token_mean_by`` with one step or no token mean,
+    the value model's without ``estimator: ppo``."""
     idle = sorted(k for k in IDLE_KNOBS if k not in policy_knobs(cfg.policy_loss)
                   and getattr(cfg, k) != Config.__dataclass_fields__[k].default)
     if idle:
@@ -157,6 +158,12 @@ def warn_idle(cfg: Config, where: str = "") -> None:
         log.warning("%s%s act only with use_adaptive_entropy", where, ", ".join(moved))
     if (cfg.min_lr_rate or cfg.min_lr) and cfg.lr_schedule != "cosine":
         log.warning("%smin_lr_rate and min_lr act only with lr_schedule cosine", where)
+    critic = [k for k in ("critic_lr", "critic_warmup", "value_clip", "value_agg", "lam")
+              if getattr(cfg, k) not in {command_defaults(c).get(k, Config.__dataclass_fields__[
+                  k].default) for c in COMMANDS}]
+    if critic and cfg.estimator != "ppo":
+        log.warning("%s%s act%s only with estimator ppo (the value model's)", where,
+                    ", ".join(critic), "s" if len(critic) == 1 else "")
     token_mean = "token_mean" in (cfg.loss_agg, cfg.policy_agg)
     if cfg.token_mean_by == "batch" and (cfg.minibatches == 1 or not token_mean):
         log.warning("%stoken_mean_by batch acts only with minibatches > 1 and a token_mean "

@@ -113,8 +113,9 @@ def _loss(d: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if A + "loss_agg_mode" in d:
         out["loss_agg"] = as_word(d[A + "loss_agg_mode"]).replace("-", "_")
-        if "critic.loss_agg_mode" not in d:  # (verl's critic takes its actor's by default)
-            out["value_agg"] = out["loss_agg"]
+        est = as_word(d.get("algorithm.adv_estimator", VERL_DEFAULTS["algorithm.adv_estimator"]))
+        if "critic.loss_agg_mode" not in d and est == "gae":  # (verl's critic, gae's only,
+            out["value_agg"] = out["loss_agg"]  # takes its actor's by default)
     mode = as_word(d.get(A + "policy_loss.loss_mode", "vanilla"))
     if mode not in _LOSS_MODES:
         raise ConfigError(f"{A}policy_loss.loss_mode={mode} (verl) has no grpolab equivalent; "
