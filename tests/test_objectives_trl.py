@@ -577,6 +577,11 @@ def test_defaults_trl_takes_trls_defaults_for_what_a_config_leaves_unset(tmp_pat
 
     with pytest.raises(ConfigError, match="a Config holds every setting"):
         grpolab.train(Config(model_path="m"), defaults="trl")
-    with pytest.raises(ConfigError, match=r"defaults must be one of \['grpolab', 'trl', 'verl'\] "
+    with pytest.raises(ConfigError, match=r"^defaults must be grpolab, trl or verl "
                                           r"\(got 'Trl'\)"):  # (before any of TRL's is read)
         make_config({"defaults": "Trl", "budget": 64}, None, "train")
+    bad = tmp_path / "bad.yaml"  # (a file's is named with the file, null too)
+    bad.write_text("defaults: null\nbudget: 64\n")
+    with pytest.raises(ConfigError, match=f"^{bad}: defaults must be grpolab, trl or verl "
+                                          r"\(got None\)"):
+        make_config(bad, None, "train")

@@ -66,6 +66,9 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
     given_file = isinstance(yaml_path, (str, Path)) and bool(yaml_path)
     earlier = _names(load_yaml(yaml_path) if given_file else yaml_path or {})
     peer = later.get("defaults", earlier.get("defaults"))  # (exactly: another is refused)
+    if peer not in ("grpolab", "trl", "verl") and "defaults" in later.keys() | earlier.keys():
+        where = f"{yaml_path}: " if given_file and "defaults" not in later else ""
+        raise ConfigError(f"{where}defaults must be grpolab, trl or verl (got {peer!r})")
     covered: set[str] = set()  # (the keys whose defaults the peer's gave: not warned of)
     if peer in ("trl", "verl") and command in ("train", "eval"):  # (the command's defaults)
         base, covered = peer_defaults(peer, earlier.keys() | later.keys())
