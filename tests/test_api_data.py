@@ -246,6 +246,35 @@ def test_api_warnings_are_shown_as_the_clis(tmp_path: Path, capsys: pytest.Captu
     assert capsys.readouterr().err == "" and seen[0].startswith("TRL settings left aside")
 
 
+def test_api_calls_in_threads_share_the_shown_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two calls at once (threads): the second's warnings are still shown after the first ends
+    (the first took the handler away with it), and the last to end takes it back."""
+    import logging
+    import threading
+
+    from grpolab.app.api import _warnings_shown
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    log = logging.getLogger("grpolab")
+    entered, first_done = threading.Event(), threading.Event()
+    counts: list[int] = []
+
+    def second() -> None:  # (begun during the first call, ending after it)
+        with _warnings_shown():
+            entered.set()
+            first_done.wait(10)
+            counts.append(len(log.handlers))
+
+    t = threading.Thread(target=second)
+    with _warnings_shown():
+        t.start()
+        entered.wait(10)
+        counts.append(len(log.handlers))
+    first_done.set()
+    t.join()
+    assert counts == [1, 1] and not log.handlers
+
+
 def test_a_callable_given_again_resumes_its_run(llama: str, tmp_path: Path) -> None:
     """A notebook runs the cell that defines the reward again: a new function of the same name,
     the reward the run was written with, named so in every process; the resume takes it. A run

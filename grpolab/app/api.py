@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,21 +120,33 @@ def _cli_errors() -> Iterator[None]:
         raise err from e
 
 
+_shown_lock = threading.Lock()
+_shown: list[Any] = [None, 0]  # (the handler this API added, the calls that share it)
+
+
 @contextlib.contextmanager
 def _warnings_shown() -> Iterator[None]:
     """grpolab's warnings on stderr as the CLI shows them (``grpolab: ...``) for the call's
-    length, unless the program has configured logging itself (then they go where it says)."""
+    length, unless the program has configured logging itself (then they go where it says).
+    Calls in several threads share one handler, removed when the last of them ends."""
     log = logging.getLogger("grpolab")
-    if log.handlers or logging.getLogger().handlers:
-        yield
-        return
-    shown = logging.StreamHandler()
-    shown.setFormatter(logging.Formatter("grpolab: %(message)s"))
-    log.addHandler(shown)
+    with _shown_lock:
+        ours = _shown[0] is not None or not (log.handlers or logging.getLogger().handlers)
+        if ours:
+            if _shown[0] is None:
+                _shown[0] = logging.StreamHandler()
+                _shown[0].setFormatter(logging.Formatter("grpolab: %(message)s"))
+                log.addHandler(_shown[0])
+            _shown[1] += 1
     try:
         yield
     finally:
-        log.removeHandler(shown)
+        if ours:
+            with _shown_lock:
+                _shown[1] -= 1
+                if not _shown[1]:
+                    log.removeHandler(_shown[0])
+                    _shown[0] = None
 
 
 def _keywords(message: str) -> str:
