@@ -207,6 +207,26 @@ def test_a_resume_on_changed_rows_of_the_same_count_is_refused(tmp_path: Path) -
     assert tiny_trainer(tmp_path, steps=2).train(resume=True)[-1]["step"] == 2  # (its own rows)
 
 
+def test_a_resume_with_another_seed_of_a_generated_task_names_the_seed() -> None:
+    """The workshop's world and a generated task draw their rows from the seed: a resume
+    with another seed is refused naming it, not as a changed dataset file."""
+    from grpolab.config import to_dict
+    from grpolab.run.resume import changed_settings
+
+    cfg, rows = make_config(None, {"seed": 5}, "workshop"), [{"prompt": "1+1", "answer": "2"}]
+    st = {"config": to_dict(make_config(None, {}, "workshop")), "rows_sha256": "other"}
+    with pytest.raises(ConfigError, match=r"as many: it was written with seed=0 \(this run: 5\)"
+                                          r", which draws a generated task's rows; resume with "
+                                          r"the run's seed, or start a new run$"):
+        changed_settings(st, cfg, rows, None)
+    st["sampler"] = {"pass_rate": [0.5, 0.5]}
+    with pytest.raises(ConfigError, match=r"this run's has 1: it was written with seed=0"):
+        changed_settings(st, cfg, rows, None)
+    st["config"]["seed"] = 5  # (the same seed: the data changed)
+    with pytest.raises(ConfigError, match=r"has 1 \(the dataset file changed\?\); resume "):
+        changed_settings(st, cfg, rows, None)
+
+
 def test_a_resume_with_other_posteriors_is_refused_before_loading(tmp_path: Path) -> None:
     """predict_group_by shapes the pass-rate posteriors a checkpoint keeps (a prior per
     kind): another, or another prior's form beside it, is one line before any weight loads (it

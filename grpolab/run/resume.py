@@ -71,16 +71,22 @@ def changed_settings(st: dict[str, Any], cfg: Config, rows: list[dict[str, Any]]
         raise ConfigError(f"{where} was written with weight_decay={decay[0]!r} (this run: "
                           f"{decay[1]!r}): decay on or off changes the optimiser's parameter "
                           "groups; resume with the run's weight_decay, or start a new run")
+    # (a generated task's rows, the workshop's world's too, are drawn from the seed)
+    seed = (f"seed={saved['seed']!r} (this run: {now['seed']!r}), which draws a generated "
+            "task's rows; resume with the run's seed" if "seed" in changed else "")
     saved_rows = len(st.get("sampler", {}).get("pass_rate", ()))
     if saved_rows and saved_rows != len(rows):
         raise ConfigError(f"{where} was written for a dataset of {saved_rows} prompts, this "
-                          f"run's has {len(rows)} (the dataset file changed?); resume with the "
-                          "run's data, or start a new run")
+                          f"run's has {len(rows)}" + (f": it was written with {seed}" if seed
+                                                     else " (the dataset file changed?); resume "
+                                                     "with the run's data") +
+                          ", or start a new run")
     kept = st.get("rows_sha256")  # (older files: none kept)
     if kept is not None and kept != (digest() if digest else fingerprint(rows)):
         raise ConfigError(f"{where} was written for other training rows than this run's, as "
-                          "many (the dataset file changed: rows edited or reordered?); resume "
-                          "with the run's data, or start a new run")
+                          "many" + (f": it was written with {seed}" if seed else " (the dataset "
+                          "file changed: rows edited or reordered?); resume with the run's data") +
+                          ", or start a new run")
     return changed
 
 
