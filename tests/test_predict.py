@@ -632,7 +632,8 @@ def test_predict_group_by_names_a_column_of_every_row(tmp_path) -> None:
     from grpolab.run.collect import kinds_of
 
     rows = [{"d": "a"}, {"d": "b"}, {"d": "a"}]
-    assert kinds_of(rows, "d").tolist() == [0, 1, 0] and kinds_of(rows, "") is None
+    kinds, names = kinds_of(rows, "d")
+    assert kinds.tolist() == [0, 1, 0] and names == ["a", "b"] and kinds_of(rows, "") == (None, [])
     with pytest.raises(ConfigError, match="1 of the 3 training rows have no such column"):
         kinds_of([*rows[:2], {}], "d")
     assert tr.tracker.kinds is None
@@ -642,6 +643,13 @@ def test_predict_group_by_names_a_column_of_every_row(tmp_path) -> None:
     assert tr.tracker.kinds is not None and tr.tracker.kind_priors is not None
     rec = tr.step()
     assert rec["answers_generated"] == 32 and math.isfinite(rec["loss"])
+    # each kind's prior the step used is logged by its column value (the population's beside)
+    values = sorted({str(r[column]) for r in tr.train_rows})
+    fitted = [[round(float(x), 4) for x in p] for p in tr.tracker.kind_priors]  # (at step 1's end)
+    rec = tr.step()
+    assert list(rec["posterior_kind_priors"]) == values and len(values) > 1
+    assert [rec["posterior_kind_priors"][v] for v in values] == fitted != [[1.0, 1.0]] * len(fitted)
+    assert "posterior_kind_priors" not in world_trainer(tmp_path / "pop", allocate=True).step()
     # per kind: each kind's answers are its quota, step after step
     tr = world_trainer(tmp_path / "quota", allocate=True, allocate_min_group=2,
                        allocate_max_group=8, predict_group_by=column, allocate_by_kind=True)

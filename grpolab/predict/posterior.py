@@ -147,9 +147,11 @@ class PassRateTracker:
         a, b = self.posterior()
         return dead_probability(a[:, None], b[:, None], torch.as_tensor(sizes)[None, :])
 
-    def prior_summary(self) -> list[float]:
-        """The fitted prior, for the metrics line: [a0, b0]."""
-        return [round(x, 4) for x in self.prior]
+    def prior_summary(self, kind: int | None = None) -> list[float]:
+        """The fitted prior (of ``kind``, where priors are per kind), for the metrics line:
+        [a0, b0]."""
+        prior = self.prior if kind is None else self.kind_priors[kind].tolist()
+        return [round(float(x), 4) for x in prior]
 
     def observe(self, idx: list[int] | Tensor, successes: Tensor, sizes: Tensor | list[int]) -> None:
         """Add each group's right answers ``successes`` [K] out of ``sizes`` [K] to its prompt
@@ -268,9 +270,10 @@ class GridPassRateTracker(PassRateTracker):
     def dead_table(self, sizes: Tensor) -> Tensor:
         return (self.grid_posterior() @ self._dead_by_size(sizes)).clamp(0, 1)
 
-    def prior_summary(self) -> list[float]:
-        """The fitted prior, for the metrics line: [mean rate, weight at 0, weight at 1]."""
-        w = self.weights
+    def prior_summary(self, kind: int | None = None) -> list[float]:
+        """The fitted prior (of ``kind``), for the metrics line: [mean rate, weight at 0,
+        weight at 1]."""
+        w = self.weights if kind is None else self.kind_priors[kind]
         return [round(float(w @ self.grid), 4), round(float(w[0]), 4), round(float(w[-1]), 4)]
 
     def end_step(self) -> None:

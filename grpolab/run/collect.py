@@ -79,16 +79,18 @@ def first_judged(res: ScoreResult, on: str) -> torch.Tensor:
     return res.per_fn[:, 0] if acc is None else torch.where(acc.isnan(), res.per_fn[:, 0], acc)
 
 
-def kinds_of(rows: list[dict], column: str) -> torch.Tensor | None:
-    """[N] the kind id of each row by its ``column`` value (None without a column)."""
+def kinds_of(rows: list[dict], column: str) -> tuple[torch.Tensor | None, list[str]]:
+    """[N] the kind id of each row by its ``column`` value, and the values by id (None, []
+    without a column)."""
     if not column:
-        return None
+        return None, []
     missing = sum(column not in r for r in rows)
     if missing:
         raise ConfigError(f"predict_group_by {column!r}: {missing} of the {len(rows)} training "
                           "rows have no such column")
-    ids = {name: i for i, name in enumerate(sorted({str(r[column]) for r in rows}))}
-    return torch.tensor([ids[str(r[column])] for r in rows], dtype=torch.long)
+    names = sorted({str(r[column]) for r in rows})
+    ids = {name: i for i, name in enumerate(names)}
+    return torch.tensor([ids[str(r[column])] for r in rows], dtype=torch.long), names
 
 
 class Collector:
@@ -111,9 +113,9 @@ class Collector:
                               f"{filters}; give the config's")
         if built is not None:
             backend.filters = filters
+        kinds, self.kind_names = kinds_of(rows, cfg.predict_group_by)
         self.tracker = PASS_RATE_PRIORS[cfg.predict_prior](len(rows), cfg.predict_decay,
-                                                           cfg.predict_prior_strength,
-                                                           kinds_of(rows, cfg.predict_group_by))
+                                                           cfg.predict_prior_strength, kinds)
         self.alarm = NoSignalAlarm(cfg.alarm_truncated_share)
         # this step's sampled groups, per round: (global sizes [N], P(dead) predicted before
         # scoring [N], truncated answers [B] or None)
@@ -341,6 +343,8 @@ class Collector:
         rec = {
             "posterior_dead_share": float(dead_prob.mean()) if dead_prob.numel() else None,
             "posterior_prior": self.tracker.prior_summary(),
+            **({"posterior_kind_priors": {name: self.tracker.prior_summary(k) for k, name in
+                                          enumerate(self.kind_names)}} if self.kind_names else {}),
             "group_dead_prob": [round(float(x), 4) for x in dead_prob],
             "group_dead": dead.int().tolist(),
             "sampled_truncated_share": cut,
