@@ -108,6 +108,13 @@ def test_sapo_vespo_luspo_match_trl(trl_keys: dict, beta: float, shape: str) -> 
     trl_over = {k: v for k, v in trl_keys.items() if k != "epsilon"}
     if "epsilon" in trl_keys:
         trl_over.update(epsilon_low=trl_keys["epsilon"], epsilon_high=trl_keys["epsilon"])
+    if shape == "token" and c.policy_loss == "gspo":  # TRL's trainer gives one advantage an
+        # answer; with a token's own (REINFORCE++, PPO: verl's estimators) GSPO is verl's
+        # GSPO-token: TRL's loss, each token's gradient by its own advantage
+        # (test_objectives_verl.py::test_gspo_matches_verl)
+        theirs = trl_loss(logp, old, ref, adv, mask, beta=beta, **trl_over)
+        assert float(_ours(c, logp, old, ref, adv, mask, beta)) == pytest.approx(float(theirs))
+        return
     agree(lambda: _ours(c, logp, old, ref, adv, mask, beta),
           lambda: trl_loss(logp, old, ref, adv, mask, beta=beta, **trl_over), logp)
 

@@ -63,9 +63,13 @@ def test_vanilla_matches_verl(agg: str, eps_low: float, eps_high: float) -> None
           logp)
 
 
+@pytest.mark.parametrize("shape", ["answer", "token"])
 @pytest.mark.parametrize("agg", list(AGG))
-def test_gspo_matches_verl(agg: str) -> None:
+def test_gspo_matches_verl(agg: str, shape: str) -> None:
+    """With token-level advantages verl's GSPO is the paper's GSPO-token (token t's ratio
+    sg[s] pi_t / sg[pi_t]): each token's gradient weighted by its own advantage."""
     logp, old, _, adv, mask = pair(31, spread=0.05)
+    adv = adv if shape == "answer" else token_level(adv, logp.shape[1])
     assert L.gspo_loss(logp, old, adv, mask, eps_low=0.01, eps_high=0.02).clipped.any()
     agree(lambda: grpo_loss(logp, old, None, adv, mask, beta=0.0, agg=agg, policy_loss="gspo",
                             eps_low=0.01, eps_high=0.02).loss,

@@ -72,8 +72,19 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
               **_: float) -> PolicyTerms:
     """GSPO (Zheng et al. 2025): one ratio per answer, the geometric mean of its token ratios
     s = exp(mean_t log(pi/pi_old)), clipped as a whole ([1 - eps_low, 1 + eps_high]; the paper
-    uses 3e-4 / 4e-4); every token of the answer gets the answer's loss."""
-    ratio = torch.exp(_log_ratio(logp, old_logp, mask, "sequence"))  # [B, 1]
+    uses 3e-4 / 4e-4); every token of the answer gets the answer's loss.
+
+    With token-level advantages [B, T] (REINFORCE++, PPO) it is the paper's GSPO-token, as
+    verl's ``gspo``: token t's ratio is sg[s] pi_t / sg[pi_t] (s's value, the token's own
+    gradient), so each token's gradient is weighted by its own advantage; with one advantage
+    per answer the two forms have the same value and gradient. (Differentiating s itself, as
+    TRL's sequence level does, would give every token its answer's mean advantage.)"""
+    seq = _log_ratio(logp, old_logp, mask, "sequence")  # [B, 1]
+    ratio = torch.exp(seq)
+    if advantages.dim() == 2:  # GSPO-token (verl 0.9.1's compute_policy_loss_gspo)
+        token_ratio = torch.exp(logp - logp.detach() + seq.detach())
+        loss, hit = _ppo_clip(token_ratio, advantages, eps_low, eps_high, dual_clip)
+        return PolicyTerms(loss, hit, ratio)
     loss, hit = _ppo_clip(ratio, _per_token(advantages), eps_low, eps_high, dual_clip)
     return PolicyTerms(loss.expand_as(logp), hit.expand_as(logp), ratio)
 
