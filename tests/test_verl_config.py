@@ -699,3 +699,52 @@ def test_defaults_verl_takes_verls_defaults_for_what_a_config_leaves_unset(caplo
     # verl's null unsets: its default, here verl's; a TRL name over it wins
     assert make_config({"defaults": "verl", A + "optim.lr": None}, None, "train").lr == 1e-6
     assert make_config({"defaults": "verl", "learning_rate": 1e-5}, None, "train").lr == 1e-5
+
+
+def _written(table: tuple, given: dict) -> dict:
+    """A peer's defaults written out in the config, less the entries ``given`` sets a key of."""
+    out: dict = {}
+    for _, _, keys, theirs in table:
+        if not set(keys) & set(given):
+            out.update(theirs)
+    return {**out, **given}
+
+
+@pytest.mark.parametrize("peer,given,expect", [
+    ("verl", {R + "n": 4}, {"budget": 4096, "group_size": 4, "minibatches": 4}),
+    ("verl", {"algorithm.adv_estimator": "grpo", R + "n": 4}, {"budget": 4096, "group_size": 4}),
+    ("verl", {"group_size": 4}, {"budget": 4096}),
+    ("verl", {A + "policy_loss.loss_mode": "gspo"}, {"policy_loss": "gspo", "dual_clip": 0.0}),
+    ("verl", {"policy_loss": "gspo"}, {"dual_clip": 0.0}),
+    ("verl", {A + "policy_loss.loss_mode": "dppo_tv"}, {"dual_clip": 0.0, "dppo_cap": 3.0}),
+    ("trl", {"steps_per_generation": 4}, {"minibatches": 4, "token_mean_by": "batch"}),
+    ("trl", {"num_iterations": 2}, {"epochs": 2, "checkpoint_every": 250}),
+])
+def test_peer_defaults_combine_with_the_keys_given_as_written_out(peer, given, expect) -> None:
+    """``defaults: verl`` / ``trl`` under a file or flags is the config with the peer's
+    defaults written out: where the peer reads keys together (verl's train_batch_size x
+    rollout.n, its clip_ratio_c as the policy loss reads it; TRL's loss_type dapo over several
+    steps a generation, its save_steps in optimiser steps), a given key meets the peer's
+    default as it would meet it written (it met grpolab's: 1024 answers, not prompts; a dual
+    clip on verl's gspo; TRL's dapo divided by each step's own tokens)."""
+    import dataclasses
+
+    from grpolab.config.trl_fields import TRL_DEFAULTS_DIFFER
+
+    table = TRL_DEFAULTS_DIFFER if peer == "trl" else VERL_DEFAULTS_DIFFER
+    written = dataclasses.asdict(make_config(None, _written(table, given), "train"))
+    for where in ("file", "flags"):
+        keys = {"defaults": peer, **given}
+        c = make_config(*((keys, None) if where == "file" else (None, keys)), "train")
+        assert {k: getattr(c, k) for k in expect} == expect, where
+        assert {**dataclasses.asdict(c), "defaults": "grpolab"} == written, where
+
+
+def test_peer_defaults_that_cannot_meet_a_given_key_are_one_line() -> None:
+    """TRL's save_steps 500 counts optimiser steps: at num_iterations 3 no count of sampled
+    batches is it; refused in one line that says it is the peer's default."""
+    with pytest.raises(ConfigError, match=r"^defaults: trl: save_steps: 500 \(TRL\) counts "
+                                          r"optimiser steps.*or set it in the config$"):
+        make_config(None, {"defaults": "trl", "num_iterations": 3}, "train")
+    c = make_config(None, {"defaults": "trl", "num_iterations": 3, "save_steps": 30}, "train")
+    assert c.checkpoint_every == 10

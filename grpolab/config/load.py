@@ -70,23 +70,24 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
         where = f"{yaml_path}: " if given_file and "defaults" not in later else ""
         raise ConfigError(f"{where}defaults must be grpolab, trl or verl (got {peer!r})")
     covered: set[str] = set()  # (the keys whose defaults the peer's gave: not warned of)
+    base: dict[str, Any] = {}
     if peer in ("trl", "verl") and command in ("train", "eval"):  # (the command's defaults)
         base, covered = peer_defaults(peer, earlier.keys() | later.keys())
-        kwargs.update({k: v for k, v in _read(base, command=command).items()
-                       if command in Config.__dataclass_fields__[k].metadata["commands"]})
     try:
         _known(earlier, command)
         from_file = _read(earlier, later=later, command=command)
-        kwargs.update(from_file)
     except ConfigError as e:
         if not given_file:
             raise
         raise ConfigError(f"{yaml_path}: {e}") from None  # the user has to find the bad line
+    ours = _read(later, earlier=earlier, command=command)
+    if base:  # (under the file and the overrides, read once both are: with them)
+        kwargs.update(_peer_values(str(peer), base, {**earlier, **later}, command))
+    kwargs.update(from_file)
     idle = out_of_scope(from_file, command, changed=True) if command != "eval" else None
     if idle:  # (a file may serve several commands; eval reads its training's)
         log.warning("%s%s", f"{yaml_path}: " if given_file else "", idle)
     file_rewards = kwargs.get("rewards", Config.__dataclass_fields__["rewards"].default_factory())
-    ours = _read(later, earlier=earlier, command=command)
     idle = out_of_scope(ours, command) if strict else None  # (TRL's, verl's names too)
     theirs = [k for k in later if k not in Config.__dataclass_fields__]
     if idle and command == "eval" and theirs and all(verl.is_verl(k) for k in theirs):
@@ -139,6 +140,23 @@ def peer_defaults(peer: str, given: set[str] | Any) -> tuple[dict[str, Any], set
         base.update(theirs)
         covered |= set(keys)
     return base, covered - {k for _, _, keys, theirs in table if not theirs for k in keys}
+
+
+def _peer_values(peer: str, base: dict[str, Any], above: dict[str, Any],
+                 command: str) -> dict[str, Any]:
+    """The peer's defaults as grpolab's settings, read with what the file and the overrides
+    give (``above``, which wins) where the peer combines keys: verl's default train_batch_size
+    times a rollout.n given, its default clip_ratio_c as the policy loss given reads it, TRL's
+    default loss_type dapo with a steps_per_generation given, its save_steps 500 in optimiser
+    steps at a num_iterations given."""
+    above = {k: v for k, v in above.items() if v is not None or not verl.is_verl(k)}  # (verl's
+    base = {k: v for k, v in base.items() if k not in above}  # key=null: unset, the peer's)
+    try:
+        values = _read(base, later=above, command=command, under=True)
+    except ConfigError as e:
+        raise ConfigError(f"defaults: {peer}: {e}; or set it in the config") from None
+    return {k: v for k, v in values.items()
+            if command in Config.__dataclass_fields__[k].metadata["commands"]}
 
 
 def warn_idle(cfg: Config, where: str = "") -> None:
@@ -219,10 +237,12 @@ def _names(given: dict[Any, Any]) -> dict[str, Any]:
 
 
 def _read(given: dict[str, Any], later: dict[str, Any] | None = None,
-          earlier: dict[str, Any] | None = None, command: str = "train") -> dict[str, Any]:
+          earlier: dict[str, Any] | None = None, command: str = "train",
+          under: bool = False) -> dict[str, Any]:
     """Keys in grpolab's names (verl's and TRL's translated), values coerced; ``earlier`` and
-    ``later``: the file before them and the overrides after (TRL and verl combine keys)."""
-    given = trl.from_trl(verl.from_verl(given, later, earlier, command), later, earlier)
+    ``later``: the file before them and the overrides after (TRL and verl combine keys);
+    ``under``: the peer's defaults, whose verl rules are read whatever ``later`` gives."""
+    given = trl.from_trl(verl.from_verl(given, later, earlier, command, under), later, earlier)
     if "steps" in given and "passes" in given and coerce("passes", given["passes"]) > 0:
         if len(given.keys() & field_types().keys()) < len(field_types()) // 2:  # (a run's
             # config.json holds every key, of its version: its steps come from its passes)

@@ -56,11 +56,13 @@ def flatten(given: dict[str, Any]) -> dict[str, Any]:
 
 
 def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
-              earlier: dict[str, Any] | None = None, command: str = "train") -> dict[str, Any]:
+              earlier: dict[str, Any] | None = None, command: str = "train",
+              under: bool = False) -> dict[str, Any]:
     """Translate the verl keys of ``given`` (other keys pass unchanged). ``earlier`` (a YAML
     file) and ``later`` (overrides) are read where verl combines keys, as ``from_trl`` does;
     a verl key and the grpolab key it sets that disagree are an error. ``command``: verl's
-    validation sampling (``rollout.val_kwargs``) is read by ``eval`` only."""
+    validation sampling (``rollout.val_kwargs``) is read by ``eval`` only. ``under``: the
+    peer's defaults, under every layer, read with them (``later``) in each rule they touch."""
     given = flatten(given)
     if not any(is_verl(k) for k in given):
         return given
@@ -111,7 +113,7 @@ def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
                               "it (or ask for it: it changes what is trained)")
     touched = set(mine)
     for keys, rule in RULES:  # (a rule the overrides touch too is read with them, there)
-        if touched & set(keys) and not later.keys() & set(keys):
+        if touched & set(keys) and (under or not later.keys() & set(keys)):
             try:
                 said = rule(d)
             except ConfigError:
