@@ -748,3 +748,26 @@ def test_peer_defaults_that_cannot_meet_a_given_key_are_one_line() -> None:
         make_config(None, {"defaults": "trl", "num_iterations": 3}, "train")
     c = make_config(None, {"defaults": "trl", "num_iterations": 3, "save_steps": 30}, "train")
     assert c.checkpoint_every == 10
+
+
+@pytest.mark.parametrize("file,flags,expect", [
+    ({"policy_loss": "sapo"}, {A + "policy_loss.loss_mode": "vanilla", A + "loss_agg_mode":
+                               "token-mean"}, ("clip", "loss", 0.0)),
+    ({"policy_loss": "gspo"}, {A + "policy_loss.loss_mode": "vanilla", A + "clip_ratio_c": 3.0},
+     ("clip", "loss", 3.0)),
+    ({"policy_loss": "clip"}, {A + "policy_loss.loss_mode": "gspo", A + "clip_ratio_c": 3.0},
+     ("gspo", "loss", 0.0)),
+    ({A + "policy_loss.loss_mode": "vanilla", A + "loss_agg_mode": "token-mean"},
+     {"policy_loss": "sapo"}, ("sapo", "loss", 0.0)),
+    ({A + "policy_loss.loss_mode": "sapo", A + "loss_agg_mode": "token-mean"}, {},
+     ("sapo", "seq_mean_token_mean", 0.0)),
+])
+def test_the_later_layers_policy_loss_is_the_one_read_for_its_mean_and_dual_clip(
+        file, flags, expect) -> None:
+    """A file's policy_loss and a flag's loss_mode (or the reverse): the later one runs, and
+    verl's dual clip (clip_ratio_c) and sapo's per-answer mean (policy_agg) are read for it: a
+    file's sapo under a flag's vanilla left sapo's mean on PPO's clip, a file's gspo took the
+    flag's dual clip away, a file's clip gave the flag's gspo one; grpolab's sapo given over
+    verl's vanilla has grpolab's mean."""
+    c = make_config({"model_path": "m", **file}, flags, "train")
+    assert (c.policy_loss, c.policy_agg, c.dual_clip) == expect

@@ -23,6 +23,7 @@ from grpolab.config.verl_fields import (
     VERL_COMBINED,
     VERL_DEFAULTS_DIFFER,
     VERL_ROOTS,
+    A,
     R,
 )
 from grpolab.config.verl_rules import RULES
@@ -75,6 +76,9 @@ def from_verl(given: dict[str, Any], later: dict[str, Any] | None = None,
         d.pop("trainer.total_training_steps", None)
     if "passes" in earlier and "passes" not in given.keys() | later.keys():
         d.pop("passes", None)  # (a file's passes: a later total_epochs replaces them)
+    mode = A + "policy_loss.loss_mode"  # (a later layer's loss_mode replaces a file's
+    if "policy_loss" in earlier.keys() - given.keys() - later.keys() and mode in given | later:
+        d.pop("policy_loss")  # policy_loss: its dual clip and mean are verl's loss's)
     for layer in (later, given, earlier):  # the group size the run ends with
         g = next((layer[k] for k in (R + "n", "group_size", "num_generations") if k in layer), None)
         if g is not None:

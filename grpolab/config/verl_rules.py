@@ -125,7 +125,8 @@ def _loss(d: dict[str, Any]) -> dict[str, Any]:
     loss = d.get("policy_loss", _LOSS_MODES[mode] if given else None)
     if given:  # (else grpolab's policy_loss, if given, stands)
         out["policy_loss"] = _LOSS_MODES[mode]
-        if loss in ("sapo", "gmpo"):  # verl's: their policy term so, whatever loss_agg_mode
+        if loss in ("sapo", "gmpo") and loss == _LOSS_MODES[mode]:  # verl's: their policy
+            # term so, whatever loss_agg_mode (not another loss's given over verl's)
             out["policy_agg"] = "seq_mean_token_mean"
     if A + "clip_ratio_c" in d and loss != "gspo":  # the dual clip (none in verl's gspo); for
         # DPPO the importance weight's cap
