@@ -132,3 +132,38 @@ def test_changed_lora_r_is_named_not_called_unreadable(tmp_path: Path, world_arg
     assert code == 2 and len(err) == 1, err  # a settings mistake, as another dataset is
     assert "does not fit this model" in err[0] and "lora_r=8 (this run: 4)" in err[0]
     assert "unreadable" not in err[0] and files_under(out) == before
+
+
+def test_a_hashless_checkpoint_of_another_form_is_one_line(tmp_path: Path,
+                                                           world_args: list[str],
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    """A checkpoint without a content hash (older grpolab wrote none: loaded without that
+    check) whose state is not of the form grpolab keeps (damaged, or made by hand) is one line
+    naming the part, exit 1, nothing changed on disk; it was a traceback from the first part
+    that would not load (a posterior of another length, a config that is a string...). One of
+    the form it keeps still resumes."""
+    out = tmp_path / "run"
+    args = ["workshop", "--out-dir", str(out), "--checkpoint-every", "1", *world_args]
+    assert run_cli([*args, "--steps", "2"], capsys)[0] == 0
+    last = out / "checkpoints" / "last.pt"
+    good = {k: v for k, v in torch.load(last, weights_only=True).items() if k != "sha256"}
+    rates = good["pass_rates"]
+    for part, st in [
+            ("its config", {**good, "config": "lora"}),
+            ("its step", {**good, "step": "2"}),
+            ("its prompt sampler", {k: v for k, v in good.items() if k != "sampler"}),
+            ("its pass-rate posteriors", {**good, "pass_rates": {**rates,
+                                                                 "successes": torch.zeros(3)}}),
+            ("its pass-rate posteriors", {**good, "pass_rates": {**rates, "prior": [1.0]}}),
+            ("whether it said the unscored answers", {**good, "told_unscored": torch.ones(2)}),
+            ("its random state", {**good, "rank_rng": [{"gen": 1}]})]:
+        torch.save(st, last)
+        before = files_under(out)
+        code, err = run_cli([*args, "--steps", "3", "--resume"], capsys)
+        assert code == 1 and len(err) == 1 and "is damaged (" + part in err[0], (part, err)
+        assert files_under(out) == before
+    torch.save(good, last)
+    code, err = run_cli([*args, "--steps", "3", "--resume"], capsys)
+    assert code == 0 and metric_steps(out) == [0, 1, 2, 3]
+    assert any("no content hash" in line for line in err), err

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from grpolab.config import Config, ConfigError, to_dict
 from grpolab.data.files import fingerprint
 from grpolab.run.checkpoint import CheckpointError
@@ -42,6 +44,7 @@ def changed_settings(st: dict[str, Any], cfg: Config, rows: list[dict[str, Any]]
     a resume may change freely left out; a checkpoint of other prompts (``rows``: this run's
     training rows; ``digest``: their fingerprint, where kept) or with weight decay switched
     refused before anything is loaded."""
+    check_state(st, path)
     saved, now = st.get("config") or {}, to_dict(cfg)
     # (passes only set the steps; the steps move the schedule, a warm-up share's length too)
     fixed = cfg.lr_schedule != "constant" or 0 < cfg.warmup_steps < 1
@@ -100,3 +103,38 @@ def load_error(e: Exception, changed: dict[str, tuple[Any, Any]],
     error = ConfigError if shape else CheckpointError
     return error(f"checkpoint {path or 'given'} does not fit this model: {why}; resume with the "
                  "run's settings, or start a new run")
+
+
+def check_state(st: dict[str, Any], path: Path | None) -> None:
+    """The run's state besides the weights (step, random streams, sampler, posteriors, the
+    watch's), each of the form a checkpoint keeps: a file of another form (one without a
+    content hash, as older grpolab wrote them, that was damaged or made by hand) is a
+    CheckpointError naming what, not a traceback from the first part that would not load."""
+    T = torch.Tensor
+    sampler, rates = st.get("sampler"), st.get("pass_rates", {})
+    n = sampler.get("pass_rate") if isinstance(sampler, dict) else None
+    shape = n.shape if isinstance(n, T) and n.dim() == 1 else None
+    ranks = st.get("rank_rng") or []  # (older files: none)
+    rngs = [st, *(ranks if isinstance(ranks, list) else [None])]
+    bad = [what for what, ok in (
+        ("its config", isinstance(st.get("config", {}), dict)),
+        ("its step", type(st.get("step")) is int and st["step"] >= 0),
+        ("its random state", all(isinstance(r, dict) and all(
+            isinstance(r.get(k), T) and r[k].dtype == torch.uint8 for k in ("gen", "torch_rng"))
+            for r in rngs) and isinstance(st.get("sampler_gen"), T)),
+        ("its prompt sampler", shape is not None and isinstance(sampler.get("visits"), T)
+         and sampler["visits"].shape == shape),
+        ("its pass-rate posteriors", isinstance(rates, dict) and (not rates or (
+            all(isinstance(rates.get(k), T) and rates[k].shape == shape
+                for k in ("successes", "failures")) and isinstance(rates.get("squares", n), T)
+            and rates.get("squares", n).shape == shape
+            and isinstance(rates.get("prior"), (list, tuple)) and len(rates["prior"]) == 2
+            and all(type(x) in (int, float) for x in rates["prior"])))),
+        ("whether it said the unscored answers", type(st.get("told_unscored", False)) is bool),
+        ("its watch's state", all(isinstance(st.get(k) or {}, dict)
+                                  for k in ("watch", "alarm", "entropy_control"))),
+    ) if not ok]
+    if bad:
+        raise CheckpointError(f"checkpoint {path or 'given'} is damaged ({', '.join(bad)} not "
+                              "as grpolab keeps it); resume from another checkpoint, or start "
+                              "a new run")
