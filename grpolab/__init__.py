@@ -33,7 +33,9 @@ _PACKAGES = ("app", "config", "core", "data", "predict", "rewards", "rollout", "
 def __getattr__(name: str) -> Any:
     if name in _FROM:
         return getattr(importlib.import_module(_FROM[name]), name)
-    if name in _PACKAGES:  # (grpolab.core.losses after a bare import grpolab, as before)
+    if name in _PACKAGES:  # (grpolab.core.losses after a bare import grpolab, as before: the
+        for module in sorted(set(_FROM.values())):  # modules it loaded then, and theirs)
+            importlib.import_module(module)
         return importlib.import_module(f"grpolab.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

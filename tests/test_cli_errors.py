@@ -306,7 +306,9 @@ def test_switches_take_hugging_faces_true_and_false(tmp_path: Path,
 def test_a_bare_import_reaches_the_subpackages() -> None:
     """``import grpolab`` then ``grpolab.core.losses`` (as before the lazy names), in a fresh
     process where nothing else has loaded them."""
-    code = "import grpolab; print(grpolab.config.Config, grpolab.core.losses.grpo_loss.__name__)"
-    p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
-                       timeout=60)
-    assert p.returncode == 0 and "grpo_loss" in p.stdout, p.stderr
+    for code in ("import grpolab; print(grpolab.config.Config, grpolab.core.losses.grpo_loss)",
+                 # (first: nothing else of grpolab loaded it, grpolab.config's import included)
+                 "import grpolab; print(grpolab.core.losses.grpo_loss, grpolab.run.trainer)"):
+        p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 0 and "grpo_loss" in p.stdout, p.stderr
