@@ -44,7 +44,6 @@ def changed_settings(st: dict[str, Any], cfg: Config, rows: list[dict[str, Any]]
     a resume may change freely left out; a checkpoint of other prompts (``rows``: this run's
     training rows; ``digest``: their fingerprint, where kept) or with weight decay switched
     refused before anything is loaded."""
-    check_state(st, path)
     saved, now = st.get("config") or {}, to_dict(cfg)
     # (passes only set the steps; the steps move the schedule, a warm-up share's length too)
     fixed = cfg.lr_schedule != "constant" or 0 < cfg.warmup_steps < 1
@@ -105,7 +104,7 @@ def load_error(e: Exception, changed: dict[str, tuple[Any, Any]],
                  "run's settings, or start a new run")
 
 
-def check_state(st: dict[str, Any], path: Path | None) -> None:
+def check_state(st: dict[str, Any], path: Path | None) -> dict[str, Any]:
     """The run's state besides the weights (step, random streams, sampler, posteriors, the
     watch's), each of the form a checkpoint keeps: a file of another form (one without a
     content hash, as older grpolab wrote them, that was damaged or made by hand) is a
@@ -138,3 +137,4 @@ def check_state(st: dict[str, Any], path: Path | None) -> None:
         raise CheckpointError(f"checkpoint {path or 'given'} is damaged ({', '.join(bad)} not "
                               "as grpolab keeps it); resume from another checkpoint, or start "
                               "a new run")
+    return st

@@ -370,8 +370,8 @@ class GRPOTrainer:
         """Put a checkpoint's content back (weights, optimiser, RNGs, sampler, posteriors,
         watch, alarm). A state written for another model shape (a changed lora_r, say) is a
         ConfigError naming the setting; other changed settings are warned about."""
-        changed = resume.changed_settings(st, self.cfg, self.train_rows, path,
-                                          self.rollouts.rows_digest)
+        changed = resume.changed_settings(resume.check_state(st, path), self.cfg,
+                                          self.train_rows, path, self.rollouts.rows_digest)
         try:
             if st.get("dcp"):
                 checkpoint.load_sharded(st, path or self.ckpt_dir / checkpoint.LAST,
