@@ -206,6 +206,24 @@ def test_grid_prior_recovers_bands_that_one_beta_cannot() -> None:
     assert abs(grid_dead - exact) < 0.01 < abs(beta_dead - exact)
 
 
+def test_grid_prior_reads_decayed_counts_as_the_answers_they_were() -> None:
+    """Counts faded alike (x d, their squared weights x d^2) are the same answers: the grid
+    prior fitted to them is the one fitted to the counts before fading (read as fewer answers,
+    each rate looked noisier and the prior came out narrower, less mass at 0 and 1)."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.cat([torch.zeros(60), torch.ones(40), torch.rand(100, generator=g)])
+    s = torch.binomial(torch.full((200,), 8.0), p, generator=g).double()
+    f, grid, init = 8.0 - s, torch.linspace(0, 1, 21, dtype=torch.float64), torch.full(
+        (21,), 1 / 21, dtype=torch.float64)
+    whole = fit_grid_prior(s, f, grid, init)
+    assert torch.equal(fit_grid_prior(s, f, grid, init, squares=s + f), whole)  # (unfaded)
+    d = 0.97**10
+    faded = fit_grid_prior(s * d, f * d, grid, init, squares=(s + f) * d * d)
+    assert torch.allclose(faded, whole, atol=1e-9)
+    raw = fit_grid_prior(s * d, f * d, grid, init)  # (the faded counts as answers)
+    assert raw[0] < whole[0] - 0.02 and raw[-1] < whole[-1] - 0.02
+
+
 def test_grid_tracker_fits_on_end_step_and_round_trips() -> None:
     tr = GridPassRateTracker(4, decay=0.5)
     tr.observe([0, 1, 2], torch.tensor([4.0, 0.0, 4.0]), [4, 4, 4])

@@ -201,17 +201,24 @@ GRID_PSEUDO = 0.05  # prompts' worth of evidence given to each grid point (no ra
 
 
 def fit_grid_prior(successes: Tensor, failures: Tensor, grid: Tensor, init: Tensor,
-                   iters: int = 100) -> Tensor:
+                   iters: int = 100, squares: Tensor | None = None) -> Tensor:
     """Weights [J] of a discrete prior on the pass rates ``grid`` [J], by EM on the binomial
     counts ``successes``, ``failures`` [N] (decayed, so fractional; prompts with under one
     answer's worth are left out), started from ``init`` [J].
 
     E step: prompt i's posterior over the grid, w_ij ~ pi_j p_j^s_i (1 - p_j)^f_i; M step:
     pi_j = (sum_i w_ij + c) / (K + c J), with c = ``GRID_PSEUDO``. ``init`` comes back when
-    under two prompts have evidence.
+    under two prompts have evidence. ``squares`` [N] (the squared answer weights' sums): each
+    prompt's counts are scaled to its effective number of answers n^2 / squares, as decayed
+    counts read as fewer answers make each rate look noisier than it is and the fitted prior
+    too narrow (its mass at 0 and 1 too small).
     """
     s = successes.to(torch.float64)
     f = failures.to(torch.float64)
+    if squares is not None:
+        n = s + f
+        scale = torch.where(squares > 0, n / squares.to(torch.float64).clamp_min(1e-300), 1.0)
+        s, f = s * scale, f * scale
     keep = s + f >= 1.0
     s, f = s[keep], f[keep]
     if s.numel() < 2:
@@ -280,14 +287,15 @@ class GridPassRateTracker(PassRateTracker):
         self.successes.mul_(self.decay)
         self.failures.mul_(self.decay)
         self.squares.mul_(self.decay ** 2)
-        self.weights = fit_grid_prior(self.successes, self.failures, self.grid, self.weights)
+        self.weights = fit_grid_prior(self.successes, self.failures, self.grid, self.weights,
+                                      squares=self.squares)
         if self.kinds is not None and self.kind_priors is not None:
             for k in range(len(self.kind_priors)):
                 mine = self.kinds == k
                 enough = int((self.successes[mine] + self.failures[mine] >= 1.0).sum()) >= 2
                 self.kind_priors[k] = fit_grid_prior(
                     self.successes[mine], self.failures[mine], self.grid,
-                    self.kind_priors[k] if enough else self.weights)
+                    self.kind_priors[k] if enough else self.weights, squares=self.squares[mine])
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "grid_weights": self.weights.clone()}
