@@ -771,3 +771,19 @@ def test_the_later_layers_policy_loss_is_the_one_read_for_its_mean_and_dual_clip
     verl's vanilla has grpolab's mean."""
     c = make_config({"model_path": "m", **file}, flags, "train")
     assert (c.policy_loss, c.policy_agg, c.dual_clip) == expect
+
+
+@pytest.mark.parametrize("file,flags", [
+    ({"policy_loss": "gspo"}, {A + "policy_loss.loss_mode": "vanilla"}),
+    ({"policy_loss": "clip"}, {A + "policy_loss.loss_mode": "gspo"}),
+    ({"policy_loss": "clip"}, {A + "policy_loss.loss_mode": "dppo_tv"}),
+])
+def test_defaults_verl_reads_its_dual_clip_for_the_later_layers_policy_loss(file, flags) -> None:
+    """``defaults: verl`` with a file's policy_loss and a flag's loss_mode is the config with
+    verl's clip_ratio_c 3 written out: the flag's loss runs and the dual clip is read for it (a
+    file's gspo took the flag's vanilla's dual clip away; a file's clip gave the flag's gspo
+    one, which verl's gspo has not)."""
+    written = make_config({"model_path": "m", **file, A + "clip_ratio_c": 3.0}, flags, "train")
+    c = make_config({"model_path": "m", "defaults": "verl", **file}, flags, "train")
+    assert (c.policy_loss, c.dual_clip, c.dppo_cap) == (
+        written.policy_loss, written.dual_clip, written.dppo_cap)

@@ -19,6 +19,7 @@ from grpolab.config.values import coerce, unknown_key
 from grpolab.core.losses import POLICY_LOSSES, policy_knobs
 
 log = logging.getLogger("grpolab")
+LOSS_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode"  # (verl's name for policy_loss)
 # each policy loss's settings, and the losses that read them
 IDLE_KNOBS = {k: ", ".join(n for n in POLICY_LOSSES if k in policy_knobs(n))
               for n in POLICY_LOSSES for k in policy_knobs(n)}
@@ -82,7 +83,7 @@ def make_config(yaml_path: str | Path | dict[str, Any] | None = None,
         raise ConfigError(f"{yaml_path}: {e}") from None  # the user has to find the bad line
     ours = _read(later, earlier=earlier, command=command)
     if base:  # (under the file and the overrides, read once both are: with them)
-        kwargs.update(_peer_values(str(peer), base, {**earlier, **later}, command))
+        kwargs.update(_peer_values(str(peer), base, earlier, later, command))
     kwargs.update(from_file)
     idle = out_of_scope(from_file, command, changed=True) if command != "eval" else None
     if idle:  # (a file may serve several commands; eval reads its training's)
@@ -142,13 +143,16 @@ def peer_defaults(peer: str, given: set[str] | Any) -> tuple[dict[str, Any], set
     return base, covered - {k for _, _, keys, theirs in table if not theirs for k in keys}
 
 
-def _peer_values(peer: str, base: dict[str, Any], above: dict[str, Any],
-                 command: str) -> dict[str, Any]:
-    """The peer's defaults as grpolab's settings, read with what the file and the overrides
-    give (``above``, which wins) where the peer combines keys: verl's default train_batch_size
-    times a rollout.n given, its default clip_ratio_c as the policy loss given reads it, TRL's
-    default loss_type dapo with a steps_per_generation given, its save_steps 500 in optimiser
-    steps at a num_iterations given."""
+def _peer_values(peer: str, base: dict[str, Any], earlier: dict[str, Any],
+                 later: dict[str, Any], command: str) -> dict[str, Any]:
+    """The peer's defaults as grpolab's settings, read with what the file (``earlier``) and the
+    overrides (``later``) give, which win, where the peer combines keys: verl's default
+    train_batch_size times a rollout.n given, its default clip_ratio_c as the policy loss the
+    run ends with reads it, TRL's default loss_type dapo with a steps_per_generation given, its
+    save_steps 500 in optimiser steps at a num_iterations given."""
+    above = {**earlier, **later}
+    if "policy_loss" in earlier.keys() - later.keys() and LOSS_MODE in later:  # (a later
+        del above["policy_loss"]  # loss_mode replaces a file's policy_loss, as from_verl reads)
     above = {k: v for k, v in above.items() if v is not None or not verl.is_verl(k)}  # (verl's
     base = {k: v for k, v in base.items() if k not in above}  # key=null: unset, the peer's)
     try:
