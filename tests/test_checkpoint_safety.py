@@ -167,3 +167,20 @@ def test_a_hashless_checkpoint_of_another_form_is_one_line(tmp_path: Path,
     code, err = run_cli([*args, "--steps", "3", "--resume"], capsys)
     assert code == 0 and metric_steps(out) == [0, 1, 2, 3]
     assert any("no content hash" in line for line in err), err
+
+
+def test_a_tensor_where_a_part_belongs_is_named_not_a_traceback() -> None:
+    """check_state asks no tensor its truth: a tensor where the per-rank random states or the
+    watch's state belong is the damaged-checkpoint line (it was "Boolean value of Tensor with
+    more than one value is ambiguous"); those parts absent or empty still pass."""
+    from grpolab.run.resume import check_state
+
+    g = torch.Generator().get_state()
+    st = {"config": {}, "step": 1, "gen": g, "torch_rng": torch.get_rng_state(),
+          "sampler_gen": g, "sampler": {"pass_rate": torch.zeros(3), "visits": torch.zeros(3)}}
+    for part, extra in [("its random state", {"rank_rng": torch.zeros(3)}),
+                        ("its watch's state", {"watch": torch.zeros(2)}),
+                        ("its watch's state", {"entropy_control": torch.ones(4)})]:
+        with pytest.raises(checkpoint.CheckpointError, match=r"is damaged \(" + part):
+            check_state({**st, **extra}, Path("last.pt"))
+    assert check_state({**st, "rank_rng": [], "watch": None, "alarm": {}}, None)["step"] == 1

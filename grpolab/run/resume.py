@@ -113,8 +113,8 @@ def check_state(st: dict[str, Any], path: Path | None) -> dict[str, Any]:
     sampler, rates = st.get("sampler"), st.get("pass_rates", {})
     n = sampler.get("pass_rate") if isinstance(sampler, dict) else None
     shape = n.shape if isinstance(n, T) and n.dim() == 1 else None
-    ranks = st.get("rank_rng") or []  # (older files: none)
-    rngs = [st, *(ranks if isinstance(ranks, list) else [None])]
+    ranks = st.get("rank_rng")  # (older files: none; never a truth test: a tensor has none)
+    rngs = [st, *(ranks if isinstance(ranks, list) else [] if _unset(ranks) else [None])]
     bad = [what for what, ok in (
         ("its config", isinstance(st.get("config", {}), dict)),
         ("its step", type(st.get("step")) is int and st["step"] >= 0),
@@ -130,7 +130,7 @@ def check_state(st: dict[str, Any], path: Path | None) -> dict[str, Any]:
             and isinstance(rates.get("prior"), (list, tuple)) and len(rates["prior"]) == 2
             and all(type(x) in (int, float) for x in rates["prior"])))),
         ("whether it said the unscored answers", type(st.get("told_unscored", False)) is bool),
-        ("its watch's state", all(isinstance(st.get(k) or {}, dict)
+        ("its watch's state", all(isinstance(st.get(k), dict) or _unset(st.get(k))
                                   for k in ("watch", "alarm", "entropy_control"))),
     ) if not ok]
     if bad:
@@ -138,3 +138,10 @@ def check_state(st: dict[str, Any], path: Path | None) -> dict[str, Any]:
                               "as grpolab keeps it); resume from another checkpoint, or start "
                               "a new run")
     return st
+
+
+def _unset(value: Any) -> bool:
+    """Whether a checkpoint's part reads as absent where the trainer loads ``value or {}``
+    (None, an empty container, 0, false), without asking a tensor its truth."""
+    return value is None or (isinstance(value, (list, tuple, dict, str, int, float))
+                             and not value)
