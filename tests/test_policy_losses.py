@@ -285,6 +285,8 @@ def test_a_setting_the_run_does_not_read_is_named(caplog) -> None:
     # verl's actor loss_agg_mode is its critic's only where verl has one (gae)
     assert warnings({"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum",
                      "algorithm.adv_estimator": "grpo"}) == []
+    assert warnings({"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-sum",
+                     "estimator": "grpo"}) == []  # (grpolab's name for it)
 
 
 def test_trl_entropy_bonus_with_micro_batches_is_warned(caplog) -> None:

@@ -189,6 +189,10 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
     ({"critic.loss_agg_mode": "seq-mean-token-sum"}, {"value_agg": "seq_mean_token_sum"}),
     ({A + "loss_agg_mode": "seq-mean-token-sum", "algorithm.adv_estimator": "grpo"},
      {"loss_agg": "seq_mean_token_sum", "value_agg": "token_mean"}),  # (no critic: no value_agg)
+    ({A + "loss_agg_mode": "seq-mean-token-sum", "estimator": "grpo"},  # (grpolab's name)
+     {"loss_agg": "seq_mean_token_sum", "value_agg": "token_mean"}),
+    ({A + "loss_agg_mode": "seq-mean-token-sum", "estimator": "ppo"},
+     {"loss_agg": "seq_mean_token_sum", "value_agg": "seq_mean_token_sum"}),
     ({A + "policy_loss.loss_mode": "sapo"}, {"policy_loss": "sapo",
                                              "policy_agg": "seq_mean_token_mean"}),
     ({A + "policy_loss.loss_mode": "gspo", A + "clip_ratio_c": 10.0}, {"policy_loss": "gspo",
