@@ -791,3 +791,16 @@ def test_defaults_verl_reads_its_dual_clip_for_the_later_layers_policy_loss(file
     c = make_config({"model_path": "m", "defaults": "verl", **file}, flags, "train")
     assert (c.policy_loss, c.dual_clip, c.dppo_cap) == (
         written.policy_loss, written.dual_clip, written.dppo_cap)
+
+
+def test_defaults_verl_says_a_keys_warning_once(caplog) -> None:
+    """verl's defaults are read with the keys given, through the same rules: what a rule warns
+    of a given key (clip_ratio, data.truncation) is said once, by the key's own reading."""
+    caplog.set_level("WARNING", logger="grpolab")
+    for keys in ({A + "clip_ratio": 0.3}, {"data.truncation": "error"}):
+        for where in ("file", "flags"):
+            caplog.clear()
+            given = {"defaults": "verl", **keys}
+            make_config(*((given, None) if where == "file" else (None, given)), "train")
+            said = [r.getMessage() for r in caplog.records if r.module == "verl_rules"]
+            assert len(said) == 1, (keys, where, said)

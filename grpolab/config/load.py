@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -155,12 +156,27 @@ def _peer_values(peer: str, base: dict[str, Any], earlier: dict[str, Any],
         del above["policy_loss"]  # loss_mode replaces a file's policy_loss, as from_verl reads)
     above = {k: v for k, v in above.items() if v is not None or not verl.is_verl(k)}  # (verl's
     base = {k: v for k, v in base.items() if k not in above}  # key=null: unset, the peer's)
+    said = _ThisThreadsVerlRules()  # (what verl's rules warn of is a key given, which its
+    log.addFilter(said)  # own reading has said: not twice)
     try:
         values = _read(base, later=above, command=command, under=True)
     except ConfigError as e:
         raise ConfigError(f"defaults: {peer}: {e}; or set it in the config") from None
+    finally:
+        log.removeFilter(said)
     return {k: v for k, v in values.items()
             if command in Config.__dataclass_fields__[k].metadata["commands"]}
+
+
+class _ThisThreadsVerlRules(logging.Filter):
+    """Drops the warnings of verl's rules (``verl_rules``) logged by the thread that made it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.thread == self.thread and record.module == "verl_rules")
 
 
 def warn_idle(cfg: Config, where: str = "") -> None:
