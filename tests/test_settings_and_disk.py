@@ -225,6 +225,10 @@ def test_a_resume_with_another_seed_of_a_generated_task_names_the_seed() -> None
     st["config"]["seed"] = 5  # (the same seed: the data changed)
     with pytest.raises(ConfigError, match=r"has 1 \(the dataset file changed\?\); resume "):
         changed_settings(st, cfg, rows, None)
+    on_file = {"dataset": "d.jsonl", "model_path": "m"}  # (a file's rows: the seed draws none)
+    st["config"] = to_dict(make_config(None, on_file, "train"))
+    with pytest.raises(ConfigError, match=r"has 1 \(the dataset file changed\?\); resume "):
+        changed_settings(st, make_config(None, {**on_file, "seed": 5}, "train"), rows, None)
 
 
 def test_a_resume_with_other_posteriors_is_refused_before_loading(tmp_path: Path) -> None:

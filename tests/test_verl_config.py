@@ -181,8 +181,13 @@ def test_nested_yaml_is_the_dotted_overrides(tmp_path) -> None:
     ({A + "policy_loss.loss_mode": "cispo", A + "clip_ratio_low": 0.3, A + "clip_ratio_high": 4},
      {"policy_loss": "cispo", "cispo_min": 0.7, "cispo_max": 5.0}),
     ({A + "policy_loss.loss_mode": "geo_mean"}, {"policy_loss": "gmpo"}),
-    ({A + "loss_agg_mode": "seq-mean-token-sum-norm"}, {"loss_agg": "seq_mean_token_sum_norm",
-                                                         "value_agg": "seq_mean_token_sum_norm"}),
+    ({A + "loss_agg_mode": "seq-mean-token-sum-norm", "algorithm.adv_estimator": "gae"},
+     {"loss_agg": "seq_mean_token_sum_norm", "value_agg": "seq_mean_token_sum_norm"}),
+    # no estimator named: the run is grpolab's grpo (said in the defaults warning), no critic
+    ({A + "loss_agg_mode": "seq-mean-token-sum-norm"}, {"estimator": "grpo",
+                                                         "value_agg": "token_mean"}),
+    ({A + "loss_agg_mode": "seq-mean-token-sum", "defaults": "verl"},  # (verl's gae: a critic)
+     {"estimator": "ppo", "value_agg": "seq_mean_token_sum"}),
     # verl's critic aggregates as its actor by default, or as critic.loss_agg_mode says
     ({A + "loss_agg_mode": "seq-mean-token-mean", "critic.loss_agg_mode": "token-mean"},
      {"loss_agg": "seq_mean_token_mean", "value_agg": "token_mean"}),

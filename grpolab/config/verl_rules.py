@@ -113,12 +113,10 @@ def _loss(d: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if A + "loss_agg_mode" in d:
         out["loss_agg"] = as_word(d[A + "loss_agg_mode"]).replace("-", "_")
-        if "algorithm.adv_estimator" in d:  # (else grpolab's estimator, where given)
-            critic = as_word(d["algorithm.adv_estimator"]) == "gae"
-        elif "estimator" in d:
-            critic = as_word(d["estimator"]) == "ppo"
-        else:
-            critic = VERL_DEFAULTS["algorithm.adv_estimator"] == "gae"
+        # (a run with a value model: verl's gae, or grpolab's ppo; none named is grpolab's
+        # grpo, as the run trains: defaults: verl brings verl's gae here)
+        critic = (as_word(d["algorithm.adv_estimator"]) == "gae"
+                  if "algorithm.adv_estimator" in d else as_word(d.get("estimator")) == "ppo")
         if "critic.loss_agg_mode" not in d and critic:  # (verl's critic, gae's only,
             out["value_agg"] = out["loss_agg"]  # takes its actor's by default)
     mode = as_word(d.get(A + "policy_loss.loss_mode", "vanilla"))

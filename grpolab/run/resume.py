@@ -11,6 +11,7 @@ import torch
 
 from grpolab.config import Config, ConfigError, to_dict
 from grpolab.data.files import fingerprint
+from grpolab.data.tasks import is_task
 from grpolab.run.checkpoint import CheckpointError
 
 # Config keys a resume may change without changing the maths (micro_batch splits a step
@@ -74,8 +75,9 @@ def changed_settings(st: dict[str, Any], cfg: Config, rows: list[dict[str, Any]]
                           f"{decay[1]!r}): decay on or off changes the optimiser's parameter "
                           "groups; resume with the run's weight_decay, or start a new run")
     # (a generated task's rows, the workshop's world's too, are drawn from the seed)
+    generated = not cfg.dataset or is_task(cfg.dataset)  # (the workshop's world: no dataset)
     seed = (f"seed={saved['seed']!r} (this run: {now['seed']!r}), which draws a generated "
-            "task's rows; resume with the run's seed" if "seed" in changed else "")
+            "task's rows; resume with the run's seed" if "seed" in changed and generated else "")
     saved_rows = len(st.get("sampler", {}).get("pass_rate", ()))
     if saved_rows and saved_rows != len(rows):
         raise ConfigError(f"{where} was written for a dataset of {saved_rows} prompts, this "
