@@ -219,3 +219,31 @@ def test_eval_says_when_no_reward_scored_the_answers(tmp_path: Path,
     assert (res["greedy_accuracy"], res["unscored_answers"], res["rewards/none"]) == (0.0, 3, None)
     assert res["sampled_unscored_answers"] == 6
     assert "(3 answers no reward scored: none right)" in capsys.readouterr().out
+
+
+def test_compare_never_replaces_the_eval_it_compares_with(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """``grpolab eval --compare runs/eval/eval.json`` into the default out_dir (runs/eval) would
+    write its own eval.json over the baseline it reads: refused in one line, before any model
+    loads, the baseline left as it was; an eval.json nested past the JSON reader's depth is
+    "cannot read it", not a traceback."""
+    monkeypatch.chdir(tmp_path)
+    base = tmp_path / "runs" / "eval" / "eval.json"
+    base.parent.mkdir(parents=True)
+    base.write_text('{"greedy_correct": [1], "prompts": 1}\n')
+    for given in ("runs/eval/eval.json", str(base), "runs/../runs/eval/eval.json"):
+        assert cli.main(["eval", "--model-path", "m", "--dataset", "d.jsonl",
+                         "--compare", given]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [(f"grpolab: error: --compare {given} is the eval.json this evaluation "
+                        "writes (out_dir runs/eval); give another --out-dir")]
+    assert base.read_text() == '{"greedy_correct": [1], "prompts": 1}\n'
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000)
+    assert cli.main(["eval", "--model-path", "m", "--dataset", "d.jsonl", "--compare",
+                     str(deep), "--out-dir", "after"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"grpolab: error: --compare {deep}: cannot read it (nested too deeply)"]
+    assert not (tmp_path / "after").exists()

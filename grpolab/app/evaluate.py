@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +100,11 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
                          "completion": c, "right": bool(o),
                          "rewards": dict(zip(a.names, plain(f)))}, default=str)
              for a, rs, g in judged for r, c, o, f in zip(rs, a.completions, a.ok, a.per_fn)]
-    (out_dir / "completions.jsonl").write_text("".join(x + "\n" for x in lines))
-    (out_dir / "eval.json").write_text(json.dumps(out, indent=2) + "\n")
+    for name, text in (("completions.jsonl", "".join(x + "\n" for x in lines)),
+                       ("eval.json", json.dumps(out, indent=2) + "\n")):  # (each whole or old)
+        tmp = out_dir / f".{name}.partial"
+        tmp.write_text(text)
+        os.replace(tmp, out_dir / name)
     return out
 
 
@@ -112,10 +116,15 @@ def evaluate(cfg: Config, compare_to: str | None = None) -> int:
 
     before = None
     if compare_to:
+        mine = Path(cfg.out_dir).expanduser() / "eval.json"
+        if Path(compare_to).expanduser().resolve() == mine.resolve():  # (it would be replaced)
+            raise ConfigError(f"--compare {compare_to} is the eval.json this evaluation writes "
+                              f"(out_dir {cfg.out_dir}); give another --out-dir")
         try:
             before = json.loads(Path(compare_to).read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--compare {compare_to}: cannot read it ({e})") from None
+        except (OSError, ValueError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else e
+            raise ConfigError(f"--compare {compare_to}: cannot read it ({why})") from None
     res = run_eval(cfg, before)
     line = f"{res['prompts']} prompts: greedy accuracy {res['greedy_accuracy']:.3f}" + (
         f" ({u} answers no reward scored: none right)" if (u := res["unscored_answers"]) else "")
