@@ -97,3 +97,24 @@ def test_a_resume_with_changed_settings_keeps_the_old_config(
     assert run_cli([*args, "--steps", "3", "--lr", "0.5", "--resume"], capsys)[0] == 0
     assert json.loads((out / "config.json").read_text())["lr"] == 0.01
     assert files_under(out)["config.json"] == before["config.json"]
+
+
+def test_odd_metrics_lines_are_skipped_not_a_traceback(tmp_path: Path, world_args: list[str],
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """A metrics.jsonl with lines that are JSON but no metrics record (a list, a number, a
+    step that is no integer, a text where a share belongs, a list nested past the JSON
+    reader's depth): --resume reads around them, finishes the run and its summary, and keeps
+    every real line of metrics.jsonl and samples.jsonl."""
+    out = tmp_path / "run"
+    args = ["workshop", "--out-dir", str(out), *world_args, "--checkpoint-every", "1"]
+    assert run_cli([*args, "--steps", "2"], capsys)[0] == 0
+    odd = ["[]", "7", '{"step": "a"}', '{"step": null}', "[" * 100_000,
+           '{"step": 1, "dead_share": "x"}', '{"step": 2, "group_dead": [1, "x"]}']
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write("".join(x + "\n" for x in odd))
+    code, err = run_cli([*args, "--steps", "3", "--resume"], capsys)
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_metrics(out / "samples.jsonl")] == [1, 2, 3]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3

@@ -219,17 +219,43 @@ class MetricsWriter:
             os.fsync(f.fileno())
 
 
+# the fields summaries and plots compute with: a line where one is not a number is not read
+_NUMBERS = ("reward_mean", "heldout_acc", "heldout_pass_prob", "train_pass_prob",
+            "heldout_check_acc", "dead_share", "dead_all_right_share", "dead_all_wrong_share",
+            "predicted_dead_share", "posterior_dead_share", "completion_len", "useful_answers",
+            "answers_generated", "peak_rss_mib", "peak_gpu_mib")
+
+
+def _sound(record: Any) -> bool:
+    """A metrics (or samples) line as the writer writes them: an object with an integer step,
+    and numbers (or null) where summaries and plots compute (a line edited or damaged into
+    another shape would stop them, after the training, with a traceback); ``groups``: a count
+    (metrics) or the groups themselves (samples)."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    return (isinstance(record, dict) and number(step := record.get("step"))
+            and isinstance(step, int)
+            and all(record.get(k) is None or number(record[k]) for k in _NUMBERS)
+            and isinstance(record.get("groups", 0), (int, float, list))
+            and all(record.get(k) is None or isinstance(record[k], list)
+                    and all(map(number, record[k])) for k in ("group_dead_prob", "group_dead")))
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every complete line of a metrics file (a torn last line from a kill is skipped)."""
+    """Every complete, sound line of a metrics file (a torn last line from a kill is skipped,
+    and so is a line that is not a metrics record: ``_sound``)."""
     p = Path(path)
     if not p.is_file():
         return []
     out = []
     for line in p.read_text().splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
             continue
+        if _sound(record):
+            out.append(record)
     return out
 
 
@@ -277,8 +303,9 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
 
 
 def _all_right_of_dead(steps: list[dict]) -> float:
-    right = sum(r.get("dead_all_right_share", 0.0) * r.get("groups", 0) for r in steps)
-    dead = sum(r.get("dead_share", 0.0) * r.get("groups", 0) for r in steps)
+    steps = [r for r in steps if not isinstance(r.get("groups"), list)]  # (a samples line)
+    right = sum((r.get("dead_all_right_share") or 0.0) * r.get("groups", 0) for r in steps)
+    dead = sum((r.get("dead_share") or 0.0) * r.get("groups", 0) for r in steps)
     return right / dead if dead else float("nan")
 
 
