@@ -194,3 +194,41 @@ def test_workshop_with_top_p_and_the_plain_heldout_bench(tmp_path) -> None:
     assert ends["plain"][0] == pytest.approx(ends["plain"][1], abs=1e-6)
     # (the 20-step start is poor: about 0.01 either way) the filtered sampler is another one
     assert abs(ends["top_p"][0] - ends["top_p"][1]) > 1e-3
+
+
+def test_a_sweep_resumes_each_run_and_refuses_shared_folders(tmp_path, world_args,
+                                                            monkeypatch, capsys) -> None:
+    """--resume on a sweep continues each run that has a checkpoint (here: one stopped at its
+    first step) and starts the others, instead of refusing the first run as already there;
+    a variant or seed given twice, or names alike but for punctuation, would write one folder
+    twice: refused before any run starts."""
+    from grpolab.run import trainer
+
+    out = tmp_path / "sweep"
+    args = ["workshop", *world_args, "--out-dir", str(out), "--sweep", "4", "--variants",
+            "grpo,policy_loss=gspo+epochs=2", "--checkpoint-every", "1"]
+    real_step, calls = trainer.GRPOTrainer.step, []
+
+    def stop_in_the_second_run(self):  # (SIGKILL-like: the second run's step 2 never ends)
+        calls.append(self.out_dir.name)
+        if calls.count(self.out_dir.name) == 2 and self.out_dir.name != "grpo-G4":
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(trainer.GRPOTrainer, "step", stop_in_the_second_run)
+    assert main([*args, "--steps", "2"]) == 130
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main([*args, "--steps", "2", "--resume"]) == 0, capsys.readouterr().err
+    second = read_metrics(out / "policy_loss_gspo_epochs_2-G4" / "metrics.jsonl")
+    assert [r["step"] for r in second] == [0, 1, 2] and len({r["run_id"] for r in second}) == 1
+    assert (out / "sweep.md").read_text().count("| 4 | 4 |") == 2
+    for variants, seeds in (("grpo,grpo", "0"), ("grpo", "0,0"),
+                            ("policy_loss=gspo+epochs=2,policy_loss=gspo+ epochs=2", "0")):
+        fresh = tmp_path / f"dup{len(variants)}{len(seeds)}"
+        code = main(["workshop", *world_args, "--out-dir", str(fresh), "--variants", variants,
+                     "--seeds", seeds, "--steps", "1"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "would both write" in err[0], err
+        assert not fresh.exists()
+

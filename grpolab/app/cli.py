@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     from grpolab.world.workshop import variants_help
 
     w.add_argument("--variants", default=None, help=variants_help())
-    w.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
+    w.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint "
+                   "(a sweep: each of its runs that has one; the others start)")
     _add_config_flags(w, "workshop")
     t = sub.add_parser("train", help="GRPO on a Hugging Face model and a local dataset",
                        epilog="TRL's names work as flags (--learning_rate 1e-6), verl's as its "

@@ -71,7 +71,8 @@ def workshop(cfg: Config, sweep: str | None, variants: str | None, seeds: str | 
                               "launch one configuration at a time")
         sizes = _int_list(sweep, "--sweep") if sweep else [cfg.group_size]
         names = [v.strip() for v in (variants or "grpo").split(",") if v.strip()]
-        print(run_sweep(cfg, sizes, names, _int_list(seeds, "--seeds") if seeds else None))
+        print(run_sweep(cfg, sizes, names, _int_list(seeds, "--seeds") if seeds else None,
+                        resume))
         print(f"\nwrote {cfg.out_dir}/sweep.md and {cfg.out_dir}/sweep.png")
         return 0
     if not dist.is_main():  # the other ranks train alongside rank 0, which writes everything

@@ -21,7 +21,7 @@ from grpolab.config.load import warn_idle
 from grpolab.core import advantages, losses, returns
 from grpolab.rewards.builtin import exact_answer
 from grpolab.rollout.sampling import Filters
-from grpolab.run.checkpoint import out_dir_lock
+from grpolab.run.checkpoint import holds_run, out_dir_lock
 from grpolab.run.plots import format_table, plot_sweep
 from grpolab.run.report import finish_run
 from grpolab.run.trackers import Reporter
@@ -165,13 +165,37 @@ def sweep_row(variant: str, cfg: Config, s: dict) -> list:
 
 
 def run_sweep(
-    cfg: Config, sizes: list[int], variants: list[str], seeds: list[int] | None = None
+    cfg: Config, sizes: list[int], variants: list[str], seeds: list[int] | None = None,
+    resume: bool = False,
 ) -> str:
     """Every (variant, G) pair, over one or more seeds (each seed is its own world, SFT start and
-    run); writes sweep.md and sweep.png under cfg.out_dir and returns the table."""
+    run); writes sweep.md and sweep.png under cfg.out_dir and returns the table. ``resume``:
+    each run whose folder holds one continues it, the others start."""
     settings = check_variants(cfg, sizes, variants)
+    sweep_folders(sizes, variants, seeds or [cfg.seed])  # (two runs of one folder: refused)
     with out_dir_lock(cfg.out_dir):
-        return _run_sweep(cfg, sizes, variants, settings, seeds or [cfg.seed])
+        return _run_sweep(cfg, sizes, variants, settings, seeds or [cfg.seed], resume)
+
+
+def _folder(variant: str, g: int, seed: int, seeds: list[int]) -> str:
+    return (re.sub(r"[^A-Za-z0-9_.-]+", "_", variant) + f"-G{g}"
+            + (f"-seed{seed}" if len(seeds) > 1 else ""))
+
+
+def sweep_folders(sizes: list[int], variants: list[str], seeds: list[int]) -> list[str]:
+    """The run folders of a sweep, in the order it runs them; two runs that would share one
+    (a variant, size or seed given twice; names alike but for punctuation) are refused before
+    the first starts, not found at the second."""
+    seen: dict[str, tuple] = {}
+    for variant in variants:
+        for g in sizes:
+            for seed in seeds:
+                name = _folder(variant, g, seed, seeds)
+                if name in seen:
+                    raise ConfigError(f"sweep: {seen[name]} and {(variant, g, seed)} (variant, "
+                                      f"G, seed) would both write {name}/; give each once")
+                seen[name] = (variant, g, seed)
+    return list(seen)
 
 
 def check_variants(cfg: Config, sizes: list[int], variants: list[str]) -> dict[str, dict]:
@@ -198,7 +222,7 @@ def check_variants(cfg: Config, sizes: list[int], variants: list[str]) -> dict[s
 
 
 def _run_sweep(cfg: Config, sizes: list[int], variants: list[str], settings: dict,
-               seeds: list[int]) -> str:
+               seeds: list[int], resume: bool) -> str:
     root = Path(cfg.out_dir)
     results: list[tuple[str, int, dict]] = []
     table = []
@@ -208,9 +232,8 @@ def _run_sweep(cfg: Config, sizes: list[int], variants: list[str], settings: dic
             for seed in seeds:
                 c = resolve(dataclasses.replace(cfg, group_size=g, seed=seed,
                                         **settings[variant]))
-                folder = re.sub(r"[^A-Za-z0-9_.-]+", "_", variant)
-                name = f"{folder}-G{g}" + (f"-seed{seed}" if len(seeds) > 1 else "")
-                runs.append(run_workshop(c, root / name))
+                run = root / _folder(variant, g, seed, seeds)
+                runs.append(run_workshop(c, run, resume=resume and holds_run(run)))
             s = mean_summary(runs)
             results.append((variant, g, s))
             table.append(sweep_row(variant, c, s))
