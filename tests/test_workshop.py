@@ -232,3 +232,27 @@ def test_a_sweep_resumes_each_run_and_refuses_shared_folders(tmp_path, world_arg
         assert code == 2 and len(err) == 1 and "would both write" in err[0], err
         assert not fresh.exists()
 
+
+def test_api_sweep_arguments_are_checked_and_only_its_runs_returned(tmp_path,
+                                                                   world_args) -> None:
+    """grpolab.workshop(sweep=4) or seeds="0,1" (the CLI's text) run as the CLI would; a
+    value of another kind is a ConfigError, not a TypeError or a sweep of characters; the
+    records returned are this sweep's runs, not those another sweep left in the folder."""
+    import grpolab
+
+    kw = {"sft_steps": 2, "cache_dir": world_args[3], "world_train_size": 64,
+          "world_heldout_size": 16, "eval_size": 16, "budget": 16, "progress": False,
+          "steps": 1}
+    out = tmp_path / "sweep"
+    assert list(grpolab.workshop(sweep=4, variants="grpo", out_dir=str(out), **kw)) == [
+        "grpo-G4"]
+    got = grpolab.workshop(sweep="4", variants=["rloo"], seeds="0,1", out_dir=str(out),
+                           overwrite=True, **kw)
+    assert sorted(got) == ["rloo-G4-seed0", "rloo-G4-seed1"] and (out / "grpo-G4").is_dir()
+    for bad in ({"sweep": 4.5}, {"seeds": ["0"]}, {"variants": [1]}, {"sweep": {4: 1}},
+                {"seeds": True}):
+        with pytest.raises(grpolab.ConfigError, match="takes a list of"):
+            grpolab.workshop(out_dir=str(tmp_path / "bad"), **bad, **kw)
+    with pytest.raises(grpolab.ConfigError, match="must be comma-separated integers"):
+        grpolab.workshop(out_dir=str(tmp_path / "bad"), seeds="0,x", **kw)
+    assert not (tmp_path / "bad").exists()

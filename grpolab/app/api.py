@@ -331,7 +331,7 @@ def workshop(config: Config | dict | str | Path | None = None, *, resume: bool =
     With ``sweep`` (group sizes), ``variants`` or ``seeds`` it runs the sweep and returns
     ``{run folder name: records}`` (sweep.md and sweep.png are written as by the CLI).
     """
-    from grpolab.world.workshop import run_sweep, run_workshop
+    from grpolab.world.workshop import run_sweep, run_workshop, sweep_folders
 
     if "train_dataset" in overrides:  # (refused as dataset is: not the workshop's)
         overrides["dataset"] = overrides.pop("train_dataset")
@@ -341,13 +341,33 @@ def workshop(config: Config | dict | str | Path | None = None, *, resume: bool =
             summary = run_workshop(cfg, resume=resume)
             file = Path(cfg.out_dir) / "summary.json"  # (as train's: an undefined number None)
             return _records(file.parent, json.loads(file.read_text()) if file.is_file() else summary)
-        if resume:
-            raise ConfigError("resume continues one run, not a sweep")
-        run_sweep(cfg, list(sweep or [cfg.group_size]), list(variants or ["grpo"]),
-                  list(seeds) if seeds else None)
-    root = Path(cfg.out_dir)
-    return {d.name: _records(d, json.loads((d / "summary.json").read_text()))
-            for d in sorted(root.iterdir()) if (d / "summary.json").is_file()}
+        sizes, names = _items(sweep, "sweep", int) or [cfg.group_size], _items(
+            variants, "variants", str) or ["grpo"]
+        seeds = _items(seeds, "seeds", int)
+        run_sweep(cfg, sizes, names, seeds, resume)
+        root = Path(cfg.out_dir)  # (this sweep's runs: not another's folders beside them)
+        return {n: _records(root / n, json.loads((root / n / "summary.json").read_text()))
+                for n in sweep_folders(sizes, names, seeds or [cfg.seed])}
+
+
+def _items(value: Any, what: str, kind: type) -> list[Any] | None:
+    """A sweep's ``sweep=``, ``seeds=`` (integers) or ``variants=`` (names): a list, one value,
+    or the CLI's comma-separated text; anything else is a ConfigError naming it."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+        if kind is int:
+            from grpolab.app.commands import _int_list
+
+            return _int_list(",".join(value), f"{what}=")
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return [value]
+    items = list(value) if isinstance(value, (list, tuple, range)) else None
+    if items is None or not all(isinstance(v, kind) and not isinstance(v, bool) for v in items):
+        raise ConfigError(f"{what}= takes a list of {'integers' if kind is int else 'names'} "
+                          f"(or one, or comma-separated text); got {value!r}")
+    return items or None
 
 
 __all__ = ["Records", "train", "workshop"]
