@@ -92,6 +92,25 @@ def test_eval_needs_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert len(err) == 1 and "grpolab eval needs model_path" in err[0]
 
 
+def test_a_run_folder_given_as_the_model_names_its_final_model(tmp_path: Path) -> None:
+    """A run folder holds grpolab's config.json, not a model's: it is named as a run folder
+    (and its final/ model, once written), not left to a tokenizer's traceback."""
+    from grpolab.rollout.models import check_source
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"model_path": "m", "steps": 2}')
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(FileNotFoundError, match="is a grpolab run folder, not a model: it "
+                                                "holds no final/ model yet"):
+        check_source(str(run))
+    (run / "final").mkdir()
+    (run / "final" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(FileNotFoundError, match=f"its trained model is '{run / 'final'}'"):
+        check_source(str(run))
+    check_source(str(run / "final"))  # (a model's config.json: no refusal)
+
+
 def test_eval_of_no_prompts_is_a_config_error(tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"

@@ -102,6 +102,20 @@ def check_source(model_path: str) -> None:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"model_path {str(folder)!r} is not a Hugging Face model "
                                 "directory (no config.json)")
+    if (folder / "metrics.jsonl").is_file() and "model_type" not in _json(folder / "config.json"):
+        final = folder / "final"  # (a run's own config.json is grpolab's, not a model's)
+        raise FileNotFoundError(f"model_path {str(folder)!r} is a grpolab run folder, not a "
+                                "model: " + (f"its trained model is {str(final)!r}"
+                                             if (final / "config.json").is_file() else
+                                             "it holds no final/ model yet"))
+
+
+def _json(path: Path) -> dict:
+    try:
+        out = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return out if isinstance(out, dict) else {}
 
 
 _FLOAT_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
