@@ -148,6 +148,10 @@ def test_a_folder_of_other_files_is_never_written_over(tmp_path: Path, theirs: s
     mine.mkdir()
     (mine / "config.json").write_text('{"group_size": 8}')
     assert checkpoint.export.foreign_outputs(mine) == []
+    deep = mine / "checkpoint-3"  # (a mark nested past the parser's depth: not grpolab's)
+    deep.mkdir()
+    (deep / checkpoint.export.MARK).write_text("[" * 100_000)
+    assert checkpoint.export._mark(deep) is None
 
 
 def test_a_damaged_log_is_named_on_resume(tmp_path: Path, caplog) -> None:

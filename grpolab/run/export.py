@@ -76,7 +76,7 @@ def _mark(d: Path) -> dict[str, Any] | None:
     """A checkpoint-<step>/ folder's grpolab.json (None: not a grpolab model folder)."""
     try:
         got = json.loads((d / MARK).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (a damaged file: not grpolab's mark)
         return None
     return got if isinstance(got, dict) else None
 
