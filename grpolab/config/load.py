@@ -17,10 +17,11 @@ from grpolab.config.schema import COMMANDS, Config, ConfigError, command_default
 from grpolab.config.trl_values import as_word
 from grpolab.config.validate import resolve
 from grpolab.config.values import coerce, unknown_key
+from grpolab.config.verl_fields import A
 from grpolab.core.losses import POLICY_LOSSES, policy_knobs
 
 log = logging.getLogger("grpolab")
-LOSS_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode"  # (verl's name for policy_loss)
+LOSS_MODE = A + "policy_loss.loss_mode"  # (verl's name for policy_loss)
 # each policy loss's settings, and the losses that read them
 IDLE_KNOBS = {k: ", ".join(n for n in POLICY_LOSSES if k in policy_knobs(n))
               for n in POLICY_LOSSES for k in policy_knobs(n)}

@@ -111,6 +111,7 @@ def check_source(model_path: str) -> None:
 
 
 def _json(path: Path) -> dict:
+    """A JSON file's object; {} for one missing, unreadable or not an object."""
     try:
         out = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
@@ -129,11 +130,8 @@ def checkpoint_dtype(model_path: str) -> str:
     if is_model_source(model_path):
         return "float32"
     folder = Path(resolve_model(model_path)).expanduser()  # (neither a .gguf nor a known name)
-    try:
-        conf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        conf = {}
-    said = (conf.get("dtype") or conf.get("torch_dtype")) if isinstance(conf, dict) else None
+    conf = _json(folder / "config.json")
+    said = conf.get("dtype") or conf.get("torch_dtype")
     said = None if said == "auto" else said
     said = str(said or _weights_dtype(folder) or "float32").removeprefix("torch.")
     if said not in ("float32", "bfloat16", "float16"):
