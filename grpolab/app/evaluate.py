@@ -19,6 +19,7 @@ from grpolab.rewards.trl_compat import check_columns
 from grpolab.rollout.sampling import Filters
 from grpolab.rollout.templates import check_render
 from grpolab.run import dist
+from grpolab.run.checkpoint import write_json
 from grpolab.run.heldout import plain, score_answers
 
 
@@ -100,11 +101,10 @@ def run_eval(cfg: Config, same_as: dict[str, Any] | None = None) -> dict[str, An
                          "completion": c, "right": bool(o),
                          "rewards": dict(zip(a.names, plain(f)))}, default=str)
              for a, rs, g in judged for r, c, o, f in zip(rs, a.completions, a.ok, a.per_fn)]
-    for name, text in (("completions.jsonl", "".join(x + "\n" for x in lines)),
-                       ("eval.json", json.dumps(out, indent=2) + "\n")):  # (each whole or old)
-        tmp = out_dir / f".{name}.partial"
-        tmp.write_text(text)
-        os.replace(tmp, out_dir / name)
+    tmp = out_dir / ".completions.jsonl.partial"  # (each file whole or the old one)
+    tmp.write_text("".join(x + "\n" for x in lines))
+    os.replace(tmp, out_dir / "completions.jsonl")
+    write_json(out_dir / "eval.json", out)
     return out
 
 
